@@ -1,0 +1,52 @@
+/*
+ * error.c - status strings, the per-thread last-error buffer, version and zb_free.
+ *
+ * The only mutable global state in the library is the thread-local buffer here.
+ */
+#include "error.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static _Thread_local char last_error[2048];
+
+const char *zb_status_string(zb_status_t status) {
+  switch (status) {
+#define ZB_X_CASE(name, value, text)                                                               \
+  case name:                                                                                       \
+    return text;
+    ZB_STATUS_LIST(ZB_X_CASE)
+#undef ZB_X_CASE
+  }
+  return "unknown status";
+}
+
+const char *zb_last_error(void) { return last_error; }
+
+zb_status_t zb__set_error(zb_status_t status, const char *file, int line, const char *fmt, ...) {
+  /* Keep only the file's base name: full build paths make messages long and leak the build tree. */
+  const char *base = strrchr(file, '/');
+  base = base ? base + 1 : file;
+  int n = snprintf(last_error, sizeof last_error, "%s:%d: ", base, line);
+  if (n < 0 || (size_t)n >= sizeof last_error) n = 0;
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(last_error + n, sizeof last_error - (size_t)n, fmt, ap);
+  va_end(ap);
+  return status;
+}
+
+void zb__clear_error(void) { last_error[0] = '\0'; }
+
+#define ZB__STR2(x) #x
+#define ZB__STR(x) ZB__STR2(x)
+
+const char *zb_version(void) {
+  return ZB__STR(ZB_VERSION_MAJOR) "." ZB__STR(ZB_VERSION_MINOR) "." ZB__STR(ZB_VERSION_PATCH);
+}
+
+int zb_version_code(void) { return ZB_VERSION_CODE; }
+
+void zb_free(void *ptr) { free(ptr); }

@@ -1,0 +1,150 @@
+/*
+ * internal.h - the schedule handle's layout and the helpers shared by generators, the validator,
+ * the simulator and the import/export code. Private to csrc/schedule/.
+ *
+ * A schedule is p op lists stored back to back in one array: rank r's ops are
+ * ops[rank_off[r] .. rank_off[r+1]). Per-stage times are absolute (already divided by v).
+ */
+#ifndef ZB_SCHEDULE_INTERNAL_H
+#define ZB_SCHEDULE_INTERNAL_H
+
+#include <stddef.h>
+
+#include "../common/error.h"
+#include "zbpp.h"
+
+struct zb_schedule {
+  zb_kind_t kind;
+  int p, v, S, m;
+  zb_placement_t placement;
+  double w_share;
+  double mem_limit; /* <= 0: none */
+  double t_comm;
+  double *tf, *tb, *tw, *tbw; /* S each */
+
+  zb_op_t *ops;  /* all ranks' ops, rank by rank */
+  int *rank_off; /* p + 1 offsets into ops */
+  int n_ops;
+
+  /* Simulation results; valid while `simulated` is set. Any change to ops clears it. */
+  int simulated;
+  double *start, *end; /* aligned with ops */
+  double *span, *busy, *peak; /* p each */
+  zb_sim_result_t sim;
+};
+
+/* Growable per-rank op lists used while generating; turned into the handle's flat array at the end. */
+typedef struct {
+  int p;
+  zb_op_t **list;
+  int *count, *cap;
+} zb__oplists_t;
+
+zb_status_t zb__oplists_init(zb__oplists_t *l, int p);
+zb_status_t zb__oplists_push(zb__oplists_t *l, int rank, int type, int stage, int mb);
+void zb__oplists_free(zb__oplists_t *l);
+/* Moves the lists into s->ops/rank_off (the lists are left empty but still need zb__oplists_free). */
+zb_status_t zb__schedule_take_ops(zb_schedule_t *s, zb__oplists_t *l);
+
+/* Allocates a handle with p, v, m, placement and costs filled from spec (kind-independent parts).
+ * spec times are per rank (divided by v here); stage arrays are absolute. */
+zb_status_t zb__schedule_alloc(zb_schedule_t **out, const zb_schedule_spec_t *spec, int p, int v,
+                               int m, zb_placement_t placement);
+/* A new handle with the same shape, costs and limit as s but no ops (for trying candidates). */
+zb_status_t zb__schedule_clone_empty(const zb_schedule_t *s, zb_schedule_t **out);
+/* Frees everything; the same as zb_schedule_destroy without the public checks. */
+void zb__schedule_free(zb_schedule_t *s);
+/* Drops cached simulation results (after the ops changed). */
+void zb__schedule_invalidate(zb_schedule_t *s);
+
+/* Stage -> rank and stage -> chunk under a placement. */
+static inline int zb__stage_rank(const zb_schedule_t *s, int stage) {
+  if (s->placement == ZB_PLACEMENT_V) return stage < s->p ? stage : 2 * s->p - 1 - stage;
+  return stage % s->p;
+}
+static inline int zb__stage_chunk(const zb_schedule_t *s, int stage) { return stage / s->p; }
+
+static inline double zb__op_cost(const zb_schedule_t *s, int type, int stage) {
+  switch (type) {
+    case ZB_OP_F: return s->tf[stage];
+    case ZB_OP_B: return s->tb[stage];
+    case ZB_OP_W: return s->tw[stage];
+    default: return s->tbw[stage];
+  }
+}
+
+/* Memory change of one op in units of a microbatch through all of a rank's layers (DESIGN.md 3). */
+static inline double zb__op_mem(const zb_schedule_t *s, int type) {
+  double unit = 1.0 / s->v;
+  switch (type) {
+    case ZB_OP_F: return unit;
+    case ZB_OP_B: return -(1.0 - s->w_share) * unit;
+    case ZB_OP_W: return -s->w_share * unit;
+    default: return -unit;
+  }
+}
+
+/* Letter used in text and CSV for an op type: F, B, W and "BW". */
+const char *zb__op_name(int type);
+
+/* Tolerance for comparing simulated times and memory (sums of a few thousand doubles). */
+#define ZB_EPS 1e-9
+
+/* The simulator core: fills start/end (aligned with s->ops) for the given op order, or reports the
+ * first stuck position of each rank. Used by zb_schedule_simulate and by the validator's deadlock
+ * rule. Returns ZB_ERR_INVALID_SCHEDULE with a message when the ops cannot all run. */
+zb_status_t zb__simulate_times(const zb_schedule_t *s, double *start, double *end);
+
+/* The validator's rules 1-4 (well-formed, complete, same-rank order, FIFO channels); the simulator
+ * runs them first so its core can trust the ops. */
+zb_status_t zb__validate_structure(const zb_schedule_t *s);
+
+/* Generators: each fills s->ops for s->p, s->v, s->m (already checked to be ones the kind accepts).
+ * `limit` is the memory limit they must respect where the kind takes one. */
+zb_status_t zb__gen_gpipe(zb_schedule_t *s);
+zb_status_t zb__gen_1f1b(zb_schedule_t *s);
+zb_status_t zb__gen_interleaved(zb_schedule_t *s);
+zb_status_t zb__gen_zb_h1(zb_schedule_t *s);
+zb_status_t zb__gen_zb_h2(zb_schedule_t *s);
+zb_status_t zb__gen_zb_v(zb_schedule_t *s);
+zb_status_t zb__gen_v_half(zb_schedule_t *s);
+zb_status_t zb__gen_v_min(zb_schedule_t *s);
+zb_status_t zb__gen_auto(zb_schedule_t *s, double limit);
+
+/* The list scheduler behind the zero-bubble generators (greedy.c): simulates time and, whenever a
+ * rank is free, picks its next op by a fixed priority under a memory limit. What it returns is an
+ * op order; re-simulating that order gives exactly the times the scheduler saw. */
+typedef struct {
+  double limit;     /* per-rank memory limit in microbatches, >= 1 */
+  int w_before_f;   /* when an F and a W could both start, start the W first */
+  int lookahead;    /* 1: do not start a W that would still run when a known B arrives */
+  const int *warmup_cap; /* NULL or p values: most F's a rank may run before its first B */
+  const int *hold_w; /* NULL or p values: W's a rank keeps pending while it still has F's or B's to run */
+  int f_before_b; /* 1: an F that fits runs before a ready B (fills the pipeline sooner) */
+} zb__greedy_policy_t;
+
+/* Fills s->ops by the policy. ZB_ERR_INFEASIBLE if the limit is below 1 (no schedule can run in
+ * less than one microbatch's activations through all of a rank's layers). */
+zb_status_t zb__greedy_schedule(zb_schedule_t *s, const zb__greedy_policy_t *pol);
+
+/* Export writers; each returns a malloc'd NUL-terminated string. The schedule is simulated. */
+zb_status_t zb__export_text(const zb_schedule_t *s, char **out, size_t *len);
+zb_status_t zb__export_csv(const zb_schedule_t *s, char **out, size_t *len);
+zb_status_t zb__export_json(const zb_schedule_t *s, char **out, size_t *len);
+zb_status_t zb__export_chrome(const zb_schedule_t *s, char **out, size_t *len);
+zb_status_t zb__export_svg(const zb_schedule_t *s, char **out, size_t *len);
+zb_status_t zb__import_csv(zb_schedule_t **out, const char *text, size_t len,
+                           const zb_schedule_spec_t *spec);
+
+/* A growable string for the writers. */
+typedef struct {
+  char *buf;
+  size_t len, cap;
+  int oom;
+} zb__sbuf_t;
+void zb__sbuf_printf(zb__sbuf_t *b, const char *fmt, ...) ZB__PRINTF(2, 3);
+void zb__sbuf_putc(zb__sbuf_t *b, char c);
+/* Hands the string over (or fails with ZB_ERR_OUT_OF_MEMORY and frees it). */
+zb_status_t zb__sbuf_finish(zb__sbuf_t *b, char **out, size_t *len);
+
+#endif /* ZB_SCHEDULE_INTERNAL_H */

@@ -1,0 +1,545 @@
+/*
+ * schedule.c - the schedule handle: creation from a spec (argument checks, then the kind's
+ * generator), explicit op lists, accessors and destruction.
+ *
+ * What this is not: a generator, the validator or the simulator; those live in their own files.
+ */
+#include <ctype.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+const char *zb__op_name(int type) {
+  switch (type) {
+    case ZB_OP_F: return "F";
+    case ZB_OP_B: return "B";
+    case ZB_OP_W: return "W";
+    case ZB_OP_BW: return "BW";
+    default: return "?";
+  }
+}
+
+/* ---- kinds ------------------------------------------------------------------------------------ */
+
+const char *zb_kind_name(zb_kind_t kind) {
+  switch (kind) {
+#define ZB_X_CASE(name, value, text, help)                                                         \
+  case name:                                                                                       \
+    return text;
+    ZB_KIND_LIST(ZB_X_CASE)
+#undef ZB_X_CASE
+  }
+  return NULL;
+}
+
+const char *zb_kind_help(zb_kind_t kind) {
+  switch (kind) {
+#define ZB_X_CASE(name, value, text, help)                                                         \
+  case name:                                                                                       \
+    return help;
+    ZB_KIND_LIST(ZB_X_CASE)
+#undef ZB_X_CASE
+  }
+  return NULL;
+}
+
+/* Lower-cases and drops '-', '_' and spaces, so "ZB_V", "zb-v" and "ZBV" compare equal. */
+static void normalise(const char *in, char *out, size_t cap) {
+  size_t n = 0;
+  for (; *in && n + 1 < cap; in++) {
+    if (*in == '-' || *in == '_' || *in == ' ') continue;
+    out[n++] = (char)tolower((unsigned char)*in);
+  }
+  out[n] = '\0';
+}
+
+zb_status_t zb_kind_from_name(const char *name, zb_kind_t *out_kind, double *out_factor) {
+  ZB_ARG_NOT_NULL(name);
+  ZB_ARG_NOT_NULL(out_kind);
+  static const struct {
+    const char *alias;
+    zb_kind_t kind;
+    double factor;
+  } aliases[] = {
+      /* torch.distributed.pipelining's schedule class names (without the "Schedule" prefix too). */
+      {"schedule1f1b", ZB_KIND_1F1B, 0},
+      {"pipedreamflush", ZB_KIND_1F1B, 0},
+      {"interleaved1f1b", ZB_KIND_INTERLEAVED_1F1B, 0},
+      {"scheduleinterleaved1f1b", ZB_KIND_INTERLEAVED_1F1B, 0},
+      {"schedulegpipe", ZB_KIND_GPIPE, 0},
+      {"zbvzerobubble", ZB_KIND_ZB_V, 0},
+      {"schedulezbvzerobubble", ZB_KIND_ZB_V, 0},
+      /* torch's InterleavedZeroBubble is a loop-placed zero-bubble schedule; ours is zb-auto. */
+      {"interleavedzerobubble", ZB_KIND_ZB_AUTO, 0},
+      {"scheduleinterleavedzerobubble", ZB_KIND_ZB_AUTO, 0},
+      {"zb1p", ZB_KIND_ZB_AUTO, 1},
+      {"zb2p", ZB_KIND_ZB_AUTO, 2},
+      {"zbauto", ZB_KIND_ZB_AUTO, 0},
+      {"vzb", ZB_KIND_ZB_V, 0},
+      {"vhalf", ZB_KIND_V_HALF, 0},
+      {"vmin", ZB_KIND_V_MIN, 0},
+  };
+  char want[64], have[64];
+  normalise(name, want, sizeof want);
+  for (int k = 0; k < ZB_KIND_COUNT; k++) {
+    normalise(zb_kind_name((zb_kind_t)k), have, sizeof have);
+    if (strcmp(want, have) == 0 && k != ZB_KIND_CUSTOM) {
+      *out_kind = (zb_kind_t)k;
+      if (out_factor) *out_factor = 0;
+      return ZB_OK;
+    }
+  }
+  for (size_t i = 0; i < sizeof aliases / sizeof aliases[0]; i++) {
+    if (strcmp(want, aliases[i].alias) == 0) {
+      *out_kind = aliases[i].kind;
+      if (out_factor) *out_factor = aliases[i].factor;
+      return ZB_OK;
+    }
+  }
+  return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
+                 "unknown schedule kind '%s'; valid kinds: gpipe, 1f1b, interleaved-1f1b, zb-h1, "
+                 "zb-h2, zb-v, v-half, v-min, zb-auto (also zb-1p, zb-2p, and torch's 1F1B, "
+                 "Interleaved1F1B, GPipe, InterleavedZeroBubble, ZBVZeroBubble)",
+                 name);
+}
+
+/* ---- op lists while generating ---------------------------------------------------------------- */
+
+zb_status_t zb__oplists_init(zb__oplists_t *l, int p) {
+  memset(l, 0, sizeof *l);
+  l->p = p;
+  l->list = calloc((size_t)p, sizeof *l->list);
+  l->count = calloc((size_t)p, sizeof *l->count);
+  l->cap = calloc((size_t)p, sizeof *l->cap);
+  if (!l->list || !l->count || !l->cap) {
+    zb__oplists_free(l);
+    return ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory allocating op lists for %d ranks", p);
+  }
+  return ZB_OK;
+}
+
+zb_status_t zb__oplists_push(zb__oplists_t *l, int rank, int type, int stage, int mb) {
+  if (l->count[rank] == l->cap[rank]) {
+    int cap = l->cap[rank] ? 2 * l->cap[rank] : 64;
+    zb_op_t *grown = realloc(l->list[rank], (size_t)cap * sizeof *grown);
+    if (!grown) return ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory growing rank %d's op list", rank);
+    l->list[rank] = grown;
+    l->cap[rank] = cap;
+  }
+  l->list[rank][l->count[rank]++] = (zb_op_t){type, stage, mb};
+  return ZB_OK;
+}
+
+void zb__oplists_free(zb__oplists_t *l) {
+  if (l->list)
+    for (int r = 0; r < l->p; r++) free(l->list[r]);
+  free(l->list);
+  free(l->count);
+  free(l->cap);
+  memset(l, 0, sizeof *l);
+}
+
+zb_status_t zb__schedule_take_ops(zb_schedule_t *s, zb__oplists_t *l) {
+  int total = 0;
+  for (int r = 0; r < l->p; r++) total += l->count[r];
+  zb_op_t *ops = malloc((size_t)(total ? total : 1) * sizeof *ops);
+  if (!ops) return ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory for %d ops", total);
+  int k = 0;
+  for (int r = 0; r < l->p; r++) {
+    s->rank_off[r] = k;
+    if (l->count[r]) memcpy(ops + k, l->list[r], (size_t)l->count[r] * sizeof *ops);
+    k += l->count[r];
+  }
+  s->rank_off[l->p] = k;
+  free(s->ops);
+  s->ops = ops;
+  s->n_ops = total;
+  zb__schedule_invalidate(s);
+  return ZB_OK;
+}
+
+/* ---- handle ----------------------------------------------------------------------------------- */
+
+void zb__schedule_invalidate(zb_schedule_t *s) { s->simulated = 0; }
+
+void zb__schedule_free(zb_schedule_t *s) {
+  if (!s) return;
+  free(s->tf);
+  free(s->tb);
+  free(s->tw);
+  free(s->tbw);
+  free(s->ops);
+  free(s->rank_off);
+  free(s->start);
+  free(s->end);
+  free(s->span);
+  free(s->busy);
+  free(s->peak);
+  free(s);
+}
+
+static int bad_number(double x) { return isnan(x) || isinf(x) || x < 0; }
+
+/* Checks the cost part of a spec (shared by create, create_from_ops and import). */
+static zb_status_t check_costs(const zb_schedule_spec_t *spec, int S) {
+  const struct {
+    const char *name;
+    double v;
+  } scalars[] = {{"time_f", spec->time_f},     {"time_b", spec->time_b},
+                 {"time_w", spec->time_w},     {"time_comm", spec->time_comm}};
+  for (size_t i = 0; i < sizeof scalars / sizeof scalars[0]; i++)
+    if (bad_number(scalars[i].v))
+      return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "%s is %g; times must be finite and >= 0",
+                     scalars[i].name, scalars[i].v);
+  if (isnan(spec->time_bw) || isinf(spec->time_bw))
+    return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
+                   "time_bw is %g; give a finite time, or <= 0 for time_b + time_w", spec->time_bw);
+  const struct {
+    const char *name;
+    const double *a;
+  } arrays[] = {{"stage_time_f", spec->stage_time_f},
+                {"stage_time_b", spec->stage_time_b},
+                {"stage_time_w", spec->stage_time_w},
+                {"stage_time_bw", spec->stage_time_bw}};
+  for (size_t i = 0; i < 4; i++) {
+    if (!arrays[i].a) continue;
+    for (int st = 0; st < S; st++)
+      if (bad_number(arrays[i].a[st]))
+        return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "%s[%d] is %g; times must be finite and >= 0",
+                       arrays[i].name, st, arrays[i].a[st]);
+  }
+  if (isnan(spec->w_share) || spec->w_share < 0 || spec->w_share > 1)
+    return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
+                   "w_share is %g; it is the share of activations only W needs, in [0, 1]",
+                   spec->w_share);
+  if (isnan(spec->mem_limit) || isinf(spec->mem_limit))
+    return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
+                   "mem_limit is %g; give a finite limit in microbatches, or <= 0 for none",
+                   spec->mem_limit);
+  return ZB_OK;
+}
+
+static zb_status_t check_spec_header(const zb_schedule_spec_t *spec) {
+  if (spec->struct_size < sizeof(zb_schedule_spec_t) || spec->version != ZB_SCHEDULE_SPEC_VERSION)
+    return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
+                   "spec has struct_size %u and version %u; this library needs %zu and %d "
+                   "(initialise it with ZB_SCHEDULE_SPEC_INIT)",
+                   spec->struct_size, spec->version, sizeof(zb_schedule_spec_t),
+                   ZB_SCHEDULE_SPEC_VERSION);
+  return ZB_OK;
+}
+
+zb_status_t zb__schedule_alloc(zb_schedule_t **out, const zb_schedule_spec_t *spec, int p, int v,
+                               int m, zb_placement_t placement) {
+  *out = NULL;
+  ZB_CHECK(check_costs(spec, p * v));
+  zb_schedule_t *s = calloc(1, sizeof *s);
+  if (!s) return ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory allocating a schedule");
+  s->kind = spec->kind;
+  s->p = p;
+  s->v = v;
+  s->S = p * v;
+  s->m = m;
+  s->placement = placement;
+  s->w_share = spec->w_share;
+  s->mem_limit = spec->mem_limit > 0 ? spec->mem_limit : 0;
+  s->t_comm = spec->time_comm;
+  size_t S = (size_t)s->S;
+  s->tf = malloc(S * sizeof(double));
+  s->tb = malloc(S * sizeof(double));
+  s->tw = malloc(S * sizeof(double));
+  s->tbw = malloc(S * sizeof(double));
+  s->rank_off = calloc((size_t)p + 1, sizeof(int));
+  s->span = calloc((size_t)p, sizeof(double));
+  s->busy = calloc((size_t)p, sizeof(double));
+  s->peak = calloc((size_t)p, sizeof(double));
+  if (!s->tf || !s->tb || !s->tw || !s->tbw || !s->rank_off || !s->span || !s->busy || !s->peak) {
+    zb__schedule_free(s);
+    return ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory allocating a schedule of %d stages", p * v);
+  }
+  for (size_t st = 0; st < S; st++) {
+    /* Scalars are per rank (one microbatch through all of a rank's layers): a stage is 1/v of it. */
+    s->tf[st] = spec->stage_time_f ? spec->stage_time_f[st] : spec->time_f / v;
+    s->tb[st] = spec->stage_time_b ? spec->stage_time_b[st] : spec->time_b / v;
+    s->tw[st] = spec->stage_time_w ? spec->stage_time_w[st] : spec->time_w / v;
+    if (spec->stage_time_bw)
+      s->tbw[st] = spec->stage_time_bw[st];
+    else if (spec->time_bw > 0 && !spec->stage_time_b && !spec->stage_time_w)
+      s->tbw[st] = spec->time_bw / v;
+    else
+      s->tbw[st] = s->tb[st] + s->tw[st];
+  }
+  *out = s;
+  return ZB_OK;
+}
+
+zb_status_t zb__schedule_clone_empty(const zb_schedule_t *s, zb_schedule_t **out) {
+  zb_schedule_spec_t spec = ZB_SCHEDULE_SPEC_INIT;
+  spec.kind = s->kind;
+  spec.stage_time_f = s->tf;
+  spec.stage_time_b = s->tb;
+  spec.stage_time_w = s->tw;
+  spec.stage_time_bw = s->tbw;
+  spec.time_comm = s->t_comm;
+  spec.w_share = s->w_share;
+  spec.mem_limit = s->mem_limit;
+  return zb__schedule_alloc(out, &spec, s->p, s->v, s->m, s->placement);
+}
+
+/* The chunks a kind uses when the spec says 0, and whether it accepts a given v. */
+static int default_chunks(zb_kind_t kind) {
+  switch (kind) {
+    case ZB_KIND_INTERLEAVED_1F1B:
+    case ZB_KIND_ZB_V:
+    case ZB_KIND_V_HALF:
+    case ZB_KIND_V_MIN: return 2;
+    default: return 1;
+  }
+}
+
+static zb_status_t check_shape(const zb_schedule_spec_t *spec, int v) {
+  const char *name = zb_kind_name(spec->kind);
+  int p = spec->ranks, m = spec->microbatches;
+  if (p < 1) return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "ranks (p) is %d; it must be >= 1", p);
+  if (m < 1) return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "microbatches (m) is %d; it must be >= 1", m);
+  if (v < 1) return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "chunks (v) is %d; it must be >= 1", v);
+  /* Keep every index and op count comfortably inside int. */
+  if ((long long)p * v > 65536 || m > 1 << 20 || (long long)p * v * m * 3 > 200000000LL)
+    return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
+                   "p=%d, v=%d, m=%d is too large; at most 65536 stages and 2e8 ops", p, v, m);
+  switch (spec->kind) {
+    case ZB_KIND_GPIPE:
+    case ZB_KIND_1F1B:
+    case ZB_KIND_ZB_H1:
+    case ZB_KIND_ZB_H2:
+      if (v != 1)
+        return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
+                       "%s uses one chunk per rank (v = 1), got v = %d; use interleaved-1f1b or a "
+                       "V kind for more chunks",
+                       name, v);
+      break;
+    case ZB_KIND_INTERLEAVED_1F1B:
+      if (v < 2)
+        return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
+                       "interleaved-1f1b needs v >= 2 chunks per rank, got v = %d", v);
+      if (m < p || m % p != 0)
+        return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
+                       "interleaved-1f1b needs m to be a positive multiple of p = %d, got m = %d "
+                       "(nearest valid: %d)",
+                       p, m, m < p ? p : (m / p) * p);
+      break;
+    case ZB_KIND_ZB_V:
+    case ZB_KIND_V_HALF:
+    case ZB_KIND_V_MIN:
+      if (v != 2)
+        return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
+                       "%s places two chunks per rank in a V (v = 2), got v = %d", name, v);
+      break;
+    case ZB_KIND_ZB_AUTO:
+      if (v != 1 && v != 2)
+        return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
+                       "zb-auto schedules v = 1 (loop placement) or v = 2 (V placement), got v = %d",
+                       v);
+      break;
+    default:
+      return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
+                     "kind %d cannot be generated; valid kinds: gpipe, 1f1b, interleaved-1f1b, "
+                     "zb-h1, zb-h2, zb-v, v-half, v-min, zb-auto",
+                     (int)spec->kind);
+  }
+  return ZB_OK;
+}
+
+zb_status_t zb_schedule_create(zb_schedule_t **out, const zb_schedule_spec_t *spec) {
+  ZB_ARG_NOT_NULL(out);
+  *out = NULL;
+  ZB_ARG_NOT_NULL(spec);
+  ZB_CHECK(check_spec_header(spec));
+  int v = spec->chunks ? spec->chunks : default_chunks(spec->kind);
+  ZB_CHECK(check_shape(spec, v));
+  zb_placement_t placement = ZB_PLACEMENT_LOOP;
+  if (spec->kind == ZB_KIND_ZB_V || spec->kind == ZB_KIND_V_HALF || spec->kind == ZB_KIND_V_MIN ||
+      (spec->kind == ZB_KIND_ZB_AUTO && v == 2))
+    placement = ZB_PLACEMENT_V;
+  zb_schedule_t *s = NULL;
+  ZB_CHECK(zb__schedule_alloc(&s, spec, spec->ranks, v, spec->microbatches, placement));
+  zb_status_t st = ZB_OK;
+  switch (spec->kind) {
+    case ZB_KIND_GPIPE: st = zb__gen_gpipe(s); break;
+    case ZB_KIND_1F1B: st = zb__gen_1f1b(s); break;
+    case ZB_KIND_INTERLEAVED_1F1B: st = zb__gen_interleaved(s); break;
+    case ZB_KIND_ZB_H1: st = zb__gen_zb_h1(s); break;
+    case ZB_KIND_ZB_H2: st = zb__gen_zb_h2(s); break;
+    case ZB_KIND_ZB_V: st = zb__gen_zb_v(s); break;
+    case ZB_KIND_V_HALF: st = zb__gen_v_half(s); break;
+    case ZB_KIND_V_MIN: st = zb__gen_v_min(s); break;
+    case ZB_KIND_ZB_AUTO: st = zb__gen_auto(s, s->mem_limit); break;
+    default: st = ZB_FAIL(ZB_ERR_INTERNAL, "no generator for kind %d", (int)spec->kind);
+  }
+  if (st != ZB_OK) {
+    zb__schedule_free(s);
+    return st;
+  }
+  *out = s;
+  return ZB_OK;
+}
+
+zb_status_t zb_schedule_create_from_ops(zb_schedule_t **out, const zb_schedule_spec_t *spec,
+                                        zb_placement_t placement, const zb_op_t *const *rank_ops,
+                                        const int32_t *rank_counts) {
+  ZB_ARG_NOT_NULL(out);
+  *out = NULL;
+  ZB_ARG_NOT_NULL(spec);
+  ZB_ARG_NOT_NULL(rank_ops);
+  ZB_ARG_NOT_NULL(rank_counts);
+  ZB_CHECK(check_spec_header(spec));
+  int p = spec->ranks, v = spec->chunks ? spec->chunks : 1, m = spec->microbatches;
+  if (p < 1 || v < 1 || m < 1)
+    return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "p=%d, v=%d, m=%d; each must be >= 1", p, v, m);
+  if ((long long)p * v > 65536)
+    return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "p*v = %lld stages; at most 65536", (long long)p * v);
+  if (placement != ZB_PLACEMENT_LOOP && placement != ZB_PLACEMENT_V)
+    return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "placement %d; use ZB_PLACEMENT_LOOP or ZB_PLACEMENT_V",
+                   (int)placement);
+  if (placement == ZB_PLACEMENT_V && v != 2)
+    return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "V placement needs v = 2 chunks, got v = %d", v);
+  zb_schedule_spec_t copy = *spec;
+  copy.kind = ZB_KIND_CUSTOM;
+  zb_schedule_t *s = NULL;
+  ZB_CHECK(zb__schedule_alloc(&s, &copy, p, v, m, placement));
+  long long total = 0;
+  for (int r = 0; r < p; r++) {
+    if (rank_counts[r] < 0 || (rank_counts[r] > 0 && !rank_ops[r])) {
+      zb__schedule_free(s);
+      return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "rank %d: count %d with ops %p", r,
+                     (int)rank_counts[r], (const void *)rank_ops[r]);
+    }
+    total += rank_counts[r];
+  }
+  if (total > 200000000LL) {
+    zb__schedule_free(s);
+    return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "%lld ops; at most 2e8", total);
+  }
+  s->ops = malloc((size_t)(total ? total : 1) * sizeof(zb_op_t));
+  if (!s->ops) {
+    zb__schedule_free(s);
+    return ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory for %lld ops", total);
+  }
+  int k = 0;
+  for (int r = 0; r < p; r++) {
+    s->rank_off[r] = k;
+    if (rank_counts[r]) memcpy(s->ops + k, rank_ops[r], (size_t)rank_counts[r] * sizeof(zb_op_t));
+    k += rank_counts[r];
+  }
+  s->rank_off[p] = k;
+  s->n_ops = k;
+  *out = s;
+  return ZB_OK;
+}
+
+zb_status_t zb_schedule_destroy(zb_schedule_t *schedule) {
+  zb__schedule_free(schedule);
+  return ZB_OK;
+}
+
+zb_status_t zb_schedule_get_info(const zb_schedule_t *s, zb_schedule_info_t *out) {
+  ZB_ARG_NOT_NULL(s);
+  ZB_ARG_NOT_NULL(out);
+  out->kind = s->kind;
+  out->ranks = s->p;
+  out->chunks = s->v;
+  out->stages = s->S;
+  out->microbatches = s->m;
+  out->placement = s->placement;
+  out->w_share = s->w_share;
+  out->mem_limit = s->mem_limit;
+  out->time_comm = s->t_comm;
+  return ZB_OK;
+}
+
+zb_status_t zb_schedule_rank_ops(const zb_schedule_t *s, int32_t rank, const zb_op_t **ops,
+                                 int32_t *count) {
+  ZB_ARG_NOT_NULL(s);
+  ZB_ARG_NOT_NULL(ops);
+  ZB_ARG_NOT_NULL(count);
+  if (rank < 0 || rank >= s->p)
+    return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "rank %d is out of range; the schedule has ranks 0..%d",
+                   (int)rank, s->p - 1);
+  *ops = s->ops + s->rank_off[rank];
+  *count = s->rank_off[rank + 1] - s->rank_off[rank];
+  return ZB_OK;
+}
+
+zb_status_t zb_schedule_stage_rank(const zb_schedule_t *s, int32_t stage, int32_t *rank) {
+  ZB_ARG_NOT_NULL(s);
+  ZB_ARG_NOT_NULL(rank);
+  if (stage < 0 || stage >= s->S)
+    return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "stage %d is out of range; the schedule has stages 0..%d",
+                   (int)stage, s->S - 1);
+  *rank = zb__stage_rank(s, stage);
+  return ZB_OK;
+}
+
+zb_status_t zb_schedule_op_time(const zb_schedule_t *s, zb_op_type_t type, int32_t stage,
+                                double *out) {
+  ZB_ARG_NOT_NULL(s);
+  ZB_ARG_NOT_NULL(out);
+  if (stage < 0 || stage >= s->S)
+    return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "stage %d is out of range; the schedule has stages 0..%d",
+                   (int)stage, s->S - 1);
+  if (type < ZB_OP_F || type > ZB_OP_BW)
+    return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "op type %d; use ZB_OP_F, ZB_OP_B, ZB_OP_W or ZB_OP_BW",
+                   (int)type);
+  *out = zb__op_cost(s, type, stage);
+  return ZB_OK;
+}
+
+zb_status_t zb_format_from_name(const char *name, zb_format_t *out) {
+  ZB_ARG_NOT_NULL(name);
+  ZB_ARG_NOT_NULL(out);
+  static const char *names[] = {"text", "csv", "json", "chrome", "svg"};
+  for (int i = 0; i < 5; i++)
+    if (strcmp(name, names[i]) == 0) {
+      *out = (zb_format_t)i;
+      return ZB_OK;
+    }
+  return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
+                 "unknown format '%s'; valid formats: text, csv, json, chrome, svg", name);
+}
+
+zb_status_t zb_schedule_export(zb_schedule_t *s, zb_format_t format, char **out, size_t *len) {
+  ZB_ARG_NOT_NULL(s);
+  ZB_ARG_NOT_NULL(out);
+  *out = NULL;
+  if (len) *len = 0;
+  size_t dummy = 0;
+  if (!len) len = &dummy;
+  if (format != ZB_FORMAT_CSV && !s->simulated) {
+    zb_sim_result_t r;
+    ZB_CHECK(zb_schedule_simulate(s, &r));
+  }
+  switch (format) {
+    case ZB_FORMAT_TEXT: return zb__export_text(s, out, len);
+    case ZB_FORMAT_CSV: return zb__export_csv(s, out, len);
+    case ZB_FORMAT_JSON: return zb__export_json(s, out, len);
+    case ZB_FORMAT_CHROME: return zb__export_chrome(s, out, len);
+    case ZB_FORMAT_SVG: return zb__export_svg(s, out, len);
+  }
+  return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
+                 "unknown format %d; valid formats: text, csv, json, chrome, svg", (int)format);
+}
+
+zb_status_t zb_schedule_import(zb_schedule_t **out, zb_format_t format, const char *text, size_t len,
+                               const zb_schedule_spec_t *spec) {
+  ZB_ARG_NOT_NULL(out);
+  *out = NULL;
+  if (!text && len) ZB_ARG_NOT_NULL(text);
+  zb_schedule_spec_t defaults = ZB_SCHEDULE_SPEC_INIT;
+  if (!spec) spec = &defaults;
+  ZB_CHECK(check_spec_header(spec));
+  if (format != ZB_FORMAT_CSV)
+    return ZB_FAIL(ZB_ERR_UNSUPPORTED, "import reads CSV only (format %d given)", (int)format);
+  return zb__import_csv(out, text ? text : "", len, spec);
+}

@@ -1,0 +1,199 @@
+/*
+ * simulate.c - the schedule simulator of DESIGN.md section 3.
+ *
+ * Ops on a rank run in list order; an op starts at the later of the end of the previous op on its
+ * rank and the end of each dependency (plus T_comm when the dependency lives on another rank):
+ *   F(s,i) after F(s-1,i);  B/BW(s,i) after F(s,i) and after B/BW(s+1,i);  W(s,i) after B(s,i).
+ * Memory in units of a microbatch through all of a rank's layers: F adds 1/v, B frees (1-w)/v, W
+ * frees w/v, BW frees 1/v. Cost is the largest span (last end - first start) of any rank; the bubble
+ * rate is (cost - busy)/cost with busy the largest total compute of any rank (the paper, section 5).
+ *
+ * What this is not: a check of the schedule's rules; zb_schedule_simulate runs the validator's
+ * structural rules first, so the core below may assume every op is in range and appears once.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+/* Which op an op waits for, if any is not yet done: fills *dep (type, stage, mb) and returns 1. */
+static int pending_dep(const zb_schedule_t *s, const zb_op_t *op, const double *endF,
+                       const double *endB, const double *endBonly, int rank, double *ready,
+                       zb_op_t *dep) {
+  int st = op->stage, i = op->mb, m = s->m;
+  double t = 0;
+  if (op->type == ZB_OP_F) {
+    if (st > 0) {
+      double e = endF[(size_t)(st - 1) * m + i];
+      if (isnan(e)) {
+        *dep = (zb_op_t){ZB_OP_F, st - 1, i};
+        return 1;
+      }
+      t = e + (zb__stage_rank(s, st - 1) != rank ? s->t_comm : 0);
+    }
+  } else if (op->type == ZB_OP_B || op->type == ZB_OP_BW) {
+    double e = endF[(size_t)st * m + i];
+    if (isnan(e)) {
+      *dep = (zb_op_t){ZB_OP_F, st, i};
+      return 1;
+    }
+    t = e + (zb__stage_rank(s, st) != rank ? s->t_comm : 0);
+    if (st + 1 < s->S) {
+      double eb = endB[(size_t)(st + 1) * m + i];
+      if (isnan(eb)) {
+        *dep = (zb_op_t){ZB_OP_B, st + 1, i};
+        return 1;
+      }
+      eb += zb__stage_rank(s, st + 1) != rank ? s->t_comm : 0;
+      if (eb > t) t = eb;
+    }
+  } else { /* W */
+    double e = endBonly[(size_t)st * m + i];
+    if (isnan(e)) {
+      *dep = (zb_op_t){ZB_OP_B, st, i};
+      return 1;
+    }
+    t = e + (zb__stage_rank(s, st) != rank ? s->t_comm : 0);
+  }
+  *ready = t;
+  return 0;
+}
+
+zb_status_t zb__simulate_times(const zb_schedule_t *s, double *start, double *end) {
+  size_t n = (size_t)s->S * (size_t)s->m;
+  double *endF = malloc(n * sizeof(double));
+  double *endB = malloc(n * sizeof(double));     /* B or BW: what the stage below waits for */
+  double *endBonly = malloc(n * sizeof(double)); /* B only: what W waits for */
+  int *pos = calloc((size_t)s->p, sizeof(int));
+  double *free_at = calloc((size_t)s->p, sizeof(double));
+  if (!endF || !endB || !endBonly || !pos || !free_at) {
+    free(endF), free(endB), free(endBonly), free(pos), free(free_at);
+    return ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory simulating %d ops", s->n_ops);
+  }
+  for (size_t k = 0; k < n; k++) endF[k] = endB[k] = endBonly[k] = NAN;
+
+  /* Round-robin passes: each pass runs every rank as far as its dependencies allow. The times do
+   * not depend on the order in which ranks are advanced, only on each rank's list order. */
+  int done = 0, progress = 1;
+  while (done < s->n_ops && progress) {
+    progress = 0;
+    for (int r = 0; r < s->p; r++) {
+      int base = s->rank_off[r], cnt = s->rank_off[r + 1] - base;
+      while (pos[r] < cnt) {
+        const zb_op_t *op = &s->ops[base + pos[r]];
+        double ready;
+        zb_op_t dep;
+        if (pending_dep(s, op, endF, endB, endBonly, r, &ready, &dep)) break;
+        double t0 = ready > free_at[r] ? ready : free_at[r];
+        double t1 = t0 + zb__op_cost(s, op->type, op->stage);
+        start[base + pos[r]] = t0;
+        end[base + pos[r]] = t1;
+        free_at[r] = t1;
+        size_t key = (size_t)op->stage * s->m + op->mb;
+        if (op->type == ZB_OP_F) endF[key] = t1;
+        if (op->type == ZB_OP_B || op->type == ZB_OP_BW) endB[key] = t1;
+        if (op->type == ZB_OP_B) endBonly[key] = t1;
+        pos[r]++;
+        done++;
+        progress = 1;
+      }
+    }
+  }
+
+  zb_status_t st = ZB_OK;
+  if (done < s->n_ops) {
+    /* Name every stuck rank: where it stopped and what it waits for. */
+    char msg[1536];
+    size_t len = 0;
+    int shown = 0;
+    len += (size_t)snprintf(msg, sizeof msg, "deadlock (rule: the schedule must be able to run):");
+    for (int r = 0; r < s->p && len < sizeof msg - 200; r++) {
+      int base = s->rank_off[r], cnt = s->rank_off[r + 1] - base;
+      if (pos[r] >= cnt) continue;
+      const zb_op_t *op = &s->ops[base + pos[r]];
+      double ready;
+      zb_op_t dep = {0, 0, 0};
+      pending_dep(s, op, endF, endB, endBonly, r, &ready, &dep);
+      const char *dname = dep.type == ZB_OP_B ? (op->type == ZB_OP_W ? "B" : "B/BW") : "F";
+      len += (size_t)snprintf(msg + len, sizeof msg - len,
+                              "%s rank %d at position %d (%s stage %d mb %d) waits for %s stage %d "
+                              "mb %d on rank %d",
+                              shown ? ";" : "", r, pos[r], zb__op_name(op->type), op->stage,
+                              op->mb, dname, dep.stage, dep.mb, zb__stage_rank(s, dep.stage));
+      if (++shown >= 4) break;
+    }
+    st = ZB_FAIL(ZB_ERR_INVALID_SCHEDULE, "%s", msg);
+  }
+  free(endF), free(endB), free(endBonly), free(pos), free(free_at);
+  return st;
+}
+
+zb_status_t zb_schedule_simulate(zb_schedule_t *s, zb_sim_result_t *out) {
+  ZB_ARG_NOT_NULL(s);
+  if (s->simulated) {
+    if (out) *out = s->sim;
+    return ZB_OK;
+  }
+  ZB_CHECK(zb__validate_structure(s));
+  size_t n = (size_t)(s->n_ops ? s->n_ops : 1);
+  if (!s->start) s->start = malloc(n * sizeof(double));
+  if (!s->end) s->end = malloc(n * sizeof(double));
+  if (!s->start || !s->end)
+    return ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory simulating %d ops", s->n_ops);
+  ZB_CHECK(zb__simulate_times(s, s->start, s->end));
+
+  zb_sim_result_t res = {0, 0, 0, 0};
+  for (int r = 0; r < s->p; r++) {
+    int a = s->rank_off[r], b = s->rank_off[r + 1];
+    double busy = 0, mem = 0, peak = 0;
+    for (int k = a; k < b; k++) {
+      busy += s->end[k] - s->start[k];
+      mem += zb__op_mem(s, s->ops[k].type);
+      if (mem > peak) peak = mem;
+    }
+    s->span[r] = b > a ? s->end[b - 1] - s->start[a] : 0;
+    s->busy[r] = busy;
+    s->peak[r] = peak;
+    if (s->span[r] > res.cost) res.cost = s->span[r];
+    if (busy > res.busy) res.busy = busy;
+    if (peak > res.max_peak_memory) res.max_peak_memory = peak;
+  }
+  res.bubble_rate = res.cost > 0 ? (res.cost - res.busy) / res.cost : 0;
+  /* Rounding in long sums can leave -1e-17; a bubble is never negative. */
+  if (res.bubble_rate < 0 && res.bubble_rate > -ZB_EPS) res.bubble_rate = 0;
+  s->sim = res;
+  s->simulated = 1;
+  if (out) *out = res;
+  return ZB_OK;
+}
+
+zb_status_t zb_schedule_rank_times(const zb_schedule_t *s, int32_t rank, const double **start,
+                                   const double **end) {
+  ZB_ARG_NOT_NULL(s);
+  if (!s->simulated)
+    return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "the schedule has not been simulated; call "
+                                            "zb_schedule_simulate first");
+  if (rank < 0 || rank >= s->p)
+    return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "rank %d is out of range; the schedule has ranks 0..%d",
+                   (int)rank, s->p - 1);
+  if (start) *start = s->start + s->rank_off[rank];
+  if (end) *end = s->end + s->rank_off[rank];
+  return ZB_OK;
+}
+
+zb_status_t zb_schedule_rank_stats(const zb_schedule_t *s, int32_t rank, double *span, double *busy,
+                                   double *peak) {
+  ZB_ARG_NOT_NULL(s);
+  if (!s->simulated)
+    return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "the schedule has not been simulated; call "
+                                            "zb_schedule_simulate first");
+  if (rank < 0 || rank >= s->p)
+    return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "rank %d is out of range; the schedule has ranks 0..%d",
+                   (int)rank, s->p - 1);
+  if (span) *span = s->span[rank];
+  if (busy) *busy = s->busy[rank];
+  if (peak) *peak = s->peak[rank];
+  return ZB_OK;
+}

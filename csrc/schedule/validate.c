@@ -1,0 +1,220 @@
+/*
+ * validate.c - the schedule validator: every rule of DESIGN.md section 3, with a message that names
+ * the rank, the position in that rank's list and the rule broken.
+ *
+ * Rules, in the order they are checked:
+ *   1. every op is well formed and sits on the rank its stage lives on;
+ *   2. every (stage, microbatch) has exactly one F and either one BW or one B and one W;
+ *   3. dependencies between ops of the same rank appear in list order;
+ *   4. every channel between adjacent stages on different ranks is FIFO: the producer's send order
+ *      equals the consumer's receive order (what lets the runtime post receives early);
+ *   5. the schedule cannot deadlock (the simulator can run every op);
+ *   6. the memory peak of every rank stays under the limit, when one is set.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+#define NONE (-1)
+
+typedef struct {
+  int *posF, *posB, *posW; /* position in the owning rank's list; posB covers B and BW */
+  int *isBW;
+  int *orderF, *orderB; /* S x m: k-th F (resp. B/BW) of a stage is for microbatch order[k] */
+  int *nF, *nB;         /* S counters while filling order* */
+} tables_t;
+
+static void tables_free(tables_t *t) {
+  free(t->posF), free(t->posB), free(t->posW), free(t->isBW);
+  free(t->orderF), free(t->orderB), free(t->nF), free(t->nB);
+}
+
+static const char *rank_label(int type) { return zb__op_name(type); }
+
+zb_status_t zb__validate_structure(const zb_schedule_t *s) {
+  size_t n = (size_t)s->S * (size_t)s->m;
+  tables_t t = {0};
+  t.posF = malloc(n * sizeof(int));
+  t.posB = malloc(n * sizeof(int));
+  t.posW = malloc(n * sizeof(int));
+  t.isBW = calloc(n, sizeof(int));
+  t.orderF = malloc(n * sizeof(int));
+  t.orderB = malloc(n * sizeof(int));
+  t.nF = calloc((size_t)s->S, sizeof(int));
+  t.nB = calloc((size_t)s->S, sizeof(int));
+  zb_status_t st = ZB_OK;
+  if (!t.posF || !t.posB || !t.posW || !t.isBW || !t.orderF || !t.orderB || !t.nF || !t.nB) {
+    st = ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory validating %d ops", s->n_ops);
+    goto fail;
+  }
+  for (size_t k = 0; k < n; k++) t.posF[k] = t.posB[k] = t.posW[k] = NONE;
+
+  /* Rules 1 and 2 (duplicates), and rule 3 as we go: a same-rank dependency must already be seen. */
+  for (int r = 0; r < s->p; r++) {
+    int base = s->rank_off[r], cnt = s->rank_off[r + 1] - base;
+    for (int k = 0; k < cnt; k++) {
+      const zb_op_t *op = &s->ops[base + k];
+      if (op->type < ZB_OP_F || op->type > ZB_OP_BW) {
+        st = ZB_FAIL(ZB_ERR_INVALID_SCHEDULE,
+                     "rank %d, position %d: op type %d is not F, B, W or BW (rule: well-formed ops)",
+                     r, k, op->type);
+        goto fail;
+      }
+      if (op->stage < 0 || op->stage >= s->S || op->mb < 0 || op->mb >= s->m) {
+        st = ZB_FAIL(ZB_ERR_INVALID_SCHEDULE,
+                     "rank %d, position %d: %s stage %d mb %d is out of range; stages are 0..%d and "
+                     "microbatches 0..%d (rule: well-formed ops)",
+                     r, k, rank_label(op->type), op->stage, op->mb, s->S - 1, s->m - 1);
+        goto fail;
+      }
+      int owner = zb__stage_rank(s, op->stage);
+      if (owner != r) {
+        st = ZB_FAIL(ZB_ERR_INVALID_SCHEDULE,
+                     "rank %d, position %d: %s stage %d mb %d belongs on rank %d under %s placement "
+                     "(rule: each op runs on its stage's rank)",
+                     r, k, rank_label(op->type), op->stage, op->mb, owner,
+                     s->placement == ZB_PLACEMENT_V ? "V" : "loop");
+        goto fail;
+      }
+      size_t key = (size_t)op->stage * s->m + op->mb;
+      int *slot = op->type == ZB_OP_F ? &t.posF[key] : op->type == ZB_OP_W ? &t.posW[key] : &t.posB[key];
+      if (*slot != NONE) {
+        const char *what = op->type == ZB_OP_F ? "F" : op->type == ZB_OP_W ? "W" : "B or BW";
+        st = ZB_FAIL(ZB_ERR_INVALID_SCHEDULE,
+                     "rank %d, position %d: a second %s for stage %d mb %d (the first is at "
+                     "position %d) (rule: exactly one F, and one BW or one B and one W, per stage "
+                     "and microbatch)",
+                     r, k, what, op->stage, op->mb, *slot);
+        goto fail;
+      }
+      *slot = k;
+      if (op->type == ZB_OP_BW) t.isBW[key] = 1;
+
+      /* Rule 3: same-rank dependencies must come earlier. */
+      int dep_stage = -1, dep_type = 0, dep_pos = NONE;
+      if (op->type == ZB_OP_F && op->stage > 0 && zb__stage_rank(s, op->stage - 1) == r) {
+        dep_stage = op->stage - 1, dep_type = ZB_OP_F;
+        dep_pos = t.posF[key - (size_t)s->m];
+      } else if (op->type == ZB_OP_B || op->type == ZB_OP_BW) {
+        if (t.posF[key] == NONE) {
+          dep_stage = op->stage, dep_type = ZB_OP_F;
+        } else if (op->stage + 1 < s->S && zb__stage_rank(s, op->stage + 1) == r) {
+          dep_stage = op->stage + 1, dep_type = ZB_OP_B;
+          dep_pos = t.posB[key + (size_t)s->m];
+        }
+      } else if (op->type == ZB_OP_W) {
+        dep_stage = op->stage, dep_type = ZB_OP_B;
+        dep_pos = t.isBW[key] ? NONE : t.posB[key];
+      }
+      if (dep_stage >= 0 && dep_pos == NONE) {
+        st = ZB_FAIL(ZB_ERR_INVALID_SCHEDULE,
+                     "rank %d, position %d: %s stage %d mb %d comes before the %s of stage %d mb %d "
+                     "it depends on, which must run earlier on this rank (rule: dependencies in "
+                     "order)",
+                     r, k, rank_label(op->type), op->stage, op->mb,
+                     dep_type == ZB_OP_F ? "F" : (op->type == ZB_OP_W ? "B" : "B/BW"), dep_stage,
+                     op->mb);
+        goto fail;
+      }
+      if (op->type == ZB_OP_F) t.orderF[(size_t)op->stage * s->m + t.nF[op->stage]++] = op->mb;
+      if (op->type == ZB_OP_B || op->type == ZB_OP_BW)
+        t.orderB[(size_t)op->stage * s->m + t.nB[op->stage]++] = op->mb;
+    }
+  }
+
+  /* Rule 2: nothing missing, and no mix of BW with B/W. */
+  for (int stg = 0; stg < s->S; stg++) {
+    for (int i = 0; i < s->m; i++) {
+      size_t key = (size_t)stg * s->m + i;
+      int owner = zb__stage_rank(s, stg);
+      const char *missing = NULL;
+      if (t.posF[key] == NONE) missing = "F";
+      else if (t.posB[key] == NONE) missing = "B or BW";
+      else if (!t.isBW[key] && t.posW[key] == NONE) missing = "W (it has a B)";
+      if (missing) {
+        st = ZB_FAIL(ZB_ERR_INVALID_SCHEDULE,
+                     "rank %d: stage %d mb %d has no %s (rule: exactly one F, and one BW or one B "
+                     "and one W, per stage and microbatch)",
+                     owner, stg, i, missing);
+        goto fail;
+      }
+      if (t.isBW[key] && t.posW[key] != NONE) {
+        st = ZB_FAIL(ZB_ERR_INVALID_SCHEDULE,
+                     "rank %d, position %d: W for stage %d mb %d whose backward is already a fused "
+                     "BW at position %d (rule: one BW or one B and one W)",
+                     owner, t.posW[key], stg, i, t.posB[key]);
+        goto fail;
+      }
+    }
+  }
+
+  /* Rule 4: FIFO channels between adjacent stages on different ranks. */
+  for (int stg = 0; stg + 1 < s->S; stg++) {
+    int ra = zb__stage_rank(s, stg), rb = zb__stage_rank(s, stg + 1);
+    if (ra == rb) continue;
+    const int *sendF = t.orderF + (size_t)stg * s->m, *recvF = t.orderF + (size_t)(stg + 1) * s->m;
+    const int *sendB = t.orderB + (size_t)(stg + 1) * s->m, *recvB = t.orderB + (size_t)stg * s->m;
+    for (int k = 0; k < s->m; k++) {
+      if (sendF[k] != recvF[k]) {
+        size_t key = (size_t)(stg + 1) * s->m + recvF[k];
+        st = ZB_FAIL(ZB_ERR_INVALID_SCHEDULE,
+                     "rank %d, position %d: F stage %d mb %d is its forward input number %d from "
+                     "rank %d, but rank %d sends mb %d as number %d (rule: channels are FIFO, the "
+                     "receive order must equal the send order)",
+                     rb, t.posF[key], stg + 1, recvF[k], k, ra, ra, sendF[k], k);
+        goto fail;
+      }
+      if (sendB[k] != recvB[k]) {
+        size_t key = (size_t)stg * s->m + recvB[k];
+        st = ZB_FAIL(ZB_ERR_INVALID_SCHEDULE,
+                     "rank %d, position %d: %s stage %d mb %d is its gradient input number %d from "
+                     "rank %d, but rank %d sends mb %d as number %d (rule: channels are FIFO, the "
+                     "receive order must equal the send order)",
+                     ra, t.posB[key], t.isBW[key] ? "BW" : "B", stg, recvB[k], k, rb, rb, sendB[k],
+                     k);
+        goto fail;
+      }
+    }
+  }
+
+fail:
+  tables_free(&t);
+  return st;
+}
+
+zb_status_t zb_schedule_validate(const zb_schedule_t *s) {
+  ZB_ARG_NOT_NULL(s);
+  ZB_CHECK(zb__validate_structure(s));
+
+  /* Rule 5: run it. */
+  size_t n = (size_t)(s->n_ops ? s->n_ops : 1);
+  double *start = malloc(n * sizeof(double)), *end = malloc(n * sizeof(double));
+  if (!start || !end) {
+    free(start), free(end);
+    return ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory validating %d ops", s->n_ops);
+  }
+  zb_status_t st = zb__simulate_times(s, start, end);
+  free(start), free(end);
+  if (st != ZB_OK) return st;
+
+  /* Rule 6: memory. */
+  if (s->mem_limit > 0) {
+    for (int r = 0; r < s->p; r++) {
+      double mem = 0;
+      for (int k = s->rank_off[r]; k < s->rank_off[r + 1]; k++) {
+        mem += zb__op_mem(s, s->ops[k].type);
+        if (mem > s->mem_limit + ZB_EPS) {
+          const zb_op_t *op = &s->ops[k];
+          return ZB_FAIL(ZB_ERR_INVALID_SCHEDULE,
+                         "rank %d, position %d: after %s stage %d mb %d the rank holds %.4g "
+                         "microbatches of activations, above the limit %.4g (rule: memory under "
+                         "the limit)",
+                         r, k - s->rank_off[r], zb__op_name(op->type), op->stage, op->mb, mem,
+                         s->mem_limit);
+        }
+      }
+    }
+  }
+  return ZB_OK;
+}

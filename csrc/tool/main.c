@@ -1,0 +1,342 @@
+/*
+ * main.c - the `zbpp` command-line tool: generate, validate, simulate and draw schedules.
+ *
+ *   zbpp schedule KIND -p P -m M [-v V] [cost options] [--format F] [-o FILE]
+ *   zbpp simulate FILE.csv [cost options] [--format F] [-o FILE]
+ *
+ * What this is not: part of the library. It only calls the public API in zbpp.h, so everything it
+ * does, a C or Python caller can do too. Exit codes: 0 success, 1 a failure the library reported
+ * (invalid schedule, infeasible limit, unreadable file), 2 a usage error.
+ */
+#define _POSIX_C_SOURCE 200809L
+#include <errno.h>
+#include <limits.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "zbpp.h"
+
+static void usage(FILE *out) {
+  fprintf(out,
+          "zbpp %s - zero-bubble pipeline-parallel schedules\n"
+          "\n"
+          "Usage:\n"
+          "  zbpp schedule KIND -p P -m M [-v V] [options]   generate, validate and print a schedule\n"
+          "  zbpp simulate FILE.csv [options]                validate and simulate a schedule file\n"
+          "  zbpp --help | --version\n"
+          "\n"
+          "Kinds:\n",
+          zb_version());
+  for (int k = 0; k < ZB_KIND_COUNT; k++) {
+    if (k == ZB_KIND_CUSTOM) continue;
+    fprintf(out, "  %-17s %s\n", zb_kind_name((zb_kind_t)k), zb_kind_help((zb_kind_t)k));
+  }
+  fprintf(out,
+          "  (aliases: zb-1p and zb-2p are zb-auto at limit p and 2p; torch's names 1F1B,\n"
+          "   Interleaved1F1B, GPipe, ZBVZeroBubble and InterleavedZeroBubble work too)\n"
+          "\n"
+          "Options:\n"
+          "  -p, --ranks P        pipeline ranks (>= 1)\n"
+          "  -m, --microbatches M microbatches per iteration (>= 1; some kinds need more)\n"
+          "  -v, --chunks V       model chunks per rank (default: 2 for V kinds and interleaved, else 1)\n"
+          "  --times F,B,W[,BW]   time of one microbatch through all of a rank's layers for the\n"
+          "                       forward, input backward, weight backward (and fused backward;\n"
+          "                       default B+W); each op of a v-chunk schedule takes 1/v. Default 1,1,1\n"
+          "  --comm C             time added to every dependency that crosses ranks (default 0)\n"
+          "  --w-share W          share of activations only W needs, in [0,1] (default 0.5)\n"
+          "  --mem-limit L        peak activation memory per rank in microbatches, or 'Np' for N*p\n"
+          "                       (zb-auto's target; a limit for validation otherwise)\n"
+          "  --format F           text (default), csv, json, chrome or svg\n"
+          "  -o, --output FILE    write there instead of standard output\n"
+          "\n"
+          "Examples:\n"
+          "  zbpp schedule zb-v -p 4 -m 8\n"
+          "  zbpp schedule zb-auto -p 8 -m 24 --times 18.5,18.1,9.3 --comm 0.6 --mem-limit 2p\n"
+          "  zbpp schedule 1f1b -p 4 -m 8 --format csv -o 1f1b.csv && zbpp simulate 1f1b.csv\n");
+}
+
+typedef struct {
+  const char *command, *kind, *file, *format, *output, *mem_limit;
+  int p, m, v;
+  double times[4];
+  int n_times;
+  double comm, w_share;
+} args_t;
+
+static int bad_usage(const char *fmt, const char *what) {
+  fprintf(stderr, "zbpp: ");
+  fprintf(stderr, fmt, what);
+  fprintf(stderr, "\nRun 'zbpp --help' for usage.\n");
+  return 2;
+}
+
+static int parse_int(const char *s, int *out) {
+  char *end;
+  errno = 0;
+  long x = strtol(s, &end, 10);
+  if (errno || end == s || *end || x < -2147483647L || x > 2147483647L) return 0;
+  *out = (int)x;
+  return 1;
+}
+
+static int parse_double(const char *s, double *out) {
+  char *end;
+  errno = 0;
+  double x = strtod(s, &end);
+  if (errno || end == s || *end) return 0;
+  *out = x;
+  return 1;
+}
+
+/* Parses "F,B,W" or "F,B,W,BW". */
+static int parse_times(const char *s, double *t, int *n) {
+  char buf[256];
+  if (strlen(s) >= sizeof buf) return 0;
+  strcpy(buf, s);
+  *n = 0;
+  char *save = NULL;
+  for (char *tok = strtok_r(buf, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
+    if (*n == 4 || !parse_double(tok, &t[*n])) return 0;
+    (*n)++;
+  }
+  return *n == 3 || *n == 4;
+}
+
+static int parse_args(int argc, char **argv, args_t *a) {
+  memset(a, 0, sizeof *a);
+  a->p = a->m = INT_MIN; /* "not given": any number the user gives goes to the library to judge */
+  a->times[0] = a->times[1] = a->times[2] = 1.0;
+  a->w_share = 0.5;
+  a->command = argv[1];
+  int positional = 0;
+  for (int i = 2; i < argc; i++) {
+    const char *arg = argv[i];
+    const char *val = i + 1 < argc ? argv[i + 1] : NULL;
+#define NEED_VALUE()                                                                               \
+  do {                                                                                             \
+    if (!val) return bad_usage("option %s needs a value", arg);                                   \
+    i++;                                                                                           \
+  } while (0)
+    if (!strcmp(arg, "-p") || !strcmp(arg, "--ranks")) {
+      NEED_VALUE();
+      if (!parse_int(val, &a->p)) return bad_usage("-p wants a whole number, got '%s'", val);
+    } else if (!strcmp(arg, "-m") || !strcmp(arg, "--microbatches")) {
+      NEED_VALUE();
+      if (!parse_int(val, &a->m)) return bad_usage("-m wants a whole number, got '%s'", val);
+    } else if (!strcmp(arg, "-v") || !strcmp(arg, "--chunks")) {
+      NEED_VALUE();
+      if (!parse_int(val, &a->v)) return bad_usage("-v wants a whole number, got '%s'", val);
+    } else if (!strcmp(arg, "--times")) {
+      NEED_VALUE();
+      if (!parse_times(val, a->times, &a->n_times))
+        return bad_usage("--times wants F,B,W or F,B,W,BW (numbers), got '%s'", val);
+    } else if (!strcmp(arg, "--comm")) {
+      NEED_VALUE();
+      if (!parse_double(val, &a->comm)) return bad_usage("--comm wants a number, got '%s'", val);
+    } else if (!strcmp(arg, "--w-share")) {
+      NEED_VALUE();
+      if (!parse_double(val, &a->w_share))
+        return bad_usage("--w-share wants a number in [0,1], got '%s'", val);
+    } else if (!strcmp(arg, "--mem-limit")) {
+      NEED_VALUE();
+      a->mem_limit = val;
+    } else if (!strcmp(arg, "--format")) {
+      NEED_VALUE();
+      a->format = val;
+    } else if (!strcmp(arg, "-o") || !strcmp(arg, "--output")) {
+      NEED_VALUE();
+      a->output = val;
+    } else if (arg[0] == '-' && arg[1] != '\0') {
+      return bad_usage("unknown option '%s'", arg);
+    } else if (positional++ == 0) {
+      if (!strcmp(a->command, "schedule")) a->kind = arg;
+      else a->file = arg;
+    } else {
+      return bad_usage("unexpected argument '%s'", arg);
+    }
+#undef NEED_VALUE
+  }
+  return 0;
+}
+
+/* Fills the cost part of a spec from the options; p is needed for an 'Np' memory limit. */
+static int fill_costs(const args_t *a, zb_schedule_spec_t *spec, int p) {
+  spec->time_f = a->times[0];
+  spec->time_b = a->times[1];
+  spec->time_w = a->times[2];
+  spec->time_bw = a->n_times == 4 ? a->times[3] : 0.0;
+  spec->time_comm = a->comm;
+  spec->w_share = a->w_share;
+  if (a->mem_limit) {
+    const char *s = a->mem_limit;
+    size_t n = strlen(s);
+    double x;
+    if (n > 1 && (s[n - 1] == 'p' || s[n - 1] == 'P')) {
+      char buf[64];
+      if (n >= sizeof buf) return bad_usage("--mem-limit '%s' is too long", s);
+      memcpy(buf, s, n - 1);
+      buf[n - 1] = '\0';
+      if (!parse_double(buf, &x)) return bad_usage("--mem-limit wants a number or Np, got '%s'", s);
+      x *= p;
+    } else if (!parse_double(s, &x)) {
+      return bad_usage("--mem-limit wants a number or Np, got '%s'", s);
+    }
+    if (!(x > 0) || isinf(x))
+      return bad_usage("--mem-limit must be a positive number of microbatches, got '%s'", s);
+    spec->mem_limit = x;
+  }
+  return 0;
+}
+
+static int fail(const char *what) {
+  fprintf(stderr, "zbpp: %s: %s\n", what, zb_last_error());
+  return 1;
+}
+
+static char *read_file(const char *path, size_t *len) {
+  FILE *f = fopen(path, "rb");
+  if (!f) return NULL;
+  size_t cap = 1 << 16, n = 0;
+  char *buf = malloc(cap);
+  while (buf) {
+    size_t got = fread(buf + n, 1, cap - n, f);
+    n += got;
+    if (n < cap) break;
+    char *grown = cap < ((size_t)1 << 30) ? realloc(buf, cap * 2) : NULL;
+    if (!grown) {
+      free(buf);
+      buf = NULL;
+      break;
+    }
+    buf = grown;
+    cap *= 2;
+  }
+  int err = ferror(f);
+  fclose(f);
+  if (err) {
+    free(buf);
+    return NULL;
+  }
+  *len = n;
+  return buf;
+}
+
+/* Validates, simulates, prints the chosen format and a summary line on stderr. */
+static int emit(zb_schedule_t *s, const args_t *a) {
+  if (zb_schedule_validate(s) != ZB_OK) return fail("the schedule is not valid");
+  zb_sim_result_t r;
+  if (zb_schedule_simulate(s, &r) != ZB_OK) return fail("simulation failed");
+  zb_format_t fmt = ZB_FORMAT_TEXT;
+  if (a->format && zb_format_from_name(a->format, &fmt) != ZB_OK)
+    return bad_usage("%s", zb_last_error());
+  char *text = NULL;
+  size_t len = 0;
+  if (zb_schedule_export(s, fmt, &text, &len) != ZB_OK) return fail("export failed");
+  FILE *out = stdout;
+  if (a->output && !(out = fopen(a->output, "wb"))) {
+    fprintf(stderr, "zbpp: cannot write '%s': %s\n", a->output, strerror(errno));
+    zb_free(text);
+    return 1;
+  }
+  int ok = fwrite(text, 1, len, out) == len;
+  if (out != stdout) ok = (fclose(out) == 0) && ok;
+  else ok = (fflush(out) == 0) && ok;
+  zb_free(text);
+  if (!ok) {
+    fprintf(stderr, "zbpp: writing %s failed\n", a->output ? a->output : "standard output");
+    return 1;
+  }
+  if (a->output) {
+    zb_schedule_info_t info;
+    zb_schedule_get_info(s, &info);
+    fprintf(stderr, "zbpp: wrote %s (%s, p=%d v=%d m=%d: cost %.6g, bubble %.2f%%, peak memory %.4g)\n",
+            a->output, zb_kind_name(info.kind), info.ranks, info.chunks, info.microbatches, r.cost,
+            100 * r.bubble_rate, r.max_peak_memory);
+  }
+  return 0;
+}
+
+static int cmd_schedule(const args_t *a) {
+  if (!a->kind) return bad_usage("%s", "schedule needs a KIND (see the list in --help)");
+  zb_kind_t kind;
+  double factor = 0;
+  if (zb_kind_from_name(a->kind, &kind, &factor) != ZB_OK) return bad_usage("%s", zb_last_error());
+  if (a->p == INT_MIN)
+    return bad_usage("%s", "schedule needs -p P, the number of pipeline ranks (>= 1)");
+  if (a->m == INT_MIN)
+    return bad_usage("%s", "schedule needs -m M, the number of microbatches (>= 1)");
+  zb_schedule_spec_t spec = ZB_SCHEDULE_SPEC_INIT;
+  spec.kind = kind;
+  spec.ranks = a->p;
+  spec.microbatches = a->m;
+  spec.chunks = a->v;
+  int rc = fill_costs(a, &spec, a->p);
+  if (rc) return rc;
+  if (factor > 0 && !a->mem_limit) spec.mem_limit = factor * a->p;
+  zb_schedule_t *s = NULL;
+  if (zb_schedule_create(&s, &spec) != ZB_OK) return fail("cannot generate the schedule");
+  rc = emit(s, a);
+  zb_schedule_destroy(s);
+  return rc;
+}
+
+static int cmd_simulate(const args_t *a) {
+  if (!a->file) return bad_usage("%s", "simulate needs a schedule file (CSV)");
+  size_t len = 0;
+  char *text = read_file(a->file, &len);
+  if (!text) {
+    fprintf(stderr, "zbpp: cannot read '%s': %s\n", a->file, strerror(errno));
+    return 1;
+  }
+  zb_schedule_spec_t spec = ZB_SCHEDULE_SPEC_INIT;
+  int rc = fill_costs(a, &spec, 1);
+  zb_schedule_t *s = NULL;
+  if (!rc && a->mem_limit) {
+    /* 'Np' needs p, which the file decides: parse once to learn it. */
+    size_t n = strlen(a->mem_limit);
+    if (n > 1 && (a->mem_limit[n - 1] == 'p' || a->mem_limit[n - 1] == 'P')) {
+      if (zb_schedule_import(&s, ZB_FORMAT_CSV, text, len, &spec) != ZB_OK) {
+        free(text);
+        return fail(a->file);
+      }
+      zb_schedule_info_t info;
+      zb_schedule_get_info(s, &info);
+      zb_schedule_destroy(s);
+      s = NULL;
+      rc = fill_costs(a, &spec, info.ranks);
+    }
+  }
+  if (!rc && zb_schedule_import(&s, ZB_FORMAT_CSV, text, len, &spec) != ZB_OK) rc = fail(a->file);
+  free(text);
+  if (!rc) rc = emit(s, a);
+  zb_schedule_destroy(s);
+  return rc;
+}
+
+int main(int argc, char **argv) {
+  if (argc < 2) {
+    usage(stderr);
+    return 2;
+  }
+  if (!strcmp(argv[1], "--help") || !strcmp(argv[1], "-h") || !strcmp(argv[1], "help")) {
+    usage(stdout);
+    return 0;
+  }
+  if (!strcmp(argv[1], "--version")) {
+    printf("zbpp %s\n", zb_version());
+    return 0;
+  }
+  if (strcmp(argv[1], "schedule") != 0 && strcmp(argv[1], "simulate") != 0)
+    return bad_usage("unknown command '%s'; use 'schedule' or 'simulate'", argv[1]);
+  for (int i = 2; i < argc; i++)
+    if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
+      usage(stdout);
+      return 0;
+    }
+  args_t a;
+  int rc = parse_args(argc, argv, &a);
+  if (rc) return rc;
+  return !strcmp(a.command, "schedule") ? cmd_schedule(&a) : cmd_simulate(&a);
+}

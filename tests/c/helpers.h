@@ -1,0 +1,29 @@
+/*
+ * helpers.h - small shared pieces of the C tests: building specs and schedules with a readable
+ * failure message (the library's last error) when a call that must succeed fails.
+ */
+#ifndef ZB_TEST_HELPERS_H
+#define ZB_TEST_HELPERS_H
+
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+
+#include "zbpp.h"
+
+/* Asserts a zbpp call returned ZB_OK, printing the status and zb_last_error() otherwise. */
+#define ZB_ASSERT_OK(expr)                                                                         \
+  do {                                                                                             \
+    zb_status_t zb__t = (expr);                                                                    \
+    if (zb__t != ZB_OK) fail_msg("%s -> %s: %s", #expr, zb_status_string(zb__t), zb_last_error()); \
+  } while (0)
+
+/* A spec for kind/p/m/v with equal times 1,1,1, no comm, w = 0.5, no limit. */
+zb_schedule_spec_t zb_test_spec(zb_kind_t kind, int p, int m, int v);
+
+/* Reads a whole file into a malloc'd NUL-terminated buffer (NULL if it cannot). */
+char *zb_test_read_file(const char *path, size_t *len);
+
+#endif
