@@ -104,6 +104,13 @@ zb_status_t zb__validate_structure(const zb_schedule_t *s) {
           dep_pos = t.posB[key + (size_t)s->m];
         }
       } else if (op->type == ZB_OP_W) {
+        if (t.isBW[key]) {
+          st = ZB_FAIL(ZB_ERR_INVALID_SCHEDULE,
+                       "rank %d, position %d: W for stage %d mb %d whose backward is already a "
+                       "fused BW at position %d (rule: one BW or one B and one W)",
+                       r, k, op->stage, op->mb, t.posB[key]);
+          goto fail;
+        }
         dep_stage = op->stage, dep_type = ZB_OP_B;
         dep_pos = t.isBW[key] ? NONE : t.posB[key];
       }

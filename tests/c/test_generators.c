@@ -1,0 +1,342 @@
+/*
+ * test_generators.c - every generator over p in 1..8 and 16 and m from the smallest it accepts to
+ * 4p: the schedule validates, and the simulator shows the properties the papers claim (DESIGN.md
+ * section 3's reference figures), computed here from the formulas, not from the code under test.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "helpers.h"
+
+static const int P_LIST[] = {1, 2, 3, 4, 5, 6, 7, 8, 16};
+#define N_P (int)(sizeof P_LIST / sizeof P_LIST[0])
+
+typedef struct {
+  zb_schedule_t *s;
+  zb_sim_result_t r;
+} made_t;
+
+/* Creates, validates and simulates; fails the test with the library's message otherwise. */
+static made_t make_spec(const zb_schedule_spec_t *spec) {
+  made_t x = {NULL, {0, 0, 0, 0}};
+  zb_status_t st = zb_schedule_create(&x.s, spec);
+  if (st != ZB_OK)
+    fail_msg("create %s p=%d m=%d v=%d: %s: %s", zb_kind_name(spec->kind), spec->ranks,
+             spec->microbatches, spec->chunks, zb_status_string(st), zb_last_error());
+  st = zb_schedule_validate(x.s);
+  if (st != ZB_OK)
+    fail_msg("validate %s p=%d m=%d: %s", zb_kind_name(spec->kind), spec->ranks, spec->microbatches,
+             zb_last_error());
+  ZB_ASSERT_OK(zb_schedule_simulate(x.s, &x.r));
+  return x;
+}
+
+static made_t make(zb_kind_t kind, int p, int m, int v) {
+  zb_schedule_spec_t spec = zb_test_spec(kind, p, m, v);
+  return make_spec(&spec);
+}
+
+static void check_close(double got, double want, const char *what, int p, int m) {
+  if (fabs(got - want) > 1e-9 * (1 + fabs(want)))
+    fail_msg("%s p=%d m=%d: got %.12g, want %.12g", what, p, m, got, want);
+}
+
+/* CSV out -> in -> out is byte-identical, and the re-imported schedule has the same cost. */
+static void check_csv_round_trip(zb_schedule_t *s, double cost) {
+  char *a = NULL, *b = NULL;
+  size_t la = 0, lb = 0;
+  zb_schedule_spec_t spec = ZB_SCHEDULE_SPEC_INIT;
+  zb_schedule_info_t info;
+  ZB_ASSERT_OK(zb_schedule_get_info(s, &info));
+  spec.w_share = info.w_share;
+  ZB_ASSERT_OK(zb_schedule_export(s, ZB_FORMAT_CSV, &a, &la));
+  zb_schedule_t *back = NULL;
+  ZB_ASSERT_OK(zb_schedule_import(&back, ZB_FORMAT_CSV, a, la, &spec));
+  ZB_ASSERT_OK(zb_schedule_validate(back));
+  zb_sim_result_t r;
+  ZB_ASSERT_OK(zb_schedule_simulate(back, &r));
+  ZB_ASSERT_OK(zb_schedule_export(back, ZB_FORMAT_CSV, &b, &lb));
+  assert_int_equal(la, lb);
+  assert_string_equal(a, b);
+  zb_schedule_info_t info2;
+  ZB_ASSERT_OK(zb_schedule_get_info(back, &info2));
+  if (info.ranks > 1) assert_int_equal(info.placement, info2.placement); /* p = 1: same thing */
+  assert_int_equal(info.chunks, info2.chunks);
+  assert_true(fabs(r.cost - cost) < 1e-9);
+  zb_free(a);
+  zb_free(b);
+  zb_schedule_destroy(back);
+}
+
+/* 1F1B: bubble (p-1)/(m+p-1) and peak min(p, m) exactly, for every m >= 1. */
+static void test_1f1b(void **state) {
+  (void)state;
+  for (int a = 0; a < N_P; a++) {
+    int p = P_LIST[a];
+    for (int m = 1; m <= 4 * p; m++) {
+      made_t x = make(ZB_KIND_1F1B, p, m, 1);
+      check_close(x.r.bubble_rate, (double)(p - 1) / (m + p - 1), "1f1b bubble", p, m);
+      check_close(x.r.max_peak_memory, p < m ? p : m, "1f1b peak", p, m);
+      if (m == 2 * p) check_csv_round_trip(x.s, x.r.cost);
+      zb_schedule_destroy(x.s);
+    }
+  }
+}
+
+/* GPipe: same bubble as 1F1B but every microbatch in flight. */
+static void test_gpipe(void **state) {
+  (void)state;
+  for (int a = 0; a < N_P; a++) {
+    int p = P_LIST[a];
+    for (int m = 1; m <= 4 * p; m++) {
+      made_t x = make(ZB_KIND_GPIPE, p, m, 1);
+      check_close(x.r.bubble_rate, (double)(p - 1) / (m + p - 1), "gpipe bubble", p, m);
+      check_close(x.r.max_peak_memory, m, "gpipe peak", p, m);
+      zb_schedule_destroy(x.s);
+    }
+  }
+}
+
+/* Interleaved 1F1B: needs m a multiple of p; with v chunks the bubble shrinks below 1F1B's. */
+static void test_interleaved(void **state) {
+  (void)state;
+  for (int a = 0; a < N_P; a++) {
+    int p = P_LIST[a];
+    for (int v = 2; v <= 3; v++) {
+      for (int m = 1; m <= 4 * p; m++) {
+        zb_schedule_spec_t spec = zb_test_spec(ZB_KIND_INTERLEAVED_1F1B, p, m, v);
+        zb_schedule_t *s = NULL;
+        if (m % p != 0) {
+          assert_int_equal(zb_schedule_create(&s, &spec), ZB_ERR_INVALID_ARGUMENT);
+          assert_null(s);
+          assert_non_null(strstr(zb_last_error(), "multiple"));
+          continue;
+        }
+        made_t x = make_spec(&spec);
+        double one_f_one_b = (double)(p - 1) / (m + p - 1);
+        if (p > 1 && x.r.bubble_rate >= one_f_one_b - 1e-12)
+          fail_msg("interleaved v=%d p=%d m=%d bubble %.4f not below 1F1B's %.4f", v, p, m,
+                   x.r.bubble_rate, one_f_one_b);
+        if (m == 2 * p) check_csv_round_trip(x.s, x.r.cost);
+        zb_schedule_destroy(x.s);
+      }
+    }
+  }
+}
+
+/* ZB-H1: 1F1B's memory; its bubble is (p-1)(T_F+T_B-T_W), a third of 1F1B's (p-1)(T_F+T_B+T_W).
+ * The fixed rules reach it when m + p is even and come within one op time otherwise (zb-auto, below,
+ * reaches it always). */
+static void test_zb_h1(void **state) {
+  (void)state;
+  for (int a = 0; a < N_P; a++) {
+    int p = P_LIST[a];
+    for (int m = 1; m <= 4 * p; m++) {
+      made_t x = make(ZB_KIND_ZB_H1, p, m, 1);
+      if (x.r.max_peak_memory > p + 1e-9)
+        fail_msg("zb-h1 p=%d m=%d peak %.3f > p", p, m, x.r.max_peak_memory);
+      double idle = x.r.cost - x.r.busy;
+      double one_f_one_b_idle = 3.0 * (p - 1);
+      if (p > 1 && m >= p) {
+        double allowed = (p - 1) + ((m + p) % 2 ? 1.0 : 0.0);
+        if (idle > allowed + 1e-9)
+          fail_msg("zb-h1 p=%d m=%d idle %.3f > %.3f (1F1B: %.3f)", p, m, idle, allowed,
+                   one_f_one_b_idle);
+      }
+      if (m == 2 * p) check_csv_round_trip(x.s, x.r.cost);
+      zb_schedule_destroy(x.s);
+    }
+  }
+}
+
+/* ZB-H2: memory 2p-1 and no bubble once m >= 2p-1. */
+static void test_zb_h2(void **state) {
+  (void)state;
+  for (int a = 0; a < N_P; a++) {
+    int p = P_LIST[a];
+    for (int m = 1; m <= 4 * p; m++) {
+      made_t x = make(ZB_KIND_ZB_H2, p, m, 1);
+      if (x.r.max_peak_memory > 2 * p - 1 + 1e-9)
+        fail_msg("zb-h2 p=%d m=%d peak %.3f > 2p-1", p, m, x.r.max_peak_memory);
+      if (m >= 2 * p - 1 && x.r.bubble_rate > 1e-12)
+        fail_msg("zb-h2 p=%d m=%d bubble %.6f, want 0", p, m, x.r.bubble_rate);
+      zb_schedule_destroy(x.s);
+    }
+  }
+}
+
+/* ZB-V: 1F1B's memory (p) and no bubble once m >= 2p. */
+static void test_zb_v(void **state) {
+  (void)state;
+  for (int a = 0; a < N_P; a++) {
+    int p = P_LIST[a];
+    for (int m = 1; m <= 4 * p; m++) {
+      made_t x = make(ZB_KIND_ZB_V, p, m, 2);
+      zb_schedule_info_t info;
+      ZB_ASSERT_OK(zb_schedule_get_info(x.s, &info));
+      assert_int_equal(info.placement, ZB_PLACEMENT_V);
+      if (x.r.max_peak_memory > p + 1e-9)
+        fail_msg("zb-v p=%d m=%d peak %.3f > p", p, m, x.r.max_peak_memory);
+      if (m >= 2 * p && x.r.bubble_rate > 1e-12)
+        fail_msg("zb-v p=%d m=%d bubble %.6f, want 0", p, m, x.r.bubble_rate);
+      if (m == 2 * p) check_csv_round_trip(x.s, x.r.cost);
+      zb_schedule_destroy(x.s);
+    }
+  }
+}
+
+/* V-Half and V-Min: about a half and a third of 1F1B's activation memory (plus one microbatch for
+ * the V's two chunks), V-Min never above V-Half, and still less bubble than 1F1B once m >= 2p. */
+static void test_v_half_v_min(void **state) {
+  (void)state;
+  for (int a = 0; a < N_P; a++) {
+    int p = P_LIST[a];
+    for (int m = 1; m <= 4 * p; m++) {
+      made_t h = make(ZB_KIND_V_HALF, p, m, 2);
+      made_t n = make(ZB_KIND_V_MIN, p, m, 2);
+      double half = ceil(p / 2.0) + 1, third = ceil(p / 3.0) + 1;
+      if (h.r.max_peak_memory > half + 1e-9)
+        fail_msg("v-half p=%d m=%d peak %.3f > %.0f", p, m, h.r.max_peak_memory, half);
+      if (n.r.max_peak_memory > third + 1e-9)
+        fail_msg("v-min p=%d m=%d peak %.3f > %.0f", p, m, n.r.max_peak_memory, third);
+      assert_true(n.r.max_peak_memory <= h.r.max_peak_memory + 1e-9);
+      double one_f_one_b = (double)(p - 1) / (m + p - 1);
+      if (p >= 4 && m >= 2 * p && h.r.bubble_rate >= one_f_one_b)
+        fail_msg("v-half p=%d m=%d bubble %.4f not below 1F1B's %.4f", p, m, h.r.bubble_rate,
+                 one_f_one_b);
+      zb_schedule_destroy(h.s);
+      zb_schedule_destroy(n.s);
+    }
+  }
+}
+
+/* zb-auto never exceeds its limit and never loses to a handcrafted schedule that fits it. */
+static void check_auto_against(int p, int m, double limit, zb_kind_t rival, const double *stage_f,
+                               const double *stage_b, const double *stage_w, double comm) {
+  zb_schedule_spec_t spec = zb_test_spec(ZB_KIND_ZB_AUTO, p, m, 1);
+  spec.mem_limit = limit;
+  spec.stage_time_f = stage_f;
+  spec.stage_time_b = stage_b;
+  spec.stage_time_w = stage_w;
+  spec.time_comm = comm;
+  made_t x = make_spec(&spec);
+  if (x.r.max_peak_memory > limit + 1e-9)
+    fail_msg("zb-auto p=%d m=%d peak %.3f > limit %.3f", p, m, x.r.max_peak_memory, limit);
+  zb_schedule_spec_t rs = spec;
+  rs.kind = rival;
+  rs.mem_limit = 0;
+  made_t y = make_spec(&rs);
+  if (y.r.max_peak_memory <= limit + 1e-9 && x.r.cost > y.r.cost + 1e-9)
+    fail_msg("zb-auto p=%d m=%d limit %.1f cost %.4f > %s's %.4f", p, m, limit, x.r.cost,
+             zb_kind_name(rival), y.r.cost);
+  zb_schedule_destroy(x.s);
+  zb_schedule_destroy(y.s);
+}
+
+static void test_zb_auto_limits(void **state) {
+  (void)state;
+  for (int a = 0; a < N_P; a++) {
+    int p = P_LIST[a];
+    for (int m = 1; m <= 4 * p; m += (p >= 8 ? 3 : 1)) {
+      check_auto_against(p, m, p, ZB_KIND_ZB_H1, NULL, NULL, NULL, 0);
+      check_auto_against(p, m, p, ZB_KIND_1F1B, NULL, NULL, NULL, 0);
+      check_auto_against(p, m, 2 * p - 1, ZB_KIND_ZB_H2, NULL, NULL, NULL, 0);
+      check_auto_against(p, m, 1.5, ZB_KIND_1F1B, NULL, NULL, NULL, 0);
+    }
+  }
+}
+
+/* zb-auto at 1F1B's memory reaches the paper's ZB-H1 bound (p-1)(T_F+T_B-T_W) of idle time for
+ * every m >= p (it is ZB-1p, which the paper finds equal to ZB-H1). */
+static void test_zb_auto_reaches_zb_h1_bound(void **state) {
+  (void)state;
+  for (int a = 0; a < N_P; a++) {
+    int p = P_LIST[a];
+    for (int m = p; m <= 4 * p; m++) {
+      made_t x = make(ZB_KIND_ZB_AUTO, p, m, 1);
+      check_close(x.r.cost - x.r.busy, p - 1, "zb-auto(p) idle", p, m);
+      zb_schedule_destroy(x.s);
+    }
+  }
+}
+
+/* Without a limit zb-auto keeps 1F1B's memory. */
+static void test_zb_auto_default_limit(void **state) {
+  (void)state;
+  for (int p = 1; p <= 8; p++) {
+    made_t x = make(ZB_KIND_ZB_AUTO, p, 3 * p, 1);
+    assert_true(x.r.max_peak_memory <= p + 1e-9);
+    zb_schedule_destroy(x.s);
+  }
+}
+
+/* Unequal stages (a heavy first and last stage, as embedding and LM head make them) and T_comm:
+ * zb-auto uses the real per-stage costs and still beats the handcrafted rivals that fit. */
+static void test_zb_auto_unequal_stages_and_comm(void **state) {
+  (void)state;
+  for (int p = 2; p <= 8; p += 2) {
+    double f[8], b[8], w[8];
+    for (int s = 0; s < p; s++) f[s] = 1.0, b[s] = 1.1, w[s] = 0.6;
+    f[0] = 1.6, b[0] = 1.4;         /* embedding */
+    f[p - 1] = 2.0, b[p - 1] = 2.2; /* LM head and loss */
+    for (int m = p; m <= 4 * p; m += p) {
+      check_auto_against(p, m, p, ZB_KIND_ZB_H1, f, b, w, 0.15);
+      check_auto_against(p, m, p, ZB_KIND_1F1B, f, b, w, 0.15);
+      check_auto_against(p, m, 2 * p - 1, ZB_KIND_ZB_H2, f, b, w, 0.15);
+    }
+  }
+}
+
+/* T_comm is counted: with comm the same 1F1B takes longer, by 2(p-1) comm on its critical path. */
+static void test_comm_is_counted(void **state) {
+  (void)state;
+  for (int p = 2; p <= 8; p++) {
+    zb_schedule_spec_t spec = zb_test_spec(ZB_KIND_1F1B, p, 1, 1);
+    spec.time_comm = 0.25;
+    made_t x = make_spec(&spec);
+    /* One microbatch: forward down p ranks, backward (B+W = 2) up again, 2(p-1) hops of comm. */
+    check_close(x.r.cost, p * 1.0 + p * 2.0 + 2 * (p - 1) * 0.25, "1f1b m=1 cost with comm", p, 1);
+    zb_schedule_destroy(x.s);
+  }
+}
+
+/* zb-auto with two chunks schedules a V and never loses to ZB-V at the same limit. */
+static void test_zb_auto_v(void **state) {
+  (void)state;
+  for (int p = 1; p <= 8; p++) {
+    for (int m = 2 * p; m <= 4 * p; m += p) {
+      zb_schedule_spec_t spec = zb_test_spec(ZB_KIND_ZB_AUTO, p, m, 2);
+      spec.mem_limit = p;
+      made_t x = make_spec(&spec);
+      made_t v = make(ZB_KIND_ZB_V, p, m, 2);
+      zb_schedule_info_t info;
+      ZB_ASSERT_OK(zb_schedule_get_info(x.s, &info));
+      assert_int_equal(info.placement, ZB_PLACEMENT_V);
+      assert_true(x.r.max_peak_memory <= p + 1e-9);
+      assert_true(x.r.cost <= v.r.cost + 1e-9);
+      zb_schedule_destroy(x.s);
+      zb_schedule_destroy(v.s);
+    }
+  }
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_1f1b),
+      cmocka_unit_test(test_gpipe),
+      cmocka_unit_test(test_interleaved),
+      cmocka_unit_test(test_zb_h1),
+      cmocka_unit_test(test_zb_h2),
+      cmocka_unit_test(test_zb_v),
+      cmocka_unit_test(test_v_half_v_min),
+      cmocka_unit_test(test_zb_auto_limits),
+      cmocka_unit_test(test_zb_auto_default_limit),
+      cmocka_unit_test(test_zb_auto_reaches_zb_h1_bound),
+      cmocka_unit_test(test_zb_auto_unequal_stages_and_comm),
+      cmocka_unit_test(test_comm_is_counted),
+      cmocka_unit_test(test_zb_auto_v),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
