@@ -6,6 +6,7 @@
  */
 #include <ctype.h>
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -266,7 +267,7 @@ zb_status_t zb__schedule_alloc(zb_schedule_t **out, const zb_schedule_spec_t *sp
     s->tw[st] = spec->stage_time_w ? spec->stage_time_w[st] : spec->time_w / v;
     if (spec->stage_time_bw)
       s->tbw[st] = spec->stage_time_bw[st];
-    else if (spec->time_bw > 0 && !spec->stage_time_b && !spec->stage_time_w)
+    else if (spec->time_bw > 0)
       s->tbw[st] = spec->time_bw / v;
     else
       s->tbw[st] = s->tb[st] + s->tw[st];
@@ -324,11 +325,17 @@ static zb_status_t check_shape(const zb_schedule_spec_t *spec, int v) {
       if (v < 2)
         return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
                        "interleaved-1f1b needs v >= 2 chunks per rank, got v = %d", v);
-      if (m < p || m % p != 0)
+      if (m < p || m % p != 0) {
+        int lo = (m / p) * p, hi = lo + p;
+        char near[64];
+        if (lo < p || hi - m < m - lo) snprintf(near, sizeof near, "%d", hi);
+        else if (m - lo < hi - m) snprintf(near, sizeof near, "%d", lo);
+        else snprintf(near, sizeof near, "%d or %d", lo, hi);
         return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
                        "interleaved-1f1b needs m to be a positive multiple of p = %d, got m = %d "
-                       "(nearest valid: %d)",
-                       p, m, m < p ? p : (m / p) * p);
+                       "(nearest valid: %s)",
+                       p, m, near);
+      }
       break;
     case ZB_KIND_ZB_V:
     case ZB_KIND_V_HALF:

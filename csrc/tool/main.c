@@ -225,12 +225,12 @@ static char *read_file(const char *path, size_t *len) {
 
 /* Validates, simulates, prints the chosen format and a summary line on stderr. */
 static int emit(zb_schedule_t *s, const args_t *a) {
-  if (zb_schedule_validate(s) != ZB_OK) return fail("the schedule is not valid");
-  zb_sim_result_t r;
-  if (zb_schedule_simulate(s, &r) != ZB_OK) return fail("simulation failed");
   zb_format_t fmt = ZB_FORMAT_TEXT;
   if (a->format && zb_format_from_name(a->format, &fmt) != ZB_OK)
     return bad_usage("%s", zb_last_error());
+  if (zb_schedule_validate(s) != ZB_OK) return fail("the schedule is not valid");
+  zb_sim_result_t r;
+  if (zb_schedule_simulate(s, &r) != ZB_OK) return fail("simulation failed");
   char *text = NULL;
   size_t len = 0;
   if (zb_schedule_export(s, fmt, &text, &len) != ZB_OK) return fail("export failed");
@@ -338,5 +338,7 @@ int main(int argc, char **argv) {
   args_t a;
   int rc = parse_args(argc, argv, &a);
   if (rc) return rc;
+  zb_format_t fmt;
+  if (a.format && zb_format_from_name(a.format, &fmt) != ZB_OK) return bad_usage("%s", zb_last_error());
   return !strcmp(a.command, "schedule") ? cmd_schedule(&a) : cmd_simulate(&a);
 }

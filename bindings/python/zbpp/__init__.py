@@ -1,0 +1,58 @@
+"""zbpp: zero-bubble pipeline parallelism, a C library with a Python binding.
+
+What this is: the package's front door. It exposes the version of this package and of the loaded C
+library, the one exception type every failing call raises (ZbError), and where the bundled `zbpp`
+command-line tool is.
+
+What this is not: torch. Importing zbpp never imports torch and never loads the C library; both
+happen on first use, so schedule-only code runs without torch installed.
+"""
+
+import os
+
+from ._lib import ZbError, lib, library_path
+
+__all__ = ["__version__", "ZbError", "library_path", "tool_path", "version", "version_code"]
+
+# Kept equal to setup.cfg's version and to the C library's ZB_VERSION_* (tests check all three).
+__version__ = "0.1.0"
+
+ENV_TOOL = "ZBPP_TOOL"
+
+_PKG_DIR = os.path.dirname(os.path.abspath(__file__))
+_SOURCE_ROOT = os.path.normpath(os.path.join(_PKG_DIR, "..", "..", ".."))
+
+
+def version():
+    """The loaded C library's version string (zb_version()), e.g. "0.1.0"."""
+    return lib().zb_version().decode("utf-8", errors="replace")
+
+
+def version_code():
+    """The loaded C library's version code, major*10000 + minor*100 + patch (zb_version_code())."""
+    return int(lib().zb_version_code())
+
+
+def tool_path():
+    """The path of the `zbpp` command-line tool.
+
+    Looks at $ZBPP_TOOL, then the copy bundled in this package (bin/zbpp), then build/zbpp at the
+    top of a source checkout. Raises FileNotFoundError naming the paths it tried.
+    """
+    env = os.environ.get(ENV_TOOL)
+    if env:
+        candidates = [os.path.abspath(env)]
+    else:
+        candidates = [
+            os.path.join(_PKG_DIR, "bin", "zbpp"),
+            os.path.join(_SOURCE_ROOT, "build", "zbpp"),
+        ]
+    for path in candidates:
+        if os.path.isfile(path) and os.access(path, os.X_OK):
+            return path
+    raise FileNotFoundError(
+        "zbpp: the zbpp tool was not found (or is not executable); tried "
+        + ", ".join(candidates)
+        + ". Build it with `cmake -S . -B build && cmake --build build`, install the package with "
+        f"`pip install .`, or point {ENV_TOOL} at it."
+    )

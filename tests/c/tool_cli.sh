@@ -1,0 +1,273 @@
+#!/bin/sh
+# tool_cli.sh - the `zbpp` command-line tool as a user runs it: help and version, the output
+# formats (text, JSON, CSV round trip, Chrome trace, SVG), and bad input that must end in a clear
+# message and a non-zero exit, never a crash or a hang.
+#
+#   sh tool_cli.sh /path/to/zbpp /path/to/repo
+#
+# What this is not: a test of the schedules' shapes or the exporters' details; the C tests cover
+# those through the library. Expected values come from the tool's documented behaviour (--help,
+# DESIGN.md section 3), not from earlier runs of the tool.
+set -u
+
+if [ $# -ne 2 ]; then
+  echo "usage: sh $0 /path/to/zbpp /path/to/repo" >&2
+  exit 2
+fi
+ZBPP=$1
+REPO=$2
+if [ ! -x "$ZBPP" ]; then
+  echo "tool_cli: '$ZBPP' is not an executable" >&2
+  exit 2
+fi
+
+T=$(mktemp -d "${TMPDIR:-/tmp}/zbpp_cli.XXXXXX") || exit 2
+trap 'rm -rf "$T"' EXIT
+trap 'exit 2' HUP INT TERM
+
+PASSED=0
+FAILED=0
+
+ok() { PASSED=$((PASSED + 1)); }
+bad() { # bad DESCRIPTION EXPECTED GOT
+  FAILED=$((FAILED + 1))
+  printf 'FAIL: %s\n  expected: %s\n  got:      %s\n' "$1" "$2" "$3"
+}
+
+# Runs the tool with a time limit; sets RC and leaves stdout in $T/out and stderr in $T/err.
+run() {
+  timeout 20 "$ZBPP" "$@" >"$T/out" 2>"$T/err"
+  RC=$?
+}
+
+# What a failing check shows of a file: its first lines.
+show() { head -c 600 "$1" 2>/dev/null | tr '\n' '|'; }
+
+check_eq() { # check_eq DESCRIPTION EXPECTED GOT
+  if [ "$2" = "$3" ]; then ok; else bad "$1" "$2" "$3"; fi
+}
+
+check_rc() { # check_rc DESCRIPTION WANT_RC (after run)
+  if [ "$RC" -eq "$2" ]; then ok; else bad "$1: exit code" "$2" "$RC; stderr: $(show "$T/err")"; fi
+}
+
+check_grep() { # check_grep DESCRIPTION FILE FIXED_STRING
+  if grep -q -F -e "$3" "$2"; then ok; else bad "$1" "'$3' in $(basename "$2")" "$(show "$2")"; fi
+}
+
+check_grep_i() { # the same, ignoring case
+  if grep -q -i -F -e "$3" "$2"; then ok; else bad "$1" "'$3' in $(basename "$2")" "$(show "$2")"; fi
+}
+
+check_empty() { # check_empty DESCRIPTION FILE
+  if [ ! -s "$2" ]; then ok; else bad "$1" "nothing" "$(show "$2")"; fi
+}
+
+# expect_error DESCRIPTION WANT_RC NEEDLE ARGS...: a clean failure. WANT_RC is a number or 'any';
+# any failure must exit 1..123 (124 is timeout's, 128+ a signal: a hang or a crash), print nothing
+# on stdout, and say on stderr what was wrong (NEEDLE, case-insensitive; '' for any message).
+expect_error() {
+  e_desc=$1
+  e_rc=$2
+  e_needle=$3
+  shift 3
+  run "$@"
+  if [ "$RC" -ge 124 ]; then
+    bad "$e_desc: no crash or hang" "exit code 1..123" "$RC (124 = timed out, 128+N = signal N)"
+    return
+  fi
+  if [ "$e_rc" = any ]; then
+    if [ "$RC" -ne 0 ]; then ok; else bad "$e_desc: exit code" "non-zero" "0"; fi
+  else
+    check_rc "$e_desc" "$e_rc"
+  fi
+  if [ -s "$T/err" ]; then ok; else bad "$e_desc: message on stderr" "a message" "nothing"; fi
+  if [ -n "$e_needle" ]; then check_grep_i "$e_desc: message names the problem" "$T/err" "$e_needle"; fi
+  check_empty "$e_desc: nothing on stdout" "$T/out"
+}
+
+# ---- help and version --------------------------------------------------------------------------
+
+run --help
+check_rc "--help" 0
+for kind in gpipe 1f1b interleaved-1f1b zb-h1 zb-h2 zb-v v-half v-min zb-auto; do
+  if grep -q -E "^ +$kind( |\$)" "$T/out"; then ok; else
+    bad "--help lists kind $kind on its own line" "a line '  $kind ...'" "$(show "$T/out")"
+  fi
+done
+if grep -q -E "^ +custom( |\$)" "$T/out"; then
+  bad "--help does not offer 'custom' (it cannot be generated)" "no 'custom' line" "$(show "$T/out")"
+else ok; fi
+
+MAJOR=$(sed -n 's/^#define ZB_VERSION_MAJOR \([0-9][0-9]*\).*/\1/p' "$REPO/include/zbpp.h")
+MINOR=$(sed -n 's/^#define ZB_VERSION_MINOR \([0-9][0-9]*\).*/\1/p' "$REPO/include/zbpp.h")
+PATCH=$(sed -n 's/^#define ZB_VERSION_PATCH \([0-9][0-9]*\).*/\1/p' "$REPO/include/zbpp.h")
+run --version
+check_rc "--version" 0
+check_grep "--version prints the header's version" "$T/out" "$MAJOR.$MINOR.$PATCH"
+
+# ---- text --------------------------------------------------------------------------------------
+
+run schedule zb-v -p 4 -m 8
+check_rc "schedule zb-v -p 4 -m 8" 0
+check_eq "text grid has one line per rank" 4 "$(grep -c '^rank ' "$T/out")"
+check_grep "zb-v at m = 2p has no bubble" "$T/out" "bubble 0.00%"
+
+# ---- JSON --------------------------------------------------------------------------------------
+
+PY=/usr/bin/python3
+if [ ! -x "$PY" ]; then
+  echo "note: $PY is missing; skipping the JSON checks"
+else
+  # check.py FILE [DURATION] [MEM_LIMIT]: prints what is wrong, nothing if the file is right.
+  cat >"$T/check.py" <<'EOF'
+import json, sys
+path = sys.argv[1]
+want_dur = float(sys.argv[2]) if len(sys.argv) > 2 and sys.argv[2] != "-" else None
+want_limit = sys.argv[3] if len(sys.argv) > 3 else None
+try:
+    d = json.load(open(path))
+except Exception as e:
+    print("not JSON: %s" % e); sys.exit(0)
+keys = {"kind", "ranks", "chunks", "stages", "microbatches", "placement", "w_share", "mem_limit",
+        "schedule", "cost", "bubble_rate", "peak_memory"}
+if set(d) != keys:
+    print("keys %s, expected %s" % (sorted(d), sorted(keys))); sys.exit(0)
+p, S, m = d["ranks"], d["stages"], d["microbatches"]
+if len(d["schedule"]) != p:
+    print("schedule has %d lists for %d ranks" % (len(d["schedule"]), p))
+seen = {}
+for r, ops in enumerate(d["schedule"]):
+    for o in ops:
+        if set(o) != {"op", "stage", "mb", "start", "end"}:
+            print("rank %d: op keys %s" % (r, sorted(o))); sys.exit(0)
+        k = (o["op"], o["stage"], o["mb"])
+        seen[k] = seen.get(k, 0) + 1
+        if want_dur is not None and abs(o["end"] - o["start"] - want_dur) > 1e-9:
+            print("rank %d: %s lasts %r, expected %r" % (r, k, o["end"] - o["start"], want_dur))
+            sys.exit(0)
+for s in range(S):
+    for i in range(m):
+        for t in "FBW":
+            if seen.get((t, s, i), 0) != 1:
+                print("(stage %d, mb %d) has %d %s ops, expected 1" % (s, i, seen.get((t, s, i), 0), t))
+                sys.exit(0)
+if sum(seen.values()) != 3 * S * m:
+    print("%d ops, expected 3*S*m = %d" % (sum(seen.values()), 3 * S * m))
+if want_limit is not None:
+    got = d["mem_limit"]
+    if want_limit == "null" and got is not None:
+        print("mem_limit is %r, expected null" % got)
+    if want_limit != "null" and (got is None or abs(got - float(want_limit)) > 1e-9):
+        print("mem_limit is %r, expected %s" % (got, want_limit))
+EOF
+  json_check() { # json_check DESCRIPTION [DURATION] [MEM_LIMIT]  (on $T/out)
+    j_desc=$1
+    shift
+    j_msg=$("$PY" "$T/check.py" "$T/out" "$@" 2>&1)
+    if [ -z "$j_msg" ]; then ok; else bad "$j_desc" "a well-formed schedule" "$j_msg"; fi
+  }
+
+  run schedule zb-h1 -p 4 -m 8 --format json
+  check_rc "schedule zb-h1 --format json" 0
+  json_check "zb-h1 JSON (unit times: every op lasts 1, no limit)" 1 null
+
+  run schedule zb-h1 -p 4 -m 8 --format json --mem-limit 2p
+  check_rc "schedule zb-h1 --mem-limit 2p --format json" 0
+  json_check "zb-h1 JSON with --mem-limit 2p (limit 8)" 1 8
+
+  # --times is per rank: with v = 2 each op takes half.
+  run schedule zb-v -p 2 -m 4 --times 2,2,2 --format json
+  check_rc "schedule zb-v --times 2,2,2 --format json" 0
+  json_check "zb-v --times 2,2,2: every op lasts 1.0" 1.0 null
+
+  # A torch-style compute_only CSV: idle cells, I (input backward), W, and B (full backward).
+  printf '0F0,0F1,,0B0,,0B1\n,1F0,1I0,1F1,1I1,1W0,1W1\n' >"$T/torch.csv"
+  run simulate "$T/torch.csv" --format json
+  check_rc "simulate a torch-style CSV" 0
+  TYPES=$("$PY" -c 'import json,sys; d=json.load(open(sys.argv[1])); print(" ".join("".join(sorted(set(o["op"] for o in ops))) for ops in d["schedule"]))' "$T/out" 2>&1 | tail -n 1)
+  check_eq "torch CSV: rank 0 fused backward (B), rank 1 split (I and W)" "BWF BFW" "$TYPES"
+fi
+
+# A torch-style CSV in the default (text) format too, so it is covered without python.
+printf '0F0,0F1,,0B0,,0B1\n,1F0,1I0,1F1,1I1,1W0,1W1\n' >"$T/torch.csv"
+run simulate "$T/torch.csv"
+check_rc "simulate a torch-style CSV (text)" 0
+check_eq "torch CSV: two ranks in the grid" 2 "$(grep -c '^rank ' "$T/out")"
+
+# ---- CSV round trip through files -------------------------------------------------------------
+
+run schedule 1f1b -p 4 -m 8 --format csv -o "$T/a.csv"
+check_rc "schedule 1f1b --format csv -o a.csv" 0
+check_empty "-o: nothing on stdout" "$T/out"
+check_grep "-o: a summary on stderr" "$T/err" "wrote"
+check_eq "a.csv has one row per rank" 4 "$(grep -c . "$T/a.csv" 2>/dev/null)"
+run simulate "$T/a.csv" --format csv -o "$T/b.csv"
+check_rc "simulate a.csv --format csv -o b.csv" 0
+check_empty "simulate -o: nothing on stdout" "$T/out"
+check_grep "simulate -o: a summary on stderr" "$T/err" "wrote"
+if cmp -s "$T/a.csv" "$T/b.csv"; then ok; else
+  bad "CSV survives a round trip" "b.csv identical to a.csv" "$(show "$T/a.csv") vs $(show "$T/b.csv")"
+fi
+
+# ---- Chrome trace and SVG ----------------------------------------------------------------------
+
+run schedule zb-h2 -p 4 -m 8 --format chrome
+check_rc "--format chrome" 0
+check_grep "chrome trace has traceEvents" "$T/out" "traceEvents"
+if [ -x "${PY:-}" ]; then
+  if "$PY" -c 'import json,sys; json.load(open(sys.argv[1]))' "$T/out" 2>"$T/pyerr"; then ok; else
+    bad "chrome trace parses as JSON" "valid JSON" "$(show "$T/pyerr")"
+  fi
+fi
+
+run schedule v-half -p 4 -m 8 --format svg
+check_rc "--format svg" 0
+FIRST=$(head -c 5 "$T/out")
+case "$FIRST" in
+  "<svg"* | "<?xml") ok ;;
+  *) bad "svg output starts like SVG" "<svg or <?xml" "$FIRST" ;;
+esac
+check_grep "svg output is closed" "$T/out" "</svg>"
+
+# ---- bad input ---------------------------------------------------------------------------------
+
+expect_error "-p 0" 1 "ranks" schedule 1f1b -p 0 -m 8
+expect_error "-m -1" any "microbatches" schedule 1f1b -p 4 -m -1
+expect_error "unknown kind" 2 "zb-v" schedule nope -p 4 -m 8
+check_grep "unknown kind: message names the kind given" "$T/err" "nope"
+check_grep "unknown kind: message lists 1f1b" "$T/err" "1f1b"
+expect_error "-v 3 for zb-v" any "v = 3" schedule zb-v -p 4 -m 8 -v 3
+expect_error "interleaved-1f1b -p 4 -m 6" any "multiple" schedule interleaved-1f1b -p 4 -m 6
+expect_error "--times with two values" 2 "--times" schedule 1f1b -p 4 -m 8 --times 1,2
+expect_error "--times with a non-number" any "--times" schedule 1f1b -p 4 -m 8 --times 1,x,3
+expect_error "--comm nan" any "comm" schedule 1f1b -p 4 -m 8 --comm nan
+expect_error "--w-share 2" any "w_share" schedule zb-h1 -p 4 -m 8 --w-share 2
+expect_error "zb-auto --mem-limit 0.5" 1 "minimum is 1" schedule zb-auto -p 4 -m 8 --mem-limit 0.5
+# ZB-H2 needs 2p-1 = 7 microbatches of activations: a limit of 2 breaks the memory rule.
+expect_error "zb-h2 --mem-limit 2" 1 "memory" schedule zb-h2 -p 4 -m 8 --mem-limit 2
+check_grep_i "zb-h2 --mem-limit 2: message names the limit" "$T/err" "limit"
+expect_error "missing -p" 2 "-p" schedule 1f1b -m 8
+expect_error "unknown command" 2 "schedule" frobnicate
+
+printf '0F0,0F' >"$T/trunc.csv"
+expect_error "truncated CSV" 1 "0F" simulate "$T/trunc.csv"
+expect_error "missing file" 1 "no-such-file.csv" simulate "$T/no-such-file.csv"
+printf '' >"$T/empty.csv"
+expect_error "empty CSV" 1 "empty" simulate "$T/empty.csv"
+# Rank 1 runs the backward of stage 1 before its forward: a dependency out of order.
+printf '0F0,0B0\n1B0,1F0\n' >"$T/broken.csv"
+expect_error "CSV that breaks a rule" 1 "rank" simulate "$T/broken.csv"
+# Under loop placement with p = 2, stage 1 lives on rank 1, not on rank 0 (the first row).
+printf '1F0,1B0\n0F0,0B0\n' >"$T/wrong_rank.csv"
+expect_error "CSV with an op on the wrong rank" 1 "rank" simulate "$T/wrong_rank.csv"
+
+expect_error "unknown option" 2 "--bogus" schedule 1f1b -p 4 -m 8 --bogus
+expect_error "--format png" 2 "png" schedule 1f1b -p 4 -m 8 --format png
+check_grep "--format png: message lists the formats" "$T/err" "svg"
+expect_error "-o into a missing directory" 1 "no-such-dir" schedule 1f1b -p 2 -m 2 -o "$T/no-such-dir/x.txt"
+
+# ---- summary -----------------------------------------------------------------------------------
+
+echo "$PASSED passed, $FAILED failed"
+if [ "$FAILED" -eq 0 ]; then exit 0; else exit 1; fi
