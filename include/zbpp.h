@@ -250,7 +250,8 @@ ZB_API zb_status_t zb_schedule_export(zb_schedule_t *schedule, zb_format_t forma
  * empty cells (torch's idle steps) are skipped. p is the number of rows, S the largest stage + 1,
  * v = S / p, m the largest microbatch + 1, and the placement is inferred (V when stage p sits on rank
  * p-1). Costs, w-share and memory limit come from spec (its ranks/chunks/microbatches/kind are
- * ignored; spec may be NULL for the defaults). The result is not validated: call zb_schedule_validate. */
+ * ignored, except that per-stage time arrays need ranks * chunks to equal the file's stage count;
+ * spec may be NULL for the defaults). The result is not validated: call zb_schedule_validate. */
 ZB_API zb_status_t zb_schedule_import(zb_schedule_t **out, zb_format_t format, const char *text,
                                       size_t len, const zb_schedule_spec_t *spec);
 

@@ -84,7 +84,7 @@ static inline double zb__op_mem(const zb_schedule_t *s, int type) {
   }
 }
 
-/* Letter used in text and CSV for an op type: F, B, W and "BW". */
+/* Name of an op type in messages and JSON: F, B, W and "BW" (CSV uses torch's letters instead). */
 const char *zb__op_name(int type);
 
 /* Tolerance for comparing simulated times and memory (sums of a few thousand doubles). */

@@ -34,6 +34,14 @@ static const char *rank_label(int type) { return zb__op_name(type); }
 
 zb_status_t zb__validate_structure(const zb_schedule_t *s) {
   size_t n = (size_t)s->S * (size_t)s->m;
+  /* A schedule needs at least one F and one BW per (stage, microbatch). Say so before allocating
+   * tables for a huge S x m that a few ops could never fill (an imported "65535F900" claims 65536
+   * stages and 901 microbatches). Small cases go on, to name the exact op that is missing. */
+  if ((size_t)s->n_ops < 2 * n && n > ((size_t)1 << 22))
+    return ZB_FAIL(ZB_ERR_INVALID_SCHEDULE,
+                   "%d ops cannot cover %d stages x %d microbatches, which need at least %zu (rule: "
+                   "exactly one F, and one BW or one B and one W, per stage and microbatch)",
+                   s->n_ops, s->S, s->m, 2 * n);
   tables_t t = {0};
   t.posF = malloc(n * sizeof(int));
   t.posB = malloc(n * sizeof(int));

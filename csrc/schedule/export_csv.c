@@ -1,0 +1,267 @@
+/*
+ * export_csv.c - reads and writes torch.distributed.pipelining's "compute_only" action CSV.
+ *
+ * The format: one row per rank (row r is rank r's ops in order), comma-separated cells, each cell
+ * "<stage><type><microbatch>" such as "0F3". torch's types map onto ours as
+ *   F -> F (forward),  I -> B (input-gradient backward),  W -> W,  B -> BW (torch's full backward).
+ * torch writes an empty cell for an idle step; we skip those on import and never write them.
+ *
+ * What this is not: a reader for torch's other CSV flavours. Communication actions (SEND_F, RECV_B,
+ * UNSHARD, ...) appear only in the lowered "compute_comms" schedules; they are rejected with an
+ * error that says so, because the runtime posts its own sends and receives from the channel rules.
+ * Import does not validate either: zb_schedule_validate is the caller's next step and gives the
+ * better message for a schedule that parses but breaks a rule.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+/* Bounds that keep every index in int and match the limits zb_schedule_create enforces. */
+#define MAX_NUMBER 1000000   /* largest stage or microbatch number a cell may carry */
+#define MAX_ROWS 65536       /* ranks */
+#define MAX_STAGES 65536     /* S = p * v */
+#define MAX_OPS 200000000LL  /* ops in the whole file, and 3 * S * m */
+
+/* torch's letter for each of our op types, indexed by zb_op_type_t. */
+static const char csv_letter[4] = {'F', 'I', 'W', 'B'};
+
+zb_status_t zb__export_csv(const zb_schedule_t *s, char **out, size_t *len) {
+  zb__sbuf_t b = {0};
+  for (int r = 0; r < s->p; r++) {
+    for (int k = s->rank_off[r]; k < s->rank_off[r + 1]; k++) {
+      const zb_op_t *op = &s->ops[k];
+      /* A schedule from zb_schedule_create_from_ops is not validated; refuse what could not be read
+       * back rather than write a file that import would reject. */
+      if (op->type < ZB_OP_F || op->type > ZB_OP_BW || op->stage < 0 || op->mb < 0) {
+        free(b.buf);
+        return ZB_FAIL(ZB_ERR_INVALID_SCHEDULE,
+                       "rank %d, position %d: op (type %d, stage %d, mb %d) cannot be written as "
+                       "CSV; types are F, B, W, BW and stage and microbatch must be >= 0",
+                       r, k - s->rank_off[r], (int)op->type, (int)op->stage, (int)op->mb);
+      }
+      if (k > s->rank_off[r]) zb__sbuf_putc(&b, ',');
+      zb__sbuf_printf(&b, "%d%c%d", (int)op->stage, csv_letter[op->type], (int)op->mb);
+    }
+    zb__sbuf_putc(&b, '\n');
+  }
+  return zb__sbuf_finish(&b, out, len);
+}
+
+/* ---- import ----------------------------------------------------------------------------------- */
+
+static int is_space(char c) { return c == ' ' || c == '\t' || c == '\r'; }
+static int is_digit(char c) { return c >= '0' && c <= '9'; }
+static int is_alpha(char c) { return (c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z') || c == '_'; }
+
+/* Copies up to 24 bytes of a cell into `out` for a message, replacing anything unprintable with '?'
+ * (the input may be binary) and marking a cut with "...". */
+static const char *cell_excerpt(const char *cell, size_t n, char out[32]) {
+  size_t k = 0;
+  for (; k < n && k < 24; k++) {
+    unsigned char c = (unsigned char)cell[k];
+    out[k] = (c >= 32 && c < 127) ? (char)c : '?';
+  }
+  if (k < n) out[k++] = '.', out[k++] = '.', out[k++] = '.';
+  out[k] = '\0';
+  return out;
+}
+
+/* Reads a run of digits as a bounded non-negative number. Returns the number of digits consumed
+ * (0 if none), or -1 if the value exceeds MAX_NUMBER. */
+static int read_number(const char *t, size_t n, size_t *pos, int *value) {
+  long v = 0;
+  int digits = 0;
+  while (*pos < n && is_digit(t[*pos])) {
+    v = v * 10 + (t[*pos] - '0');
+    if (v > MAX_NUMBER) return -1;
+    (*pos)++;
+    digits++;
+  }
+  *value = (int)v;
+  return digits;
+}
+
+/* Parses one trimmed, non-empty cell. `row`/`col` are 1-based for the message; rank = row - 1. */
+static zb_status_t parse_cell(const char *cell, size_t n, int row, int col, zb_op_t *op) {
+  char ex[32];
+  size_t pos = 0;
+  int stage = 0, mb = 0;
+  int d = read_number(cell, n, &pos, &stage);
+  if (d < 0)
+    return ZB_FAIL(ZB_ERR_PARSE,
+                   "row %d (rank %d), column %d: cell '%s' has a stage number above %d; stage and "
+                   "microbatch numbers must be between 0 and %d",
+                   row, row - 1, col, cell_excerpt(cell, n, ex), MAX_NUMBER, MAX_NUMBER);
+  size_t type_at = pos;
+  while (pos < n && is_alpha(cell[pos])) pos++;
+  size_t type_len = pos - type_at;
+  if (d == 0 || type_len == 0)
+    return ZB_FAIL(ZB_ERR_PARSE,
+                   "row %d (rank %d), column %d: cell '%s' is not <stage><type><microbatch>, e.g. "
+                   "0F3; types are F, I, B and W (torch's compute_only CSV)",
+                   row, row - 1, col, cell_excerpt(cell, n, ex));
+  char letter = cell[type_at];
+  int is_compute = type_len == 1 && (letter == 'F' || letter == 'I' || letter == 'B' || letter == 'W');
+  if (!is_compute) {
+    /* torch's other action types; named so the user knows which CSV flavour they handed us. */
+    static const char *const comm[] = {"SEND_F", "RECV_F", "SEND_B", "RECV_B", "UNSHARD", "RESHARD"};
+    for (size_t k = 0; k < sizeof comm / sizeof comm[0]; k++)
+      if (strlen(comm[k]) == type_len && memcmp(comm[k], cell + type_at, type_len) == 0)
+        return ZB_FAIL(ZB_ERR_PARSE,
+                       "row %d (rank %d), column %d: cell '%s' is a communication action (%s); "
+                       "only torch's compute_only CSV is read, whose types are F, I, B and W",
+                       row, row - 1, col, cell_excerpt(cell, n, ex), comm[k]);
+    char ty[32];
+    return ZB_FAIL(ZB_ERR_PARSE,
+                   "row %d (rank %d), column %d: cell '%s' has type '%s'; only torch's "
+                   "compute_only CSV is read, whose types are F (forward), I (input-gradient "
+                   "backward), B (full backward) and W (weight-gradient backward)",
+                   row, row - 1, col, cell_excerpt(cell, n, ex),
+                   cell_excerpt(cell + type_at, type_len, ty));
+  }
+  d = read_number(cell, n, &pos, &mb);
+  if (d < 0)
+    return ZB_FAIL(ZB_ERR_PARSE,
+                   "row %d (rank %d), column %d: cell '%s' has a microbatch number above %d; stage "
+                   "and microbatch numbers must be between 0 and %d",
+                   row, row - 1, col, cell_excerpt(cell, n, ex), MAX_NUMBER, MAX_NUMBER);
+  if (d == 0 || pos != n)
+    return ZB_FAIL(ZB_ERR_PARSE,
+                   "row %d (rank %d), column %d: cell '%s' is not <stage><type><microbatch>, e.g. "
+                   "0F3; types are F, I, B and W (torch's compute_only CSV)",
+                   row, row - 1, col, cell_excerpt(cell, n, ex));
+  op->type = letter == 'F' ? ZB_OP_F : letter == 'I' ? ZB_OP_B : letter == 'W' ? ZB_OP_W : ZB_OP_BW;
+  op->stage = stage;
+  op->mb = mb;
+  return ZB_OK;
+}
+
+/* Is [a, b) only spaces, tabs and carriage returns? */
+static int blank(const char *t, size_t a, size_t b) {
+  for (size_t k = a; k < b; k++)
+    if (!is_space(t[k])) return 0;
+  return 1;
+}
+
+/* Placement from the ops: V when v == 2 and stage p appears on rank p-1 (the bottom of the V);
+ * under loop placement stage p would sit on rank 0. */
+static zb_placement_t infer_placement(const zb__oplists_t *l, int p, int v) {
+  if (v != 2) return ZB_PLACEMENT_LOOP;
+  for (int k = 0; k < l->count[p - 1]; k++)
+    if (l->list[p - 1][k].stage == p) return ZB_PLACEMENT_V;
+  return ZB_PLACEMENT_LOOP;
+}
+
+zb_status_t zb__import_csv(zb_schedule_t **out, const char *text, size_t len,
+                           const zb_schedule_spec_t *spec) {
+  *out = NULL;
+  /* Pass 1: the number of rows. Trailing blank lines (and a final newline) are not ranks; a blank
+   * line between rows is a rank with no ops, which is what export writes for one. */
+  long long rows = 0, lines = 0;
+  for (size_t a = 0; a < len;) {
+    size_t b = a;
+    while (b < len && text[b] != '\n') b++;
+    lines++;
+    if (!blank(text, a, b)) rows = lines;
+    if (rows > MAX_ROWS)
+      return ZB_FAIL(ZB_ERR_PARSE, "row %lld: more than %d rows; the CSV has one row per rank and "
+                                   "at most %d ranks are supported",
+                     rows, MAX_ROWS, MAX_ROWS);
+    a = b + 1;
+  }
+  if (rows == 0)
+    return ZB_FAIL(ZB_ERR_PARSE,
+                   "empty schedule: the CSV has no rows; it needs one row of cells like 0F3 per "
+                   "rank");
+  int p = (int)rows;
+
+  /* Pass 2: the cells. */
+  zb__oplists_t l;
+  ZB_CHECK(zb__oplists_init(&l, p));
+  zb_status_t st = ZB_OK;
+  zb_schedule_t *s = NULL;
+  int max_stage = -1, max_mb = -1;
+  long long total = 0;
+  size_t a = 0;
+  for (int r = 0; r < p; r++) {
+    size_t b = a;
+    while (b < len && text[b] != '\n') b++;
+    int col = 0;
+    for (size_t c = a; c <= b;) {
+      size_t e = c;
+      while (e < b && text[e] != ',') e++;
+      col++;
+      size_t x = c, y = e;
+      while (x < y && is_space(text[x])) x++;
+      while (y > x && is_space(text[y - 1])) y--;
+      if (y > x) { /* an empty cell is an idle step in torch's CSV */
+        zb_op_t op = {0, 0, 0};
+        ZB_CHECK_GOTO(parse_cell(text + x, y - x, r + 1, col, &op), st, fail);
+        if (++total > MAX_OPS) {
+          st = ZB_FAIL(ZB_ERR_PARSE, "row %d (rank %d): more than %lld ops in the CSV", r + 1, r,
+                       MAX_OPS);
+          goto fail;
+        }
+        ZB_CHECK_GOTO(zb__oplists_push(&l, r, op.type, op.stage, op.mb), st, fail);
+        if (op.stage > max_stage) max_stage = op.stage;
+        if (op.mb > max_mb) max_mb = op.mb;
+      }
+      c = e + 1;
+    }
+    a = b + 1;
+  }
+  if (total == 0) {
+    st = ZB_FAIL(ZB_ERR_PARSE,
+                 "empty schedule: %d rows but no ops; cells look like 0F3 (stage, type F/I/B/W, "
+                 "microbatch)",
+                 p);
+    goto fail;
+  }
+
+  int S = max_stage + 1, m = max_mb + 1;
+  if (S % p != 0) {
+    st = ZB_FAIL(ZB_ERR_PARSE,
+                 "the CSV uses %d stages (0..%d) over %d ranks (one row per rank); the number of "
+                 "stages must be a multiple of the number of rows (v = stages / ranks chunks each)",
+                 S, max_stage, p);
+    goto fail;
+  }
+  if (S > MAX_STAGES || 3LL * S * m > MAX_OPS) {
+    st = ZB_FAIL(ZB_ERR_PARSE,
+                 "the CSV uses %d stages and %d microbatches over %d rows; at most %d stages and "
+                 "3 * stages * microbatches <= %lld are supported",
+                 S, m, p, MAX_STAGES, MAX_OPS);
+    goto fail;
+  }
+  int v = S / p;
+  /* Per-stage times in the spec must describe exactly these stages, or alloc would read past the
+   * caller's arrays. */
+  if (spec->stage_time_f || spec->stage_time_b || spec->stage_time_w || spec->stage_time_bw) {
+    long long given = (long long)spec->ranks * (spec->chunks > 0 ? spec->chunks : 1);
+    if (given != S) {
+      st = ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
+                   "the spec gives per-stage times for ranks * chunks = %lld stages, but the CSV "
+                   "has %d stages (%d rows, v = %d); set ranks and chunks to match or leave the "
+                   "stage_time arrays NULL",
+                   given, S, p, v);
+      goto fail;
+    }
+  }
+
+  zb_schedule_spec_t copy = *spec;
+  copy.kind = ZB_KIND_CUSTOM;
+  copy.ranks = p;
+  copy.chunks = v;
+  copy.microbatches = m;
+  ZB_CHECK_GOTO(zb__schedule_alloc(&s, &copy, p, v, m, infer_placement(&l, p, v)), st, fail);
+  ZB_CHECK_GOTO(zb__schedule_take_ops(s, &l), st, fail);
+  zb__oplists_free(&l);
+  *out = s;
+  return ZB_OK;
+
+fail:
+  zb__oplists_free(&l);
+  zb__schedule_free(s);
+  return st;
+}

@@ -1,0 +1,183 @@
+/*
+ * export_svg.c - a standalone SVG timeline of a simulated schedule, drawn like the figures of the
+ * Zero Bubble paper (Qi et al., 2023): one row per rank, time to the right, one box per op coloured
+ * by its type, the microbatch number in the box.
+ *
+ * The picture is always about WIDTH pixels wide (long schedules are scaled down) and its height
+ * grows with p. Later chunks of a V or interleaved schedule use darker shades of their type's colour.
+ *
+ * What this is not: an interactive view (use the chrome format in Perfetto for that) or a plotting
+ * library. It writes SVG 1.1 text only; any text it places is XML-escaped.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "internal.h"
+
+#define WIDTH 1200.0
+#define LEFT 70.0  /* room for "rank 12" */
+#define RIGHT 20.0
+#define TOP 62.0   /* title and legend sit above the rows */
+
+typedef struct {
+  unsigned char r, g, b;
+} rgb_t;
+
+/* Light shade (chunk 0) and dark shade (last chunk) per op type, indexed by zb_op_type_t. BW is a
+ * darker blend of B's teal and W's green, so a fused backward reads as "both". */
+static const rgb_t light[4] = {{0x9f, 0xc5, 0xe8}, {0x7f, 0xd6, 0xd6}, {0xb6, 0xd7, 0xa8}, {0x7b, 0xab, 0x99}};
+static const rgb_t dark[4] = {{0x3d, 0x78, 0xb5}, {0x2b, 0x9a, 0x9a}, {0x5f, 0x9e, 0x48}, {0x3e, 0x7a, 0x68}};
+static const char *const type_label[4] = {"F forward", "B input-grad backward",
+                                          "W weight-grad backward", "BW fused backward"};
+
+static rgb_t op_colour(int type, int chunk, int v) {
+  double t = v > 1 ? (double)chunk / (v - 1) : 0;
+  rgb_t a = light[type & 3], z = dark[type & 3];
+  rgb_t c = {(unsigned char)(a.r + (z.r - a.r) * t + 0.5), (unsigned char)(a.g + (z.g - a.g) * t + 0.5),
+             (unsigned char)(a.b + (z.b - a.b) * t + 0.5)};
+  return c;
+}
+
+/* Writes text with &, <, >, " and ' escaped, dropping control bytes XML 1.0 does not allow. */
+static void put_xml(zb__sbuf_t *b, const char *str) {
+  for (const unsigned char *c = (const unsigned char *)(str ? str : ""); *c; c++) {
+    switch (*c) {
+      case '&': zb__sbuf_printf(b, "&amp;"); break;
+      case '<': zb__sbuf_printf(b, "&lt;"); break;
+      case '>': zb__sbuf_printf(b, "&gt;"); break;
+      case '"': zb__sbuf_printf(b, "&quot;"); break;
+      case '\'': zb__sbuf_printf(b, "&apos;"); break;
+      default:
+        if (*c >= 0x20 || *c == '\t' || *c == '\n') zb__sbuf_putc(b, (char)*c);
+    }
+  }
+}
+
+/* A finite coordinate: non-finite times (only possible with absurd costs) collapse to the left. */
+static double fin(double x) { return isfinite(x) ? x : 0; }
+
+static double nice_step(double raw) {
+  if (!(raw > 0) || isinf(raw)) return 1;
+  double mag = pow(10, floor(log10(raw)));
+  double f = raw / mag;
+  return (f <= 1 ? 1 : f <= 2 ? 2 : f <= 5 ? 5 : 10) * mag;
+}
+
+zb_status_t zb__export_svg(const zb_schedule_t *s, char **out, size_t *len) {
+  double origin = INFINITY, last = -INFINITY;
+  int used[4] = {0, 0, 0, 0};
+  for (int k = 0; k < s->n_ops; k++) {
+    if (s->start[k] < origin) origin = s->start[k];
+    if (s->end[k] > last) last = s->end[k];
+    used[s->ops[k].type & 3] = 1;
+  }
+  if (!isfinite(origin)) origin = 0;
+  double extent = last - origin;
+  if (!(extent > 0) || !isfinite(extent)) extent = 1;
+  double plot_w = WIDTH - LEFT - RIGHT, scale = plot_w / extent;
+
+  /* Rows keep a readable height up to 16 ranks, then share about 420 px. */
+  double row_h = s->p <= 16 ? 26 : fmax(4, 420.0 / s->p);
+  double gap = row_h >= 10 ? 3 : 1;
+  double axis_y = TOP + s->p * (row_h + gap) + 4;
+  double height = axis_y + 36;
+
+  zb__sbuf_t b = {0};
+  zb__sbuf_printf(&b,
+                  "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%.0f\" height=\"%.0f\" "
+                  "viewBox=\"0 0 %.0f %.0f\" font-family=\"Helvetica, Arial, sans-serif\">\n",
+                  WIDTH, height, WIDTH, height);
+  zb__sbuf_printf(&b, "<rect class=\"bg\" x=\"0\" y=\"0\" width=\"%.0f\" height=\"%.0f\" "
+                      "fill=\"white\"/>\n",
+                  WIDTH, height);
+
+  /* Title. */
+  char title[256];
+  const char *kind = zb_kind_name(s->kind);
+  snprintf(title, sizeof title, "%s, p=%d v=%d m=%d, cost %.6g, bubble %.2f%%, peak memory %.4g",
+           kind ? kind : "?", s->p, s->v, s->m, s->sim.cost, 100 * s->sim.bubble_rate,
+           s->sim.max_peak_memory);
+  zb__sbuf_printf(&b, "<text x=\"%.0f\" y=\"22\" font-size=\"15\" font-weight=\"bold\">", LEFT);
+  put_xml(&b, title);
+  zb__sbuf_printf(&b, "</text>\n");
+
+  /* Legend: one swatch per op type present, then a note on chunk shades. */
+  double lx = LEFT;
+  for (int t = 0; t < 4; t++) {
+    if (!used[t]) continue;
+    rgb_t c = op_colour(t, 0, 1);
+    zb__sbuf_printf(&b,
+                    "<rect class=\"key\" x=\"%.1f\" y=\"34\" width=\"14\" height=\"14\" "
+                    "fill=\"#%02x%02x%02x\"/><text x=\"%.1f\" y=\"45\" font-size=\"12\">",
+                    lx, c.r, c.g, c.b, lx + 18);
+    put_xml(&b, type_label[t]);
+    zb__sbuf_printf(&b, "</text>\n");
+    /* No text metrics in SVG 1.1: estimate 12 px Helvetica at about 6.8 px per character. */
+    lx += 18 + 6.8 * (double)strlen(type_label[t]) + 18;
+  }
+  if (s->v > 1) {
+    zb__sbuf_printf(&b, "<text x=\"%.1f\" y=\"45\" font-size=\"12\" fill=\"#555\">", lx);
+    put_xml(&b, "darker shade = later chunk; number = microbatch");
+  } else {
+    zb__sbuf_printf(&b, "<text x=\"%.1f\" y=\"45\" font-size=\"12\" fill=\"#555\">", lx);
+    put_xml(&b, "number = microbatch");
+  }
+  zb__sbuf_printf(&b, "</text>\n");
+
+  /* Rows. */
+  for (int r = 0; r < s->p; r++) {
+    double y = TOP + r * (row_h + gap);
+    zb__sbuf_printf(&b,
+                    "<text x=\"%.0f\" y=\"%.1f\" font-size=\"%.1f\" text-anchor=\"end\" "
+                    "dominant-baseline=\"central\">rank %d</text>\n",
+                    LEFT - 8, y + row_h / 2, fmin(13, fmax(4, row_h * 0.7)), r);
+    for (int k = s->rank_off[r]; k < s->rank_off[r + 1]; k++) {
+      const zb_op_t *op = &s->ops[k];
+      double x = LEFT + fin((s->start[k] - origin) * scale);
+      double w = fin((s->end[k] - s->start[k]) * scale);
+      if (x > WIDTH - RIGHT) x = WIDTH - RIGHT;
+      if (w < 0) w = 0;
+      rgb_t c = op_colour(op->type, zb__stage_chunk(s, op->stage), s->v);
+      zb__sbuf_printf(&b,
+                      "<rect class=\"op\" x=\"%.2f\" y=\"%.1f\" width=\"%.2f\" height=\"%.1f\" "
+                      "fill=\"#%02x%02x%02x\" stroke=\"white\" stroke-width=\"%.2f\"/>\n",
+                      x, y, w, row_h, c.r, c.g, c.b, w >= 4 ? 1.0 : 0.25);
+      /* The number, sized to the box; left out only where even a 6 px digit would not fit. */
+      char num[16];
+      int nd = snprintf(num, sizeof num, "%d", (int)op->mb);
+      double font = fmin(13, fmin(row_h * 0.62, (w - 1) / (0.62 * nd)));
+      if (font >= 6) {
+        /* Dark shades get white text, light ones black (relative luminance, ITU-R BT.709). */
+        double lum = 0.2126 * c.r + 0.7152 * c.g + 0.0722 * c.b;
+        zb__sbuf_printf(&b,
+                        "<text x=\"%.2f\" y=\"%.1f\" font-size=\"%.1f\" text-anchor=\"middle\" "
+                        "dominant-baseline=\"central\" fill=\"%s\">%s</text>\n",
+                        x + w / 2, y + row_h / 2, font, lum < 140 ? "white" : "black", num);
+      }
+    }
+  }
+
+  /* Time axis with round ticks. */
+  zb__sbuf_printf(&b,
+                  "<line x1=\"%.0f\" y1=\"%.1f\" x2=\"%.0f\" y2=\"%.1f\" stroke=\"#333\" "
+                  "stroke-width=\"1\"/>\n",
+                  LEFT, axis_y, WIDTH - RIGHT, axis_y);
+  double step = nice_step(extent / 8);
+  for (int i = 0; i <= 1000; i++) {
+    double t = i * step;
+    if (t > extent * (1 + 1e-9)) break;
+    double x = LEFT + t * scale;
+    zb__sbuf_printf(&b,
+                    "<line x1=\"%.2f\" y1=\"%.1f\" x2=\"%.2f\" y2=\"%.1f\" stroke=\"#333\" "
+                    "stroke-width=\"1\"/><text x=\"%.2f\" y=\"%.1f\" font-size=\"11\" "
+                    "text-anchor=\"middle\">%g</text>\n",
+                    x, axis_y, x, axis_y + 5, x, axis_y + 18, origin + t);
+  }
+  zb__sbuf_printf(&b,
+                  "<text x=\"%.0f\" y=\"%.1f\" font-size=\"11\" text-anchor=\"end\" "
+                  "fill=\"#555\">time</text>\n",
+                  WIDTH - RIGHT, axis_y + 32);
+  zb__sbuf_printf(&b, "</svg>\n");
+  return zb__sbuf_finish(&b, out, len);
+}
