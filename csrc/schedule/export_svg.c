@@ -57,12 +57,6 @@ static void put_xml(zb__sbuf_t *b, const char *str) {
 /* A finite coordinate: non-finite times (only possible with absurd costs) collapse to the left. */
 static double fin(double x) { return isfinite(x) ? x : 0; }
 
-static double nice_step(double raw) {
-  if (!(raw > 0) || isinf(raw)) return 1;
-  double mag = pow(10, floor(log10(raw)));
-  double f = raw / mag;
-  return (f <= 1 ? 1 : f <= 2 ? 2 : f <= 5 ? 5 : 10) * mag;
-}
 
 zb_status_t zb__export_svg(const zb_schedule_t *s, char **out, size_t *len) {
   double origin = INFINITY, last = -INFINITY;
@@ -163,7 +157,7 @@ zb_status_t zb__export_svg(const zb_schedule_t *s, char **out, size_t *len) {
                   "<line x1=\"%.0f\" y1=\"%.1f\" x2=\"%.0f\" y2=\"%.1f\" stroke=\"#333\" "
                   "stroke-width=\"1\"/>\n",
                   LEFT, axis_y, WIDTH - RIGHT, axis_y);
-  double step = nice_step(extent / 8);
+  double step = zb__nice_step(extent / 8);
   for (int i = 0; i <= 1000; i++) {
     double t = i * step;
     if (t > extent * (1 + 1e-9)) break;

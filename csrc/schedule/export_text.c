@@ -68,13 +68,6 @@ static int layout_rank(const zb_schedule_t *s, int r, double origin, double scal
   return cursor;
 }
 
-/* A step of 1, 2 or 5 times a power of ten, at least `raw`. */
-static double nice_step(double raw) {
-  if (!(raw > 0) || isinf(raw)) return 1;
-  double mag = pow(10, floor(log10(raw)));
-  double f = raw / mag;
-  return (f <= 1 ? 1 : f <= 2 ? 2 : f <= 5 ? 5 : 10) * mag;
-}
 
 zb_status_t zb__export_text(const zb_schedule_t *s, char **out, size_t *len) {
   /* Time unit: the shortest op, so it gets the fewest columns that still show a label. */
@@ -131,7 +124,7 @@ zb_status_t zb__export_text(const zb_schedule_t *s, char **out, size_t *len) {
   }
 
   /* A time axis: tick labels at a round step, placed where they fit. */
-  double step = nice_step(10 / scale);
+  double step = zb__nice_step(10 / scale);
   memset(line, ' ', (size_t)width);
   line[width] = '\0';
   int free_from = 0;

@@ -146,5 +146,7 @@ void zb__sbuf_printf(zb__sbuf_t *b, const char *fmt, ...) ZB__PRINTF(2, 3);
 void zb__sbuf_putc(zb__sbuf_t *b, char c);
 /* Hands the string over (or fails with ZB_ERR_OUT_OF_MEMORY and frees it). */
 zb_status_t zb__sbuf_finish(zb__sbuf_t *b, char **out, size_t *len);
+/* A tick step for time axes: 1, 2 or 5 times a power of ten, at least `raw`. */
+double zb__nice_step(double raw);
 
 #endif /* ZB_SCHEDULE_INTERNAL_H */

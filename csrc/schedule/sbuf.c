@@ -4,8 +4,9 @@
  * What this is: an append-only buffer that remembers an allocation failure instead of reporting it
  * at every call, so a writer can print freely and check once, in zb__sbuf_finish.
  * What this is not: a general string library. It never shrinks, and it is not safe to share
- * between threads.
+ * between threads. It also holds zb__nice_step, the axis-tick helper the text and SVG writers share.
  */
+#include <math.h>
 #include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -79,4 +80,11 @@ zb_status_t zb__sbuf_finish(zb__sbuf_t *b, char **out, size_t *len) {
   b->buf = NULL;
   b->len = b->cap = 0;
   return ZB_OK;
+}
+
+double zb__nice_step(double raw) {
+  if (!(raw > 0) || isinf(raw)) return 1;
+  double mag = pow(10, floor(log10(raw)));
+  double f = raw / mag;
+  return (f <= 1 ? 1 : f <= 2 ? 2 : f <= 5 ? 5 : 10) * mag;
 }

@@ -169,8 +169,8 @@ zb_status_t zb_schedule_simulate(zb_schedule_t *s, zb_sim_result_t *out) {
   return ZB_OK;
 }
 
-zb_status_t zb_schedule_rank_times(const zb_schedule_t *s, int32_t rank, const double **start,
-                                   const double **end) {
+/* The accessors below read simulation results of one rank. */
+static zb_status_t check_simulated_rank(const zb_schedule_t *s, int32_t rank) {
   ZB_ARG_NOT_NULL(s);
   if (!s->simulated)
     return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "the schedule has not been simulated; call "
@@ -178,6 +178,12 @@ zb_status_t zb_schedule_rank_times(const zb_schedule_t *s, int32_t rank, const d
   if (rank < 0 || rank >= s->p)
     return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "rank %d is out of range; the schedule has ranks 0..%d",
                    (int)rank, s->p - 1);
+  return ZB_OK;
+}
+
+zb_status_t zb_schedule_rank_times(const zb_schedule_t *s, int32_t rank, const double **start,
+                                   const double **end) {
+  ZB_CHECK(check_simulated_rank(s, rank));
   if (start) *start = s->start + s->rank_off[rank];
   if (end) *end = s->end + s->rank_off[rank];
   return ZB_OK;
@@ -185,13 +191,7 @@ zb_status_t zb_schedule_rank_times(const zb_schedule_t *s, int32_t rank, const d
 
 zb_status_t zb_schedule_rank_stats(const zb_schedule_t *s, int32_t rank, double *span, double *busy,
                                    double *peak) {
-  ZB_ARG_NOT_NULL(s);
-  if (!s->simulated)
-    return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "the schedule has not been simulated; call "
-                                            "zb_schedule_simulate first");
-  if (rank < 0 || rank >= s->p)
-    return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "rank %d is out of range; the schedule has ranks 0..%d",
-                   (int)rank, s->p - 1);
+  ZB_CHECK(check_simulated_rank(s, rank));
   if (span) *span = s->span[rank];
   if (busy) *busy = s->busy[rank];
   if (peak) *peak = s->peak[rank];
