@@ -2,9 +2,15 @@
  * bench_schedules.c - bubble rates of every schedule on the Zero Bubble paper's four profiled
  * settings (its Table 3 inputs), and how long each took to generate.
  *
- * Correctness first: every schedule is validated (and zb-auto is checked to be no longer than the
- * handcrafted schedules that fit its limit) before any figure is printed; a failed check exits 1.
- * Then the table, then the large case (zb-auto at p = 64, m = 1024), timed.
+ * Correctness first: every schedule is validated, zb-auto is checked to be no longer than the
+ * handcrafted schedules that fit its limit, and no schedule may beat the critical-path bound below;
+ * a failed check exits 1. Then the table, then the large case (zb-auto at p = 64, m = 1024), timed.
+ *
+ * The bound (any schedule, any memory): rank 0's span covers the first forward reaching the last
+ * rank, (p-1)(T_F + c); then all m forwards and m input-backwards of the last rank, which come before
+ * its last B, m(T_F + T_B); then that B climbing back, (p-1)c + (p-2)T_B, and rank 0's own last B and
+ * W, T_B + T_W; and never less than the busiest rank's own work. The "bound" column is the bubble
+ * rate of a schedule that met it: no schedule, at any memory limit, can show less.
  *
  * Inputs (ms per microbatch through a rank's layers): T_F/T_B/T_W/T_comm as profiled in the paper;
  * w-share = 32h/(34h + 5as) with s = 1024 (the share of activations only W needs).
@@ -86,7 +92,7 @@ int main(void) {
   printf("Bubble rate (%%) per schedule; generation time in ms in brackets.\n");
   printf("%-6s %3s %4s", "model", "p", "m");
   for (int c = 0; c < NCOL; c++) printf(" %16s", columns[c].label);
-  printf("\n");
+  printf(" %8s\n", "bound");
   for (size_t i = 0; i < sizeof settings / sizeof settings[0]; i++) {
     const setting_t *st = &settings[i];
     const int ms_list[] = {3 * st->p, 4 * st->p, 8 * st->p};
@@ -106,13 +112,25 @@ int main(void) {
                 st->model, m);
         failures++;
       }
+      int p = st->p;
+      double bound = (p - 1) * (st->f + st->comm) + m * (st->f + st->b) + (p - 1) * st->comm +
+                     (p - 2) * st->b + st->b + st->w;
+      double busy = m * (st->f + st->b + st->w);
+      if (bound < busy) bound = busy; /* a rank cannot finish before its own work is done either */
+      for (int c = 0; c < NCOL; c++) {
+        if (columns[c].v == 1 && r[c].cost < bound - 1e-6) {
+          fprintf(stderr, "CHECK: %s cost %.3f below the critical-path bound %.3f (%s m=%d)\n",
+                  columns[c].label, r[c].cost, bound, st->model, m);
+          failures++;
+        }
+      }
       printf("%-6s %3d %4d", st->model, st->p, m);
       for (int c = 0; c < NCOL; c++) {
         char cell[32];
         snprintf(cell, sizeof cell, "%.2f [%.0f]", 100 * r[c].bubble_rate, ms[c]);
         printf(" %16s", cell);
       }
-      printf("\n");
+      printf(" %8.2f\n", 100 * (bound - busy) / bound);
     }
   }
 
