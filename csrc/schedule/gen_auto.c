@@ -18,6 +18,7 @@
  * Without a limit zb-auto keeps 1F1B's memory, p. The paper's ZB-1p is zb-auto at limit p and its
  * ZB-2p is zb-auto at limit 2p.
  */
+#include <stdio.h>
 #include <stdlib.h>
 
 #include "internal.h"
@@ -55,8 +56,10 @@ static zb_status_t try_policy(search_t *k, const zb_schedule_t *s, const zb__gre
   ZB_CHECK(zb__schedule_clone_empty(s, &c));
   zb_status_t st = zb__greedy_schedule(c, pol);
   if (st != ZB_OK) {
+    /* One rule set that cannot finish is not a reason to give the user nothing: the others are
+     * still candidates (and if none is, the caller reports this message). */
     zb__schedule_free(c);
-    return st;
+    return st == ZB_ERR_OUT_OF_MEMORY ? st : ZB_OK;
   }
   return consider(k, c);
 }
@@ -82,13 +85,13 @@ zb_status_t zb__gen_auto(zb_schedule_t *s, double limit) {
                    limit);
   search_t k = {NULL, 0, 0, limit};
   int p = s->p;
-  int *caps = malloc(4 * (size_t)p * sizeof(int));
-  if (!caps) return ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory for warm-up caps");
+  int *rules = malloc(4 * (size_t)p * sizeof(int)); /* per-rank warm-up caps and W holds */
+  if (!rules) return ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory for per-rank rules");
   for (int r = 0; r < p; r++) {
-    caps[r] = p - r;               /* ZB-H1's warm-up */
-    caps[p + r] = 2 * (p - r) - 1; /* ZB-H2's warm-up */
-    caps[2 * p + r] = r;           /* W's held back: ZB-H1's deferral */
-    caps[3 * p + r] = 4 * r;       /* and a deeper one, for when memory allows */
+    rules[r] = p - r;               /* ZB-H1's warm-up */
+    rules[p + r] = 2 * (p - r) - 1; /* ZB-H2's warm-up */
+    rules[2 * p + r] = r;           /* W's held back: ZB-H1's deferral */
+    rules[3 * p + r] = 4 * r;       /* and a deeper one, for when memory allows */
   }
   zb_status_t st = ZB_OK;
   if (s->placement == ZB_PLACEMENT_LOOP) {
@@ -96,8 +99,8 @@ zb_status_t zb__gen_auto(zb_schedule_t *s, double limit) {
     for (int variant = 0; variant < 18 && st == ZB_OK; variant++) {
       int cap = (variant >> 1) % 3, hold = (variant >> 1) / 3;
       zb__greedy_policy_t pol = {.limit = limit, .f_before_b = variant & 1};
-      pol.warmup_cap = cap ? caps + (size_t)(cap - 1) * p : NULL;
-      pol.hold_w = hold ? caps + (size_t)(hold + 1) * p : NULL;
+      pol.warmup_cap = cap ? rules + (size_t)(cap - 1) * p : NULL;
+      pol.hold_w = hold ? rules + (size_t)(hold + 1) * p : NULL;
       st = try_policy(&k, s, &pol);
     }
   } else {
@@ -108,7 +111,7 @@ zb_status_t zb__gen_auto(zb_schedule_t *s, double limit) {
       st = try_policy(&k, s, &pol);
     }
   }
-  free(caps);
+  free(rules);
 
   if (st == ZB_OK) {
     zb_status_t (*const loop_kinds[])(zb_schedule_t *) = {zb__gen_1f1b, zb__gen_zb_h1,
@@ -124,8 +127,12 @@ zb_status_t zb__gen_auto(zb_schedule_t *s, double limit) {
     zb__schedule_free(k.best);
     return st;
   }
-  if (!k.best)
-    return ZB_FAIL(ZB_ERR_INTERNAL, "zb-auto found no schedule under limit %.4g", limit);
+  if (!k.best) {
+    char why[512]; /* the message buffer is about to be rewritten: copy what it says first */
+    snprintf(why, sizeof why, "%s", zb_last_error());
+    return ZB_FAIL(ZB_ERR_INTERNAL, "zb-auto found no schedule under limit %.4g (last error: %s)",
+                   limit, why);
+  }
   /* Move the winner's ops into s. */
   free(s->ops);
   free(s->rank_off);
