@@ -280,8 +280,6 @@ zb_status_t zb__greedy_schedule(zb_schedule_t *s, const zb__greedy_policy_t *pol
       if (stg + 1 < S) {
         int c = rank_of(s, stg + 1);
         if (c != r) wake(&g, c, end + s->t_comm);
-      } else {
-        (void)0;
       }
     } else if (type == ZB_OP_B) {
       int i = g.nb[stg]++;

@@ -119,7 +119,9 @@ typedef struct {
   int w_before_f;   /* when an F and a W could both start, start the W first */
   int lookahead;    /* 1: do not start a W that would still run when a known B arrives */
   const int *warmup_cap; /* NULL or p values: most F's a rank may run before its first B */
-  const int *hold_w; /* NULL or p values: W's a rank keeps pending while it still has F's or B's to run */
+  /* NULL or p values: W's a rank keeps pending while B's remain for it (run at the end), unless
+   * memory needs them to let an F in. */
+  const int *hold_w;
   int f_before_b; /* 1: an F that fits runs before a ready B (fills the pipeline sooner) */
 } zb__greedy_policy_t;
 
