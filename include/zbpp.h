@@ -255,6 +255,276 @@ ZB_API zb_status_t zb_schedule_export(zb_schedule_t *schedule, zb_format_t forma
 ZB_API zb_status_t zb_schedule_import(zb_schedule_t **out, zb_format_t format, const char *text,
                                       size_t len, const zb_schedule_spec_t *spec);
 
+/* ---------------------------------------------------------------------------------------------
+ * Measured timelines (the runtime's per-op timings fed back into the schedule model).
+ * ------------------------------------------------------------------------------------------- */
+
+/* Replaces the schedule's simulated times with measured ones: start[r]/end[r] point at rank r's op
+ * times (aligned with zb_schedule_rank_ops; seconds on any common clock, e.g. zb_runner_times), for
+ * every rank r. The values are copied and shifted so the earliest start is 0. Afterwards the
+ * accessors and exports (text, JSON, Chrome trace, SVG) show the measured timeline; span, busy and
+ * bubble are computed from it as zb_schedule_simulate does (peak memory from the op order). *out (may
+ * be NULL) gets those figures. A later zb_schedule_simulate does not overwrite them; create the
+ * schedule again to simulate. */
+ZB_API zb_status_t zb_schedule_set_times(zb_schedule_t *schedule, const double *const *start,
+                                         const double *const *end, zb_sim_result_t *out);
+
+/* Per-stage mean op durations of the current times (simulated or measured), S values each; a stage
+ * with no op of a type gets 0 there. Any pointer may be NULL. Feed them back as
+ * zb_schedule_spec_t.stage_time_* to let zb-auto plan for the costs a run really had. */
+ZB_API zb_status_t zb_schedule_stage_costs(const zb_schedule_t *schedule, double *time_f,
+                                           double *time_b, double *time_w, double *time_bw);
+
+/* ---------------------------------------------------------------------------------------------
+ * Runtime (DESIGN.md section 4): backends, transports, the W store, the runner, the optimizer.
+ *
+ * Thread model: every handle below belongs to one rank and is used by one thread at a time, except
+ * zb_inproc_group_t, which all ranks of a process share (it is internally locked).
+ * ------------------------------------------------------------------------------------------- */
+
+typedef enum {
+  ZB_DTYPE_F32 = 0,
+  ZB_DTYPE_F16 = 1,
+  ZB_DTYPE_BF16 = 2,
+} zb_dtype_t;
+
+/* A backend owns memory, the compute stream and the GEMMs of one rank. The host backend is
+ * synchronous: its "streams" run work when it is issued, and GEMMs go through the system's CBLAS.
+ * Half-precision inputs are widened to fp32 before the GEMM there (a host reference, not fast). */
+typedef struct zb_backend zb_backend_t;
+
+ZB_API zb_status_t zb_backend_create_host(zb_backend_t **out);
+/* Fails with ZB_ERR_BUSY while a runner or W store created on it still exists. NULL is a no-op. */
+ZB_API zb_status_t zb_backend_destroy(zb_backend_t *backend);
+/* "host" or "cuda". The pointer is static. */
+ZB_API const char *zb_backend_name(const zb_backend_t *backend);
+
+/* ---- the W store ---------------------------------------------------------------------------
+ * During B the split-backward layers push their weight-gradient work here instead of running it;
+ * a W op pops the oldest group of its stage and runs it. Entries are plain data (no closures):
+ *
+ *   dw[out, in] += dy[rows, out]^T * x[rows, in]     (fp32 accumulation, beta = 1)
+ *   db[out]     += sum over rows of dy                (when db is not NULL)
+ *
+ * x and dy are row-major with leading dimensions ldx/ldy (0: dense). Who frees them: the caller
+ * keeps x and dy alive until the store hands back the entry's token through release_cb, which it
+ * does exactly once per entry: after the GEMM has completed (ran = 1) or when the entry is dropped
+ * without running (ran = 0: zb_wstore_clear, zb_wstore_destroy, or a failed iteration). */
+typedef struct {
+  uint32_t struct_size; /* sizeof(zb_wgrad_t) */
+  zb_dtype_t dtype;     /* of x and dy */
+  int64_t rows, in_features, out_features;
+  const void *x;
+  int64_t ldx;
+  const void *dy;
+  int64_t ldy;
+  float *dw; /* [out_features, in_features], row-major, dense */
+  float *db; /* [out_features] or NULL */
+  uint64_t token; /* handed back to release_cb */
+} zb_wgrad_t;
+
+typedef void (*zb_wgrad_release_cb)(void *user, uint64_t token, int32_t ran);
+
+typedef struct zb_wstore zb_wstore_t;
+
+/* The store runs its GEMMs on `backend` (borrowed; must outlive the store). release_cb may be NULL
+ * when the caller does not track lifetimes. */
+ZB_API zb_status_t zb_wstore_create(zb_wstore_t **out, zb_backend_t *backend,
+                                    zb_wgrad_release_cb release_cb, void *release_user);
+/* Drops what is still pending (release_cb with ran = 0) and frees the store. NULL is a no-op. */
+ZB_API zb_status_t zb_wstore_destroy(zb_wstore_t *store);
+/* Opens the group that pushes go to: the W work of B(stage, mb). The runner does this around each
+ * backward callback; call it yourself only when you drive the store without a runner. */
+ZB_API zb_status_t zb_wstore_begin(zb_wstore_t *store, int32_t stage, int32_t mb);
+/* Adds an entry to the open group (copied). Fails when no group is open, naming the call. */
+ZB_API zb_status_t zb_wstore_push(zb_wstore_t *store, const zb_wgrad_t *entry);
+ZB_API zb_status_t zb_wstore_end(zb_wstore_t *store);
+/* Pops the oldest group of `stage` and runs its entries in push order on the backend's compute
+ * stream (blocks on the host backend). *out_mb (may be NULL) gets the group's microbatch. Fails with
+ * ZB_ERR_INVALID_SCHEDULE when the stage has no pending group. */
+ZB_API zb_status_t zb_wstore_pop_run(zb_wstore_t *store, int32_t stage, int32_t *out_mb);
+/* Groups still pending for a stage, or for all stages when stage < 0. */
+ZB_API zb_status_t zb_wstore_pending(const zb_wstore_t *store, int32_t stage, int32_t *out_groups);
+/* Drops every pending group (release_cb with ran = 0). */
+ZB_API zb_status_t zb_wstore_clear(zb_wstore_t *store);
+
+/* ---- transports ----------------------------------------------------------------------------
+ * A transport moves one rank's bytes to and from its peers on numbered channels (tags). Each
+ * (sender, receiver, tag) is a FIFO. Sends never wait for the receiver. A receive that gets nothing
+ * within the caller's timeout fails with ZB_ERR_TIMEOUT naming the peer; a peer that aborted makes
+ * it fail with ZB_ERR_REMOTE and the peer's message.
+ *
+ * In-process: the ranks are threads of one process sharing a group. After any rank aborts, the
+ * group stays failed; make a new one for the next attempt. */
+typedef struct zb_transport zb_transport_t;
+typedef struct zb_inproc_group zb_inproc_group_t;
+
+ZB_API zb_status_t zb_inproc_group_create(zb_inproc_group_t **out, int32_t ranks);
+/* Fails with ZB_ERR_BUSY while transports of the group exist. NULL is a no-op. */
+ZB_API zb_status_t zb_inproc_group_destroy(zb_inproc_group_t *group);
+ZB_API zb_status_t zb_transport_create_inproc(zb_transport_t **out, zb_inproc_group_t *group,
+                                              int32_t rank);
+
+/* Callback transport: the binding supplies non-blocking send/recv (e.g. torch.distributed.isend and
+ * irecv over gloo). Each start call returns an opaque request handle; the library passes every
+ * handle exactly once either to wait_cb (which completes it) or, when it gives up after an error,
+ * to cancel_cb. wait_cb(timeout_s = 0) must not block: it returns ZB_ERR_TIMEOUT when the request is
+ * not done yet. wait_cb returns ZB_ERR_TIMEOUT when the time runs out, ZB_ERR_REMOTE when the peer
+ * is known to be gone, anything else for its own failures. abort_cb (may be NULL) tells the peers
+ * that this rank failed. The callbacks run on the thread that called into the library. Buffers are
+ * host memory for the host backend, device memory for the CUDA backend. */
+typedef struct {
+  uint32_t struct_size; /* sizeof(zb_transport_callbacks_t) */
+  void *user;
+  zb_status_t (*isend_cb)(void *user, int32_t peer, int32_t tag, const void *buf, size_t bytes,
+                          void **request);
+  zb_status_t (*irecv_cb)(void *user, int32_t peer, int32_t tag, void *buf, size_t bytes,
+                          void **request);
+  zb_status_t (*wait_cb)(void *user, void *request, double timeout_s);
+  void (*cancel_cb)(void *user, void *request);
+  void (*abort_cb)(void *user, const char *reason);
+} zb_transport_callbacks_t;
+
+ZB_API zb_status_t zb_transport_create_callback(zb_transport_t **out,
+                                                const zb_transport_callbacks_t *callbacks,
+                                                int32_t rank, int32_t ranks);
+/* Tells the peers that this rank failed (their pending and later receives from it fail with
+ * ZB_ERR_REMOTE and `reason`). A runner does this itself when an iteration fails. */
+ZB_API zb_status_t zb_transport_abort(zb_transport_t *transport, const char *reason);
+ZB_API zb_status_t zb_transport_destroy(zb_transport_t *transport);
+
+/* ---- the runner ----------------------------------------------------------------------------
+ * Executes one rank's op list for one iteration. F and B call back into the caller's model:
+ *
+ *   forward_cb(user, stage, mb, input, output): input holds the activation from stage-1 (NULL on
+ *     stage 0: the model reads its own data); write the activation for stage+1 into output (NULL on
+ *     the last stage, which computes the loss).
+ *   backward_cb(user, stage, mb, grad_output, grad_input): grad_output holds the gradient from
+ *     stage+1 (NULL on the last stage); write the gradient for this stage's input into grad_input
+ *     (NULL on stage 0). Push weight-gradient work into the runner's W store instead of running it.
+ *
+ * Both buffers are valid only during the call; copy what the model keeps. A nonzero status from a
+ * callback fails the iteration (its zb_last_error text, if it set one, is kept in the message).
+ * A W op pops the stage's oldest W-store group; a BW op runs B and then pops. Sends start as soon as
+ * the producing op returns; receives are posted recv_depth ahead of the op that needs them. */
+typedef zb_status_t (*zb_forward_cb)(void *user, int32_t stage, int32_t mb, const void *input,
+                                     void *output);
+typedef zb_status_t (*zb_backward_cb)(void *user, int32_t stage, int32_t mb,
+                                      const void *grad_output, void *grad_input);
+
+#define ZB_RUNNER_CONFIG_VERSION 1
+
+typedef struct {
+  uint32_t struct_size;
+  uint32_t version;
+  int32_t rank;
+  const zb_schedule_t *schedule; /* borrowed; must outlive the runner and stay unchanged */
+  zb_backend_t *backend;         /* borrowed */
+  zb_transport_t *transport;     /* borrowed; may be NULL when the schedule has one rank */
+  zb_wstore_t *wstore;           /* borrowed */
+  /* Bytes of the activation that stage s sends to stage s+1 (the gradient back is the same size),
+   * S-1 values, copied. NULL: every boundary is boundary_bytes_all. */
+  const int64_t *boundary_bytes;
+  int64_t boundary_bytes_all;
+  zb_forward_cb forward_cb;
+  zb_backward_cb backward_cb;
+  void *user;
+  double timeout_s;   /* longest wait for one message; <= 0: 300 s */
+  int32_t recv_depth; /* receives posted ahead; <= 0: 4 */
+} zb_runner_config_t;
+
+#define ZB_RUNNER_CONFIG_INIT                                                                      \
+  {                                                                                                \
+    sizeof(zb_runner_config_t), ZB_RUNNER_CONFIG_VERSION, 0, NULL, NULL, NULL, NULL, NULL, 0,      \
+        NULL, NULL, NULL, 0.0, 0                                                                   \
+  }
+
+typedef struct zb_runner zb_runner_t;
+
+ZB_API zb_status_t zb_runner_create(zb_runner_t **out, const zb_runner_config_t *config);
+/* Runs one iteration; blocks until this rank's ops are done and its sends have left. At the end the
+ * W store must be empty and every channel drained, or the call fails. On failure the runner aborts
+ * its transport so the peers fail too (naming this rank, its op and microbatch), drops what is left
+ * in the W store, and the message says which op failed and why. */
+ZB_API zb_status_t zb_runner_run(zb_runner_t *runner);
+/* The last iteration's op times, aligned with zb_schedule_rank_ops (seconds, CLOCK_MONOTONIC).
+ * Valid until the next zb_runner_run or zb_runner_destroy. */
+ZB_API zb_status_t zb_runner_times(const zb_runner_t *runner, const double **start,
+                                   const double **end, int32_t *count);
+ZB_API zb_status_t zb_runner_destroy(zb_runner_t *runner);
+
+/* ---- the optimizer and post-validation (the paper's section 4) -------------------------------
+ * AdamW or SGD over fp32 parameters, with gradient clipping by global norm and a dynamic loss
+ * scale. With post_validation = 0 each step first reduces the global state (squared norms and
+ * inf/NaN flags of every stage) across the ranks, then steps: the synchronous reference. With
+ * post_validation = 1 a rank steps at once with the partial state it received from the ranks before
+ * it, passes its own state on, and checks the step when the full state comes back: if inf/NaN turns
+ * up anywhere it undoes the step exactly and skips it (and the loss scale backs off); if clipping
+ * turns out to need another factor it undoes the step and redoes it with the right one. The final
+ * parameters are bit-for-bit those of the synchronous path.
+ *
+ * Memory: post-validation keeps a copy of what one step changes, to undo it exactly: the parameters
+ * and the optimizer state (SGD: 2 fp32 values per parameter with momentum, 1 without; AdamW: 3). */
+typedef enum {
+  ZB_OPTIM_SGD = 0,
+  ZB_OPTIM_ADAMW = 1,
+} zb_optim_kind_t;
+
+#define ZB_OPTIMIZER_CONFIG_VERSION 1
+
+typedef struct {
+  uint32_t struct_size;
+  uint32_t version;
+  zb_optim_kind_t kind;
+  double lr;
+  double momentum;     /* SGD */
+  double beta1, beta2; /* AdamW */
+  double eps;          /* AdamW */
+  double weight_decay; /* decoupled for AdamW, added to the gradient for SGD (as torch does) */
+  double clip_grad;    /* max global L2 norm of the unscaled gradients; <= 0: no clipping */
+  /* Dynamic loss scale: gradients arrive multiplied by it. On inf/NaN the step is skipped and the
+   * scale multiplied by backoff; after growth_interval good steps in a row it is multiplied by
+   * growth (0: never grows). 1.0 with no growth means no scaling. */
+  double loss_scale, backoff, growth;
+  int32_t growth_interval;
+  int32_t post_validation;
+  /* The pipeline: stages S in all; this rank among ranks, and the transport to reach the others
+   * (NULL when ranks == 1). placement decides the order the partial state travels in: toward the
+   * rank holding the last stage (rank 0 -> p-1 in a loop, p-1 -> 0 in a V). */
+  int32_t stages, rank, ranks;
+  zb_placement_t placement;
+  zb_transport_t *transport;
+  double timeout_s; /* <= 0: 300 s */
+} zb_optimizer_config_t;
+
+#define ZB_OPTIMIZER_CONFIG_INIT                                                                   \
+  {                                                                                                \
+    sizeof(zb_optimizer_config_t), ZB_OPTIMIZER_CONFIG_VERSION, ZB_OPTIM_ADAMW, 1e-3, 0.0, 0.9,    \
+        0.999, 1e-8, 0.0, 0.0, 1.0, 0.5, 2.0, 0, 0, 1, 0, 1, ZB_PLACEMENT_LOOP, NULL, 0.0          \
+  }
+
+typedef struct {
+  int32_t skipped;     /* inf/NaN somewhere: no parameter changed */
+  int32_t clipped;     /* the gradients were scaled down to clip_grad */
+  int32_t rolled_back; /* this rank undid a speculative step (post-validation only) */
+  double grad_norm;    /* global L2 norm of the unscaled gradients (inf when skipped) */
+  double loss_scale;   /* the scale for the next iteration */
+} zb_step_result_t;
+
+typedef struct zb_optimizer zb_optimizer_t;
+
+ZB_API zb_status_t zb_optimizer_create(zb_optimizer_t **out, const zb_optimizer_config_t *config);
+/* Registers numel parameters of `stage` (one of this rank's) and their gradients; both fp32 host
+ * arrays, borrowed for the optimizer's lifetime. Order matters only for reproducibility. */
+ZB_API zb_status_t zb_optimizer_add(zb_optimizer_t *opt, int32_t stage, float *param,
+                                    const float *grad, int64_t numel);
+/* One step. Every rank calls it once per iteration, after its runner finished; it blocks for the
+ * exchange with the other ranks (post-validation: only for the full state coming back). Gradients
+ * are read, not changed. */
+ZB_API zb_status_t zb_optimizer_step(zb_optimizer_t *opt, zb_step_result_t *out);
+ZB_API zb_status_t zb_optimizer_loss_scale(const zb_optimizer_t *opt, double *out);
+ZB_API zb_status_t zb_optimizer_destroy(zb_optimizer_t *opt);
+
 #ifdef __cplusplus
 }
 #endif

@@ -1,0 +1,65 @@
+/*
+ * internal.h - the backend interface the runtime is written against, and the host helpers the
+ * reference model shares with the host backend. Private to the library.
+ *
+ * A backend owns one rank's memory, its compute stream and its communication streams, and runs the
+ * W store's GEMMs. Streams are named by small integers (ZB__STREAM_COMPUTE, then one per channel
+ * direction); events order work between them. On the host every stream is synchronous, so events
+ * are always complete and waits return at once; the CUDA backend maps the same calls onto
+ * cudaStream_t and cudaEvent_t, so the runner never needs to know which one it drives.
+ */
+#ifndef ZB_BACKEND_INTERNAL_H
+#define ZB_BACKEND_INTERNAL_H
+
+#include <stddef.h>
+
+#include "../common/error.h"
+#include "zbpp.h"
+
+enum { ZB__STREAM_COMPUTE = 0, ZB__STREAM_SEND = 1, ZB__STREAM_RECV = 2 };
+
+typedef struct zb__event zb__event_t;
+
+typedef struct {
+  const char *name;
+  /* Memory the backend's GEMMs and transports can use (host: malloc; CUDA: device memory). */
+  zb_status_t (*alloc)(zb_backend_t *be, size_t bytes, void **out);
+  void (*release)(zb_backend_t *be, void *ptr);
+  /* dw += dy^T x (and db += column sums of dy) on the compute stream. */
+  zb_status_t (*wgrad)(zb_backend_t *be, const zb_wgrad_t *e);
+  zb_status_t (*event_create)(zb_backend_t *be, zb__event_t **out);
+  void (*event_destroy)(zb_backend_t *be, zb__event_t *ev);
+  /* Marks the point in `stream` that later waits refer to. */
+  zb_status_t (*event_record)(zb_backend_t *be, int stream, zb__event_t *ev);
+  /* Makes `stream` wait for the event on the device (never on the host). */
+  zb_status_t (*stream_wait)(zb_backend_t *be, int stream, zb__event_t *ev);
+  /* Blocks the host until `stream` has finished what was issued. */
+  zb_status_t (*stream_sync)(zb_backend_t *be, int stream);
+  void (*destroy)(zb_backend_t *be);
+} zb__backend_ops_t;
+
+struct zb_backend {
+  const zb__backend_ops_t *ops;
+  int users; /* runners and W stores created on it; destroy is refused while > 0 */
+  void *impl;
+};
+
+/* Every user of a backend takes a reference so destroying it early gets ZB_ERR_BUSY. */
+static inline void zb__backend_ref(zb_backend_t *be) { be->users++; }
+static inline void zb__backend_unref(zb_backend_t *be) { be->users--; }
+
+/* Bytes per element of a dtype (0 for an unknown value). */
+size_t zb__dtype_size(zb_dtype_t dtype);
+/* Checks a W-store entry's fields (shapes, pointers, leading dimensions); the message names the
+ * field and the allowed values. */
+zb_status_t zb__wgrad_check(const zb_wgrad_t *e);
+
+/* Host fp32 GEMM through CBLAS, row-major: C = alpha * op(A) op(B) + beta * C with op(A) [m, k] and
+ * op(B) [k, n]. Used by the host backend and by the reference model. */
+void zb__host_sgemm(int trans_a, int trans_b, int m, int n, int k, float alpha, const float *a,
+                    int lda, const float *b, int ldb, float beta, float *c, int ldc);
+/* Widens bf16/f16 values to fp32 (the host reference for half types). */
+float zb__half_to_float(uint16_t h);
+float zb__bf16_to_float(uint16_t h);
+
+#endif /* ZB_BACKEND_INTERNAL_H */

@@ -1,0 +1,64 @@
+/*
+ * internal.h - the transport interface and the helpers the runner, the optimizer and the reference
+ * model share. Private to csrc/runtime/.
+ *
+ * A transport moves bytes between ranks on tagged FIFO channels. Every operation is a request that
+ * the caller owns (zb__request_t lives in the runner's tables, not in the transport): start it with
+ * isend/irecv, finish it with wait, or drop it with cancel after a failure. Sends never wait for
+ * the receiver; only wait blocks, and never longer than its timeout.
+ */
+#ifndef ZB_RUNTIME_INTERNAL_H
+#define ZB_RUNTIME_INTERNAL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "../backend/internal.h"
+#include "../common/error.h"
+#include "zbpp.h"
+
+typedef struct {
+  int is_send;
+  int32_t peer, tag;
+  void *buf;
+  size_t bytes;
+  void *handle; /* the transport's own state for the request */
+  int active;   /* started and not yet waited or cancelled */
+} zb__request_t;
+
+typedef struct {
+  const char *name;
+  zb_status_t (*isend)(zb_transport_t *t, zb__request_t *req);
+  zb_status_t (*irecv)(zb_transport_t *t, zb__request_t *req);
+  /* ZB_OK when done; ZB_ERR_TIMEOUT (message names the peer and the wait) when timeout_s passes
+   * first (timeout_s = 0 only polls); ZB_ERR_REMOTE when the peer or any rank of the group aborted. */
+  zb_status_t (*wait)(zb_transport_t *t, zb__request_t *req, double timeout_s);
+  void (*cancel)(zb_transport_t *t, zb__request_t *req);
+  void (*abort)(zb_transport_t *t, const char *reason);
+  void (*destroy)(zb_transport_t *t);
+} zb__transport_ops_t;
+
+struct zb_transport {
+  const zb__transport_ops_t *ops;
+  int32_t rank, ranks;
+  void *impl;
+};
+
+/* Thin wrappers that keep zb__request_t's bookkeeping in one place. */
+zb_status_t zb__transport_isend(zb_transport_t *t, zb__request_t *req, int32_t peer, int32_t tag,
+                                const void *buf, size_t bytes);
+zb_status_t zb__transport_irecv(zb_transport_t *t, zb__request_t *req, int32_t peer, int32_t tag,
+                                void *buf, size_t bytes);
+zb_status_t zb__transport_wait(zb_transport_t *t, zb__request_t *req, double timeout_s);
+void zb__transport_cancel(zb_transport_t *t, zb__request_t *req);
+
+/* Channel tags. The runner's boundary b (between stage b and b+1) has a forward tag (activations)
+ * and a backward tag (gradients); the optimizer's exchange uses two tags after all of them. */
+static inline int32_t zb__tag_fwd(int32_t boundary) { return 2 * boundary; }
+static inline int32_t zb__tag_bwd(int32_t boundary) { return 2 * boundary + 1; }
+static inline int32_t zb__tag_optim(int32_t stages, int32_t dir) { return 2 * stages + dir; }
+
+/* Seconds on CLOCK_MONOTONIC: the clock the runner stamps ops with. */
+double zb__now(void);
+
+#endif /* ZB_RUNTIME_INTERNAL_H */
