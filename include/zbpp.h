@@ -261,7 +261,8 @@ ZB_API zb_status_t zb_schedule_import(zb_schedule_t **out, zb_format_t format, c
 
 /* Replaces the schedule's simulated times with measured ones: start[r]/end[r] point at rank r's op
  * times (aligned with zb_schedule_rank_ops; seconds on any common clock, e.g. zb_runner_times), for
- * every rank r. The values are copied and shifted so the earliest start is 0. Afterwards the
+ * every rank r. The values are copied, shifted so the earliest start is 0, and stored in
+ * milliseconds (the unit the exports assume, e.g. for Chrome-trace microseconds). Afterwards the
  * accessors and exports (text, JSON, Chrome trace, SVG) show the measured timeline; span, busy and
  * bubble are computed from it as zb_schedule_simulate does (peak memory from the op order). *out (may
  * be NULL) gets those figures. A later zb_schedule_simulate does not overwrite them; create the
@@ -269,7 +270,8 @@ ZB_API zb_status_t zb_schedule_import(zb_schedule_t **out, zb_format_t format, c
 ZB_API zb_status_t zb_schedule_set_times(zb_schedule_t *schedule, const double *const *start,
                                          const double *const *end, zb_sim_result_t *out);
 
-/* Per-stage mean op durations of the current times (simulated or measured), S values each; a stage
+/* Per-stage mean op durations of the current times (simulated: the spec's units; measured:
+ * milliseconds), S values each; a stage
  * with no op of a type gets 0 there. Any pointer may be NULL. Feed them back as
  * zb_schedule_spec_t.stage_time_* to let zb-auto plan for the costs a run really had. */
 ZB_API zb_status_t zb_schedule_stage_costs(const zb_schedule_t *schedule, double *time_f,

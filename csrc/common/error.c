@@ -40,6 +40,23 @@ zb_status_t zb__set_error(zb_status_t status, const char *file, int line, const 
 
 void zb__clear_error(void) { last_error[0] = '\0'; }
 
+const char *zb__error_body(void) {
+  /* Skip "name.c:123: " when the message starts with one; other text comes back unchanged. */
+  const char *colon = strchr(last_error, ':');
+  if (!colon || colon == last_error) return last_error;
+  const char *p = colon + 1;
+  if (*p < '0' || *p > '9') return last_error;
+  while (*p >= '0' && *p <= '9') p++;
+  if (p[0] != ':' || p[1] != ' ') return last_error;
+  for (const char *q = last_error; q < colon; q++)
+    if (*q == ' ') return last_error;
+  return p + 2;
+}
+
+void zb__error_restore(const char *message) {
+  if (message != last_error) snprintf(last_error, sizeof last_error, "%s", message);
+}
+
 #define ZB__STR2(x) #x
 #define ZB__STR(x) ZB__STR2(x)
 

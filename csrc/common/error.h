@@ -22,6 +22,10 @@ zb_status_t zb__set_error(zb_status_t status, const char *file, int line, const 
     ZB__PRINTF(4, 5);
 /* Forgets the previous message (successful public calls do not clear it, as with errno). */
 void zb__clear_error(void);
+/* The last message without its leading "file.c:123: ", for quoting it inside a wider one. */
+const char *zb__error_body(void);
+/* Puts back a message saved earlier, verbatim (cleanup code may have overwritten it). */
+void zb__error_restore(const char *message);
 
 #define ZB_FAIL(status, ...) zb__set_error((status), __FILE__, __LINE__, __VA_ARGS__)
 

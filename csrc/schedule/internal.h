@@ -95,6 +95,10 @@ const char *zb__op_name(int type);
  * rule. Returns ZB_ERR_INVALID_SCHEDULE with a message when the ops cannot all run. */
 zb_status_t zb__simulate_times(const zb_schedule_t *s, double *start, double *end);
 
+/* Span, busy and peak per rank and the overall figures from s->start/end (simulated or measured);
+ * sets s->simulated. Spans run from a rank's earliest start to its latest end. */
+void zb__schedule_fill_stats(zb_schedule_t *s);
+
 /* The validator's rules 1-4 (well-formed, complete, same-rank order, FIFO channels); the simulator
  * runs them first so its core can trust the ops. */
 zb_status_t zb__validate_structure(const zb_schedule_t *s);

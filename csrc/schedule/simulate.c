@@ -144,16 +144,24 @@ zb_status_t zb_schedule_simulate(zb_schedule_t *s, zb_sim_result_t *out) {
     return ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory simulating %d ops", s->n_ops);
   ZB_CHECK(zb__simulate_times(s, s->start, s->end));
 
+  zb__schedule_fill_stats(s);
+  if (out) *out = s->sim;
+  return ZB_OK;
+}
+
+void zb__schedule_fill_stats(zb_schedule_t *s) {
   zb_sim_result_t res = {0, 0, 0, 0};
   for (int r = 0; r < s->p; r++) {
     int a = s->rank_off[r], b = s->rank_off[r + 1];
-    double busy = 0, mem = 0, peak = 0;
+    double busy = 0, mem = 0, peak = 0, first = 0, last = 0;
     for (int k = a; k < b; k++) {
       busy += s->end[k] - s->start[k];
       mem += zb__op_mem(s, s->ops[k].type);
       if (mem > peak) peak = mem;
+      if (k == a || s->start[k] < first) first = s->start[k];
+      if (k == a || s->end[k] > last) last = s->end[k];
     }
-    s->span[r] = b > a ? s->end[b - 1] - s->start[a] : 0;
+    s->span[r] = b > a ? last - first : 0;
     s->busy[r] = busy;
     s->peak[r] = peak;
     if (s->span[r] > res.cost) res.cost = s->span[r];
@@ -165,8 +173,6 @@ zb_status_t zb_schedule_simulate(zb_schedule_t *s, zb_sim_result_t *out) {
   if (res.bubble_rate < 0 && res.bubble_rate > -ZB_EPS) res.bubble_rate = 0;
   s->sim = res;
   s->simulated = 1;
-  if (out) *out = res;
-  return ZB_OK;
 }
 
 /* The accessors below read simulation results of one rank. */

@@ -1,0 +1,486 @@
+/*
+ * runner.c - one rank, one iteration: executes the rank's op list from a schedule (DESIGN.md 4).
+ *
+ * Phases of an iteration:
+ *   1. Post the first recv_depth receives, in op order. Because every channel is FIFO and the
+ *      validator checked that both ends agree on the order, posting in op order matches each
+ *      receive with the right message without tags per microbatch.
+ *   2. For each op: wait for its input (a posted receive, or a buffer a previous op of this rank
+ *      left for it when both stages live here), post the next receive, run it (F and B through the
+ *      caller's callbacks, W from the W store, BW as B then W), stamp its start and end, and start
+ *      the send of its output at once. Finished sends are collected without waiting.
+ *   3. Wait for the last sends, and check that the W store is empty and nothing was left over.
+ * A failure anywhere aborts the transport, so the peers fail too instead of waiting, and drops what
+ * is left (receives cancelled, W-store entries released unrun).
+ *
+ * What it is not: a model. Buffers handed to callbacks are the runner's and live only for the call.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+enum { IO_NONE = 0, IO_LOCAL = 1, IO_REMOTE = 2 };
+
+typedef struct {
+  int in_kind, out_kind;
+  int32_t in_peer, out_peer; /* ranks, for IO_REMOTE */
+  int32_t in_tag, out_tag;
+  int32_t in_slot, out_slot; /* local handoff slots, for IO_LOCAL */
+  int32_t recv;              /* index into the receive plan, for IO_REMOTE input */
+  size_t in_bytes, out_bytes;
+} op_io_t;
+
+typedef struct {
+  void *buf;
+  size_t bytes;
+  zb__request_t req;
+} send_t;
+
+typedef struct {
+  size_t bytes;
+  void **free_bufs;
+  int n, cap;
+} pool_t;
+
+struct zb_runner {
+  int32_t rank, p, S, m;
+  const zb_schedule_t *schedule;
+  zb_backend_t *be;
+  zb_transport_t *tr;
+  zb_wstore_t *ws;
+  zb_forward_cb forward;
+  zb_backward_cb backward;
+  void *user;
+  double timeout;
+  int32_t depth;
+
+  const zb_op_t *ops;
+  int32_t n;
+  op_io_t *io;
+  double *start, *end;
+
+  int32_t n_recv;
+  int32_t *recv_op;         /* op index of each receive, in op order */
+  zb__request_t *recv_req;  /* n_recv */
+  void **recv_buf;          /* n_recv */
+  void **local;             /* (boundary * 2 + dir) * m + mb */
+  send_t *sends;            /* ring of pending sends */
+  int32_t send_head, send_count, send_cap;
+  pool_t *pools;
+  int n_pools;
+  zb__event_t *ev_compute, *ev_recv;
+};
+
+static const char *op_name(int type) {
+  switch (type) {
+    case ZB_OP_F: return "F";
+    case ZB_OP_B: return "B";
+    case ZB_OP_W: return "W";
+    default: return "BW";
+  }
+}
+
+/* ---- buffers: a free list per size, so a warm iteration allocates nothing -------------------- */
+
+static zb_status_t pool_get(zb_runner_t *r, size_t bytes, void **out) {
+  for (int k = 0; k < r->n_pools; k++)
+    if (r->pools[k].bytes == bytes && r->pools[k].n > 0) {
+      *out = r->pools[k].free_bufs[--r->pools[k].n];
+      return ZB_OK;
+    }
+  return r->be->ops->alloc(r->be, bytes, out);
+}
+
+static void pool_put(zb_runner_t *r, void *buf, size_t bytes) {
+  if (!buf) return;
+  pool_t *pl = NULL;
+  for (int k = 0; k < r->n_pools && !pl; k++)
+    if (r->pools[k].bytes == bytes) pl = &r->pools[k];
+  if (!pl) {
+    pool_t *np = realloc(r->pools, (size_t)(r->n_pools + 1) * sizeof(pool_t));
+    if (!np) {
+      r->be->ops->release(r->be, buf);
+      return;
+    }
+    r->pools = np;
+    pl = &r->pools[r->n_pools++];
+    *pl = (pool_t){bytes, NULL, 0, 0};
+  }
+  if (pl->n == pl->cap) {
+    int cap = pl->cap ? 2 * pl->cap : 8;
+    void **nb = realloc(pl->free_bufs, (size_t)cap * sizeof(void *));
+    if (!nb) {
+      r->be->ops->release(r->be, buf);
+      return;
+    }
+    pl->free_bufs = nb, pl->cap = cap;
+  }
+  pl->free_bufs[pl->n++] = buf;
+}
+
+/* ---- create / destroy ------------------------------------------------------------------------ */
+
+static zb_status_t plan(zb_runner_t *r, const zb_runner_config_t *c) {
+  for (int32_t k = 0; k < r->n; k++) {
+    const zb_op_t *op = &r->ops[k];
+    op_io_t *io = &r->io[k];
+    int32_t s = op->stage, i = op->mb, peer;
+    int has_in = 0, has_out = 0, in_b = 0, out_b = 0, in_dir = 0, out_dir = 0, in_stage = 0, out_stage = 0;
+    if (op->type == ZB_OP_F) {
+      if (s > 0) has_in = 1, in_b = s - 1, in_dir = 0, in_stage = s - 1;
+      if (s < r->S - 1) has_out = 1, out_b = s, out_dir = 0, out_stage = s + 1;
+    } else if (op->type == ZB_OP_B || op->type == ZB_OP_BW) {
+      if (s < r->S - 1) has_in = 1, in_b = s, in_dir = 1, in_stage = s + 1;
+      if (s > 0) has_out = 1, out_b = s - 1, out_dir = 1, out_stage = s - 1;
+    }
+    io->recv = -1;
+    if (has_in) {
+      ZB_CHECK(zb_schedule_stage_rank(r->schedule, in_stage, &peer));
+      io->in_bytes = (size_t)(c->boundary_bytes ? c->boundary_bytes[in_b] : c->boundary_bytes_all);
+      if (peer == r->rank) {
+        io->in_kind = IO_LOCAL;
+        io->in_slot = (in_b * 2 + in_dir) * r->m + i;
+      } else {
+        io->in_kind = IO_REMOTE;
+        io->in_peer = peer;
+        io->in_tag = in_dir ? zb__tag_bwd(in_b) : zb__tag_fwd(in_b);
+        io->recv = r->n_recv;
+        r->recv_op[r->n_recv++] = k;
+      }
+    }
+    if (has_out) {
+      ZB_CHECK(zb_schedule_stage_rank(r->schedule, out_stage, &peer));
+      io->out_bytes = (size_t)(c->boundary_bytes ? c->boundary_bytes[out_b] : c->boundary_bytes_all);
+      if (peer == r->rank) {
+        io->out_kind = IO_LOCAL;
+        io->out_slot = (out_b * 2 + out_dir) * r->m + i;
+      } else {
+        io->out_kind = IO_REMOTE;
+        io->out_peer = peer;
+        io->out_tag = out_dir ? zb__tag_bwd(out_b) : zb__tag_fwd(out_b);
+      }
+    }
+  }
+  return ZB_OK;
+}
+
+zb_status_t zb_runner_destroy(zb_runner_t *r) {
+  if (!r) return ZB_OK;
+  for (int k = 0; k < r->n_pools; k++) {
+    for (int j = 0; j < r->pools[k].n; j++) r->be->ops->release(r->be, r->pools[k].free_bufs[j]);
+    free(r->pools[k].free_bufs);
+  }
+  if (r->ev_compute) r->be->ops->event_destroy(r->be, r->ev_compute);
+  if (r->ev_recv) r->be->ops->event_destroy(r->be, r->ev_recv);
+  zb__backend_unref(r->be);
+  free(r->pools), free(r->io), free(r->start), free(r->end), free(r->recv_op), free(r->recv_req);
+  free(r->recv_buf), free(r->local), free(r->sends);
+  free(r);
+  return ZB_OK;
+}
+
+zb_status_t zb_runner_create(zb_runner_t **out, const zb_runner_config_t *c) {
+  ZB_ARG_NOT_NULL(out);
+  *out = NULL;
+  ZB_ARG_NOT_NULL(c);
+  if (c->struct_size < sizeof(zb_runner_config_t) || c->version != ZB_RUNNER_CONFIG_VERSION)
+    return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
+                   "zb_runner_config_t has struct_size %u, version %u; initialise it with "
+                   "ZB_RUNNER_CONFIG_INIT (size %zu, version %d)",
+                   (unsigned)c->struct_size, (unsigned)c->version, sizeof(zb_runner_config_t),
+                   ZB_RUNNER_CONFIG_VERSION);
+  if (!c->schedule || !c->backend || !c->wstore || !c->forward_cb || !c->backward_cb)
+    return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
+                   "zb_runner_config_t needs schedule, backend, wstore, forward_cb and backward_cb "
+                   "(missing: %s%s%s%s%s)",
+                   c->schedule ? "" : "schedule ", c->backend ? "" : "backend ", c->wstore ? "" : "wstore ",
+                   c->forward_cb ? "" : "forward_cb ", c->backward_cb ? "" : "backward_cb");
+  zb_schedule_info_t info;
+  ZB_CHECK(zb_schedule_get_info(c->schedule, &info));
+  if (c->rank < 0 || c->rank >= info.ranks)
+    return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "runner rank %d is outside the schedule's ranks 0..%d",
+                   (int)c->rank, (int)info.ranks - 1);
+  if (info.ranks > 1 && !c->transport)
+    return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
+                   "the schedule has %d ranks, so the runner needs a transport (zb_runner_config_t.transport)",
+                   (int)info.ranks);
+  if (c->transport && (c->transport->ranks != info.ranks || c->transport->rank != c->rank))
+    return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
+                   "the transport is rank %d of %d but the runner is rank %d of the schedule's %d",
+                   (int)c->transport->rank, (int)c->transport->ranks, (int)c->rank, (int)info.ranks);
+  if (info.stages > 1) {
+    for (int32_t b = 0; b < info.stages - 1; b++) {
+      int64_t v = c->boundary_bytes ? c->boundary_bytes[b] : c->boundary_bytes_all;
+      if (v < 0)
+        return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
+                       "activation size between stage %d and %d is %lld bytes; it must be >= 0",
+                       (int)b, (int)b + 1, (long long)v);
+    }
+  }
+  /* The runner trusts the op lists (FIFO channels, no deadlock), so it checks them once here. */
+  ZB_CHECK(zb_schedule_validate(c->schedule));
+
+  zb_runner_t *r = calloc(1, sizeof(*r));
+  if (!r) return ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory creating a runner");
+  r->rank = c->rank, r->p = info.ranks, r->S = info.stages, r->m = info.microbatches;
+  r->schedule = c->schedule, r->be = c->backend, r->tr = c->transport, r->ws = c->wstore;
+  r->forward = c->forward_cb, r->backward = c->backward_cb, r->user = c->user;
+  r->timeout = c->timeout_s > 0 ? c->timeout_s : 300.0;
+  r->depth = c->recv_depth > 0 ? c->recv_depth : 4;
+  zb__backend_ref(r->be);
+  zb_status_t st = zb_schedule_rank_ops(c->schedule, c->rank, &r->ops, &r->n);
+  size_t n = (size_t)(r->n ? r->n : 1), slots = (size_t)(r->S > 1 ? r->S - 1 : 1) * 2 * (size_t)r->m;
+  if (st == ZB_OK) {
+    r->io = calloc(n, sizeof(op_io_t));
+    r->start = calloc(n, sizeof(double));
+    r->end = calloc(n, sizeof(double));
+    r->recv_op = calloc(n, sizeof(int32_t));
+    r->recv_req = calloc(n, sizeof(zb__request_t));
+    r->recv_buf = calloc(n, sizeof(void *));
+    r->local = calloc(slots, sizeof(void *));
+    r->send_cap = 16;
+    r->sends = calloc((size_t)r->send_cap, sizeof(send_t));
+    if (!r->io || !r->start || !r->end || !r->recv_op || !r->recv_req || !r->recv_buf || !r->local || !r->sends)
+      st = ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory planning %d ops for rank %d", (int)r->n, (int)r->rank);
+  }
+  if (st == ZB_OK) st = plan(r, c);
+  if (st == ZB_OK) st = r->be->ops->event_create(r->be, &r->ev_compute);
+  if (st == ZB_OK) st = r->be->ops->event_create(r->be, &r->ev_recv);
+  if (st != ZB_OK) {
+    zb_runner_destroy(r);
+    return st;
+  }
+  *out = r;
+  return ZB_OK;
+}
+
+/* ---- one iteration --------------------------------------------------------------------------- */
+
+static zb_status_t post_recv(zb_runner_t *r, int32_t j) {
+  const op_io_t *io = &r->io[r->recv_op[j]];
+  ZB_CHECK(pool_get(r, io->in_bytes, &r->recv_buf[j]));
+  return zb__transport_irecv(r->tr, &r->recv_req[j], io->in_peer, io->in_tag, r->recv_buf[j], io->in_bytes);
+}
+
+/* Sends go in a ring; finished ones at the front are recycled without waiting. */
+static zb_status_t push_send(zb_runner_t *r, void *buf, const op_io_t *io) {
+  if (r->send_count == r->send_cap) {
+    int32_t cap = 2 * r->send_cap;
+    send_t *ns = calloc((size_t)cap, sizeof(send_t));
+    if (!ns) return ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory tracking %d sends", (int)cap);
+    for (int32_t k = 0; k < r->send_count; k++) ns[k] = r->sends[(r->send_head + k) % r->send_cap];
+    free(r->sends);
+    r->sends = ns, r->send_cap = cap, r->send_head = 0;
+  }
+  send_t *sd = &r->sends[(r->send_head + r->send_count) % r->send_cap];
+  sd->buf = buf, sd->bytes = io->out_bytes;
+  r->send_count++;
+  ZB_CHECK(r->be->ops->stream_wait(r->be, ZB__STREAM_SEND, r->ev_compute));
+  return zb__transport_isend(r->tr, &sd->req, io->out_peer, io->out_tag, buf, io->out_bytes);
+}
+
+static zb_status_t reap_sends(zb_runner_t *r, double timeout) {
+  while (r->send_count > 0) {
+    send_t *sd = &r->sends[r->send_head];
+    if (sd->req.active) {
+      zb_status_t st = zb__transport_wait(r->tr, &sd->req, timeout);
+      if (st == ZB_ERR_TIMEOUT && timeout == 0) return ZB_OK; /* still in flight */
+      if (st != ZB_OK) return st;
+    }
+    pool_put(r, sd->buf, sd->bytes);
+    sd->buf = NULL;
+    r->send_head = (r->send_head + 1) % r->send_cap;
+    r->send_count--;
+  }
+  return ZB_OK;
+}
+
+/* Undoes whatever the failed iteration left: requests, buffers, W-store entries. */
+static void cleanup_after_failure(zb_runner_t *r) {
+  for (int32_t j = 0; j < r->n_recv; j++) {
+    if (r->recv_req[j].active) zb__transport_cancel(r->tr, &r->recv_req[j]);
+    if (r->recv_buf[j]) pool_put(r, r->recv_buf[j], r->io[r->recv_op[j]].in_bytes);
+    r->recv_buf[j] = NULL;
+  }
+  while (r->send_count > 0) {
+    send_t *sd = &r->sends[r->send_head];
+    if (sd->req.active) zb__transport_cancel(r->tr, &sd->req);
+    pool_put(r, sd->buf, sd->bytes);
+    r->send_head = (r->send_head + 1) % r->send_cap;
+    r->send_count--;
+  }
+  size_t slots = (size_t)(r->S > 1 ? r->S - 1 : 1) * 2 * (size_t)r->m;
+  for (size_t k = 0; k < slots; k++)
+    if (r->local[k]) {
+      r->be->ops->release(r->be, r->local[k]);
+      r->local[k] = NULL;
+    }
+  zb_wstore_clear(r->ws);
+}
+
+/* Copies the current thread's error text (without its file:line), to quote it in a wider message. */
+static void take_error(char *buf, size_t cap) { snprintf(buf, cap, "%s", zb__error_body()); }
+
+static zb_status_t run_compute(zb_runner_t *r, const zb_op_t *op, const void *in, void *out) {
+  zb_status_t st = ZB_OK;
+  char inner[1536];
+  const char *what = op->type == ZB_OP_F ? "forward" : "backward";
+  zb__clear_error();
+  switch (op->type) {
+    case ZB_OP_F:
+      st = r->forward(r->user, op->stage, op->mb, in, out);
+      break;
+    case ZB_OP_B:
+    case ZB_OP_BW:
+      ZB_CHECK(zb_wstore_begin(r->ws, op->stage, op->mb));
+      st = r->backward(r->user, op->stage, op->mb, in, out);
+      ZB_CHECK(zb_wstore_end(r->ws));
+      if (st == ZB_OK && op->type == ZB_OP_BW) {
+        what = "W part of the fused backward";
+        st = zb_wstore_pop_run(r->ws, op->stage, NULL);
+        if (st != ZB_OK) {
+          take_error(inner, sizeof inner);
+          return ZB_FAIL(st, "the %s failed: %s", what, inner);
+        }
+      }
+      break;
+    default:
+      st = zb_wstore_pop_run(r->ws, op->stage, NULL);
+      if (st != ZB_OK) {
+        take_error(inner, sizeof inner);
+        return ZB_FAIL(st, "the W store failed: %s", inner);
+      }
+      return ZB_OK;
+  }
+  if (st != ZB_OK) {
+    take_error(inner, sizeof inner);
+    return ZB_FAIL(st, "the %s callback returned %s%s%s", what, zb_status_string(st),
+                   inner[0] ? ": " : "", inner);
+  }
+  return ZB_OK;
+}
+
+/* Runs op k once its input is there. On failure the message says what the op was waiting for. */
+static zb_status_t run_op(zb_runner_t *r, int32_t k, int32_t *next_post) {
+  const zb_op_t *op = &r->ops[k];
+  const op_io_t *io = &r->io[k];
+  void *in = NULL, *out = NULL;
+  char inner[1536];
+  if (io->in_kind == IO_REMOTE) {
+    int32_t j = io->recv;
+    zb_status_t st = zb__transport_wait(r->tr, &r->recv_req[j], r->timeout);
+    if (st != ZB_OK) {
+      take_error(inner, sizeof inner);
+      return ZB_FAIL(st, "waiting for %s from rank %d: %s", op->type == ZB_OP_F ? "the activation" : "the gradient",
+                     (int)io->in_peer, inner);
+    }
+    ZB_CHECK(r->be->ops->event_record(r->be, ZB__STREAM_RECV, r->ev_recv));
+    ZB_CHECK(r->be->ops->stream_wait(r->be, ZB__STREAM_COMPUTE, r->ev_recv));
+    in = r->recv_buf[j];
+    r->recv_buf[j] = NULL;
+    if (*next_post < r->n_recv) {
+      ZB_CHECK(post_recv(r, *next_post));
+      (*next_post)++;
+    }
+  } else if (io->in_kind == IO_LOCAL) {
+    in = r->local[io->in_slot];
+    r->local[io->in_slot] = NULL;
+    if (!in)
+      return ZB_FAIL(ZB_ERR_INTERNAL, "the input this rank should have produced itself is missing");
+  }
+  if (io->out_kind != IO_NONE) {
+    zb_status_t st = pool_get(r, io->out_bytes, &out);
+    if (st != ZB_OK) {
+      pool_put(r, in, io->in_bytes);
+      return st;
+    }
+  }
+  r->start[k] = zb__now();
+  zb_status_t st = run_compute(r, op, in, out);
+  if (st == ZB_OK) st = r->be->ops->event_record(r->be, ZB__STREAM_COMPUTE, r->ev_compute);
+  r->end[k] = zb__now();
+  pool_put(r, in, io->in_bytes);
+  if (st != ZB_OK) {
+    pool_put(r, out, io->out_bytes);
+    return st;
+  }
+  if (io->out_kind == IO_LOCAL) {
+    r->local[io->out_slot] = out;
+  } else if (io->out_kind == IO_REMOTE) {
+    st = push_send(r, out, io);
+    if (st != ZB_OK) {
+      take_error(inner, sizeof inner);
+      return ZB_FAIL(st, "sending the %s to rank %d: %s", op->type == ZB_OP_F ? "activation" : "gradient",
+                     (int)io->out_peer, inner);
+    }
+  }
+  return reap_sends(r, 0);
+}
+
+zb_status_t zb_runner_run(zb_runner_t *r) {
+  ZB_ARG_NOT_NULL(r);
+  int32_t pending = 0;
+  ZB_CHECK(zb_wstore_pending(r->ws, -1, &pending));
+  if (pending > 0)
+    return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
+                   "rank %d: the W store already holds %d group(s) before the iteration; they "
+                   "would be run by this iteration's W ops (clear it with zb_wstore_clear)",
+                   (int)r->rank, (int)pending);
+  zb_status_t st = ZB_OK;
+  char inner[1536], full[2048];
+  int32_t k = 0, next_post = 0;
+  for (; next_post < r->n_recv && next_post < r->depth; next_post++) {
+    st = post_recv(r, next_post);
+    if (st != ZB_OK) break;
+  }
+  if (st == ZB_OK)
+    for (k = 0; k < r->n; k++) {
+      st = run_op(r, k, &next_post);
+      if (st != ZB_OK) break;
+    }
+  if (st != ZB_OK) {
+    const zb_op_t *op = &r->ops[k < r->n ? k : r->n - 1];
+    take_error(inner, sizeof inner);
+    if (k < r->n)
+      st = ZB_FAIL(st, "rank %d, op %d of %d, %s(stage %d, mb %d): %s", (int)r->rank, (int)k + 1,
+                   (int)r->n, op_name(op->type), (int)op->stage, (int)op->mb, inner);
+    else
+      st = ZB_FAIL(st, "rank %d, before its first op: %s", (int)r->rank, inner);
+    goto fail;
+  }
+
+  st = reap_sends(r, r->timeout);
+  if (st != ZB_OK) {
+    take_error(inner, sizeof inner);
+    st = ZB_FAIL(st, "rank %d, after its last op, waiting for its sends to leave: %s", (int)r->rank, inner);
+    goto fail;
+  }
+  ZB_CHECK_GOTO(r->be->ops->stream_sync(r->be, ZB__STREAM_COMPUTE), st, fail);
+  ZB_CHECK_GOTO(zb_wstore_pending(r->ws, -1, &pending), st, fail);
+  if (pending > 0) {
+    st = ZB_FAIL(ZB_ERR_INVALID_SCHEDULE,
+                 "rank %d: the W store still holds %d group(s) at the end of the iteration; the "
+                 "schedule has fewer W ops than B ops on this rank",
+                 (int)r->rank, (int)pending);
+    goto fail;
+  }
+  return ZB_OK;
+
+fail:
+  snprintf(full, sizeof full, "%s", zb_last_error());
+  if (r->tr) r->tr->ops->abort(r->tr, zb__error_body());
+  cleanup_after_failure(r);
+  /* The abort and the cleanup must not replace the message that says what went wrong. */
+  zb__error_restore(full);
+  return st;
+}
+
+zb_status_t zb_runner_times(const zb_runner_t *r, const double **start, const double **end, int32_t *count) {
+  ZB_ARG_NOT_NULL(r);
+  if (start) *start = r->start;
+  if (end) *end = r->end;
+  if (count) *count = r->n;
+  return ZB_OK;
+}

@@ -1,0 +1,207 @@
+/*
+ * wstore.c - the deferred weight-gradient store (DESIGN.md section 4, the paper's B/W split).
+ *
+ * During B the split-backward layers push plain-data entries (pointers, shapes, dtype, the fp32
+ * buffer to accumulate into) into the group of the backward op being run; a W op pops the oldest
+ * group of its stage and runs its entries in push order. One FIFO per stage keeps every stage's
+ * accumulation in the order its B ops ran, which is microbatch order in every generated schedule:
+ * that is what makes the pipelined gradients bit-for-bit equal to a sequential loop's.
+ *
+ * What it is not: a scheduler (the schedule decides when W runs) or an owner of tensors. It keeps
+ * no closures; the caller learns through one release callback when an entry's tensors may go.
+ * Groups and entry arrays are recycled, so pushing and popping allocate nothing once warm.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+typedef struct group {
+  int32_t stage, mb;
+  zb_wgrad_t *entries;
+  int n, cap;
+  struct group *next;
+} group_t;
+
+typedef struct {
+  group_t *head, *tail;
+  int32_t count;
+} fifo_t;
+
+struct zb_wstore {
+  zb_backend_t *backend;
+  zb_wgrad_release_cb release;
+  void *release_user;
+  fifo_t *fifo; /* one per stage, grown on demand */
+  int32_t n_stages;
+  group_t *open;
+  group_t *spare; /* recycled groups */
+};
+
+zb_status_t zb_wstore_create(zb_wstore_t **out, zb_backend_t *backend, zb_wgrad_release_cb release_cb,
+                             void *release_user) {
+  ZB_ARG_NOT_NULL(out);
+  *out = NULL;
+  ZB_ARG_NOT_NULL(backend);
+  zb_wstore_t *w = calloc(1, sizeof(*w));
+  if (!w) return ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory creating a W store");
+  w->backend = backend;
+  w->release = release_cb;
+  w->release_user = release_user;
+  zb__backend_ref(backend);
+  *out = w;
+  return ZB_OK;
+}
+
+static void drop_group(zb_wstore_t *w, group_t *g) {
+  for (int k = 0; k < g->n; k++)
+    if (w->release) w->release(w->release_user, g->entries[k].token, 0);
+  g->n = 0;
+  g->next = w->spare;
+  w->spare = g;
+}
+
+zb_status_t zb_wstore_clear(zb_wstore_t *w) {
+  ZB_ARG_NOT_NULL(w);
+  if (w->open) {
+    drop_group(w, w->open);
+    w->open = NULL;
+  }
+  for (int32_t s = 0; s < w->n_stages; s++) {
+    group_t *g = w->fifo[s].head;
+    while (g) {
+      group_t *next = g->next;
+      drop_group(w, g);
+      g = next;
+    }
+    w->fifo[s] = (fifo_t){NULL, NULL, 0};
+  }
+  return ZB_OK;
+}
+
+zb_status_t zb_wstore_destroy(zb_wstore_t *w) {
+  if (!w) return ZB_OK;
+  zb_wstore_clear(w);
+  while (w->spare) {
+    group_t *g = w->spare;
+    w->spare = g->next;
+    free(g->entries);
+    free(g);
+  }
+  zb__backend_unref(w->backend);
+  free(w->fifo);
+  free(w);
+  return ZB_OK;
+}
+
+zb_status_t zb_wstore_begin(zb_wstore_t *w, int32_t stage, int32_t mb) {
+  ZB_ARG_NOT_NULL(w);
+  if (stage < 0 || mb < 0)
+    return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "zb_wstore_begin: stage %d, microbatch %d; both must be >= 0",
+                   (int)stage, (int)mb);
+  if (w->open)
+    return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
+                   "zb_wstore_begin(stage %d, mb %d): the group of stage %d mb %d is still open; "
+                   "call zb_wstore_end first",
+                   (int)stage, (int)mb, (int)w->open->stage, (int)w->open->mb);
+  if (stage >= w->n_stages) {
+    int32_t n = stage + 1 > 2 * w->n_stages ? stage + 1 : 2 * w->n_stages;
+    fifo_t *f = realloc(w->fifo, (size_t)n * sizeof(fifo_t));
+    if (!f) return ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory growing the W store to %d stages", (int)n);
+    for (int32_t s = w->n_stages; s < n; s++) f[s] = (fifo_t){NULL, NULL, 0};
+    w->fifo = f;
+    w->n_stages = n;
+  }
+  group_t *g = w->spare;
+  if (g) {
+    w->spare = g->next;
+  } else {
+    g = calloc(1, sizeof(*g));
+    if (!g) return ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory for a W-store group");
+  }
+  g->stage = stage, g->mb = mb, g->n = 0, g->next = NULL;
+  w->open = g;
+  return ZB_OK;
+}
+
+zb_status_t zb_wstore_push(zb_wstore_t *w, const zb_wgrad_t *e) {
+  ZB_ARG_NOT_NULL(w);
+  ZB_CHECK(zb__wgrad_check(e));
+  group_t *g = w->open;
+  if (!g)
+    return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
+                   "zb_wstore_push outside a backward op: no group is open (the runner opens one "
+                   "around each backward callback; without a runner call zb_wstore_begin first)");
+  if (g->n == g->cap) {
+    int cap = g->cap ? 2 * g->cap : 8;
+    zb_wgrad_t *ne = realloc(g->entries, (size_t)cap * sizeof(zb_wgrad_t));
+    if (!ne) return ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory growing a W-store group to %d entries", cap);
+    g->entries = ne, g->cap = cap;
+  }
+  g->entries[g->n++] = *e;
+  return ZB_OK;
+}
+
+zb_status_t zb_wstore_end(zb_wstore_t *w) {
+  ZB_ARG_NOT_NULL(w);
+  group_t *g = w->open;
+  if (!g) return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "zb_wstore_end: no group is open");
+  fifo_t *f = &w->fifo[g->stage];
+  if (f->tail) f->tail->next = g;
+  else f->head = g;
+  f->tail = g;
+  f->count++;
+  w->open = NULL;
+  return ZB_OK;
+}
+
+zb_status_t zb_wstore_pop_run(zb_wstore_t *w, int32_t stage, int32_t *out_mb) {
+  ZB_ARG_NOT_NULL(w);
+  if (stage < 0 || stage >= w->n_stages || !w->fifo[stage].head)
+    return ZB_FAIL(ZB_ERR_INVALID_SCHEDULE,
+                   "W for stage %d: the W store has no pending group for that stage (a W op must "
+                   "follow the B op of the same stage and microbatch)",
+                   (int)stage);
+  fifo_t *f = &w->fifo[stage];
+  group_t *g = f->head;
+  f->head = g->next;
+  if (!f->head) f->tail = NULL;
+  f->count--;
+  if (out_mb) *out_mb = g->mb;
+  zb_status_t st = ZB_OK;
+  int k = 0;
+  for (; k < g->n; k++) {
+    st = w->backend->ops->wgrad(w->backend, &g->entries[k]);
+    if (st != ZB_OK) break;
+    /* The host backend has finished the GEMM when wgrad returns; a device backend would hand the
+     * token back only once its stream passed the GEMM. */
+    if (w->release) w->release(w->release_user, g->entries[k].token, 1);
+  }
+  if (st != ZB_OK) {
+    /* The entries that did not run are still released, so the caller can free their tensors. */
+    zb_status_t keep = st;
+    for (int j = k; j < g->n; j++)
+      if (w->release) w->release(w->release_user, g->entries[j].token, 0);
+    g->n = 0;
+    g->next = w->spare;
+    w->spare = g;
+    return keep;
+  }
+  g->n = 0;
+  g->next = w->spare;
+  w->spare = g;
+  return ZB_OK;
+}
+
+zb_status_t zb_wstore_pending(const zb_wstore_t *w, int32_t stage, int32_t *out_groups) {
+  ZB_ARG_NOT_NULL(w);
+  ZB_ARG_NOT_NULL(out_groups);
+  int32_t n = 0;
+  if (stage < 0) {
+    for (int32_t s = 0; s < w->n_stages; s++) n += w->fifo[s].count;
+  } else if (stage < w->n_stages) {
+    n = w->fifo[stage].count;
+  }
+  *out_groups = n;
+  return ZB_OK;
+}
