@@ -465,8 +465,15 @@ ZB_API zb_status_t zb_runner_destroy(zb_runner_t *runner);
  * turns out to need another factor it undoes the step and redoes it with the right one. The final
  * parameters are bit-for-bit those of the synchronous path.
  *
+ * The global state is exchanged as the whole per-stage vector and the norm always summed over the
+ * stages in stage order, so the result is the same whatever the partition of stages over ranks
+ * (one rank holding every stage included).
+ *
  * Memory: post-validation keeps a copy of what one step changes, to undo it exactly: the parameters
- * and the optimizer state (SGD: 2 fp32 values per parameter with momentum, 1 without; AdamW: 3). */
+ * and the optimizer state (SGD: 2 fp32 values per parameter with momentum, 1 without; AdamW: 3).
+ * Only ranks that step speculatively hold it (not the last rank of the chain), allocated once at
+ * the first step; the optimizer state itself (AdamW: 2 values per parameter, SGD with momentum: 1)
+ * is also allocated then. */
 typedef enum {
   ZB_OPTIM_SGD = 0,
   ZB_OPTIM_ADAMW = 1,
@@ -517,12 +524,17 @@ typedef struct zb_optimizer zb_optimizer_t;
 
 ZB_API zb_status_t zb_optimizer_create(zb_optimizer_t **out, const zb_optimizer_config_t *config);
 /* Registers numel parameters of `stage` (one of this rank's) and their gradients; both fp32 host
- * arrays, borrowed for the optimizer's lifetime. Order matters only for reproducibility. */
+ * arrays, borrowed for the optimizer's lifetime. Order matters only for reproducibility. Register
+ * everything before the first zb_optimizer_step; later calls fail. */
 ZB_API zb_status_t zb_optimizer_add(zb_optimizer_t *opt, int32_t stage, float *param,
                                     const float *grad, int64_t numel);
 /* One step. Every rank calls it once per iteration, after its runner finished; it blocks for the
  * exchange with the other ranks (post-validation: only for the full state coming back). Gradients
- * are read, not changed. */
+ * are read, not changed. On failure (ZB_ERR_TIMEOUT, ZB_ERR_REMOTE, ...) the message names this
+ * rank, the phase and the peer, and this rank's parameters, optimizer state and loss scale are as
+ * before the call; other ranks may have stepped, and the channels may hold a stale message, so treat
+ * it like a failed iteration. The optimizer does not abort the transport: call zb_transport_abort
+ * to make the peers fail at once instead of at their timeout. */
 ZB_API zb_status_t zb_optimizer_step(zb_optimizer_t *opt, zb_step_result_t *out);
 ZB_API zb_status_t zb_optimizer_loss_scale(const zb_optimizer_t *opt, double *out);
 ZB_API zb_status_t zb_optimizer_destroy(zb_optimizer_t *opt);

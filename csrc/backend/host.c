@@ -7,8 +7,12 @@
  * complete the moment they are recorded. What it is not: fast for half types; bf16/f16 inputs are
  * widened to fp32 copies before the GEMM.
  */
+#define _GNU_SOURCE /* RTLD_DEFAULT */
 #include <cblas.h>
+#include <dlfcn.h>
 #include <math.h>
+#include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -51,10 +55,37 @@ zb_status_t zb__wgrad_check(const zb_wgrad_t *e) {
   return ZB_OK;
 }
 
+/* OpenBLAS built without threads and without USE_LOCKING (Debian's libopenblas0-serial) shares
+ * its work buffers between calls, so two ranks' threads in sgemm at once corrupt each other's
+ * results (seen as rare, wrong gradients). Such a build says so through openblas_get_parallel() ==
+ * 0; then, and only then, GEMMs take one process-wide lock. This lock, and the probe's result, are
+ * the only global state of the host backend: they describe the process's BLAS, not a handle. */
+static pthread_once_t blas_once = PTHREAD_ONCE_INIT;
+static int blas_serialize;
+static pthread_mutex_t blas_mu = PTHREAD_MUTEX_INITIALIZER;
+static char blas_name[160] = "CBLAS";
+
+static void blas_probe(void) {
+  int (*get_parallel)(void) = (int (*)(void))dlsym(RTLD_DEFAULT, "openblas_get_parallel");
+  char *(*get_config)(void) = (char *(*)(void))dlsym(RTLD_DEFAULT, "openblas_get_config");
+  if (get_config) snprintf(blas_name, sizeof blas_name, "OpenBLAS %s", get_config());
+  blas_serialize = get_parallel && get_parallel() == 0;
+  if (blas_serialize) snprintf(blas_name + strlen(blas_name), sizeof blas_name - strlen(blas_name),
+                               " (not thread-safe: GEMMs serialised)");
+}
+
+const char *zb__host_blas_name(void) {
+  pthread_once(&blas_once, blas_probe);
+  return blas_name;
+}
+
 void zb__host_sgemm(int trans_a, int trans_b, int m, int n, int k, float alpha, const float *a,
                     int lda, const float *b, int ldb, float beta, float *c, int ldc) {
+  pthread_once(&blas_once, blas_probe);
+  if (blas_serialize) pthread_mutex_lock(&blas_mu);
   cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans,
               m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  if (blas_serialize) pthread_mutex_unlock(&blas_mu);
 }
 
 /* IEEE binary16 -> binary32, subnormals and inf/NaN included. */

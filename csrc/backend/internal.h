@@ -58,6 +58,8 @@ zb_status_t zb__wgrad_check(const zb_wgrad_t *e);
  * op(B) [k, n]. Used by the host backend and by the reference model. */
 void zb__host_sgemm(int trans_a, int trans_b, int m, int n, int k, float alpha, const float *a,
                     int lda, const float *b, int ldb, float beta, float *c, int ldc);
+/* Which BLAS the process uses, e.g. "OpenBLAS 0.3.21 ... Haswell" (for benchmark reports). */
+const char *zb__host_blas_name(void);
 /* Widens bf16/f16 values to fp32 (the host reference for half types). */
 float zb__half_to_float(uint16_t h);
 float zb__bf16_to_float(uint16_t h);

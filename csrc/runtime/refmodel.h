@@ -50,6 +50,9 @@ typedef struct zb__refmodel zb__refmodel_t;
 zb_status_t zb__refmodel_create(zb__refmodel_t **out, const zb__refmodel_config_t *cfg,
                                 const int32_t *own_stages, int32_t n_own);
 void zb__refmodel_set_wstore(zb__refmodel_t *model, zb_wstore_t *wstore);
+/* Destroy (or clear) the W store first: its pending entries point into the model's buffers and its
+ * release callback calls into the model. One thread drives an instance, and the store must release
+ * on that thread. */
 void zb__refmodel_destroy(zb__refmodel_t *model);
 
 /* Bytes of the activation between two stages (rows * width * 4). */

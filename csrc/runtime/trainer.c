@@ -24,7 +24,7 @@ typedef struct {
   zb_placement_t placement;
   int32_t *rolled; /* steps per rank */
   zb_step_result_t *steps_out; /* steps; written by rank 0 */
-  double last_step;
+  double last_step, steady_from, steady_to;
   /* failure injection */
   zb__refmodel_t *model;
   int32_t forwards;
@@ -92,6 +92,7 @@ static void *rank_main(void *arg) {
 
   for (c->step = 0; c->step < cfg->steps; c->step++) {
     double t0 = zb__now(), scale = 1.0;
+    if (c->step == 1) c->steady_from = t0;
     if (opt) ZB_CHECK_GOTO(zb_optimizer_loss_scale(opt, &scale), st, done);
     zb__refmodel_begin_step(c->model, c->step, (float)scale);
     ZB_CHECK_GOTO(zb_runner_run(runner), st, done);
@@ -109,7 +110,8 @@ static void *rank_main(void *arg) {
       c->rolled[c->step] = sr.rolled_back;
       if (c->rank == 0) c->steps_out[c->step] = sr;
     }
-    c->last_step = zb__now() - t0;
+    c->steady_to = zb__now();
+    c->last_step = c->steady_to - t0;
   }
   const double *a, *b;
   int32_t n;
@@ -219,7 +221,7 @@ zb_status_t zb__train_pipeline(const zb_schedule_t *schedule, const zb__train_co
   int32_t started = 0;
   for (int32_t r = 0; r < p; r++) {
     ctx[r] = (rank_ctx_t){schedule, cfg, group, res, r, p, S, info.placement, rolled + (size_t)r * steps,
-                          steps_out, 0, NULL, 0, 0};
+                          steps_out, 0, 0, 0, NULL, 0, 0};
     if (pthread_create(&th[r], NULL, rank_main, &ctx[r]) != 0) {
       st = ZB_FAIL(ZB_ERR_INTERNAL, "could not start the thread of rank %d", (int)r);
       break;
@@ -241,8 +243,14 @@ zb_status_t zb__train_pipeline(const zb_schedule_t *schedule, const zb__train_co
     zb__error_restore(res->rank_error[root]);
     goto out;
   }
-  for (int32_t r = 0; r < p; r++)
+  double from = INFINITY, to = 0;
+  for (int32_t r = 0; r < p; r++) {
+    if (cfg->silent_rank == r) continue;
     if (ctx[r].last_step > res->last_step_seconds) res->last_step_seconds = ctx[r].last_step;
+    if (ctx[r].steady_from < from) from = ctx[r].steady_from;
+    if (ctx[r].steady_to > to) to = ctx[r].steady_to;
+  }
+  if (steps >= 2) res->steady_seconds = to - from;
   for (int32_t k = 0; k < steps && !cfg->empty_compute; k++) {
     int any = 0;
     for (int32_t r = 0; r < p; r++) any |= rolled[(size_t)r * steps + k];

@@ -30,6 +30,9 @@ typedef struct {
   int32_t rolled_back_steps, skipped_steps, clipped_steps;
   double seconds;         /* wall time of all steps */
   double last_step_seconds;
+  /* From the earliest start of step 1 on any rank to the latest end of the last step: the steps
+   * after the first (warm-up) one. 0 when steps < 2. */
+  double steady_seconds;
   /* Per-rank op times of the last step (seconds, CLOCK_MONOTONIC), aligned with rank ops; p
    * arrays, malloc'd; NULL for the sequential loop. */
   double **op_start, **op_end;

@@ -33,6 +33,7 @@ struct zb_inproc_group {
   int32_t ranks;
   int members;           /* transports created on the group and not yet destroyed */
   unsigned char *joined; /* one flag per rank: a transport exists for it */
+  int32_t *waiting_on;   /* per rank: the peer it is blocked receiving from, or -1 */
   msg_t **inbox_head, **inbox_tail; /* per receiving rank, in arrival order */
   int failed;
   int32_t failed_rank;
@@ -47,11 +48,12 @@ zb_status_t zb_inproc_group_create(zb_inproc_group_t **out, int32_t ranks) {
   zb_inproc_group_t *g = calloc(1, sizeof(*g));
   if (g) {
     g->joined = calloc((size_t)ranks, 1);
+    g->waiting_on = malloc((size_t)ranks * sizeof(int32_t));
     g->inbox_head = calloc((size_t)ranks, sizeof(msg_t *));
     g->inbox_tail = calloc((size_t)ranks, sizeof(msg_t *));
   }
-  if (!g || !g->joined || !g->inbox_head || !g->inbox_tail) {
-    if (g) free(g->joined), free(g->inbox_head), free(g->inbox_tail);
+  if (!g || !g->joined || !g->waiting_on || !g->inbox_head || !g->inbox_tail) {
+    if (g) free(g->joined), free(g->waiting_on), free(g->inbox_head), free(g->inbox_tail);
     free(g);
     return ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory creating an in-process group of %d ranks", (int)ranks);
   }
@@ -63,6 +65,7 @@ zb_status_t zb_inproc_group_create(zb_inproc_group_t **out, int32_t ranks) {
   pthread_condattr_destroy(&ca);
   pthread_mutex_init(&g->mu, NULL);
   g->ranks = ranks;
+  for (int32_t r = 0; r < ranks; r++) g->waiting_on[r] = -1;
   *out = g;
   return ZB_OK;
 }
@@ -84,13 +87,36 @@ zb_status_t zb_inproc_group_destroy(zb_inproc_group_t *g) {
   }
   pthread_cond_destroy(&g->cv);
   pthread_mutex_destroy(&g->mu);
-  free(g->joined), free(g->inbox_head), free(g->inbox_tail);
+  free(g->joined), free(g->waiting_on), free(g->inbox_head), free(g->inbox_tail);
   free(g);
   return ZB_OK;
 }
 
 static zb_status_t remote_failure(const zb_inproc_group_t *g, int32_t me) {
   return ZB_FAIL(ZB_ERR_REMOTE, "rank %d failed: %s", (int)g->failed_rank, g->failed_msg);
+}
+
+/* A timeout names the peer; when that peer is itself blocked on another rank, the chain of waits
+ * says who is really silent (all ranks are visible here, unlike across processes). */
+static zb_status_t timeout_error(const zb_inproc_group_t *g, int32_t peer, int32_t tag, double timeout_s) {
+  char chain[512] = "";
+  size_t len = 0;
+  int32_t x = peer;
+  for (int32_t hops = 0; hops < g->ranks && g->waiting_on[x] >= 0; hops++) {
+    int n = snprintf(chain + len, sizeof chain - len, "%s rank %d is waiting for rank %d",
+                     hops ? ";" : " (", (int)x, (int)g->waiting_on[x]);
+    if (n < 0 || (size_t)n >= sizeof chain - len) break;
+    len += (size_t)n;
+    x = g->waiting_on[x];
+    if (x == peer) break;
+  }
+  if (len > 0)
+    snprintf(chain + len, sizeof chain - len, "; rank %d %s)", (int)x,
+             g->joined[x] ? "is not waiting on anyone: it is busy or stuck" : "never joined the group");
+  else if (!g->joined[peer])
+    snprintf(chain, sizeof chain, " (rank %d never joined the group)", (int)peer);
+  return ZB_FAIL(ZB_ERR_TIMEOUT, "nothing from rank %d on channel %d within %.3g s%s", (int)peer,
+                 (int)tag, timeout_s, chain);
 }
 
 static zb_status_t inproc_isend(zb_transport_t *t, zb__request_t *req) {
@@ -140,6 +166,7 @@ static zb_status_t inproc_wait(zb_transport_t *t, zb__request_t *req, double tim
 
   pthread_mutex_lock(&g->mu);
   zb_status_t st = ZB_OK;
+  g->waiting_on[t->rank] = req->peer;
   /* After the deadline passes, look once more: the message may have come with the timeout. */
   for (int last = 0;;) {
     msg_t *m = take(g, t->rank, req->peer, req->tag);
@@ -160,12 +187,12 @@ static zb_status_t inproc_wait(zb_transport_t *t, zb__request_t *req, double tim
       break;
     }
     if (last || timeout_s <= 0) {
-      st = ZB_FAIL(ZB_ERR_TIMEOUT, "nothing from rank %d on channel %d within %.3g s", (int)req->peer,
-                   (int)req->tag, timeout_s);
+      st = timeout_s > 0 ? timeout_error(g, req->peer, req->tag, timeout_s) : ZB_ERR_TIMEOUT;
       break;
     }
     if (pthread_cond_timedwait(&g->cv, &g->mu, &deadline) == ETIMEDOUT) last = 1;
   }
+  g->waiting_on[t->rank] = -1;
   pthread_mutex_unlock(&g->mu);
   return st;
 }

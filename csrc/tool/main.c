@@ -4,9 +4,14 @@
  *   zbpp schedule KIND -p P -m M [-v V] [cost options] [--format F] [-o FILE]
  *   zbpp simulate FILE.csv [cost options] [--format F] [-o FILE]
  *
- * What this is not: part of the library. It only calls the public API in zbpp.h, so everything it
- * does, a C or Python caller can do too. Exit codes: 0 success, 1 a failure the library reported
- * (invalid schedule, infeasible limit, unreadable file), 2 a usage error.
+ *   zbpp verify KIND -p P -m M [...]   (verify.c)
+ *   zbpp bench [...]                   (bench.c)
+ *
+ * What this is not: part of the library. schedule and simulate only call the public API in zbpp.h,
+ * so everything they do, a C or Python caller can do too; verify and bench also drive the library's
+ * internal reference model and trainer (linked statically), which are not part of the ABI. Exit
+ * codes: 0 success, 1 a failure the library reported (invalid schedule, infeasible limit, unreadable
+ * file, parameters not bit-for-bit equal), 2 a usage error.
  */
 #define _POSIX_C_SOURCE 200809L
 #include <errno.h>
@@ -16,6 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "tool.h"
 #include "zbpp.h"
 
 static void usage(FILE *out) {
@@ -25,6 +31,10 @@ static void usage(FILE *out) {
           "Usage:\n"
           "  zbpp schedule KIND -p P -m M [-v V] [options]   generate, validate and print a schedule\n"
           "  zbpp simulate FILE.csv [options]                validate and simulate a schedule file\n"
+          "  zbpp verify KIND -p P -m M [options]            train the reference model with the schedule\n"
+          "                                                  and sequentially; compare bit for bit\n"
+          "  zbpp bench [options]                            every schedule on real threads: it/s, bubble\n"
+          "  (zbpp verify --help and zbpp bench --help list their options)\n"
           "  zbpp --help | --version\n"
           "\n"
           "Kinds:\n",
@@ -65,14 +75,14 @@ typedef struct {
   double comm, w_share;
 } args_t;
 
-static int bad_usage(const char *fmt, const char *what) {
+int zb__tool_bad_usage(const char *fmt, const char *what) {
   fprintf(stderr, "zbpp: ");
   fprintf(stderr, fmt, what);
   fprintf(stderr, "\nRun 'zbpp --help' for usage.\n");
   return 2;
 }
 
-static int parse_int(const char *s, int *out) {
+int zb__tool_parse_int(const char *s, int *out) {
   char *end;
   errno = 0;
   long x = strtol(s, &end, 10);
@@ -81,7 +91,7 @@ static int parse_int(const char *s, int *out) {
   return 1;
 }
 
-static int parse_double(const char *s, double *out) {
+int zb__tool_parse_double(const char *s, double *out) {
   char *end;
   errno = 0;
   double x = strtod(s, &end);
@@ -98,7 +108,7 @@ static int parse_times(const char *s, double *t, int *n) {
   *n = 0;
   char *save = NULL;
   for (char *tok = strtok_r(buf, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
-    if (*n == 4 || !parse_double(tok, &t[*n])) return 0;
+    if (*n == 4 || !zb__tool_parse_double(tok, &t[*n])) return 0;
     (*n)++;
   }
   return *n == 3 || *n == 4;
@@ -116,29 +126,29 @@ static int parse_args(int argc, char **argv, args_t *a) {
     const char *val = i + 1 < argc ? argv[i + 1] : NULL;
 #define NEED_VALUE()                                                                               \
   do {                                                                                             \
-    if (!val) return bad_usage("option %s needs a value", arg);                                   \
+    if (!val) return zb__tool_bad_usage("option %s needs a value", arg);                       \
     i++;                                                                                           \
   } while (0)
     if (!strcmp(arg, "-p") || !strcmp(arg, "--ranks")) {
       NEED_VALUE();
-      if (!parse_int(val, &a->p)) return bad_usage("-p wants a whole number, got '%s'", val);
+      if (!zb__tool_parse_int(val, &a->p)) return zb__tool_bad_usage("-p wants a whole number, got '%s'", val);
     } else if (!strcmp(arg, "-m") || !strcmp(arg, "--microbatches")) {
       NEED_VALUE();
-      if (!parse_int(val, &a->m)) return bad_usage("-m wants a whole number, got '%s'", val);
+      if (!zb__tool_parse_int(val, &a->m)) return zb__tool_bad_usage("-m wants a whole number, got '%s'", val);
     } else if (!strcmp(arg, "-v") || !strcmp(arg, "--chunks")) {
       NEED_VALUE();
-      if (!parse_int(val, &a->v)) return bad_usage("-v wants a whole number, got '%s'", val);
+      if (!zb__tool_parse_int(val, &a->v)) return zb__tool_bad_usage("-v wants a whole number, got '%s'", val);
     } else if (!strcmp(arg, "--times")) {
       NEED_VALUE();
       if (!parse_times(val, a->times, &a->n_times))
-        return bad_usage("--times wants F,B,W or F,B,W,BW (numbers), got '%s'", val);
+        return zb__tool_bad_usage("--times wants F,B,W or F,B,W,BW (numbers), got '%s'", val);
     } else if (!strcmp(arg, "--comm")) {
       NEED_VALUE();
-      if (!parse_double(val, &a->comm)) return bad_usage("--comm wants a number, got '%s'", val);
+      if (!zb__tool_parse_double(val, &a->comm)) return zb__tool_bad_usage("--comm wants a number, got '%s'", val);
     } else if (!strcmp(arg, "--w-share")) {
       NEED_VALUE();
-      if (!parse_double(val, &a->w_share))
-        return bad_usage("--w-share wants a number in [0,1], got '%s'", val);
+      if (!zb__tool_parse_double(val, &a->w_share))
+        return zb__tool_bad_usage("--w-share wants a number in [0,1], got '%s'", val);
     } else if (!strcmp(arg, "--mem-limit")) {
       NEED_VALUE();
       a->mem_limit = val;
@@ -149,12 +159,12 @@ static int parse_args(int argc, char **argv, args_t *a) {
       NEED_VALUE();
       a->output = val;
     } else if (arg[0] == '-' && arg[1] != '\0') {
-      return bad_usage("unknown option '%s'", arg);
+      return zb__tool_bad_usage("unknown option '%s'", arg);
     } else if (positional++ == 0) {
       if (!strcmp(a->command, "schedule")) a->kind = arg;
       else a->file = arg;
     } else {
-      return bad_usage("unexpected argument '%s'", arg);
+      return zb__tool_bad_usage("unexpected argument '%s'", arg);
     }
 #undef NEED_VALUE
   }
@@ -175,22 +185,22 @@ static int fill_costs(const args_t *a, zb_schedule_spec_t *spec, int p) {
     double x;
     if (n > 1 && (s[n - 1] == 'p' || s[n - 1] == 'P')) {
       char buf[64];
-      if (n >= sizeof buf) return bad_usage("--mem-limit '%s' is too long", s);
+      if (n >= sizeof buf) return zb__tool_bad_usage("--mem-limit '%s' is too long", s);
       memcpy(buf, s, n - 1);
       buf[n - 1] = '\0';
-      if (!parse_double(buf, &x)) return bad_usage("--mem-limit wants a number or Np, got '%s'", s);
+      if (!zb__tool_parse_double(buf, &x)) return zb__tool_bad_usage("--mem-limit wants a number or Np, got '%s'", s);
       x *= p;
-    } else if (!parse_double(s, &x)) {
-      return bad_usage("--mem-limit wants a number or Np, got '%s'", s);
+    } else if (!zb__tool_parse_double(s, &x)) {
+      return zb__tool_bad_usage("--mem-limit wants a number or Np, got '%s'", s);
     }
     if (!(x > 0) || isinf(x))
-      return bad_usage("--mem-limit must be a positive number of microbatches, got '%s'", s);
+      return zb__tool_bad_usage("--mem-limit must be a positive number of microbatches, got '%s'", s);
     spec->mem_limit = x;
   }
   return 0;
 }
 
-static int fail(const char *what) {
+int zb__tool_fail(const char *what) {
   fprintf(stderr, "zbpp: %s: %s\n", what, zb_last_error());
   return 1;
 }
@@ -227,13 +237,13 @@ static char *read_file(const char *path, size_t *len) {
 static int emit(zb_schedule_t *s, const args_t *a) {
   zb_format_t fmt = ZB_FORMAT_TEXT;
   if (a->format && zb_format_from_name(a->format, &fmt) != ZB_OK)
-    return bad_usage("%s", zb_last_error());
-  if (zb_schedule_validate(s) != ZB_OK) return fail("the schedule is not valid");
+    return zb__tool_bad_usage("%s", zb_last_error());
+  if (zb_schedule_validate(s) != ZB_OK) return zb__tool_fail("the schedule is not valid");
   zb_sim_result_t r;
-  if (zb_schedule_simulate(s, &r) != ZB_OK) return fail("simulation failed");
+  if (zb_schedule_simulate(s, &r) != ZB_OK) return zb__tool_fail("simulation failed");
   char *text = NULL;
   size_t len = 0;
-  if (zb_schedule_export(s, fmt, &text, &len) != ZB_OK) return fail("export failed");
+  if (zb_schedule_export(s, fmt, &text, &len) != ZB_OK) return zb__tool_fail("export failed");
   FILE *out = stdout;
   if (a->output && !(out = fopen(a->output, "wb"))) {
     fprintf(stderr, "zbpp: cannot write '%s': %s\n", a->output, strerror(errno));
@@ -259,14 +269,14 @@ static int emit(zb_schedule_t *s, const args_t *a) {
 }
 
 static int cmd_schedule(const args_t *a) {
-  if (!a->kind) return bad_usage("%s", "schedule needs a KIND (see the list in --help)");
+  if (!a->kind) return zb__tool_bad_usage("%s", "schedule needs a KIND (see the list in --help)");
   zb_kind_t kind;
   double factor = 0;
-  if (zb_kind_from_name(a->kind, &kind, &factor) != ZB_OK) return bad_usage("%s", zb_last_error());
+  if (zb_kind_from_name(a->kind, &kind, &factor) != ZB_OK) return zb__tool_bad_usage("%s", zb_last_error());
   if (a->p == INT_MIN)
-    return bad_usage("%s", "schedule needs -p P, the number of pipeline ranks (>= 1)");
+    return zb__tool_bad_usage("%s", "schedule needs -p P, the number of pipeline ranks (>= 1)");
   if (a->m == INT_MIN)
-    return bad_usage("%s", "schedule needs -m M, the number of microbatches (>= 1)");
+    return zb__tool_bad_usage("%s", "schedule needs -m M, the number of microbatches (>= 1)");
   zb_schedule_spec_t spec = ZB_SCHEDULE_SPEC_INIT;
   spec.kind = kind;
   spec.ranks = a->p;
@@ -276,14 +286,14 @@ static int cmd_schedule(const args_t *a) {
   if (rc) return rc;
   if (factor > 0 && !a->mem_limit) spec.mem_limit = factor * a->p;
   zb_schedule_t *s = NULL;
-  if (zb_schedule_create(&s, &spec) != ZB_OK) return fail("cannot generate the schedule");
+  if (zb_schedule_create(&s, &spec) != ZB_OK) return zb__tool_fail("cannot generate the schedule");
   rc = emit(s, a);
   zb_schedule_destroy(s);
   return rc;
 }
 
 static int cmd_simulate(const args_t *a) {
-  if (!a->file) return bad_usage("%s", "simulate needs a schedule file (CSV)");
+  if (!a->file) return zb__tool_bad_usage("%s", "simulate needs a schedule file (CSV)");
   size_t len = 0;
   char *text = read_file(a->file, &len);
   if (!text) {
@@ -299,7 +309,7 @@ static int cmd_simulate(const args_t *a) {
     if (n > 1 && (a->mem_limit[n - 1] == 'p' || a->mem_limit[n - 1] == 'P')) {
       if (zb_schedule_import(&s, ZB_FORMAT_CSV, text, len, &spec) != ZB_OK) {
         free(text);
-        return fail(a->file);
+        return zb__tool_fail(a->file);
       }
       zb_schedule_info_t info;
       zb_schedule_get_info(s, &info);
@@ -308,7 +318,7 @@ static int cmd_simulate(const args_t *a) {
       rc = fill_costs(a, &spec, info.ranks);
     }
   }
-  if (!rc && zb_schedule_import(&s, ZB_FORMAT_CSV, text, len, &spec) != ZB_OK) rc = fail(a->file);
+  if (!rc && zb_schedule_import(&s, ZB_FORMAT_CSV, text, len, &spec) != ZB_OK) rc = zb__tool_fail(a->file);
   free(text);
   if (!rc) rc = emit(s, a);
   zb_schedule_destroy(s);
@@ -328,8 +338,10 @@ int main(int argc, char **argv) {
     printf("zbpp %s\n", zb_version());
     return 0;
   }
+  if (!strcmp(argv[1], "verify")) return zb__tool_verify(argc, argv);
+  if (!strcmp(argv[1], "bench")) return zb__tool_bench(argc, argv);
   if (strcmp(argv[1], "schedule") != 0 && strcmp(argv[1], "simulate") != 0)
-    return bad_usage("unknown command '%s'; use 'schedule' or 'simulate'", argv[1]);
+    return zb__tool_bad_usage("unknown command '%s'; use schedule, simulate, verify or bench", argv[1]);
   for (int i = 2; i < argc; i++)
     if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
       usage(stdout);
@@ -339,6 +351,6 @@ int main(int argc, char **argv) {
   int rc = parse_args(argc, argv, &a);
   if (rc) return rc;
   zb_format_t fmt;
-  if (a.format && zb_format_from_name(a.format, &fmt) != ZB_OK) return bad_usage("%s", zb_last_error());
+  if (a.format && zb_format_from_name(a.format, &fmt) != ZB_OK) return zb__tool_bad_usage("%s", zb_last_error());
   return !strcmp(a.command, "schedule") ? cmd_schedule(&a) : cmd_simulate(&a);
 }

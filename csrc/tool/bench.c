@@ -1,0 +1,234 @@
+/*
+ * bench.c - `zbpp bench`: the reference model on real threads (one per rank), every schedule kind
+ * at the same model size. For each kind it first checks that the pipelined parameters equal the
+ * sequential loop's bit for bit, then times steady-state steps and prints iterations per second,
+ * the measured bubble rate of the last step next to the simulated one (the same op order simulated
+ * with the op times that were measured, so the gap is what the runtime itself adds), and finally the
+ * runner's own overhead per op with empty compute and the W store's push/pop cost.
+ *
+ * What this is not: a GPU benchmark. Ranks share the machine's cores, so use p <= cores.
+ */
+#define _POSIX_C_SOURCE 200809L
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "backend/internal.h"
+#include "runtime/internal.h"
+#include "runtime/trainer.h"
+#include "tool.h"
+#include "zbpp.h"
+
+static void bench_usage(FILE *out) {
+  fprintf(out,
+          "Usage: zbpp bench [options]\n"
+          "\n"
+          "  -p P            ranks, one thread each (default: the number of CPUs, 2..4)\n"
+          "  -m M            microbatches (default 4p)\n"
+          "  --steps N       timed steps after one warm-up step (default 5)\n"
+          "  --width D       model width (default 256); --ffn F (default 4D)\n"
+          "  --layers L      blocks per stage (default 2); --rows R rows per microbatch (default 64)\n"
+          "  --kinds a,b,..  the kinds to run (default: all)\n");
+}
+
+static zb__train_config_t make_config(int S, int m, int steps, int width, int ffn, int layers, int rows) {
+  zb__train_config_t c;
+  memset(&c, 0, sizeof c);
+  c.model = (zb__refmodel_config_t){S, layers, width, ffn, rows, m, 7};
+  c.steps = steps;
+  zb_optimizer_config_t oc = ZB_OPTIMIZER_CONFIG_INIT;
+  oc.lr = 1e-3;
+  c.optim = oc;
+  c.inject_nan_step = -1;
+  c.timeout_s = 120;
+  c.fail_rank = c.fail_op = c.silent_rank = -1;
+  return c;
+}
+
+/* Simulates rank op lists with per-stage costs taken from a measured timeline. */
+static zb_status_t simulate_with(const zb_schedule_t *measured, zb_sim_result_t *out) {
+  zb_schedule_info_t info;
+  ZB_CHECK(zb_schedule_get_info(measured, &info));
+  int S = info.stages, p = info.ranks;
+  double *t = calloc((size_t)S * 4, sizeof(double));
+  const zb_op_t **lists = calloc((size_t)p, sizeof(*lists));
+  int32_t *counts = calloc((size_t)p, sizeof(int32_t));
+  zb_schedule_t *s = NULL;
+  zb_status_t st = t && lists && counts ? ZB_OK : ZB_ERR_OUT_OF_MEMORY;
+  if (st == ZB_OK) st = zb_schedule_stage_costs(measured, t, t + S, t + 2 * S, t + 3 * S);
+  for (int r = 0; st == ZB_OK && r < p; r++) st = zb_schedule_rank_ops(measured, r, &lists[r], &counts[r]);
+  if (st == ZB_OK) {
+    zb_schedule_spec_t spec = ZB_SCHEDULE_SPEC_INIT;
+    spec.ranks = p, spec.chunks = info.chunks, spec.microbatches = info.microbatches;
+    spec.w_share = info.w_share;
+    spec.stage_time_f = t, spec.stage_time_b = t + S, spec.stage_time_w = t + 2 * S;
+    /* Stages without BW ops get B + W (0 means "B + W" to the spec). */
+    spec.stage_time_bw = t + 3 * S;
+    for (int k = 0; k < S; k++)
+      if (t[3 * S + k] == 0) t[3 * S + k] = t[S + k] + t[2 * S + k];
+    st = zb_schedule_create_from_ops(&s, &spec, info.placement, lists, counts);
+  }
+  if (st == ZB_OK) st = zb_schedule_simulate(s, out);
+  zb_schedule_destroy(s);
+  free(t), free(lists), free(counts);
+  return st;
+}
+
+/* Runner overhead: empty callbacks, so each op is the runner's bookkeeping (and, with p > 1, the
+ * in-process hand-over between threads). Returns microseconds per op on the busiest rank. */
+static double overhead_per_op(int p, int m, int steps) {
+  zb_schedule_spec_t spec = ZB_SCHEDULE_SPEC_INIT;
+  spec.kind = ZB_KIND_ZB_H1, spec.ranks = p, spec.microbatches = m;
+  zb_schedule_t *s;
+  if (zb_schedule_create(&s, &spec) != ZB_OK) return NAN;
+  zb__train_config_t cfg = make_config(p, m, steps, 1, 1, 1, 1);
+  cfg.empty_compute = 1;
+  zb__train_result_t res;
+  double us = NAN;
+  if (zb__train_pipeline(s, &cfg, &res) == ZB_OK) {
+    const zb_op_t *ops;
+    int32_t n;
+    zb_schedule_rank_ops(s, 0, &ops, &n);
+    us = res.steady_seconds / (steps - 1) / n * 1e6;
+  }
+  zb__train_result_free(&res);
+  zb_schedule_destroy(s);
+  return us;
+}
+
+/* The W store alone: begin, push two entries, end, pop (entries with zero rows skip the GEMM). */
+static double wstore_ns(int iters) {
+  zb_backend_t *be;
+  zb_wstore_t *ws;
+  if (zb_backend_create_host(&be) != ZB_OK) return NAN;
+  if (zb_wstore_create(&ws, be, NULL, NULL) != ZB_OK) {
+    zb_backend_destroy(be);
+    return NAN;
+  }
+  float dummy = 0;
+  zb_wgrad_t e = {sizeof(zb_wgrad_t), ZB_DTYPE_F32, 0, 1, 1, &dummy, 0, &dummy, 0, &dummy, NULL, 0};
+  double t0 = zb__now();
+  for (int k = 0; k < iters; k++) {
+    zb_wstore_begin(ws, 0, k);
+    zb_wstore_push(ws, &e);
+    zb_wstore_push(ws, &e);
+    zb_wstore_end(ws);
+    zb_wstore_pop_run(ws, 0, NULL);
+  }
+  double ns = (zb__now() - t0) / iters * 1e9;
+  zb_wstore_destroy(ws);
+  zb_backend_destroy(be);
+  return ns;
+}
+
+int zb__tool_bench(int argc, char **argv) {
+  long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+  int p = cpus < 2 ? 2 : cpus > 4 ? 4 : (int)cpus, m = -1, steps = 5, width = 256, ffn = 0, layers = 2, rows = 64;
+  const char *kinds = NULL;
+  for (int i = 2; i < argc; i++) {
+    const char *a = argv[i], *val = i + 1 < argc ? argv[i + 1] : NULL;
+    int *iopt = NULL;
+    if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+      bench_usage(stdout);
+      return 0;
+    } else if (!strcmp(a, "-p")) iopt = &p;
+    else if (!strcmp(a, "-m")) iopt = &m;
+    else if (!strcmp(a, "--steps")) iopt = &steps;
+    else if (!strcmp(a, "--width")) iopt = &width;
+    else if (!strcmp(a, "--ffn")) iopt = &ffn;
+    else if (!strcmp(a, "--layers")) iopt = &layers;
+    else if (!strcmp(a, "--rows")) iopt = &rows;
+    else if (!strcmp(a, "--kinds")) {
+      if (!val) return zb__tool_bad_usage("option %s needs a value", a);
+      kinds = val;
+      i++;
+      continue;
+    } else return zb__tool_bad_usage("bench: unknown argument '%s'", a);
+    if (!val) return zb__tool_bad_usage("option %s needs a value", a);
+    i++;
+    if (!zb__tool_parse_int(val, iopt)) return zb__tool_bad_usage("this option wants a whole number, got '%s'", val);
+  }
+  if (m < 0) m = 4 * p;
+  if (ffn == 0) ffn = 4 * width;
+  if (p < 1 || p > 64 || m < 1 || steps < 1 || width < 1 || ffn < 1 || layers < 1 || rows < 1 ||
+      width > 8192 || ffn > 32768 || rows > 65536 || layers > 64)
+    return zb__tool_bad_usage("%s", "bench: sizes out of range (p 1..64; m, steps, width, ffn, layers, rows >= 1)");
+
+  printf("zbpp bench: %d ranks as threads on %ld CPU(s); m=%d; %d blocks/stage, d=%d f=%d, %d rows; "
+         "%d timed step(s) after 1 warm-up\nBLAS: %s\n\n",
+         p, cpus, m, layers, width, ffn, rows, steps, zb__host_blas_name());
+  printf("%-17s %2s %6s  %9s %8s  %8s %8s  %s\n", "kind", "v", "stages", "check", "it/s", "bubble", "sim.", "");
+  printf("%-17s %2s %6s  %9s %8s  %8s %8s\n", "", "", "", "", "", "measured", "(same costs)");
+  int failures = 0;
+  for (int k = 0; k < ZB_KIND_CUSTOM; k++) {
+    const char *name = zb_kind_name((zb_kind_t)k);
+    if (kinds) {
+      /* Match a whole comma-separated item. */
+      size_t n = strlen(name);
+      const char *hit = strstr(kinds, name);
+      while (hit && !((hit == kinds || hit[-1] == ',') && (hit[n] == ',' || hit[n] == '\0')))
+        hit = strstr(hit + 1, name);
+      if (!hit) continue;
+    }
+    zb_schedule_spec_t spec = ZB_SCHEDULE_SPEC_INIT;
+    spec.kind = (zb_kind_t)k, spec.ranks = p, spec.microbatches = m;
+    zb_schedule_t *s;
+    if (zb_schedule_create(&s, &spec) != ZB_OK) {
+      printf("%-17s (not generated: %s)\n", name, zb_last_error());
+      continue;
+    }
+    zb_schedule_info_t info;
+    zb_schedule_get_info(s, &info);
+    /* Correctness first: 2 steps against the sequential loop, bit for bit. */
+    zb__train_config_t check = make_config(info.stages, m, 2, width, ffn, layers, rows);
+    zb__train_result_t a, b;
+    int equal = 0;
+    double diff = 0;
+    if (zb__train_pipeline(s, &check, &a) == ZB_OK && zb__train_sequential(&check, &b) == ZB_OK) {
+      zb__train_compare(&a, &b, &equal, &diff);
+      zb__train_result_free(&b);
+    } else {
+      printf("%-17s failed: %s\n", name, zb_last_error());
+    }
+    zb__train_result_free(&a);
+    if (!equal) {
+      failures++;
+      printf("%-17s %2d %6d  %9s (max |diff| %g): not timed\n", name, info.chunks, info.stages, "MISMATCH", diff);
+      zb_schedule_destroy(s);
+      continue;
+    }
+    zb__train_config_t cfg = make_config(info.stages, m, steps + 1, width, ffn, layers, rows);
+    zb__train_result_t res;
+    if (zb__train_pipeline(s, &cfg, &res) != ZB_OK) {
+      printf("%-17s failed: %s\n", name, zb_last_error());
+      failures++;
+      zb__train_result_free(&res);
+      zb_schedule_destroy(s);
+      continue;
+    }
+    double its = steps / res.steady_seconds;
+    zb_sim_result_t meas, sim;
+    int ok = zb_schedule_set_times(s, (const double *const *)res.op_start,
+                                   (const double *const *)res.op_end, &meas) == ZB_OK &&
+             simulate_with(s, &sim) == ZB_OK;
+    if (ok)
+      printf("%-17s %2d %6d  %9s %8.2f  %7.1f%% %7.1f%%\n", name, info.chunks, info.stages, "bitwise", its,
+             100 * meas.bubble_rate, 100 * sim.bubble_rate);
+    else
+      printf("%-17s %2d %6d  %9s %8.2f  (timeline: %s)\n", name, info.chunks, info.stages, "bitwise", its,
+             zb_last_error());
+    fflush(stdout);
+    zb__train_result_free(&res);
+    zb_schedule_destroy(s);
+  }
+
+  printf("\nruntime overhead (empty compute, zb-h1, in-process transport):\n");
+  printf("  p=1 (bookkeeping only):          %7.2f us per op\n", overhead_per_op(1, 64, 21));
+  printf("  p=2 (with thread hand-over):     %7.2f us per op\n", overhead_per_op(2, 64, 21));
+  if (p > 2) printf("  p=%d:                             %7.2f us per op\n", p, overhead_per_op(p, 64, 21));
+  printf("  W store begin+2 pushes+end+pop:  %7.1f ns\n", wstore_ns(1000000));
+  return failures ? 1 : 0;
+}

@@ -1,0 +1,475 @@
+/*
+ * test_runner.c - the runner end to end on the host: every generated schedule trains the reference
+ * model to the same bits as a sequential loop; a failing or silent rank makes every other rank
+ * return an error naming it, within the timeout; the callback transport carries the same data as
+ * the in-process one; measured timelines export and feed zb-auto.
+ *
+ * ZBPP_TEST_QUICK=1 (set for the valgrind run) trims the sweep to p <= 3 and fewer microbatch
+ * counts; the properties checked are the same.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "helpers.h"
+#include "runtime/internal.h"
+#include "runtime/trainer.h"
+
+static int quick(void) {
+  const char *q = getenv("ZBPP_TEST_QUICK");
+  return q && q[0] == '1';
+}
+
+static zb__train_config_t train_config(int S, int m, int steps) {
+  zb__train_config_t c;
+  memset(&c, 0, sizeof c);
+  c.model = (zb__refmodel_config_t){S, 1, 8, 16, 4, m, 1234};
+  c.steps = steps;
+  zb_optimizer_config_t oc = ZB_OPTIMIZER_CONFIG_INIT;
+  oc.kind = ZB_OPTIM_ADAMW;
+  oc.lr = 1e-2;
+  oc.weight_decay = 0.01;
+  c.optim = oc;
+  c.inject_nan_step = -1;
+  c.timeout_s = 30;
+  c.fail_rank = c.fail_op = c.silent_rank = -1;
+  return c;
+}
+
+/* Trains with `schedule` and sequentially; asserts bit equality and equal losses. */
+static void check_bitwise(zb_schedule_t *schedule, zb__train_config_t *cfg, const char *what) {
+  zb__train_result_t a, b;
+  zb_status_t st = zb__train_pipeline(schedule, cfg, &a);
+  if (st != ZB_OK) fail_msg("%s: pipeline run failed: %s", what, zb_last_error());
+  ZB_ASSERT_OK(zb__train_sequential(cfg, &b));
+  int equal;
+  double diff;
+  zb__train_compare(&a, &b, &equal, &diff);
+  if (!equal) fail_msg("%s: parameters differ from the sequential loop (max |diff| %g)", what, diff);
+  for (int k = 0; k < cfg->steps; k++)
+    if (memcmp(&a.losses[k], &b.losses[k], sizeof(double)) != 0)
+      fail_msg("%s: step %d loss %.17g, sequential %.17g", what, k, a.losses[k], b.losses[k]);
+  zb__train_result_free(&a);
+  zb__train_result_free(&b);
+}
+
+/* Every kind the engine generates, p in {1,2,3,4,8}, v where the kind takes it, m from the smallest
+ * it accepts to 3p: parameters after 2 AdamW steps equal the sequential loop's bit for bit. */
+static void test_every_kind_bitwise(void **state) {
+  int ps[] = {1, 2, 3, 4, 8};
+  int np = quick() ? 3 : 5, runs = 0;
+  for (int ip = 0; ip < np; ip++) {
+    int p = ps[ip];
+    for (int kind = 0; kind < ZB_KIND_CUSTOM; kind++) {
+      int vs[2] = {0, 0}, nv = 1;
+      if (kind == ZB_KIND_INTERLEAVED_1F1B) vs[0] = 2, vs[1] = 3, nv = 2;
+      for (int iv = 0; iv < nv; iv++) {
+        int first = 0;
+        for (int m = 1; m <= 3 * p; m++) {
+          zb_schedule_spec_t spec = zb_test_spec((zb_kind_t)kind, p, m, vs[iv]);
+          zb_schedule_t *s;
+          if (zb_schedule_create(&s, &spec) != ZB_OK) continue; /* below the kind's smallest m */
+          if (!first) first = m;
+          /* Quick mode: the smallest m, one in the middle and 3p. */
+          if (quick() && m != first && m != 3 * p && m != (first + 3 * p) / 2) {
+            zb_schedule_destroy(s);
+            continue;
+          }
+          zb_schedule_info_t info;
+          ZB_ASSERT_OK(zb_schedule_get_info(s, &info));
+          zb__train_config_t cfg = train_config(info.stages, m, 2);
+          char what[96];
+          snprintf(what, sizeof what, "%s p=%d v=%d m=%d", zb_kind_name((zb_kind_t)kind), p,
+                   info.chunks, m);
+          check_bitwise(s, &cfg, what);
+          runs++;
+          zb_schedule_destroy(s);
+        }
+      }
+    }
+  }
+  /* Guards against a sweep that silently ran nothing. */
+  assert_true(runs > (quick() ? 40 : 200));
+  printf("  %d schedules trained bit-for-bit equal to the sequential loop\n", runs);
+}
+
+/* Several blocks per stage, SGD with momentum, more steps: still bit for bit. */
+static void test_deeper_model_sgd(void **state) {
+  zb_schedule_spec_t spec = zb_test_spec(ZB_KIND_ZB_V, 2, 6, 0);
+  zb_schedule_t *s;
+  ZB_ASSERT_OK(zb_schedule_create(&s, &spec));
+  zb__train_config_t cfg = train_config(4, 6, 4);
+  cfg.model.layers = 3;
+  cfg.model.rows = 5;
+  cfg.optim.kind = ZB_OPTIM_SGD;
+  cfg.optim.momentum = 0.9;
+  cfg.optim.lr = 0.05;
+  check_bitwise(s, &cfg, "zb-v p=2 m=6, 3 blocks per stage, SGD");
+  zb_schedule_destroy(s);
+}
+
+/* Post-validation against the synchronous path, with neither NaN nor clipping, with clipping on
+ * every step, and with a NaN injected into the last stage at step 1. The expected number of
+ * rolled-back iterations comes from the synchronous run's own clip/skip counts: with p > 1, every
+ * clipped or skipped step is one that the ranks before the end of the chain took speculatively. */
+static void test_post_validation(void **state) {
+  zb_kind_t kinds[2] = {ZB_KIND_ZB_H1, ZB_KIND_ZB_V};
+  for (int kk = 0; kk < 2; kk++) {
+    for (int scenario = 0; scenario < 3; scenario++) {
+      zb_schedule_spec_t spec = zb_test_spec(kinds[kk], 3, 6, 0);
+      zb_schedule_t *s;
+      ZB_ASSERT_OK(zb_schedule_create(&s, &spec));
+      zb_schedule_info_t info;
+      ZB_ASSERT_OK(zb_schedule_get_info(s, &info));
+      zb__train_config_t cfg = train_config(info.stages, 6, 4);
+      if (scenario == 1) cfg.optim.clip_grad = 1e-3; /* far below any gradient norm here */
+      if (scenario == 2) cfg.inject_nan_step = 1;
+      cfg.optim.loss_scale = 1024;
+      zb__train_config_t sync_cfg = cfg;
+      cfg.optim.post_validation = 1;
+      zb__train_result_t pv, sync;
+      ZB_ASSERT_OK(zb__train_pipeline(s, &cfg, &pv));
+      ZB_ASSERT_OK(zb__train_pipeline(s, &sync_cfg, &sync));
+      int equal;
+      double diff;
+      zb__train_compare(&pv, &sync, &equal, &diff);
+      if (!equal)
+        fail_msg("%s scenario %d: post-validation differs from the synchronous path (max %g)",
+                 zb_kind_name(kinds[kk]), scenario, diff);
+      int expected = sync.clipped_steps + sync.skipped_steps;
+      if (scenario == 0) assert_int_equal(expected, 0);
+      if (scenario == 1) assert_int_equal(sync.clipped_steps, 4);
+      if (scenario == 2) assert_int_equal(sync.skipped_steps, 1);
+      if (pv.rolled_back_steps != expected)
+        fail_msg("%s scenario %d: %d rolled-back steps, expected %d", zb_kind_name(kinds[kk]),
+                 scenario, pv.rolled_back_steps, expected);
+      assert_int_equal(sync.rolled_back_steps, 0);
+      /* And the synchronous pipeline equals the sequential loop too. */
+      zb__train_result_t seq;
+      ZB_ASSERT_OK(zb__train_sequential(&sync_cfg, &seq));
+      zb__train_compare(&seq, &sync, &equal, &diff);
+      if (!equal) fail_msg("scenario %d: sequential differs (max %g)", scenario, diff);
+      zb__train_result_free(&seq);
+      zb__train_result_free(&pv);
+      zb__train_result_free(&sync);
+      zb_schedule_destroy(s);
+    }
+  }
+}
+
+/* Rank 1 fails in its third forward: every rank returns an error, well within the timeout, and
+ * each message names rank 1, the op and the microbatch. */
+static void test_rank_failure_propagates(void **state) {
+  zb_schedule_spec_t spec = zb_test_spec(ZB_KIND_ZB_H1, 3, 6, 0);
+  zb_schedule_t *s;
+  ZB_ASSERT_OK(zb_schedule_create(&s, &spec));
+  zb__train_config_t cfg = train_config(3, 6, 2);
+  cfg.fail_rank = 1;
+  cfg.fail_op = 2;
+  cfg.timeout_s = 5;
+  zb__train_result_t res;
+  double t0 = zb__now();
+  zb_status_t st = zb__train_pipeline(s, &cfg, &res);
+  double took = zb__now() - t0;
+  assert_int_equal(st, ZB_ERR_INTERNAL);
+  assert_non_null(strstr(zb_last_error(), "injected failure"));
+  for (int r = 0; r < 3; r++) {
+    if (res.rank_status[r] == ZB_OK) fail_msg("rank %d returned success after rank 1 failed", r);
+    const char *msg = res.rank_error[r];
+    if (!strstr(msg, "rank 1") || !strstr(msg, "F(stage 1, mb 2)"))
+      fail_msg("rank %d's message does not name rank 1's op F(stage 1, mb 2): %s", r, msg);
+  }
+  assert_int_equal(res.rank_status[0], ZB_ERR_REMOTE);
+  assert_int_equal(res.rank_status[2], ZB_ERR_REMOTE);
+  /* Failures travel by abort, not by timeout. */
+  if (took > cfg.timeout_s) fail_msg("the failure took %.2f s to reach every rank", took);
+  zb__train_result_free(&res);
+  zb_schedule_destroy(s);
+}
+
+/* Rank 2 never starts: the others fail within about one timeout, naming rank 2. */
+static void test_silent_rank_times_out(void **state) {
+  zb_schedule_spec_t spec = zb_test_spec(ZB_KIND_1F1B, 3, 4, 0);
+  zb_schedule_t *s;
+  ZB_ASSERT_OK(zb_schedule_create(&s, &spec));
+  zb__train_config_t cfg = train_config(3, 4, 1);
+  cfg.silent_rank = 2;
+  cfg.timeout_s = 0.3;
+  zb__train_result_t res;
+  double t0 = zb__now();
+  zb_status_t st = zb__train_pipeline(s, &cfg, &res);
+  double took = zb__now() - t0;
+  assert_int_equal(st, ZB_ERR_TIMEOUT);
+  for (int r = 0; r < 2; r++) {
+    if (res.rank_status[r] == ZB_OK) fail_msg("rank %d returned success with rank 2 silent", r);
+    if (!strstr(res.rank_error[r], "rank 2")) fail_msg("rank %d's message does not name rank 2: %s", r, res.rank_error[r]);
+    if (!strstr(res.rank_error[r], "mb 0")) fail_msg("rank %d's message does not name the microbatch: %s", r, res.rank_error[r]);
+  }
+  /* Rank 1 waits on rank 2 and times out; rank 0 hears of it by abort (or its own timeout). */
+  if (took > 4 * cfg.timeout_s + 1.0) fail_msg("the silent rank took %.2f s to detect", took);
+  zb__train_result_free(&res);
+  zb_schedule_destroy(s);
+}
+
+/* ---- callback transport: a tiny mailbox transport written against the callbacks ------------- */
+
+/* The callbacks forward to an in-process transport, so the test checks the adapter (handles,
+ * polling, errors), not a second mailbox implementation. */
+typedef struct {
+  zb_transport_t *inner;
+  int waits, cancels, fail_waits;
+} cb_user_t;
+
+static zb_status_t cb_isend(void *user, int32_t peer, int32_t tag, const void *buf, size_t bytes, void **req) {
+  cb_user_t *u = user;
+  zb__request_t *r = calloc(1, sizeof *r);
+  *req = r;
+  return zb__transport_isend(u->inner, r, peer, tag, buf, bytes);
+}
+static zb_status_t cb_irecv(void *user, int32_t peer, int32_t tag, void *buf, size_t bytes, void **req) {
+  cb_user_t *u = user;
+  zb__request_t *r = calloc(1, sizeof *r);
+  *req = r;
+  return zb__transport_irecv(u->inner, r, peer, tag, buf, bytes);
+}
+static zb_status_t cb_wait(void *user, void *req, double timeout) {
+  cb_user_t *u = user;
+  zb__request_t *r = req;
+  if (u->fail_waits && !r->is_send) {
+    free(r);
+    return ZB_ERR_TIMEOUT;
+  }
+  zb_status_t st = zb__transport_wait(u->inner, r, timeout);
+  if (st == ZB_ERR_TIMEOUT && timeout == 0) return st; /* still pending: keep the handle */
+  u->waits++;
+  free(r);
+  return st;
+}
+static void cb_cancel(void *user, void *req) {
+  cb_user_t *u = user;
+  u->cancels++;
+  free(req);
+}
+
+/* A model whose activations carry (stage, mb) so the test can see every value arrive in order. */
+typedef struct {
+  int S, m;
+  float got[64][2]; /* last stage: what arrived for each mb (forward), stage 0: the gradient */
+  int bad;
+} probe_t;
+
+static zb_status_t probe_fwd(void *user, int32_t stage, int32_t mb, const void *in, void *out) {
+  probe_t *p = user;
+  float v = in ? ((const float *)in)[0] : 0.0f;
+  if (in && ((const float *)in)[1] != (float)mb) p->bad++;
+  if (out) ((float *)out)[0] = v + (float)(stage + 1), ((float *)out)[1] = (float)mb;
+  else p->got[mb][0] = v;
+  return ZB_OK;
+}
+static zb_status_t probe_bwd(void *user, int32_t stage, int32_t mb, const void *gout, void *gin) {
+  probe_t *p = user;
+  float v = gout ? ((const float *)gout)[0] : 1000.0f * (float)mb;
+  if (gout && ((const float *)gout)[1] != (float)mb) p->bad++;
+  if (gin) ((float *)gin)[0] = v + 1.0f, ((float *)gin)[1] = (float)mb;
+  else p->got[mb][1] = v;
+  return ZB_OK;
+}
+
+typedef struct {
+  zb_schedule_t *s;
+  int rank, fail;
+  zb_inproc_group_t *g;
+  probe_t probe;
+  cb_user_t user;
+  zb_status_t st;
+  char err[2048];
+} cb_rank_t;
+
+#include <pthread.h>
+static void *cb_rank_main(void *arg) {
+  cb_rank_t *c = arg;
+  zb_backend_t *be = NULL;
+  zb_wstore_t *ws = NULL;
+  zb_transport_t *inner = NULL, *tr = NULL;
+  zb_runner_t *run = NULL;
+  zb_backend_create_host(&be);
+  zb_wstore_create(&ws, be, NULL, NULL);
+  zb_transport_create_inproc(&inner, c->g, c->rank);
+  c->user.inner = inner;
+  c->user.fail_waits = c->fail;
+  zb_transport_callbacks_t cb = {sizeof cb, &c->user, cb_isend, cb_irecv, cb_wait, cb_cancel, NULL};
+  c->st = zb_transport_create_callback(&tr, &cb, c->rank, 2);
+  if (c->st == ZB_OK) {
+    zb_runner_config_t rc = ZB_RUNNER_CONFIG_INIT;
+    rc.rank = c->rank, rc.schedule = c->s, rc.backend = be, rc.transport = tr, rc.wstore = ws;
+    rc.boundary_bytes_all = 2 * sizeof(float);
+    rc.forward_cb = probe_fwd, rc.backward_cb = probe_bwd, rc.user = &c->probe;
+    rc.timeout_s = 2;
+    rc.recv_depth = 1;
+    c->st = zb_runner_create(&run, &rc);
+    for (int it = 0; it < 2 && c->st == ZB_OK; it++) c->st = zb_runner_run(run);
+  }
+  snprintf(c->err, sizeof c->err, "%s", zb_last_error());
+  /* A failing rank does not abort through the callbacks (abort_cb is NULL): release the other
+   * rank the way a real peer's timeout would. */
+  if (c->st != ZB_OK) zb_transport_abort(inner, "callback test rank failed");
+  zb_runner_destroy(run);
+  zb_transport_destroy(tr);
+  zb_transport_destroy(inner);
+  zb_wstore_destroy(ws);
+  zb_backend_destroy(be);
+  return NULL;
+}
+
+static void run_two_ranks(zb_schedule_t *s, cb_rank_t c[2], int fail_rank) {
+  zb_inproc_group_t *g;
+  ZB_ASSERT_OK(zb_inproc_group_create(&g, 2));
+  pthread_t th[2];
+  for (int r = 0; r < 2; r++) {
+    memset(&c[r], 0, sizeof c[r]);
+    c[r].s = s, c[r].rank = r, c[r].g = g, c[r].fail = r == fail_rank;
+    c[r].probe.S = 4, c[r].probe.m = 4;
+    pthread_create(&th[r], NULL, cb_rank_main, &c[r]);
+  }
+  for (int r = 0; r < 2; r++) pthread_join(th[r], NULL);
+  ZB_ASSERT_OK(zb_inproc_group_destroy(g));
+}
+
+static void test_callback_transport(void **state) {
+  zb_schedule_spec_t spec = zb_test_spec(ZB_KIND_ZB_V, 2, 4, 0); /* S = 4, V: stage 3 on rank 0 */
+  zb_schedule_t *s;
+  ZB_ASSERT_OK(zb_schedule_create(&s, &spec));
+  cb_rank_t c[2];
+  run_two_ranks(s, c, -1);
+  for (int r = 0; r < 2; r++)
+    if (c[r].st != ZB_OK) fail_msg("rank %d: %s", r, c[r].err);
+  /* Rank 0 holds the first and the last stage: forward adds 1+2+3 over stages 0..2; backward
+   * adds 1 for each of stages 3..1. */
+  for (int mb = 0; mb < 4; mb++) {
+    assert_true(c[0].probe.got[mb][0] == 6.0f);
+    assert_true(c[0].probe.got[mb][1] == 1000.0f * mb + 3.0f);
+  }
+  assert_int_equal(c[0].probe.bad + c[1].probe.bad, 0);
+  /* Every receive and send handle went back through wait_cb exactly once: 2 iterations, 4 mbs,
+   * and per mb rank 0 sends F(0), B(3)... two sends and two receives per rank per mb. */
+  assert_int_equal(c[0].user.waits, 2 * 4 * 4);
+  assert_int_equal(c[1].user.waits, 2 * 4 * 4);
+  assert_int_equal(c[0].user.cancels + c[1].user.cancels, 0);
+
+  /* A wait that times out in the callback: the runner fails naming the peer and cancels what is
+   * still posted; the other rank fails too. */
+  run_two_ranks(s, c, 1);
+  assert_int_equal(c[1].st, ZB_ERR_TIMEOUT);
+  assert_non_null(strstr(c[1].err, "nothing from rank 0"));
+  assert_int_not_equal(c[0].st, ZB_OK);
+  zb_schedule_destroy(s);
+}
+
+/* A measured timeline goes into the schedule, exports as Chrome trace and SVG, and its per-stage
+ * costs drive zb-auto. */
+static void test_measured_timeline(void **state) {
+  zb_schedule_spec_t spec = zb_test_spec(ZB_KIND_ZB_H1, 2, 4, 0);
+  zb_schedule_t *s;
+  ZB_ASSERT_OK(zb_schedule_create(&s, &spec));
+  zb__train_config_t cfg = train_config(2, 4, 2);
+  cfg.model.width = 32, cfg.model.ffn = 64, cfg.model.rows = 16;
+  zb__train_result_t res;
+  ZB_ASSERT_OK(zb__train_pipeline(s, &cfg, &res));
+  zb_sim_result_t meas;
+  ZB_ASSERT_OK(zb_schedule_set_times(s, (const double *const *)res.op_start,
+                                     (const double *const *)res.op_end, &meas));
+  assert_true(meas.cost > 0 && meas.busy > 0 && meas.busy <= meas.cost * (1 + 1e-9));
+  assert_true(meas.bubble_rate >= 0 && meas.bubble_rate < 1);
+  /* The measured span can't be longer than the step's wall time (ms). */
+  assert_true(meas.cost <= res.last_step_seconds * 1e3 * 1.01 + 1e-3);
+  char *text;
+  size_t len;
+  ZB_ASSERT_OK(zb_schedule_export(s, ZB_FORMAT_CHROME, &text, &len));
+  assert_non_null(strstr(text, "\"traceEvents\""));
+  assert_non_null(strstr(text, "\"W3\""));
+  zb_free(text);
+  ZB_ASSERT_OK(zb_schedule_export(s, ZB_FORMAT_SVG, &text, &len));
+  assert_non_null(strstr(text, "<svg"));
+  zb_free(text);
+  double tf[2], tb[2], tw[2];
+  ZB_ASSERT_OK(zb_schedule_stage_costs(s, tf, tb, tw, NULL));
+  for (int st = 0; st < 2; st++) assert_true(tf[st] > 0 && tb[st] > 0 && tw[st] > 0);
+  zb_schedule_spec_t auto_spec = zb_test_spec(ZB_KIND_ZB_AUTO, 2, 4, 0);
+  auto_spec.stage_time_f = tf, auto_spec.stage_time_b = tb, auto_spec.stage_time_w = tw;
+  zb_schedule_t *planned;
+  ZB_ASSERT_OK(zb_schedule_create(&planned, &auto_spec));
+  ZB_ASSERT_OK(zb_schedule_validate(planned));
+  zb_schedule_destroy(planned);
+  zb__train_result_free(&res);
+  zb_schedule_destroy(s);
+}
+
+static zb_status_t noop_fwd(void *u, int32_t s, int32_t m, const void *i, void *o) { return ZB_OK; }
+static zb_status_t noop_bwd(void *u, int32_t s, int32_t m, const void *i, void *o) { return ZB_OK; }
+
+static void test_runner_misuse(void **state) {
+  zb_schedule_spec_t spec = zb_test_spec(ZB_KIND_1F1B, 2, 2, 0);
+  zb_schedule_t *s;
+  ZB_ASSERT_OK(zb_schedule_create(&s, &spec));
+  zb_backend_t *be;
+  zb_wstore_t *ws;
+  ZB_ASSERT_OK(zb_backend_create_host(&be));
+  ZB_ASSERT_OK(zb_wstore_create(&ws, be, NULL, NULL));
+  zb_runner_t *r = NULL;
+  zb_runner_config_t rc = ZB_RUNNER_CONFIG_INIT;
+  assert_int_equal(zb_runner_create(&r, &rc), ZB_ERR_INVALID_ARGUMENT);
+  assert_non_null(strstr(zb_last_error(), "schedule"));
+  rc.schedule = s, rc.backend = be, rc.wstore = ws, rc.forward_cb = noop_fwd, rc.backward_cb = noop_bwd;
+  assert_int_equal(zb_runner_create(&r, &rc), ZB_ERR_INVALID_ARGUMENT);
+  assert_non_null(strstr(zb_last_error(), "needs a transport"));
+  rc.rank = 5;
+  assert_int_equal(zb_runner_create(&r, &rc), ZB_ERR_INVALID_ARGUMENT);
+  assert_non_null(strstr(zb_last_error(), "outside the schedule's ranks"));
+  rc.struct_size = 4;
+  assert_int_equal(zb_runner_create(&r, &rc), ZB_ERR_INVALID_ARGUMENT);
+  assert_non_null(strstr(zb_last_error(), "ZB_RUNNER_CONFIG_INIT"));
+  /* An invalid custom schedule is refused before anything runs. */
+  zb_op_t r0[] = {{ZB_OP_F, 0, 0}, {ZB_OP_BW, 0, 0}};
+  const zb_op_t *lists[1] = {r0};
+  int32_t counts[1] = {1};
+  zb_schedule_spec_t one = zb_test_spec(ZB_KIND_1F1B, 1, 1, 0);
+  zb_schedule_t *bad;
+  ZB_ASSERT_OK(zb_schedule_create_from_ops(&bad, &one, ZB_PLACEMENT_LOOP, lists, counts));
+  zb_runner_config_t rc1 = ZB_RUNNER_CONFIG_INIT;
+  rc1.schedule = bad, rc1.backend = be, rc1.wstore = ws, rc1.forward_cb = noop_fwd, rc1.backward_cb = noop_bwd;
+  assert_int_equal(zb_runner_create(&r, &rc1), ZB_ERR_INVALID_SCHEDULE);
+  /* A W store that already holds work is refused by run. */
+  counts[0] = 2;
+  zb_schedule_t *good;
+  ZB_ASSERT_OK(zb_schedule_create_from_ops(&good, &one, ZB_PLACEMENT_LOOP, lists, counts));
+  rc1.schedule = good;
+  ZB_ASSERT_OK(zb_runner_create(&r, &rc1));
+  ZB_ASSERT_OK(zb_runner_run(r));
+  ZB_ASSERT_OK(zb_wstore_begin(ws, 0, 0));
+  ZB_ASSERT_OK(zb_wstore_end(ws));
+  assert_int_equal(zb_runner_run(r), ZB_ERR_INVALID_ARGUMENT);
+  assert_non_null(strstr(zb_last_error(), "already holds"));
+  assert_int_equal(zb_backend_destroy(be), ZB_ERR_BUSY);
+  ZB_ASSERT_OK(zb_runner_destroy(r));
+  ZB_ASSERT_OK(zb_runner_destroy(NULL));
+  zb_schedule_destroy(good);
+  zb_schedule_destroy(bad);
+  zb_wstore_destroy(ws);
+  ZB_ASSERT_OK(zb_backend_destroy(be));
+  zb_schedule_destroy(s);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_every_kind_bitwise),
+      cmocka_unit_test(test_deeper_model_sgd),
+      cmocka_unit_test(test_post_validation),
+      cmocka_unit_test(test_rank_failure_propagates),
+      cmocka_unit_test(test_silent_rank_times_out),
+      cmocka_unit_test(test_callback_transport),
+      cmocka_unit_test(test_measured_timeline),
+      cmocka_unit_test(test_runner_misuse),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
