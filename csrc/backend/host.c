@@ -68,7 +68,7 @@ static char blas_name[160] = "CBLAS";
 static void blas_probe(void) {
   int (*get_parallel)(void) = (int (*)(void))dlsym(RTLD_DEFAULT, "openblas_get_parallel");
   char *(*get_config)(void) = (char *(*)(void))dlsym(RTLD_DEFAULT, "openblas_get_config");
-  if (get_config) snprintf(blas_name, sizeof blas_name, "OpenBLAS %s", get_config());
+  if (get_config) snprintf(blas_name, sizeof blas_name, "%s", get_config());
   blas_serialize = get_parallel && get_parallel() == 0;
   if (blas_serialize) snprintf(blas_name + strlen(blas_name), sizeof blas_name - strlen(blas_name),
                                " (not thread-safe: GEMMs serialised)");

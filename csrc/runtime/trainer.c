@@ -112,13 +112,11 @@ static void *rank_main(void *arg) {
     }
     c->steady_to = zb__now();
     c->last_step = c->steady_to - t0;
-  }
-  const double *a, *b;
-  int32_t n;
-  zb_runner_times(runner, &a, &b, &n);
-  if (res->op_start && res->op_start[c->rank]) {
-    memcpy(res->op_start[c->rank], a, (size_t)n * sizeof(double));
-    memcpy(res->op_end[c->rank], b, (size_t)n * sizeof(double));
+    const double *a, *b;
+    int32_t n;
+    zb_runner_times(runner, &a, &b, &n);
+    memcpy(res->op_start[c->rank] + (size_t)c->step * n, a, (size_t)n * sizeof(double));
+    memcpy(res->op_end[c->rank] + (size_t)c->step * n, b, (size_t)n * sizeof(double));
   }
   for (int32_t k = 0; k < n_own; k++) {
     float *param, *grad;
@@ -177,6 +175,17 @@ void zb__train_result_free(zb__train_result_t *res) {
   memset(res, 0, sizeof(*res));
 }
 
+void zb__train_step_times(const zb_schedule_t *schedule, const zb__train_result_t *res, int32_t step,
+                          const double **start, const double **end) {
+  for (int32_t r = 0; r < res->p; r++) {
+    const zb_op_t *ops;
+    int32_t n = 0;
+    zb_schedule_rank_ops(schedule, r, &ops, &n);
+    start[r] = res->op_start[r] + (size_t)step * n;
+    end[r] = res->op_end[r] + (size_t)step * n;
+  }
+}
+
 static zb_status_t check_config(const zb__train_config_t *cfg, int32_t S, int32_t m) {
   if (cfg->steps < 1)
     return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "steps is %d; it must be >= 1", (int)cfg->steps);
@@ -210,8 +219,8 @@ zb_status_t zb__train_pipeline(const zb_schedule_t *schedule, const zb__train_co
     const zb_op_t *ops;
     int32_t n;
     ZB_CHECK_GOTO(zb_schedule_rank_ops(schedule, r, &ops, &n), st, out);
-    res->op_start[r] = calloc((size_t)(n ? n : 1), sizeof(double));
-    res->op_end[r] = calloc((size_t)(n ? n : 1), sizeof(double));
+    res->op_start[r] = calloc((size_t)(n ? n : 1) * (size_t)steps, sizeof(double));
+    res->op_end[r] = calloc((size_t)(n ? n : 1) * (size_t)steps, sizeof(double));
     if (!res->op_start[r] || !res->op_end[r]) st = ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory for op times");
   }
   if (st == ZB_OK && p > 1) st = zb_inproc_group_create(&group, p);

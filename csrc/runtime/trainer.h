@@ -33,8 +33,9 @@ typedef struct {
   /* From the earliest start of step 1 on any rank to the latest end of the last step: the steps
    * after the first (warm-up) one. 0 when steps < 2. */
   double steady_seconds;
-  /* Per-rank op times of the last step (seconds, CLOCK_MONOTONIC), aligned with rank ops; p
-   * arrays, malloc'd; NULL for the sequential loop. */
+  /* Per-rank op times of every step (seconds, CLOCK_MONOTONIC): rank r's ops of step k start at
+   * op_start[r][k * n_r], aligned with its rank ops (n_r of them); p arrays, malloc'd; NULL for the
+   * sequential loop. zb__train_step_times picks one step out. */
   double **op_start, **op_end;
   int32_t p;
   /* Final parameters, one malloc'd fp32 array per stage (S of them) with sizes in param_count. */
@@ -54,6 +55,9 @@ zb_status_t zb__train_pipeline(const zb_schedule_t *schedule, const zb__train_co
  * groups in order, then the synchronous optimizer step. */
 zb_status_t zb__train_sequential(const zb__train_config_t *cfg, zb__train_result_t *res);
 void zb__train_result_free(zb__train_result_t *res);
+/* Fills start[r]/end[r] (p pointers each) with rank r's op times of `step`. */
+void zb__train_step_times(const zb_schedule_t *schedule, const zb__train_result_t *res, int32_t step,
+                          const double **start, const double **end);
 
 /* Compares two results' parameters: *equal = all bits the same; *max_abs_diff over all values. */
 void zb__train_compare(const zb__train_result_t *a, const zb__train_result_t *b, int *equal,

@@ -28,7 +28,7 @@ static void bench_usage(FILE *out) {
           "\n"
           "  -p P            ranks, one thread each (default: the number of CPUs, 2..4)\n"
           "  -m M            microbatches (default 4p)\n"
-          "  --steps N       timed steps after one warm-up step (default 5)\n"
+          "  --steps N       timed steps after one warm-up step (default 10)\n"
           "  --width D       model width (default 256); --ffn F (default 4D)\n"
           "  --layers L      blocks per stage (default 2); --rows R rows per microbatch (default 64)\n"
           "  --kinds a,b,..  the kinds to run (default: all)\n");
@@ -126,7 +126,7 @@ static double wstore_ns(int iters) {
 
 int zb__tool_bench(int argc, char **argv) {
   long cpus = sysconf(_SC_NPROCESSORS_ONLN);
-  int p = cpus < 2 ? 2 : cpus > 4 ? 4 : (int)cpus, m = -1, steps = 5, width = 256, ffn = 0, layers = 2, rows = 64;
+  int p = cpus < 2 ? 2 : cpus > 4 ? 4 : (int)cpus, m = -1, steps = 10, width = 256, ffn = 0, layers = 2, rows = 64;
   const char *kinds = NULL;
   for (int i = 2; i < argc; i++) {
     const char *a = argv[i], *val = i + 1 < argc ? argv[i + 1] : NULL;
@@ -157,6 +157,7 @@ int zb__tool_bench(int argc, char **argv) {
       width > 8192 || ffn > 32768 || rows > 65536 || layers > 64)
     return zb__tool_bad_usage("%s", "bench: sizes out of range (p 1..64; m, steps, width, ffn, layers, rows >= 1)");
 
+  zb__tool_one_blas_thread();
   printf("zbpp bench: %d ranks as threads on %ld CPU(s); m=%d; %d blocks/stage, d=%d f=%d, %d rows; "
          "%d timed step(s) after 1 warm-up\nBLAS: %s\n\n",
          p, cpus, m, layers, width, ffn, rows, steps, zb__host_blas_name());
@@ -209,14 +210,20 @@ int zb__tool_bench(int argc, char **argv) {
       zb_schedule_destroy(s);
       continue;
     }
-    double its = steps / res.steady_seconds;
-    zb_sim_result_t meas, sim;
-    int ok = zb_schedule_set_times(s, (const double *const *)res.op_start,
-                                   (const double *const *)res.op_end, &meas) == ZB_OK &&
-             simulate_with(s, &sim) == ZB_OK;
+    double its = steps / res.steady_seconds, meas_sum = 0, sim_sum = 0;
+    int ok = 1;
+    /* The bubble of each timed step, averaged: one step on a shared machine is noisy. */
+    const double **st = calloc((size_t)info.ranks * 2, sizeof(double *));
+    for (int step = 1; ok && st && step <= steps; step++) {
+      zb_sim_result_t meas, sim;
+      zb__train_step_times(s, &res, step, st, st + info.ranks);
+      ok = zb_schedule_set_times(s, st, st + info.ranks, &meas) == ZB_OK && simulate_with(s, &sim) == ZB_OK;
+      meas_sum += meas.bubble_rate, sim_sum += sim.bubble_rate;
+    }
+    free(st);
     if (ok)
       printf("%-17s %2d %6d  %9s %8.2f  %7.1f%% %7.1f%%\n", name, info.chunks, info.stages, "bitwise", its,
-             100 * meas.bubble_rate, 100 * sim.bubble_rate);
+             100 * meas_sum / steps, 100 * sim_sum / steps);
     else
       printf("%-17s %2d %6d  %9s %8.2f  (timeline: %s)\n", name, info.chunks, info.stages, "bitwise", its,
              zb_last_error());

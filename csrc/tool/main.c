@@ -13,7 +13,8 @@
  * codes: 0 success, 1 a failure the library reported (invalid schedule, infeasible limit, unreadable
  * file, parameters not bit-for-bit equal), 2 a usage error.
  */
-#define _POSIX_C_SOURCE 200809L
+#define _GNU_SOURCE /* RTLD_DEFAULT */
+#include <dlfcn.h>
 #include <errno.h>
 #include <limits.h>
 #include <math.h>
@@ -198,6 +199,14 @@ static int fill_costs(const args_t *a, zb_schedule_spec_t *spec, int p) {
     spec->mem_limit = x;
   }
   return 0;
+}
+
+void zb__tool_one_blas_thread(void) {
+  /* Ranks are threads here, each standing for one device: an OpenBLAS that also splits every GEMM
+   * over all cores would oversubscribe them and blur the timings. Other BLAS builds have no such
+   * switch and are left alone. */
+  void (*set_threads)(int) = (void (*)(int))dlsym(RTLD_DEFAULT, "openblas_set_num_threads");
+  if (set_threads) set_threads(1);
 }
 
 int zb__tool_fail(const char *what) {

@@ -13,6 +13,9 @@ int zb__tool_fail(const char *what);
 int zb__tool_parse_int(const char *s, int *out);
 int zb__tool_parse_double(const char *s, double *out);
 
+/* Limits OpenBLAS (when that is the BLAS) to one thread per call: ranks are the threads here. */
+void zb__tool_one_blas_thread(void);
+
 int zb__tool_verify(int argc, char **argv);
 int zb__tool_bench(int argc, char **argv);
 

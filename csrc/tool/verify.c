@@ -145,6 +145,7 @@ int zb__tool_verify(int argc, char **argv) {
   cfg.timeout_s = timeout;
   cfg.fail_rank = cfg.fail_op = cfg.silent_rank = -1;
 
+  zb__tool_one_blas_thread();
   fprintf(stderr, "zbpp verify: %s p=%d v=%d m=%d, %d step(s), %s%s; %d stages x %d block(s), d=%d f=%d, %d rows\n",
           zb_kind_name(info.kind), info.ranks, info.chunks, m, steps, optimizer,
           post ? " with post-validation" : "", info.stages, layers, width, cfg.model.ffn, rows);

@@ -207,7 +207,8 @@ static void test_silent_rank_times_out(void **state) {
     if (!strstr(res.rank_error[r], "mb 0")) fail_msg("rank %d's message does not name the microbatch: %s", r, res.rank_error[r]);
   }
   /* Rank 1 waits on rank 2 and times out; rank 0 hears of it by abort (or its own timeout). */
-  if (took > 4 * cfg.timeout_s + 1.0) fail_msg("the silent rank took %.2f s to detect", took);
+  /* valgrind slows threads down by an order of magnitude: allow more there. */
+  if (took > 4 * cfg.timeout_s + (quick() ? 20.0 : 1.0)) fail_msg("the silent rank took %.2f s to detect", took);
   zb__train_result_free(&res);
   zb_schedule_destroy(s);
 }
@@ -377,8 +378,9 @@ static void test_measured_timeline(void **state) {
   zb__train_result_t res;
   ZB_ASSERT_OK(zb__train_pipeline(s, &cfg, &res));
   zb_sim_result_t meas;
-  ZB_ASSERT_OK(zb_schedule_set_times(s, (const double *const *)res.op_start,
-                                     (const double *const *)res.op_end, &meas));
+  const double *st0[2], *en0[2];
+  zb__train_step_times(s, &res, 1, st0, en0);
+  ZB_ASSERT_OK(zb_schedule_set_times(s, st0, en0, &meas));
   assert_true(meas.cost > 0 && meas.busy > 0 && meas.busy <= meas.cost * (1 + 1e-9));
   assert_true(meas.bubble_rate >= 0 && meas.bubble_rate < 1);
   /* The measured span can't be longer than the step's wall time (ms). */
