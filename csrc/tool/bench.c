@@ -2,9 +2,11 @@
  * bench.c - `zbpp bench`: the reference model on real threads (one per rank), every schedule kind
  * at the same model size. For each kind it first checks that the pipelined parameters equal the
  * sequential loop's bit for bit, then times steady-state steps and prints iterations per second,
- * the measured bubble rate of the last step next to the simulated one (the same op order simulated
- * with the op times that were measured, so the gap is what the runtime itself adds), and finally the
- * runner's own overhead per op with empty compute and the W store's push/pop cost.
+ * the measured bubble rate (averaged over the timed steps) next to the simulated one. Every kind is
+ * planned with this machine's costs: a 3-step profile of its unit-cost schedule gives per-stage
+ * F/B/W/BW times, and the schedule is generated again from them, as a user feeds measured costs
+ * back; the simulated bubble is that plan's. Finally the runner's own overhead per op with empty
+ * compute and the W store's push/pop cost.
  *
  * What this is not: a GPU benchmark. Ranks share the machine's cores, so use p <= cores.
  */
@@ -30,7 +32,9 @@ static void bench_usage(FILE *out) {
           "  -m M            microbatches (default 4p)\n"
           "  --steps N       timed steps after one warm-up step (default 10)\n"
           "  --width D       model width (default 256); --ffn F (default 4D)\n"
-          "  --layers L      blocks per stage (default 2); --rows R rows per microbatch (default 64)\n"
+          "  --layers L      blocks per rank (default 2; split over the chunks of V and interleaved\n"
+          "                  kinds, so every kind trains the same model); --rows R rows per\n"
+          "                  microbatch (default 64)\n"
           "  --kinds a,b,..  the kinds to run (default: all)\n");
 }
 
@@ -48,33 +52,23 @@ static zb__train_config_t make_config(int S, int m, int steps, int width, int ff
   return c;
 }
 
-/* Simulates rank op lists with per-stage costs taken from a measured timeline. */
-static zb_status_t simulate_with(const zb_schedule_t *measured, zb_sim_result_t *out) {
-  zb_schedule_info_t info;
-  ZB_CHECK(zb_schedule_get_info(measured, &info));
-  int S = info.stages, p = info.ranks;
-  double *t = calloc((size_t)S * 4, sizeof(double));
-  const zb_op_t **lists = calloc((size_t)p, sizeof(*lists));
-  int32_t *counts = calloc((size_t)p, sizeof(int32_t));
-  zb_schedule_t *s = NULL;
-  zb_status_t st = t && lists && counts ? ZB_OK : ZB_ERR_OUT_OF_MEMORY;
-  if (st == ZB_OK) st = zb_schedule_stage_costs(measured, t, t + S, t + 2 * S, t + 3 * S);
-  for (int r = 0; st == ZB_OK && r < p; r++) st = zb_schedule_rank_ops(measured, r, &lists[r], &counts[r]);
-  if (st == ZB_OK) {
-    zb_schedule_spec_t spec = ZB_SCHEDULE_SPEC_INIT;
-    spec.ranks = p, spec.chunks = info.chunks, spec.microbatches = info.microbatches;
-    spec.w_share = info.w_share;
-    spec.stage_time_f = t, spec.stage_time_b = t + S, spec.stage_time_w = t + 2 * S;
-    /* Stages without BW ops get B + W (0 means "B + W" to the spec). */
-    spec.stage_time_bw = t + 3 * S;
-    for (int k = 0; k < S; k++)
-      if (t[3 * S + k] == 0) t[3 * S + k] = t[S + k] + t[2 * S + k];
-    st = zb_schedule_create_from_ops(&s, &spec, info.placement, lists, counts);
+/* Mean per-stage op times (ms) over steps 1..steps-1 of a run; fused-only kinds get B = W = BW/2
+ * and split kinds BW = B + W, so the spec has every cost a generator may use. */
+static void mean_costs(zb_schedule_t *s, const zb__train_result_t *res, int steps, int S, double *t) {
+  double *one = calloc((size_t)S * 4, sizeof(double));
+  const double **st = calloc((size_t)res->p * 2, sizeof(double *));
+  memset(t, 0, (size_t)S * 4 * sizeof(double));
+  for (int step = 1; one && st && step < steps; step++) {
+    zb__train_step_times(s, res, step, st, st + res->p);
+    if (zb_schedule_set_times(s, st, st + res->p, NULL) != ZB_OK) break;
+    zb_schedule_stage_costs(s, one, one + S, one + 2 * S, one + 3 * S);
+    for (int k = 0; k < 4 * S; k++) t[k] += one[k] / (steps - 1);
   }
-  if (st == ZB_OK) st = zb_schedule_simulate(s, out);
-  zb_schedule_destroy(s);
-  free(t), free(lists), free(counts);
-  return st;
+  for (int k = 0; k < S; k++) {
+    if (t[3 * S + k] == 0) t[3 * S + k] = t[S + k] + t[2 * S + k];
+    if (t[S + k] == 0 && t[2 * S + k] == 0) t[S + k] = t[2 * S + k] = t[3 * S + k] / 2;
+  }
+  free(one), free(st);
 }
 
 /* Runner overhead: empty callbacks, so each op is the runner's bookkeeping (and, with p > 1, the
@@ -158,11 +152,11 @@ int zb__tool_bench(int argc, char **argv) {
     return zb__tool_bad_usage("%s", "bench: sizes out of range (p 1..64; m, steps, width, ffn, layers, rows >= 1)");
 
   zb__tool_one_blas_thread();
-  printf("zbpp bench: %d ranks as threads on %ld CPU(s); m=%d; %d blocks/stage, d=%d f=%d, %d rows; "
+  printf("zbpp bench: %d ranks as threads on %ld CPU(s); m=%d; %d blocks per rank, d=%d f=%d, %d rows; "
          "%d timed step(s) after 1 warm-up\nBLAS: %s\n\n",
          p, cpus, m, layers, width, ffn, rows, steps, zb__host_blas_name());
-  printf("%-17s %2s %6s  %9s %8s  %8s %8s  %s\n", "kind", "v", "stages", "check", "it/s", "bubble", "sim.", "");
-  printf("%-17s %2s %6s  %9s %8s  %8s %8s\n", "", "", "", "", "", "measured", "(same costs)");
+  printf("%-17s %2s %6s  %9s %8s  %9s %9s\n", "kind", "v", "stages", "check", "it/s", "bubble", "bubble");
+  printf("%-17s %2s %6s  %9s %8s  %9s %9s\n", "", "", "", "", "", "measured", "simulated");
   int failures = 0;
   for (int k = 0; k < ZB_KIND_CUSTOM; k++) {
     const char *name = zb_kind_name((zb_kind_t)k);
@@ -174,17 +168,46 @@ int zb__tool_bench(int argc, char **argv) {
         hit = strstr(hit + 1, name);
       if (!hit) continue;
     }
+    /* Plan with the costs this machine has: profile the kind's unit-cost schedule for 3 steps,
+     * then generate it again from the measured per-stage F/B/W/BW times, as a user would. */
     zb_schedule_spec_t spec = ZB_SCHEDULE_SPEC_INIT;
     spec.kind = (zb_kind_t)k, spec.ranks = p, spec.microbatches = m;
-    zb_schedule_t *s;
-    if (zb_schedule_create(&s, &spec) != ZB_OK) {
+    zb_schedule_t *s0 = NULL, *s = NULL;
+    if (zb_schedule_create(&s0, &spec) != ZB_OK) {
       printf("%-17s (not generated: %s)\n", name, zb_last_error());
       continue;
     }
     zb_schedule_info_t info;
-    zb_schedule_get_info(s, &info);
+    zb_schedule_get_info(s0, &info);
+    int lps = layers / info.chunks; /* the same model for every kind: layers blocks per rank */
+    if (lps < 1 || lps * info.chunks != layers) {
+      printf("%-17s (skipped: --layers %d does not split into %d chunks)\n", name, layers, info.chunks);
+      zb_schedule_destroy(s0);
+      continue;
+    }
+    zb__train_config_t prof = make_config(info.stages, m, 3, width, ffn, lps, rows);
+    zb__train_result_t pr;
+    double *t = calloc((size_t)info.stages * 4, sizeof(double));
+    zb_sim_result_t plan;
+    int planned = t && zb__train_pipeline(s0, &prof, &pr) == ZB_OK;
+    if (planned) {
+      mean_costs(s0, &pr, 3, info.stages, t);
+      spec.chunks = info.chunks;
+      spec.stage_time_f = t, spec.stage_time_b = t + info.stages;
+      spec.stage_time_w = t + 2 * info.stages, spec.stage_time_bw = t + 3 * info.stages;
+      planned = zb_schedule_create(&s, &spec) == ZB_OK && zb_schedule_simulate(s, &plan) == ZB_OK;
+    }
+    zb__train_result_free(&pr);
+    free(t);
+    zb_schedule_destroy(s0);
+    if (!planned) {
+      printf("%-17s failed to plan: %s\n", name, zb_last_error());
+      failures++;
+      zb_schedule_destroy(s);
+      continue;
+    }
     /* Correctness first: 2 steps against the sequential loop, bit for bit. */
-    zb__train_config_t check = make_config(info.stages, m, 2, width, ffn, layers, rows);
+    zb__train_config_t check = make_config(info.stages, m, 2, width, ffn, lps, rows);
     zb__train_result_t a, b;
     int equal = 0;
     double diff = 0;
@@ -201,7 +224,7 @@ int zb__tool_bench(int argc, char **argv) {
       zb_schedule_destroy(s);
       continue;
     }
-    zb__train_config_t cfg = make_config(info.stages, m, steps + 1, width, ffn, layers, rows);
+    zb__train_config_t cfg = make_config(info.stages, m, steps + 1, width, ffn, lps, rows);
     zb__train_result_t res;
     if (zb__train_pipeline(s, &cfg, &res) != ZB_OK) {
       printf("%-17s failed: %s\n", name, zb_last_error());
@@ -210,20 +233,20 @@ int zb__tool_bench(int argc, char **argv) {
       zb_schedule_destroy(s);
       continue;
     }
-    double its = steps / res.steady_seconds, meas_sum = 0, sim_sum = 0;
+    double its = steps / res.steady_seconds, meas_sum = 0;
     int ok = 1;
     /* The bubble of each timed step, averaged: one step on a shared machine is noisy. */
     const double **st = calloc((size_t)info.ranks * 2, sizeof(double *));
     for (int step = 1; ok && st && step <= steps; step++) {
-      zb_sim_result_t meas, sim;
+      zb_sim_result_t meas;
       zb__train_step_times(s, &res, step, st, st + info.ranks);
-      ok = zb_schedule_set_times(s, st, st + info.ranks, &meas) == ZB_OK && simulate_with(s, &sim) == ZB_OK;
-      meas_sum += meas.bubble_rate, sim_sum += sim.bubble_rate;
+      ok = zb_schedule_set_times(s, st, st + info.ranks, &meas) == ZB_OK;
+      meas_sum += meas.bubble_rate;
     }
     free(st);
     if (ok)
-      printf("%-17s %2d %6d  %9s %8.2f  %7.1f%% %7.1f%%\n", name, info.chunks, info.stages, "bitwise", its,
-             100 * meas_sum / steps, 100 * sim_sum / steps);
+      printf("%-17s %2d %6d  %9s %8.2f  %8.1f%% %8.1f%%\n", name, info.chunks, info.stages, "bitwise", its,
+             100 * meas_sum / steps, 100 * plan.bubble_rate);
     else
       printf("%-17s %2d %6d  %9s %8.2f  (timeline: %s)\n", name, info.chunks, info.stages, "bitwise", its,
              zb_last_error());

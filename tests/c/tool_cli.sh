@@ -267,6 +267,38 @@ expect_error "--format png" 2 "png" schedule 1f1b -p 4 -m 8 --format png
 check_grep "--format png: message lists the formats" "$T/err" "svg"
 expect_error "-o into a missing directory" 1 "no-such-dir" schedule 1f1b -p 2 -m 2 -o "$T/no-such-dir/x.txt"
 
+# ---- verify and bench ---------------------------------------------------------------------------
+
+# verify: the pipelined run equals the sequential loop, exit 0, and --json ends with one JSON line
+# carrying the fields the README documents.
+run verify zb-v -p 2 -m 4 --steps 2 --json
+check_rc "verify zb-v exits 0 when equal" 0
+check_grep "verify reports bit-for-bit equality" "$T/out" "bit-for-bit equal"
+tail -n 1 "$T/out" >"$T/last"
+for field in '"kind": "zb-v"' '"steps": 2' '"bitwise_equal": true' '"max_abs_diff": 0' '"losses": [' '"rolled_back_steps": 0'; do
+  check_grep "verify --json has $field" "$T/last" "$field"
+done
+# A NaN at step 1 on the last stage, with post-validation: one step skipped and rolled back, and
+# still bit-for-bit equal to the synchronous sequential loop.
+run verify 1f1b -p 2 -m 2 --steps 3 --post-validation --inject-nan 1 --json
+check_rc "verify with an injected NaN exits 0" 0
+tail -n 1 "$T/out" >"$T/last"
+check_grep "injected NaN: one rolled-back step" "$T/last" '"rolled_back_steps": 1'
+check_grep "injected NaN: one skipped step" "$T/last" '"skipped_steps": 1'
+check_grep "injected NaN: still equal" "$T/last" '"bitwise_equal": true'
+expect_error "verify without -m" 2 "-m" verify zb-v -p 2
+expect_error "verify with a bad optimizer" 2 "sgd or adamw" verify 1f1b -p 2 -m 2 --optimizer lamb
+expect_error "verify --inject-nan past the last step" 2 "--inject-nan" verify 1f1b -p 2 -m 2 --steps 2 --inject-nan 2
+expect_error "verify with m not a multiple of p for interleaved" 1 "multiple" verify interleaved-1f1b -p 4 -m 3
+run bench --help
+check_rc "bench --help exits 0" 0
+check_grep "bench --help lists --kinds" "$T/out" "--kinds"
+run bench -p 2 -m 4 --steps 2 --width 8 --rows 4 --layers 1 --kinds 1f1b,zb-v
+check_rc "a tiny bench exits 0" 0
+check_grep "bench checks before timing" "$T/out" "bitwise"
+check_grep "bench reports the runner's overhead" "$T/out" "us per op"
+expect_error "bench with a bad option" 2 "--bogus" bench --bogus
+
 # ---- summary -----------------------------------------------------------------------------------
 
 echo "$PASSED passed, $FAILED failed"
