@@ -9,6 +9,7 @@
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 #include <cmocka.h>
 
 #include "zbpp.h"
@@ -18,6 +19,24 @@
   do {                                                                                             \
     zb_status_t zb__t = (expr);                                                                    \
     if (zb__t != ZB_OK) fail_msg("%s -> %s: %s", #expr, zb_status_string(zb__t), zb_last_error()); \
+  } while (0)
+
+/* Asserts that a string contains a needle, printing both otherwise. */
+#define ASSERT_CONTAINS(hay, needle)                                                               \
+  do {                                                                                             \
+    const char *zb__h = (hay), *zb__n = (needle);                                                  \
+    if (!zb__h || !strstr(zb__h, zb__n))                                                           \
+      fail_msg("expected \"%s\" in \"%s\"", zb__n, zb__h ? zb__h : "(null)");                    \
+  } while (0)
+
+/* Asserts a call returned a given status, printing both statuses and zb_last_error(). */
+#define ASSERT_STATUS(expr, want)                                                                  \
+  do {                                                                                             \
+    zb_status_t zb__got = (expr), zb__want = (want);                                               \
+    if (zb__got != zb__want)                                                                       \
+      fail_msg("%s -> %d (%s), expected %d (%s); last error: %s", #expr, (int)zb__got,             \
+               zb_status_string(zb__got), (int)zb__want, zb_status_string(zb__want),              \
+               zb_last_error());                                                                   \
   } while (0)
 
 /* A spec for kind/p/m/v with equal times 1,1,1, no comm, w = 0.5, no limit. */

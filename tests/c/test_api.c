@@ -18,27 +18,11 @@
 
 /* ---- assertions that print both sides --------------------------------------------------------- */
 
-#define ASSERT_CONTAINS(hay, needle)                                                               \
-  do {                                                                                             \
-    const char *zb__h = (hay), *zb__n = (needle);                                                  \
-    if (!zb__h || !strstr(zb__h, zb__n))                                                           \
-      fail_msg("expected \"%s\" in \"%s\"", zb__n, zb__h ? zb__h : "(null)");                    \
-  } while (0)
-
 #define ASSERT_NEAR(actual, expected)                                                              \
   do {                                                                                             \
     double zb__a = (actual), zb__e = (expected);                                                   \
     if (!(fabs(zb__a - zb__e) <= 1e-12 * (1 + fabs(zb__e))))                                       \
       fail_msg("%s is %.17g, expected %.17g", #actual, zb__a, zb__e);                              \
-  } while (0)
-
-#define ASSERT_STATUS(expr, want)                                                                  \
-  do {                                                                                             \
-    zb_status_t zb__got = (expr), zb__want = (want);                                               \
-    if (zb__got != zb__want)                                                                       \
-      fail_msg("%s -> %d (%s), expected %d (%s); last error: %s", #expr, (int)zb__got,             \
-               zb_status_string(zb__got), (int)zb__want, zb_status_string(zb__want),              \
-               zb_last_error());                                                                   \
   } while (0)
 
 /* ---- status codes and version ----------------------------------------------------------------- */

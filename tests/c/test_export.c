@@ -107,11 +107,6 @@ static int total_ops(const zb_schedule_t *s) {
   return total;
 }
 
-#define ASSERT_CONTAINS(hay, needle)                                                               \
-  do {                                                                                             \
-    if (!strstr((hay), (needle))) fail_msg("expected to find \"%s\" in:\n%s", (needle), (hay));    \
-  } while (0)
-
 /* ---- a minimal JSON syntax check (RFC 8259 grammar, no semantics) ------------------------------ */
 
 static const char *json_value(const char *p);

@@ -20,22 +20,6 @@
 
 /* ---- assertions that print both sides -------------------------------------------------------- */
 
-#define ASSERT_CONTAINS(hay, needle)                                                               \
-  do {                                                                                             \
-    const char *zb__h = (hay), *zb__n = (needle);                                                  \
-    if (!zb__h || !strstr(zb__h, zb__n))                                                           \
-      fail_msg("expected \"%s\" in \"%s\"", zb__n, zb__h ? zb__h : "(null)");                    \
-  } while (0)
-
-#define ASSERT_STATUS(expr, want)                                                                  \
-  do {                                                                                             \
-    zb_status_t zb__got = (expr), zb__want = (want);                                               \
-    if (zb__got != zb__want)                                                                       \
-      fail_msg("%s -> %d (%s), expected %d (%s); last error: %s", #expr, (int)zb__got,             \
-               zb_status_string(zb__got), (int)zb__want, zb_status_string(zb__want),              \
-               zb_last_error());                                                                   \
-  } while (0)
-
 #define ASSERT_I64(actual, expected)                                                               \
   do {                                                                                             \
     long long zb__a = (long long)(actual), zb__e = (long long)(expected);                          \
