@@ -18,7 +18,7 @@ import ctypes
 import os
 import threading
 
-__all__ = ["ZbError", "check", "lib", "library_path", "status_name"]
+__all__ = ["ZbError", "call", "check", "function", "lib", "library_path", "status_name"]
 
 ENV_LIBRARY = "ZBPP_LIBRARY"
 LIB_NAME = "libzbpp.so"
@@ -131,3 +131,32 @@ def library_path():
     """The path of the library `lib()` loaded (loading it if needed)."""
     lib()
     return _lib_path
+
+
+_functions = {}
+
+
+def function(name, argtypes, restype=ctypes.c_int):
+    """The C function `name` with its ctypes signature declared (cached).
+
+    Each wrapper module declares the calls it makes where it makes them, so the signatures live
+    next to the code that relies on them. restype defaults to c_int: every zb_ call returns a
+    zb_status_t. A missing symbol means the library is older than this package: say so.
+    """
+    fn = _functions.get(name)
+    if fn is not None:
+        return fn
+    library = lib()
+    try:
+        fn = getattr(library, name)
+    except AttributeError:
+        raise OSError(f"{_lib_path} does not export {name}; it is older than this package. {_HOW_TO_BUILD}") from None
+    fn.argtypes = list(argtypes)
+    fn.restype = restype
+    _functions[name] = fn
+    return fn
+
+
+def call(name, argtypes, *args):
+    """Declares (once) and calls a zb_ function returning zb_status_t; raises ZbError on failure."""
+    check(function(name, argtypes)(*args))
