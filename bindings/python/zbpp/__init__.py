@@ -11,8 +11,20 @@ happen on first use, so schedule-only code runs without torch installed.
 import os
 
 from ._lib import ZbError, lib, library_path
+from .schedule import Op, Schedule, SimResult, kinds
 
-__all__ = ["__version__", "ZbError", "library_path", "tool_path", "version", "version_code"]
+__all__ = [
+    "__version__",
+    "Op",
+    "Schedule",
+    "SimResult",
+    "ZbError",
+    "kinds",
+    "library_path",
+    "tool_path",
+    "version",
+    "version_code",
+]
 
 # Kept equal to setup.cfg's version and to the C library's ZB_VERSION_* (tests check all three).
 __version__ = "0.1.0"
@@ -56,3 +68,41 @@ def tool_path():
         + ". Build it with `cmake -S . -B build && cmake --build build`, install the package with "
         f"`pip install .`, or point {ENV_TOOL} at it."
     )
+
+
+# The torch integration, imported on first use so that `import zbpp` and schedule-only code never
+# import torch. Each name maps to the module that defines it.
+_TORCH_EXPORTS = {
+    "split_linear": "split",
+    "SplitLinear": "split",
+    "PipelineStage": "pipelining",
+    "PipelineSchedule": "pipelining",
+    "ScheduleGPipe": "pipelining",
+    "Schedule1F1B": "pipelining",
+    "ScheduleInterleaved1F1B": "pipelining",
+    "ScheduleZBH1": "pipelining",
+    "ScheduleZBH2": "pipelining",
+    "ScheduleZBVZeroBubble": "pipelining",
+    "ScheduleZBV": "pipelining",
+    "ScheduleVHalf": "pipelining",
+    "ScheduleVMin": "pipelining",
+    "ScheduleZBAuto": "pipelining",
+    "ScheduleInterleavedZeroBubble": "pipelining",
+    "ScheduleFromCSV": "pipelining",
+    "get_schedule_class": "pipelining",
+    "PostValidatedOptimizer": "optim",
+}
+__all__ += list(_TORCH_EXPORTS)
+
+
+def __getattr__(name):
+    module = _TORCH_EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'zbpp' has no attribute {name!r}")
+    import importlib
+
+    import torch  # noqa: F401 - first, so the library binds to torch's CUDA libraries (DESIGN.md 5)
+
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value

@@ -1,0 +1,126 @@
+"""The C callback transport over torch.distributed point-to-point (gloo on CPU).
+
+What this is: `TorchTransport(group, timeout)`, the Python half of zb_transport_create_callback.
+The C runner and optimizer call isend/irecv with raw addresses; this wraps each address range in a
+uint8 tensor (no copy) and starts torch.distributed.isend/irecv on the pipeline's process group,
+with the C channel number as the tag. wait() turns torch's exceptions into zb statuses and keeps
+the reason, so an error says which peer failed and why:
+
+  - gloo reports a peer process that died at once ("Connection closed by peer"): ZB_ERR_REMOTE;
+  - a peer that is alive but silent runs into the timeout: ZB_ERR_TIMEOUT.
+
+What this is not: NCCL (the CUDA issue brings a transport in C). After a failure the gloo pairs
+involved are closed; the process group cannot be used for further point-to-point traffic.
+"""
+
+import ctypes
+import datetime
+import itertools
+
+import torch
+import torch.distributed as dist
+
+from . import runtime
+
+__all__ = ["TorchTransport", "global_rank", "group_rank", "group_size"]
+
+
+def group_rank(group=None):
+    return dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
+
+
+def group_size(group=None):
+    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+
+
+def global_rank(group, rank):
+    """The global rank of `rank` in `group` (torch 2.x has dist.get_global_rank; 1.13 a private one)."""
+    if group is None or group is dist.group.WORLD:
+        return rank
+    fn = getattr(dist, "get_global_rank", None) or dist.distributed_c10d._get_global_rank
+    return fn(group, rank)
+
+
+def _view(addr, nbytes):
+    """A uint8 CPU tensor over C memory (no copy); it keeps the ctypes buffer object alive."""
+    if nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer((ctypes.c_char * nbytes).from_address(addr), dtype=torch.uint8)
+
+
+class TorchTransport:
+    """Point-to-point over a torch.distributed group, for the C runner and optimizer."""
+
+    def __init__(self, group=None, timeout=300.0):
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("zbpp: torch.distributed is not initialised; call "
+                               "torch.distributed.init_process_group first (gloo on CPU)")
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.ranks = dist.get_world_size(group)
+        self.timeout = timeout
+        self._requests = {}
+        self._ids = itertools.count(1)
+        self.last_error = None
+        self.transport = runtime.Transport.callbacks(self, self.rank, self.ranks)
+
+    @property
+    def handle(self):
+        return self.transport.handle
+
+    # ---- called from C (through runtime.Transport's callbacks) -----------------------------------
+
+    def isend(self, peer, tag, addr, nbytes):
+        t = _view(addr, nbytes)
+        work = dist.isend(t, dst=global_rank(self.group, peer), group=self.group, tag=tag)
+        rid = next(self._ids)
+        self._requests[rid] = (work, t, peer, "send to", tag)
+        return rid
+
+    def irecv(self, peer, tag, addr, nbytes):
+        t = _view(addr, nbytes)
+        work = dist.irecv(t, src=global_rank(self.group, peer), group=self.group, tag=tag)
+        rid = next(self._ids)
+        self._requests[rid] = (work, t, peer, "receive from", tag)
+        return rid
+
+    def wait(self, rid, timeout_s):
+        work, _t, peer, what, tag = self._requests[rid]
+        if timeout_s == 0:
+            # A poll. gloo marks a request complete only inside wait(), so this mostly says "not
+            # yet"; the runner then waits properly at the end of the iteration.
+            if not work.is_completed():
+                return runtime.ZB_ERR_TIMEOUT
+            del self._requests[rid]
+            return runtime.ZB_OK
+        del self._requests[rid]
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+        except RuntimeError as exc:
+            text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            timed_out = "timed out" in text.lower() or "timeout" in text.lower()
+            self.last_error = (f"torch.distributed {what} rank {peer} (channel {tag}) "
+                               f"{'timed out' if timed_out else 'failed'}: {text}")
+            return runtime.ZB_ERR_TIMEOUT if timed_out else runtime.ZB_ERR_REMOTE
+        return runtime.ZB_OK
+
+    def cancel(self, rid):
+        # gloo cannot withdraw a posted request; dropping it is all we can do. The pairs are
+        # closed after the failure that led here anyway.
+        self._requests.pop(rid, None)
+
+    def abort(self, reason):
+        # There is no side channel to the peers over gloo: a peer learns of this failure when this
+        # process exits (its pairs close) or at its own timeout.
+        self.last_error = self.last_error or reason
+
+    def note_error(self, exc):
+        self.last_error = f"{type(exc).__name__}: {exc}"
+
+    def take_error(self):
+        text, self.last_error = self.last_error, None
+        return text
+
+    def close(self):
+        self._requests.clear()
+        self.transport.close()

@@ -1,0 +1,753 @@
+"""Pipeline schedules from Python: generate, import, inspect, check, simulate and export them.
+
+What this is: the Pythonic layer over the schedule part of include/zbpp.h (DESIGN.md section 3).
+A `Schedule` owns one zb_schedule_t handle. It is made by `Schedule.generate` (a kind such as
+"zb-v" or torch's "ZBVZeroBubble"), `Schedule.from_csv` (torch.distributed.pipelining's
+compute_only action CSV) or `Schedule.from_ops` (explicit per-rank op lists), and it answers
+questions about itself: per-rank op lists, placement, simulated times, memory, and exports in the
+text, CSV, JSON, Chrome-trace and SVG formats.
+
+What this is not: a scheduler written in Python, or torch-aware. Every rule, generator and number
+comes from the C library, so the CLI, the runtime and this module can never disagree about a
+schedule. This module uses only ctypes and the standard library, so schedule-only work runs
+without torch installed; running a schedule on devices is the runner module's job.
+
+Units: op times are in whatever unit the caller gives (the defaults are 1, 1, 1: F = B = W);
+`set_times` takes seconds and the library stores them in milliseconds (include/zbpp.h), so after it
+every time this module reports is in milliseconds. Memory is in units of one microbatch's
+activations through all of a rank's layers (1F1B peaks at p).
+"""
+
+import ctypes
+import math
+import numbers
+import operator
+import os
+from typing import NamedTuple
+
+from . import _lib
+
+__all__ = ["Op", "Schedule", "SimResult", "kinds"]
+
+# ---- constants mirrored from include/zbpp.h ------------------------------------------------------
+
+ZB_SCHEDULE_SPEC_VERSION = 1
+ZB_KIND_COUNT = 10
+ZB_KIND_CUSTOM = 9
+
+# zb_op_type_t: the index is the C value.
+_OP_NAMES = ("F", "B", "W", "BW")
+_OP_CODES = {name: code for code, name in enumerate(_OP_NAMES)}
+
+# zb_format_t: the one format zb_schedule_import reads.
+ZB_FORMAT_CSV = 1
+
+# zb_placement_t
+_PLACEMENT_NAMES = ("loop", "v")
+
+# Kinds whose default chunk count (spec.chunks = 0) is 2; every other kind defaults to 1. The C
+# library keeps this in a static helper, so it is mirrored here by name: per-stage time lists need
+# S = p * v before the schedule exists. A wrong entry would only make the length check stricter
+# than the library, and the C side checks the shape again.
+_TWO_CHUNK_KINDS = frozenset({"interleaved-1f1b", "zb-v", "v-half", "v-min"})
+
+# File name endings save() understands; longer endings first, so "x.trace.json" is a Chrome trace.
+_EXTENSION_FORMATS = (
+    ("trace.json", "chrome"),
+    (".trace", "chrome"),
+    (".svg", "svg"),
+    (".csv", "csv"),
+    (".json", "json"),
+    (".txt", "text"),
+)
+
+# ---- ctypes records, laid out exactly as in include/zbpp.h --------------------------------------
+
+_c_double_p = ctypes.POINTER(ctypes.c_double)
+
+
+class _Spec(ctypes.Structure):
+    """zb_schedule_spec_t. Build it with _Spec.init(), the equivalent of ZB_SCHEDULE_SPEC_INIT."""
+
+    _fields_ = [
+        ("struct_size", ctypes.c_uint32),
+        ("version", ctypes.c_uint32),
+        ("kind", ctypes.c_int),  # zb_kind_t (a C enum: int-sized)
+        ("ranks", ctypes.c_int32),
+        ("chunks", ctypes.c_int32),
+        ("microbatches", ctypes.c_int32),
+        ("time_f", ctypes.c_double),
+        ("time_b", ctypes.c_double),
+        ("time_w", ctypes.c_double),
+        ("time_bw", ctypes.c_double),
+        ("stage_time_f", _c_double_p),
+        ("stage_time_b", _c_double_p),
+        ("stage_time_w", _c_double_p),
+        ("stage_time_bw", _c_double_p),
+        ("time_comm", ctypes.c_double),
+        ("w_share", ctypes.c_double),
+        ("mem_limit", ctypes.c_double),
+    ]
+
+    @classmethod
+    def init(cls):
+        # The same values as ZB_SCHEDULE_SPEC_INIT: kind 1F1B, p = 1, v = 0 (the kind's default),
+        # m = 1, times 1/1/1 with bw = b + w, no comm, w_share 0.5, no memory limit.
+        return cls(ctypes.sizeof(cls), ZB_SCHEDULE_SPEC_VERSION, 1, 1, 0, 1,
+                   1.0, 1.0, 1.0, 0.0, None, None, None, None, 0.0, 0.5, 0.0)
+
+
+class _Info(ctypes.Structure):
+    """zb_schedule_info_t."""
+
+    _fields_ = [
+        ("kind", ctypes.c_int),
+        ("ranks", ctypes.c_int32),
+        ("chunks", ctypes.c_int32),
+        ("stages", ctypes.c_int32),
+        ("microbatches", ctypes.c_int32),
+        ("placement", ctypes.c_int),
+        ("w_share", ctypes.c_double),
+        ("mem_limit", ctypes.c_double),
+        ("time_comm", ctypes.c_double),
+    ]
+
+
+class _SimResult(ctypes.Structure):
+    """zb_sim_result_t."""
+
+    _fields_ = [
+        ("cost", ctypes.c_double),
+        ("bubble_rate", ctypes.c_double),
+        ("busy", ctypes.c_double),
+        ("max_peak_memory", ctypes.c_double),
+    ]
+
+
+class _Op(ctypes.Structure):
+    """zb_op_t."""
+
+    _fields_ = [("type", ctypes.c_int32), ("stage", ctypes.c_int32), ("mb", ctypes.c_int32)]
+
+
+# ---- public records -------------------------------------------------------------------------------
+
+
+class Op(NamedTuple):
+    """One op of a rank's list: type 'F', 'B' (input gradient), 'W' (weight gradient) or 'BW'
+    (fused backward, as 1F1B runs it); stage 0..S-1; mb the microbatch 0..m-1."""
+
+    type: str
+    stage: int
+    mb: int
+
+
+class SimResult(NamedTuple):
+    """A schedule's figures (zb_sim_result_t). cost: the largest span of any rank; busy: the
+    largest total compute of any rank; bubble_rate: (cost - busy) / cost; max_peak_memory: the
+    largest activation peak of any rank, in microbatches through a rank's layers."""
+
+    cost: float
+    bubble_rate: float
+    busy: float
+    max_peak_memory: float
+
+
+def _sim_result(raw):
+    return SimResult(raw.cost, raw.bubble_rate, raw.busy, raw.max_peak_memory)
+
+
+# ---- small helpers --------------------------------------------------------------------------------
+
+
+def _decode(raw):
+    return raw.decode("utf-8", errors="replace") if raw is not None else None
+
+
+def _kind_name(kind):
+    return _decode(_lib.function("zb_kind_name", [ctypes.c_int], ctypes.c_char_p)(int(kind)))
+
+
+def _kind_help(kind):
+    return _decode(_lib.function("zb_kind_help", [ctypes.c_int], ctypes.c_char_p)(int(kind)))
+
+
+def kinds():
+    """Every schedule kind the library knows, as (name, one-line help) pairs in enum order.
+
+    The last one, "custom", is what from_csv/from_ops produce; it cannot be generated.
+    """
+    return [(_kind_name(k), _kind_help(k)) for k in range(ZB_KIND_COUNT)]
+
+
+def _resolve_kind(kind):
+    """(zb_kind_t value, memory-limit factor) for a kind name, through zb_kind_from_name, so the
+    accepted names (aliases, torch's class names, any case, '-' or '_') are the library's."""
+    if not isinstance(kind, str):
+        raise TypeError(f"kind must be a schedule kind name (str) such as 'zb-v', got {type(kind).__name__}")
+    out_kind = ctypes.c_int(0)
+    factor = ctypes.c_double(0.0)
+    _lib.call("zb_kind_from_name", [ctypes.c_char_p, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_double)],
+              kind.encode("utf-8"), ctypes.byref(out_kind), ctypes.byref(factor))
+    return out_kind.value, factor.value
+
+
+def _is_number(x):
+    # bool is an int to Python, but True as a time or a size is a mistake, not a 1.
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _number(x, what):
+    if not _is_number(x):
+        raise TypeError(f"{what} must be a number, got {x!r}")
+    return float(x)
+
+
+def _index(x, what):
+    """An integer argument (a rank, a stage); the library checks its range and names it."""
+    if isinstance(x, bool):
+        raise TypeError(f"{what} must be an integer, got {x!r}")
+    try:
+        return operator.index(x)
+    except TypeError:
+        raise TypeError(f"{what} must be an integer, got {x!r}") from None
+
+
+def _count(x, what, minimum=1):
+    """An integer argument such as p or m, >= minimum."""
+    value = _index(x, what)
+    if value < minimum:
+        raise ValueError(f"{what} must be >= {minimum}, got {value}")
+    return value
+
+
+def _op_code(type_, what):
+    """zb_op_type_t for 'F', 'B', 'W' or 'BW' (any case)."""
+    if isinstance(type_, str):
+        code = _OP_CODES.get(type_.upper())
+        if code is not None:
+            return code
+    raise ValueError(f"{what}: op type {type_!r} is not one of 'F', 'B', 'W', 'BW'")
+
+
+_TIME_KEYS = ("f", "b", "w", "bw")
+
+
+def _parse_times(times, stages, where):
+    """The spec's cost fields from the `times` argument.
+
+    Returns ({'f': scalar, ...}, {'f': [S floats] or None, ...}). `stages` is S, the number of
+    per-stage values a list must have; `where` says how S was worked out, for the message.
+    """
+    scalars = {"f": 1.0, "b": 1.0, "w": 1.0, "bw": 0.0}  # bw <= 0 means b + w (zbpp.h)
+    arrays = dict.fromkeys(_TIME_KEYS)
+    if times is None:
+        return scalars, arrays
+    if isinstance(times, (tuple, list)):
+        if len(times) not in (3, 4) or not all(_is_number(t) for t in times):
+            raise ValueError(
+                f"times as a tuple must be (f, b, w) or (f, b, w, bw) numbers (per-rank times), got {times!r}; "
+                "use a dict such as {'f': [...], 'b': ...} for per-stage times")
+        for key, value in zip(_TIME_KEYS, times):
+            scalars[key] = float(value)
+        return scalars, arrays
+    if not isinstance(times, dict):
+        raise TypeError(
+            f"times must be None, a dict with keys among 'f', 'b', 'w', 'bw', or a tuple (f, b, w[, bw]); "
+            f"got {type(times).__name__}")
+    for raw_key, value in times.items():
+        key = raw_key.lower() if isinstance(raw_key, str) else raw_key
+        if key not in _TIME_KEYS:
+            raise ValueError(f"times has an unknown key {raw_key!r}; allowed keys: 'f', 'b', 'w', 'bw' (any case)")
+        if _is_number(value):
+            scalars[key] = float(value)
+            continue
+        if isinstance(value, (str, bytes)) or not hasattr(value, "__len__"):
+            raise TypeError(
+                f"times[{raw_key!r}] must be a number (the time of one microbatch through all of a rank's "
+                f"layers) or a sequence of {stages} per-stage times, got {value!r}")
+        values = list(value)
+        if len(values) != stages:
+            raise ValueError(
+                f"times[{raw_key!r}] has {len(values)} values; per-stage times need one per stage, "
+                f"S = {stages} ({where})")
+        for i, t in enumerate(values):
+            if not _is_number(t):
+                raise TypeError(f"times[{raw_key!r}][{i}] must be a number, got {t!r}")
+        arrays[key] = [float(t) for t in values]
+    return scalars, arrays
+
+
+def _mem_limit(mem_limit, p):
+    """A memory limit in microbatches (0.0 for none) from None, a number or "<x>p"."""
+    if mem_limit is None:
+        return 0.0
+    if isinstance(mem_limit, str):
+        # "2p", "1.5 p", "2*p", "p" (a multiple of p, as the paper writes limits), or "6".
+        text = mem_limit.strip().lower().replace("*", "")
+        multiple = text.endswith("p")
+        number = text[:-1].strip() if multiple else text
+        try:
+            value = float(number) if number else (1.0 if multiple else None)
+        except ValueError:
+            value = None
+        if value is None:
+            raise ValueError(
+                f"mem_limit {mem_limit!r} is not understood; give a number of microbatches, or a multiple "
+                "of p such as 'p', '2p' or '1.5p'")
+        if multiple:
+            value *= p
+    else:
+        value = _number(mem_limit, "mem_limit")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"mem_limit must be a finite number > 0 (None for no limit), got {mem_limit!r}")
+    return value
+
+
+def _build_spec(kind, p, v, m, times_parts, comm, w_share, mem_limit):
+    """A filled _Spec plus the ctypes arrays it points at; keep the second alive for the call."""
+    scalars, arrays = times_parts
+    spec = _Spec.init()
+    spec.kind = kind
+    spec.ranks = p
+    spec.chunks = v
+    spec.microbatches = m
+    spec.time_f, spec.time_b, spec.time_w, spec.time_bw = (scalars[k] for k in _TIME_KEYS)
+    keep = []
+    for key in _TIME_KEYS:
+        if arrays[key] is not None:
+            buf = (ctypes.c_double * len(arrays[key]))(*arrays[key])
+            keep.append(buf)
+            setattr(spec, "stage_time_" + key, ctypes.cast(buf, _c_double_p))
+    spec.time_comm = _number(comm, "comm")
+    spec.w_share = _number(w_share, "w_share")
+    spec.mem_limit = mem_limit
+    return spec, keep
+
+
+def _import_csv(cls, text, spec):
+    """zb_schedule_import of CSV text into a new cls; spec None for the library's defaults."""
+    raw = text.encode("utf-8")
+    handle = ctypes.c_void_p()
+    _lib.call("zb_schedule_import",
+              [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t,
+               ctypes.POINTER(_Spec)],
+              ctypes.byref(handle), ZB_FORMAT_CSV, raw, len(raw), ctypes.byref(spec) if spec is not None else None)
+    return cls(handle)
+
+
+# ---- the schedule ---------------------------------------------------------------------------------
+
+
+class Schedule:
+    """One pipeline schedule (an owned zb_schedule_t handle).
+
+    Make one with `generate`, `from_csv` or `from_ops`. Close it with `close()` or a `with` block;
+    it is also closed when garbage-collected. Not thread-safe: use one Schedule from one thread
+    at a time (the handle is not locked).
+    """
+
+    def __init__(self, handle):
+        """Takes ownership of a zb_schedule_t* (a ctypes.c_void_p or int). Internal: use the
+        classmethods to make one."""
+        self._handle = None
+        value = handle.value if isinstance(handle, ctypes.c_void_p) else handle
+        if not value:
+            raise ValueError("Schedule needs a non-NULL zb_schedule_t handle; "
+                             "use Schedule.generate, from_csv or from_ops")
+        self._handle = ctypes.c_void_p(value)
+
+    # -- construction --
+
+    @classmethod
+    def generate(cls, kind, p, m, v=None, times=None, comm=0.0, w_share=0.5, mem_limit=None):
+        """Generates a schedule of a kind for p ranks and m microbatches.
+
+        kind: any name the library accepts (see kinds()), any case, '-' or '_', torch's class
+        names ("ZBVZeroBubble", "Interleaved1F1B") and the aliases "zb-1p"/"zb-2p" (zb-auto at a
+        memory limit of p or 2p, used when mem_limit is None).
+        v: chunks per rank; None for the kind's default (2 for V kinds and interleaved-1f1b).
+        times: None (F = B = W = 1); a tuple (f, b, w) or (f, b, w, bw) of per-rank times (one
+        microbatch through all of a rank's layers; each op takes 1/v of it); or a dict with keys
+        among 'f', 'b', 'w', 'bw' whose values are such numbers or lists of S = p*v per-stage times.
+        A missing bw means b + w.
+        comm: time added to every dependency that crosses ranks.
+        w_share: the share of activations only W needs, in [0, 1].
+        mem_limit: None (no limit), a number of microbatches, or a multiple of p: "p", "2p", "1.5p".
+
+        Raises TypeError/ValueError for malformed arguments and ZbError for what the library
+        rejects (its message says what is allowed, e.g. the smallest m for a kind).
+        """
+        kind_value, factor = _resolve_kind(kind)
+        p = _count(p, "p (ranks)")
+        m = _count(m, "m (microbatches)")
+        if v is None:
+            v_spec = 0  # the kind's default, chosen by the library
+            name = _kind_name(kind_value)
+            v_eff = 2 if name in _TWO_CHUNK_KINDS else 1
+            where = f"p * v = {p} * {v_eff}, {name}'s default v"
+        else:
+            v_spec = v_eff = _count(v, "v (chunks per rank)")
+            where = f"p * v = {p} * {v_eff}"
+        parts = _parse_times(times, p * v_eff, where)
+        if mem_limit is None and factor > 0:
+            limit = factor * p  # an alias such as "zb-2p" carries its limit as a factor of p
+        else:
+            limit = _mem_limit(mem_limit, p)
+        spec, keep = _build_spec(kind_value, p, v_spec, m, parts, comm, w_share, limit)
+        handle = ctypes.c_void_p()
+        _lib.call("zb_schedule_create", [ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(_Spec)],
+                  ctypes.byref(handle), ctypes.byref(spec))
+        del keep  # the library copied the per-stage arrays during the call
+        return cls(handle)
+
+    @classmethod
+    def from_csv(cls, text_or_path, times=None, comm=0.0, w_share=0.5, mem_limit=None):
+        """Reads torch.distributed.pipelining's compute_only action CSV: one row per rank, cells
+        like "0F3" (stage, type, microbatch) with types F, I (our B), W and B (our BW).
+
+        text_or_path: the CSV text (a str holding a newline or a comma), bytes, or a path (str or
+        os.PathLike). p is the number of rows, S the largest stage + 1, v = S / p, m the largest
+        microbatch + 1; placement is inferred. times/comm/w_share/mem_limit as for generate (lists
+        of per-stage times need S values). The schedule is NOT validated: call .validate().
+        """
+        if isinstance(text_or_path, bytes):
+            text = text_or_path.decode("utf-8")
+        elif isinstance(text_or_path, str) and ("\n" in text_or_path or "," in text_or_path):
+            text = text_or_path
+        elif isinstance(text_or_path, (str, os.PathLike)):
+            with open(text_or_path, "r", encoding="utf-8") as f:
+                text = f.read()
+        else:
+            raise TypeError(
+                f"from_csv takes CSV text (str or bytes) or a path, got {type(text_or_path).__name__}")
+
+        # Per-stage lists and "2p" limits need the file's p and S. Read it once for its shape, then
+        # again with the full spec: the library checks ranks * chunks against the file's stages, but
+        # a length mismatch deserves a message in this API's terms (times['f'], not stage_time_f).
+        p, v = 1, 0  # import ignores ranks/chunks when no per-stage arrays are given
+        needs_shape = isinstance(mem_limit, str) or (
+            isinstance(times, dict) and any(not _is_number(value) for value in times.values()))
+        if needs_shape:
+            with _import_csv(cls, text, None) as probe:
+                p, v = probe.ranks, probe.chunks
+        parts = _parse_times(times, p * v, f"the CSV's stage count, {p} rows x {v} chunks")
+        # spec.kind and spec.microbatches are ignored by import (the file says custom and m).
+        spec, keep = _build_spec(ZB_KIND_CUSTOM, p, v, 1, parts, comm, w_share, _mem_limit(mem_limit, p))
+        schedule = _import_csv(cls, text, spec)
+        del keep  # copied during the call
+        return schedule
+
+    @classmethod
+    def from_ops(cls, rank_ops, m, placement="loop", v=None, times=None, comm=0.0, w_share=0.5,
+                 mem_limit=None):
+        """Builds a schedule (kind "custom") from explicit op lists.
+
+        rank_ops: one list per rank of Op or (type, stage, mb) tuples in execution order, type
+        'F', 'B', 'W' or 'BW'. m: microbatches. placement: 'loop' (stage s on rank s mod p) or 'v'
+        (v = 2; stage s on rank s for s < p, else 2p-1-s). v: chunks per rank; None for
+        ceil(S / p) with S the largest stage used + 1. The schedule is NOT validated: call
+        .validate().
+        """
+        if isinstance(rank_ops, (str, bytes)) or not hasattr(rank_ops, "__len__"):
+            raise TypeError("rank_ops must be a list with one list of ops per rank")
+        p = len(rank_ops)
+        if p < 1:
+            raise ValueError("rank_ops is empty; it needs one list of ops per rank (p >= 1)")
+        m = _count(m, "m (microbatches)")
+        if not isinstance(placement, str) or placement.lower() not in _PLACEMENT_NAMES:
+            raise ValueError(f"placement must be 'loop' or 'v', got {placement!r}")
+        placement_value = _PLACEMENT_NAMES.index(placement.lower())
+
+        arrays = []
+        largest_stage = -1
+        for r, ops in enumerate(rank_ops):
+            if isinstance(ops, (str, bytes)) or not hasattr(ops, "__len__"):
+                raise TypeError(
+                    f"rank_ops[{r}] must be a list of ops (Op or (type, stage, mb) tuples), got {ops!r}")
+            buf = (_Op * max(len(ops), 1))()
+            for k, op in enumerate(ops):
+                where = f"rank_ops[{r}][{k}]"
+                try:
+                    type_, stage, mb = op
+                except (TypeError, ValueError):
+                    raise ValueError(
+                        f"{where} is {op!r}; an op is Op(type, stage, mb) or a (type, stage, mb) tuple") from None
+                stage = _count(stage, f"{where} stage", minimum=0)
+                mb = _count(mb, f"{where} microbatch", minimum=0)
+                buf[k] = _Op(_op_code(type_, where), stage, mb)
+                largest_stage = max(largest_stage, stage)
+            arrays.append((buf, len(ops)))
+        if v is None:
+            v = max(1, -(-(largest_stage + 1) // p))  # ceil(S / p): every stage used has a rank
+        else:
+            v = _count(v, "v (chunks per rank)")
+
+        parts = _parse_times(times, p * v, f"p * v = {p} * {v}")
+        spec, keep = _build_spec(ZB_KIND_CUSTOM, p, v, m, parts, comm, w_share, _mem_limit(mem_limit, p))
+        ops_ptrs = (ctypes.POINTER(_Op) * p)(*(ctypes.cast(buf, ctypes.POINTER(_Op)) for buf, _ in arrays))
+        counts = (ctypes.c_int32 * p)(*(n for _, n in arrays))
+        handle = ctypes.c_void_p()
+        _lib.call("zb_schedule_create_from_ops",
+                  [ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(_Spec), ctypes.c_int,
+                   ctypes.POINTER(ctypes.POINTER(_Op)), ctypes.POINTER(ctypes.c_int32)],
+                  ctypes.byref(handle), ctypes.byref(spec), placement_value, ops_ptrs, counts)
+        del keep, arrays  # everything was copied during the call
+        return cls(handle)
+
+    # -- the handle --
+
+    @property
+    def handle(self):
+        """The zb_schedule_t* as a ctypes.c_void_p, for other binding modules. Still owned by this
+        object: do not destroy it, and do not use it after close()."""
+        if self._handle is None:
+            raise ValueError("this zbpp.Schedule is closed; its handle was destroyed by close()")
+        return self._handle
+
+    def close(self):
+        """Destroys the handle. Safe to call more than once; the schedule is unusable afterwards."""
+        handle, self._handle = getattr(self, "_handle", None), None
+        if handle is not None:
+            _lib.call("zb_schedule_destroy", [ctypes.c_void_p], handle)
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            # At interpreter exit the library or this module may already be torn down; nothing
+            # useful can be done with an error from a finaliser.
+            pass
+
+    def __enter__(self):
+        self.handle  # refuse a closed schedule at the door
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def __repr__(self):
+        if self._handle is None:
+            return "<zbpp.Schedule (closed)>"
+        info = self._info()
+        return f"<zbpp.Schedule {_kind_name(info.kind)} p={info.ranks} v={info.chunks} m={info.microbatches}>"
+
+    # -- shape --
+
+    def _info(self):
+        info = _Info()
+        _lib.call("zb_schedule_get_info", [ctypes.c_void_p, ctypes.POINTER(_Info)], self.handle, ctypes.byref(info))
+        return info
+
+    @property
+    def kind(self):
+        """The kind's name ("zb-v", ...; "custom" for from_csv/from_ops)."""
+        return _kind_name(self._info().kind)
+
+    @property
+    def ranks(self):
+        return self._info().ranks
+
+    @property
+    def chunks(self):
+        return self._info().chunks
+
+    @property
+    def stages(self):
+        return self._info().stages
+
+    @property
+    def microbatches(self):
+        return self._info().microbatches
+
+    @property
+    def placement(self):
+        """'loop' (stage s on rank s mod p) or 'v' (s on rank s for s < p, else 2p-1-s)."""
+        return _PLACEMENT_NAMES[self._info().placement]
+
+    @property
+    def w_share(self):
+        return self._info().w_share
+
+    @property
+    def mem_limit(self):
+        """The memory limit in microbatches, or None when there is none."""
+        limit = self._info().mem_limit
+        return limit if limit > 0 else None
+
+    @property
+    def time_comm(self):
+        return self._info().time_comm
+
+    # -- ops --
+
+    def rank_ops(self, rank):
+        """Rank `rank`'s ops in execution order, as a list of Op."""
+        ops = ctypes.POINTER(_Op)()
+        count = ctypes.c_int32(0)
+        _lib.call("zb_schedule_rank_ops",
+                  [ctypes.c_void_p, ctypes.c_int32, ctypes.POINTER(ctypes.POINTER(_Op)),
+                   ctypes.POINTER(ctypes.c_int32)],
+                  self.handle, _index(rank, "rank"), ctypes.byref(ops), ctypes.byref(count))
+        # Copy out now: the array belongs to the handle and dies with it.
+        return [Op(_OP_NAMES[o.type] if 0 <= o.type < 4 else str(o.type), o.stage, o.mb) for o in ops[: count.value]]
+
+    def stage_rank(self, stage):
+        """The rank that holds `stage` under the schedule's placement."""
+        rank = ctypes.c_int32(0)
+        _lib.call("zb_schedule_stage_rank", [ctypes.c_void_p, ctypes.c_int32, ctypes.POINTER(ctypes.c_int32)],
+                  self.handle, _index(stage, "stage"), ctypes.byref(rank))
+        return rank.value
+
+    def rank_stages(self, rank):
+        """The stages `rank` holds, ascending."""
+        rank = _index(rank, "rank")
+        p = self.ranks
+        if not 0 <= rank < p:
+            raise ValueError(f"rank {rank} is out of range; the schedule has ranks 0..{p - 1}")
+        return [s for s in range(self.stages) if self.stage_rank(s) == rank]
+
+    def op_time(self, type, stage):
+        """The time of one op of a type ('F', 'B', 'W', 'BW') at a stage, as the model uses it
+        (a per-rank time already divided by v)."""
+        out = ctypes.c_double(0.0)
+        _lib.call("zb_schedule_op_time",
+                  [ctypes.c_void_p, ctypes.c_int, ctypes.c_int32, ctypes.POINTER(ctypes.c_double)],
+                  self.handle, _op_code(type, "op_time"), _index(stage, "stage"), ctypes.byref(out))
+        return out.value
+
+    # -- checking and simulating --
+
+    def validate(self):
+        """Checks every rule of DESIGN.md section 3; returns self, or raises ZbError
+        (ZB_ERR_INVALID_SCHEDULE) whose message names the rank, the position and the rule."""
+        _lib.call("zb_schedule_validate", [ctypes.c_void_p], self.handle)
+        return self
+
+    def simulate(self):
+        """The schedule's figures. Simulates once; after set_times, the measured figures."""
+        raw = _SimResult()
+        _lib.call("zb_schedule_simulate", [ctypes.c_void_p, ctypes.POINTER(_SimResult)],
+                  self.handle, ctypes.byref(raw))
+        return _sim_result(raw)
+
+    def rank_times(self, rank):
+        """(starts, ends) of rank `rank`'s ops, aligned with rank_ops(rank); simulates first if
+        needed. Measured times (after set_times) are in milliseconds from the earliest start."""
+        n = len(self.rank_ops(rank))  # also checks the rank
+        self.simulate()
+        start, end = _c_double_p(), _c_double_p()
+        _lib.call("zb_schedule_rank_times",
+                  [ctypes.c_void_p, ctypes.c_int32, ctypes.POINTER(_c_double_p), ctypes.POINTER(_c_double_p)],
+                  self.handle, _index(rank, "rank"), ctypes.byref(start), ctypes.byref(end))
+        return list(start[:n]), list(end[:n])
+
+    def rank_stats(self, rank):
+        """(span, busy, peak memory) of rank `rank`; simulates first if needed."""
+        rank = _index(rank, "rank")
+        self.simulate()
+        span, busy, peak = ctypes.c_double(), ctypes.c_double(), ctypes.c_double()
+        _lib.call("zb_schedule_rank_stats",
+                  [ctypes.c_void_p, ctypes.c_int32] + [ctypes.POINTER(ctypes.c_double)] * 3,
+                  self.handle, rank, ctypes.byref(span), ctypes.byref(busy), ctypes.byref(peak))
+        return span.value, busy.value, peak.value
+
+    def set_times(self, starts, ends):
+        """Replaces the simulated times with measured ones and returns the new figures.
+
+        starts/ends: one list per rank of seconds on any common clock, aligned with rank_ops(r).
+        The library shifts them so the earliest start is 0 and stores milliseconds, so cost,
+        rank_times, stage_costs and the exports read in milliseconds afterwards.
+        """
+        p = self.ranks
+        for name, lists in (("starts", starts), ("ends", ends)):
+            if isinstance(lists, (str, bytes)) or not hasattr(lists, "__len__") or len(lists) != p:
+                raise ValueError(
+                    f"set_times: {name} must hold one list of times per rank ({p} lists), got {lists!r:.80}")
+        keep = []
+        start_ptrs = (_c_double_p * p)()
+        end_ptrs = (_c_double_p * p)()
+        for r in range(p):
+            n = len(self.rank_ops(r))
+            for name, lists, ptrs in (("starts", starts, start_ptrs), ("ends", ends, end_ptrs)):
+                values = lists[r]
+                if isinstance(values, (str, bytes)) or not hasattr(values, "__len__") or len(values) != n:
+                    got = len(values) if hasattr(values, "__len__") else repr(values)
+                    raise ValueError(
+                        f"set_times: {name}[{r}] has {got} values; rank {r} has {n} ops and needs one time per op")
+                buf = (ctypes.c_double * max(n, 1))(*(_number(t, f"set_times: {name}[{r}]") for t in values))
+                keep.append(buf)
+                ptrs[r] = ctypes.cast(buf, _c_double_p)
+        raw = _SimResult()
+        _lib.call("zb_schedule_set_times",
+                  [ctypes.c_void_p, ctypes.POINTER(_c_double_p), ctypes.POINTER(_c_double_p),
+                   ctypes.POINTER(_SimResult)],
+                  self.handle, start_ptrs, end_ptrs, ctypes.byref(raw))
+        del keep  # copied during the call
+        return _sim_result(raw)
+
+    def stage_costs(self):
+        """Per-stage mean op durations of the current times: {'f': [S], 'b': [S], 'w': [S],
+        'bw': [S]} (simulated: the spec's units; after set_times: milliseconds). A stage with no op
+        of a type gets 0. Feed them back as generate(times=...) to plan for measured costs."""
+        self.simulate()
+        S = self.stages
+        bufs = {key: (ctypes.c_double * S)() for key in _TIME_KEYS}
+        _lib.call("zb_schedule_stage_costs", [ctypes.c_void_p] + [_c_double_p] * 4,
+                  self.handle, *(ctypes.cast(bufs[key], _c_double_p) for key in _TIME_KEYS))
+        return {key: list(bufs[key]) for key in _TIME_KEYS}
+
+    # -- exports --
+
+    def export(self, fmt):
+        """The schedule as text in a format: 'text', 'csv', 'json', 'chrome' or 'svg'. Formats
+        with times simulate first if that has not been done."""
+        if not isinstance(fmt, str):
+            raise TypeError(f"fmt must be a format name ('text', 'csv', 'json', 'chrome', 'svg'), got {fmt!r}")
+        fmt_value = ctypes.c_int(0)
+        _lib.call("zb_format_from_name", [ctypes.c_char_p, ctypes.POINTER(ctypes.c_int)],
+                  fmt.lower().encode("utf-8"), ctypes.byref(fmt_value))
+        # The buffer is the caller's to free with zb_free; c_void_p keeps ctypes from converting
+        # (and losing) the pointer the way c_char_p would.
+        text = ctypes.c_void_p()
+        length = ctypes.c_size_t(0)
+        _lib.call("zb_schedule_export",
+                  [ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_size_t)],
+                  self.handle, fmt_value.value, ctypes.byref(text), ctypes.byref(length))
+        try:
+            return ctypes.string_at(text.value, length.value).decode("utf-8", errors="replace")
+        finally:
+            _lib.function("zb_free", [ctypes.c_void_p], None)(text)
+
+    def to_text(self):
+        return self.export("text")
+
+    def to_csv(self):
+        return self.export("csv")
+
+    def to_json(self):
+        return self.export("json")
+
+    def to_chrome(self):
+        return self.export("chrome")
+
+    def to_svg(self):
+        return self.export("svg")
+
+    def save(self, path, fmt=None):
+        """Writes the schedule to a file. fmt None picks it from the name: .svg, .csv, .json,
+        .txt (text), and a name ending in 'trace.json' or '.trace' for a Chrome trace."""
+        if fmt is None:
+            name = os.fspath(path)
+            name = name.decode("utf-8", errors="replace") if isinstance(name, bytes) else name
+            lowered = name.lower()
+            fmt = next((f for ending, f in _EXTENSION_FORMATS if lowered.endswith(ending)), None)
+            if fmt is None:
+                endings = ", ".join(f"'{ending}' ({f})" for ending, f in _EXTENSION_FORMATS)
+                raise ValueError(f"save: cannot tell the format of {name!r} from its name; use one of {endings}, "
+                                 "or pass fmt= ('text', 'csv', 'json', 'chrome', 'svg')")
+        text = self.export(fmt)
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+
