@@ -49,6 +49,7 @@ __all__ = [
     "get_schedule_class",
 ]
 
+_V_KINDS = ("zb-v", "v-half", "v-min")
 _META_TAG = 1 << 20  # shape inference messages; the runner's channels use small tags
 _META_LEN = 64
 _ALIGN = 16
@@ -226,6 +227,11 @@ class PipelineSchedule:
                              f"pipeline's {p} ranks")
         v = S // p
         kind = kind or self.kind
+        if csv is None and _kind_name(kind) in _V_KINDS and v != 2:
+            raise ValueError(f"zbpp.{type(self).__name__}: {_kind_name(kind)} is a V schedule: each rank holds 2 "
+                             f"stages (rank r holds stages r and 2p-1-r), but num_stages={S} over {p} "
+                             f"rank(s) gives {v} stage(s) per rank; build 2 PipelineStages per rank with "
+                             f"num_stages={2 * p}")
         if csv is not None:
             self.schedule = Schedule.from_csv(csv, times=times, mem_limit=mem_limit)
             info = (self.schedule.ranks, self.schedule.stages, self.schedule.microbatches)

@@ -1,0 +1,124 @@
+"""Process bodies for the multi-process pipeline tests (torch.multiprocessing.spawn needs them in an
+importable module). Each writes its findings to a file the test reads; nothing here asserts.
+
+- `run_kinds`: trains the GPT of zbpp.examples.gpt with several schedule kinds, one after the
+  other in the same process group, and saves each kind's final parameters (whole-model order),
+  losses and whether the W store was empty after every step.
+- `run_failure`: a 2-rank pipeline in which rank 1 dies or goes silent in a forward; rank 0
+  records the error it got.
+"""
+
+import datetime
+import os
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+
+def _init(rank, world, port, timeout=60.0):
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout))
+    torch.set_num_threads(1)
+
+
+def model_config(layers=4):
+    from zbpp.examples import gpt
+
+    return gpt.GPTConfig(vocab=32, seq=8, d_model=16, n_head=2, n_layer=layers, ffn=2)
+
+
+def train_kind(rank, world, kind, chunks, m, batch, steps, seed, csv=None, lr=1e-2):
+    import zbpp
+    from zbpp.examples import gpt
+    from zbpp.split import default_store
+
+    S = world * chunks
+    modules = gpt.build_stages(model_config(), S, seed=seed)
+    cls = zbpp.get_schedule_class(kind) if csv is None else zbpp.ScheduleFromCSV
+    probe = zbpp.Schedule.generate(kind, p=world, m=m, v=chunks) if csv is None else zbpp.Schedule.from_csv(csv)
+    mine = probe.rank_stages(rank)
+    probe.close()
+    stages = [zbpp.PipelineStage(zbpp.split_linear(modules[s]), s, S, "cpu") for s in mine]
+    extra = {"csv": csv} if csv is not None else {}
+    sched = cls(stages, m, loss_fn=gpt.loss_fn, timeout=60.0, **extra)
+    params = [p for st in stages for p in st.submod.parameters()]
+    opt = torch.optim.AdamW(params, lr=lr, foreach=False)
+    data = gpt.Batches(8, batch, seed=seed)
+    losses, store_empty = [], True
+    for _ in range(steps):
+        x, y = data.next()
+        got = []
+        args = (x,) if sched.holds_first else ()
+        kw = {"target": y, "losses": got} if sched.holds_loss else {}
+        sched.step(*args, **kw)
+        st = default_store()
+        store_empty &= st.store.pending(-1) == 0 and st.live_entries() == 0
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if got:
+            losses.append([float(v) for v in got])
+    bubble = sched.timeline().measured.bubble_rate
+    sched.close()
+    return {
+        "kind": kind,
+        "stages": mine,
+        "params": {s: [p.detach().clone() for p in modules[s].parameters()] for s in mine},
+        "losses": losses,
+        "store_empty": store_empty,
+        "bubble": bubble,
+    }
+
+
+def run_kinds(rank, world, port, cases, out_dir):
+    _init(rank, world, port)
+    results = []
+    try:
+        for case in cases:
+            results.append(train_kind(rank, world, **case))
+    except BaseException:  # noqa: BLE001 - the test reads the traceback
+        results.append({"error": traceback.format_exc()})
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+class _Saboteur(torch.nn.Module):
+    """Passes its input through; on the given forward call it kills the process or sleeps."""
+
+    def __init__(self, mode, at_call):
+        super().__init__()
+        self.mode, self.at_call, self.calls = mode, at_call, 0
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == self.at_call:
+            if self.mode == "die":
+                os._exit(17)
+            time.sleep(4.0)
+        return self.lin(x)
+
+
+def run_failure(rank, world, port, mode, out_dir):
+    import zbpp
+
+    _init(rank, world, port)
+    torch.manual_seed(0)
+    stage_mod = torch.nn.Linear(4, 4) if rank == 0 else _Saboteur(mode, at_call=4)
+    stage = zbpp.PipelineStage(stage_mod, rank, world, "cpu")
+    sched = zbpp.Schedule1F1B(stage, 4, loss_fn=lambda out, y: ((out - y) ** 2).mean(), timeout=1.0)
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    text, started = "no error", time.time()
+    try:
+        for _ in range(3):
+            if rank == 0:
+                sched.step(x)
+            else:
+                sched.step(target=y)
+    except Exception as exc:  # noqa: BLE001 - recorded for the test
+        text = f"{type(exc).__name__}: {exc}"
+    with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
+        f.write(f"{time.time() - started:.2f}\n{text}")
+    os._exit(0)  # the process group is broken; do not wait for it at exit

@@ -1,0 +1,201 @@
+"""The pipelining API over gloo: every schedule kind trains the GPT bit for bit like a sequential
+loop in one process; misuse and dead or silent peers give clear errors.
+
+The reference is written here, independently of zbpp's schedule code: the same model (built from
+the same seed, its Linear layers split so W runs through the same C GEMM at once), each
+microbatch's forward and backward in order, gradients divided by the number of microbatches (as
+torch.distributed.pipelining's scale_grads does), then AdamW. Bit-for-bit equality holds because
+every op sees the same inputs in the same order; the test says which parameter differs if not.
+"""
+
+import os
+import socket
+
+import pytest
+
+torch = pytest.importorskip("torch")
+mp = pytest.importorskip("torch.multiprocessing")
+
+import pipeline_worker  # noqa: E402
+
+import zbpp  # noqa: E402
+from zbpp.examples import gpt  # noqa: E402
+
+M, BATCH, STEPS, SEED = 4, 8, 2, 3
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def reference(steps=STEPS, m=M, batch=BATCH, seed=SEED, lr=1e-2):
+    """Sequential training of the whole model in this process: (per-step losses, parameters)."""
+    torch.set_num_threads(1)
+    modules = [zbpp.split_linear(mod) for mod in gpt.build_stages(pipeline_worker.model_config(), 1, seed=seed)]
+    params = [p for mod in modules for p in mod.parameters()]
+    opt = torch.optim.AdamW(params, lr=lr, foreach=False)
+    data = gpt.Batches(8, batch, seed=seed)
+    losses = []
+    for _ in range(steps):
+        x, y = data.next()
+        step = []
+        for xi, yi in zip(x.chunk(m), y.chunk(m)):
+            h = xi
+            for mod in modules:
+                h = mod(h)
+            loss = gpt.loss_fn(h, yi)
+            loss.backward()
+            step.append(float(loss))
+        for p in params:
+            p.grad.div_(m)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(step)
+    return losses, [p.detach() for p in params]
+
+
+def spawn(fn, world, *args):
+    mp.spawn(fn, args=(world, free_port(), *args), nprocs=world, join=True)
+
+
+# Every kind at p=2 with the smallest chunks it takes, plus a schedule loaded from torch's CSV.
+CASES = [
+    dict(kind="gpipe", chunks=1),
+    dict(kind="1F1B", chunks=1),  # torch's spelling
+    dict(kind="Interleaved1F1B", chunks=2),
+    dict(kind="zb-h1", chunks=1),
+    dict(kind="zb-h2", chunks=1),
+    dict(kind="ZBVZeroBubble", chunks=2),
+    dict(kind="v-half", chunks=2),
+    dict(kind="v-min", chunks=2),
+    dict(kind="zb-auto", chunks=1),
+    dict(kind="InterleavedZeroBubble", chunks=2),
+]
+
+
+@pytest.fixture(scope="module")
+def kind_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("kinds")
+    csv = zbpp.Schedule.generate("zb-v", p=2, m=M).to_csv()
+    cases = [dict(c, m=M, batch=BATCH, steps=STEPS, seed=SEED) for c in CASES]
+    cases.append(dict(kind="csv", chunks=2, m=M, batch=BATCH, steps=STEPS, seed=SEED, csv=csv))
+    spawn(pipeline_worker.run_kinds, 2, cases, str(out))
+    ranks = [torch.load(out / f"rank{r}.pt") for r in range(2)]
+    for r in ranks:
+        if r and "error" in r[-1]:
+            pytest.fail("a rank failed:\n" + r[-1]["error"], pytrace=False)
+    return cases, ranks
+
+
+@pytest.mark.parametrize("index", range(len(CASES) + 1), ids=[c["kind"] for c in CASES] + ["csv"])
+def test_every_kind_trains_bit_for_bit_like_one_process(kind_results, index):
+    cases, ranks = kind_results
+    ref_losses, ref_params = reference()
+    per_stage = {}
+    for r in ranks:
+        per_stage.update(r[index]["params"])
+    params = [p for s in sorted(per_stage) for p in per_stage[s]]
+    assert len(params) == len(ref_params)
+    for k, (got, want) in enumerate(zip(params, ref_params)):
+        assert torch.equal(got, want), (
+            f"{cases[index]['kind']}: parameter {k} differs from the sequential run by up to "
+            f"{(got - want).abs().max().item():.3g}")
+    losses = [r[index]["losses"] for r in ranks if r[index]["losses"]]
+    assert len(losses) == 1, "exactly one rank holds the loss stage"
+    assert losses[0] == ref_losses, f"{cases[index]['kind']}: losses {losses[0]} != {ref_losses}"
+    assert all(r[index]["store_empty"] for r in ranks), "the W store must be empty after every step"
+    assert all(0.0 <= r[index]["bubble"] < 1.0 for r in ranks)
+
+
+def test_loss_stage_is_rank0_for_v_and_last_rank_for_loop(kind_results):
+    cases, ranks = kind_results
+    for k, case in enumerate(cases):
+        holder = [r for r in range(2) if ranks[r][k]["losses"]]
+        # zb-auto with 2 chunks (InterleavedZeroBubble) places them in a V too.
+        v_kind = case["kind"] in ("ZBVZeroBubble", "v-half", "v-min", "csv", "InterleavedZeroBubble")
+        assert holder == ([0] if v_kind else [1]), case["kind"]
+
+
+# ---- one process: misuse -------------------------------------------------------------------------
+
+def _stage(index=0, num=1):
+    return zbpp.PipelineStage(torch.nn.Linear(4, 4), index, num, "cpu")
+
+
+def test_batch_that_does_not_split_into_microbatches():
+    sched = zbpp.Schedule1F1B(_stage(), 4, loss_fn=lambda o, y: o.sum())
+    with pytest.raises(ValueError, match=r"batch size 10.*n_microbatches=4"):
+        sched.step(torch.randn(10, 4), target=torch.randn(10, 4))
+
+
+def test_stage_index_out_of_range():
+    with pytest.raises(ValueError, match=r"stage_index 5 is out of range.*\[0, 3\]"):
+        zbpp.PipelineStage(torch.nn.Linear(4, 4), 5, 4, "cpu")
+
+
+def test_v_schedule_with_one_stage_per_rank():
+    with pytest.raises(ValueError, match=r"V schedule.*2 stages.*num_stages=2"):
+        zbpp.ScheduleZBVZeroBubble(_stage(), 4, loss_fn=lambda o, y: o.sum())
+
+
+def test_loss_fn_missing_on_the_loss_stage():
+    sched = zbpp.Schedule1F1B(_stage(), 2)
+    with pytest.raises(ValueError, match="loss_fn"):
+        sched.step(torch.randn(4, 4), target=torch.randn(4, 4))
+
+
+def test_unknown_schedule_name_lists_valid_names():
+    with pytest.raises(ValueError, match=r"unknown schedule 'ZeroBubbleX'.*zb-v.*ZBVZeroBubble"):
+        zbpp.get_schedule_class("ZeroBubbleX")
+    assert zbpp.get_schedule_class("zbvzerobubble") is zbpp.ScheduleZBVZeroBubble
+    assert zbpp.get_schedule_class("ScheduleInterleaved1F1B") is zbpp.ScheduleInterleaved1F1B
+    assert zbpp.get_schedule_class("ZB_H1") is zbpp.ScheduleZBH1
+
+
+def test_single_process_pipeline_with_two_stages_matches_the_loop():
+    """p = 1 with both stages of a V on the one rank: no transport, same bits as the loop."""
+    torch.set_num_threads(1)
+    config = pipeline_worker.model_config()
+    modules = [zbpp.split_linear(mod) for mod in gpt.build_stages(config, 2, seed=SEED)]
+    stages = [zbpp.PipelineStage(mod, s, 2, "cpu") for s, mod in enumerate(modules)]
+    sched = zbpp.ScheduleZBVZeroBubble(stages, M, loss_fn=gpt.loss_fn)
+    opt = torch.optim.AdamW([p for mod in modules for p in mod.parameters()], lr=1e-2, foreach=False)
+    data = gpt.Batches(8, BATCH, seed=SEED)
+    losses = []
+    for _ in range(STEPS):
+        x, y = data.next()
+        got = []
+        out = sched.step(x, target=y, losses=got)
+        assert out.shape == (BATCH, 8, 32), "the loss stage returns the merged output"
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append([float(v) for v in got])
+    ref_losses, ref_params = reference()
+    assert losses == ref_losses
+    params = [p for mod in modules for p in mod.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(params, ref_params))
+    svg = sched.timeline().to_svg()
+    assert "<svg" in svg
+    sched.close()
+
+
+# ---- failures across processes ------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode,expect", [("die", r"rank 1"), ("silent", r"(?i)timed out.*rank 1|rank 1.*timed out")])
+def test_dead_or_silent_peer_fails_with_its_rank(tmp_path, mode, expect):
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=pipeline_worker.run_failure, args=(r, 2, port, mode, str(tmp_path))) for r in range(2)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(60)
+        assert proc.exitcode is not None, "a rank hung"
+    seconds, text = (tmp_path / "rank0.txt").read_text().split("\n", 1)
+    assert "ZbError" in text, text
+    import re
+
+    assert re.search(expect, text), text
+    assert float(seconds) < 30.0, f"rank 0 needed {seconds} s to notice"
