@@ -204,8 +204,10 @@ def _run_now(st, x2, dy2, weight, bias):
     try:
         st.push_linear(x2, dy2, weight, bias, st.immediate)
     finally:
+        # Close and pop the group even when the push failed: an empty group left behind would be
+        # popped by the next backward instead of its own.
         st.immediate.end()
-    st.immediate.pop_run(0)
+        st.immediate.pop_run(0)
 
 
 class SplitLinear(torch.nn.Linear):

@@ -1,0 +1,160 @@
+"""split_linear: the same forward, the same full-backward gradients, W deferred into the C store.
+
+Gradients are compared with plain nn.Linear (torch's own GEMMs) within a stated bound, because the
+W GEMM is the C library's CBLAS call, which sums in another order; and with a float64 computation
+of the same model, which both must approach. Forward outputs and input gradients are computed by
+the same torch ops in both, so they must be equal bit for bit.
+"""
+
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import zbpp  # noqa: E402
+from zbpp.split import SplitLinear, capture, default_store  # noqa: E402
+
+# fp32 relative bound for a weight gradient summed over a few hundred products in another order:
+# a few units of float32 epsilon (1.2e-7) times the sum length's square root.
+REL_FP32 = 1e-5
+
+
+class Mixed(torch.nn.Module):
+    """Linear layers mixed with other parametrised layers (embedding, layer norm, conv)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(20, 12)
+        self.fc1 = torch.nn.Linear(12, 24)
+        self.norm = torch.nn.LayerNorm(24)
+        self.conv = torch.nn.Conv1d(24, 24, 3, padding=1)
+        self.fc2 = torch.nn.Linear(24, 6, bias=False)
+
+    def forward(self, idx):
+        h = torch.nn.functional.gelu(self.fc1(self.emb(idx)))
+        h = self.norm(h)
+        h = self.conv(h.transpose(1, 2)).transpose(1, 2)
+        return self.fc2(h)
+
+
+def _pair(seed=0):
+    torch.manual_seed(seed)
+    ref = Mixed()
+    split = zbpp.split_linear(copy.deepcopy(ref))
+    return ref, split
+
+
+def _rel(a, b):
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def test_split_linear_swaps_in_place_and_keeps_parameters():
+    ref, split = _pair()
+    keys = list(ref.state_dict())
+    out = zbpp.split_linear(split)
+    assert out is split
+    assert isinstance(split.fc1, SplitLinear) and isinstance(split.fc1, torch.nn.Linear)
+    assert list(split.state_dict()) == keys
+    for (n, a), (_, b) in zip(ref.named_parameters(), split.named_parameters()):
+        assert torch.equal(a, b), n
+    frozen = torch.nn.Linear(3, 3)
+    frozen.weight.requires_grad_(False)
+    zbpp.split_linear(frozen)
+    assert not frozen.weight.requires_grad and frozen.bias.requires_grad
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        zbpp.split_linear(object())
+
+
+def test_forward_and_gradients_match_nn_linear():
+    ref, split = _pair()
+    idx = torch.randint(0, 20, (5, 7))
+    y_ref, y = ref(idx), split(idx)
+    assert torch.equal(y, y_ref), "forward must be bit for bit nn.Linear's"
+    g = torch.randn_like(y)
+    y_ref.backward(g)
+    y.backward(g)
+    # float64 reference of the same model
+    ref64 = copy.deepcopy(ref).double()
+    for p in ref64.parameters():
+        p.grad = None
+    ref64(idx).backward(g.double())
+    for (n, a), (_, b), (_, c) in zip(split.named_parameters(), ref.named_parameters(), ref64.named_parameters()):
+        assert a.grad is not None, n
+        assert _rel(a.grad, b.grad) < REL_FP32, f"{n}: {_rel(a.grad, b.grad):.3g} vs nn.Linear"
+        assert _rel(a.grad.double(), c.grad) < REL_FP32, f"{n}: {_rel(a.grad.double(), c.grad):.3g} vs float64"
+    assert default_store().live_entries() == 0
+
+
+def test_gradients_accumulate_over_backwards():
+    ref, split = _pair(1)
+    idx = torch.randint(0, 20, (4, 3))
+    for _ in range(3):
+        ref(idx).sum().backward()
+        split(idx).sum().backward()
+    assert _rel(split.fc1.weight.grad, ref.fc1.weight.grad) < REL_FP32
+    assert _rel(split.fc2.weight.grad, ref.fc2.weight.grad) < REL_FP32
+
+
+def test_capture_defers_w_until_the_store_runs_it():
+    _, split = _pair(2)
+    idx = torch.randint(0, 20, (4, 3))
+    store = default_store()
+    with capture(stage=0, mb=0):
+        split(idx).sum().backward()
+    # B has run: the input-side layers have their gradients, the Linear weights not yet.
+    assert split.norm.weight.grad is not None and split.emb.weight.grad is not None
+    assert split.fc2.weight.grad is None or not split.fc2.weight.grad.any()
+    assert store.store.pending(0) == 1 and store.live_entries() == 2
+    assert store.store.pop_run(0) == 0
+    assert store.store.pending(-1) == 0 and store.live_entries() == 0, "the store is empty after W"
+    assert split.fc2.weight.grad.abs().sum() > 0
+
+
+def test_clear_drops_entries_and_releases_tensors():
+    _, split = _pair(3)
+    store = default_store()
+    with capture(stage=1, mb=0):
+        split(torch.randint(0, 20, (2, 3))).sum().backward()
+    assert store.live_entries() == 2
+    store.store.clear()
+    assert store.live_entries() == 0 and store.store.pending(-1) == 0
+
+
+def test_main_grad_receives_the_weight_gradient():
+    torch.manual_seed(4)
+    lin = torch.nn.Linear(8, 5)
+    ref = copy.deepcopy(lin)
+    zbpp.split_linear(lin)
+    lin.weight.main_grad = torch.zeros(5, 8)
+    lin.bias.main_grad = torch.zeros(5)
+    x = torch.randn(6, 8)
+    lin(x).sum().backward()
+    ref(x).sum().backward()
+    assert lin.weight.grad is None and lin.bias.grad is None, "Megatron-style: gradients go to main_grad"
+    assert _rel(lin.weight.main_grad, ref.weight.grad) < REL_FP32
+    assert _rel(lin.bias.main_grad, ref.bias.grad) < REL_FP32
+    lin.weight.main_grad = torch.zeros(5, 8, dtype=torch.float16)
+    with pytest.raises(TypeError, match="main_grad must be a contiguous float32"):
+        lin(x).sum().backward()
+    # The failed backward left nothing behind: the next one gets its own gradient.
+    lin.weight.main_grad = torch.zeros(5, 8)
+    lin(x).sum().backward()
+    assert _rel(lin.weight.main_grad, ref.weight.grad) < REL_FP32
+    assert default_store().live_entries() == 0
+
+
+@pytest.mark.parametrize("dtype,bound", [(torch.bfloat16, 2e-2)])
+def test_half_precision_parameters_get_gradients_in_their_dtype(dtype, bound):
+    # bf16 (torch 1.13 has no fp16 GEMM on CPU): the W product is formed in fp32 and rounded once
+    # to bf16 (8 mantissa bits, relative error up to 2^-8), as autograd's own bf16 result is.
+    torch.manual_seed(5)
+    lin = torch.nn.Linear(16, 8).to(dtype)
+    ref32 = copy.deepcopy(lin).float()
+    zbpp.split_linear(lin)
+    x = torch.randn(10, 16).to(dtype)
+    lin(x).float().sum().backward()
+    ref32(x.float()).sum().backward()
+    assert lin.weight.grad.dtype == dtype
+    assert _rel(lin.weight.grad.float(), ref32.weight.grad) < bound
+    assert _rel(lin.bias.grad.float(), ref32.bias.grad) < bound
