@@ -539,6 +539,110 @@ ZB_API zb_status_t zb_optimizer_step(zb_optimizer_t *opt, zb_step_result_t *out)
 ZB_API zb_status_t zb_optimizer_loss_scale(const zb_optimizer_t *opt, double *out);
 ZB_API zb_status_t zb_optimizer_destroy(zb_optimizer_t *opt);
 
+/* ---- post-validation for an optimizer the caller runs --------------------------------------
+ * The exchange and the decision of zb_optimizer_step on their own, for an optimizer the caller
+ * steps itself (torch.optim.AdamW or SGD from the Python binding, a fused device optimizer). The
+ * handle passes the global state (per stage: the squared norm of the gradients and an inf/NaN flag)
+ * along the chain of ranks and decides, exactly as zb_optimizer does: skip on inf/NaN, the clipping
+ * coefficient (torch's clip_grad_norm_), the dynamic loss scale (torch's GradScaler). The caller
+ * keeps the undo copy, steps and undoes when told. zb_optimizer_step is built on this handle, so
+ * the two give the same decisions bit for bit on the same gradients.
+ *
+ * One iteration, on every rank, after its runner finished:
+ *  1. For each of this rank's stages s compute sq_norms[s], the sum of the squares of all the
+ *     stage's gradient elements as they are (still multiplied by the loss scale), accumulated in
+ *     double, and nonfinite[s], nonzero when any of them is inf or NaN. For the same bits as
+ *     zb_optimizer, use one double accumulator per stage over its arrays in a fixed order.
+ *  2. zb_postval_begin(pv, sq_norms, nonfinite, &d): blocks until the partial state arrives from
+ *     the rank before this one in the chain (none for the first), adds this rank's stages, sends it
+ *     on and posts the receive of the full state.
+ *  3. If d.step: save a copy of everything a step changes (parameters, optimizer state and step
+ *     count), then step with every gradient element multiplied by d.factor (a float; multiply in
+ *     fp32). d.step is only ever set on a rank with post_validation = 1 that is not the chain's
+ *     last, when nothing before it had inf/NaN.
+ *  4. zb_postval_end(pv, &d): blocks until the full state comes back from the next rank (none for
+ *     the last), passes it back to the previous one and decides.
+ *  5. If d.undo: restore the copy from step 3. Then, if d.step: step with the gradients multiplied
+ *     by d.factor. The redo needs the gradients as they were in step 1: if step 3 scaled them in
+ *     place, keep them in the copy too. d.skipped, d.clipped, d.grad_norm and d.loss_scale report
+ *     the iteration; multiply the next iteration's loss by d.loss_scale.
+ * With post_validation = 0 no rank is told to step in begin: every rank steps after end, with the
+ * full state, as the synchronous reference. With ranks == 1 nothing is exchanged.
+ *
+ * The chain runs toward the rank holding the last stage (rank 0 -> p-1 in a loop, p-1 -> 0 in a
+ * V); the messages use the same channels (tags) as zb_optimizer, so a pipeline must not run both on
+ * one transport at once.
+ *
+ * Failures: when begin or end fails (ZB_ERR_TIMEOUT, ZB_ERR_REMOTE, ...) the message names this
+ * rank, the phase and the peer; the pending requests are cancelled, the loss scale is unchanged and
+ * the handle is ready for the next zb_postval_begin. If end fails after begin told the caller to
+ * step, d.undo is 1 (and d.step 0): restore the copy, so this rank is as before the iteration.
+ * Other ranks may have stepped and a channel may hold a stale message, so treat it like a failed
+ * iteration (zb_transport_abort makes the peers fail at once instead of at their timeout). Calls
+ * out of order fail with a message saying so: end without begin (ZB_ERR_INVALID_ARGUMENT), begin
+ * twice or destroy between begin and end (ZB_ERR_BUSY; the transport may still write into the
+ * handle's buffers, so call end first: it returns within the timeout). */
+#define ZB_POSTVAL_CONFIG_VERSION 1
+
+typedef struct {
+  uint32_t struct_size; /* sizeof(zb_postval_config_t) as the caller compiled it */
+  uint32_t version;     /* ZB_POSTVAL_CONFIG_VERSION */
+  double clip_grad;     /* max global L2 norm of the unscaled gradients; <= 0: no clipping */
+  /* The dynamic loss scale, as in zb_optimizer_config_t: the gradients arrive multiplied by it; on
+   * inf/NaN it is multiplied by backoff, after growth_interval good steps in a row by growth (0:
+   * never grows). */
+  double loss_scale, backoff, growth;
+  int32_t growth_interval;
+  int32_t post_validation; /* 0: exchange first, then decide (the synchronous path); 1: speculate */
+  /* The pipeline, as in zb_optimizer_config_t: S stages placed over ranks; this rank. */
+  int32_t stages, rank, ranks;
+  zb_placement_t placement;
+  zb_transport_t *transport; /* borrowed, must outlive the handle; NULL when ranks == 1 */
+  double timeout_s;          /* longest wait for one message; <= 0: 300 s */
+} zb_postval_config_t;
+
+#define ZB_POSTVAL_CONFIG_INIT                                                                     \
+  {                                                                                                \
+    sizeof(zb_postval_config_t), ZB_POSTVAL_CONFIG_VERSION, 0.0, 1.0, 0.5, 2.0, 0, 0, 1, 0, 1,     \
+        ZB_PLACEMENT_LOOP, NULL, 0.0                                                               \
+  }
+
+/* What the caller does now. Written by zb_postval_begin (step, factor and loss_scale, the scale the
+ * current gradients carry; the rest 0) and by zb_postval_end (every field), on failure too. */
+typedef struct {
+  int32_t step;      /* 1: step now, with every gradient element multiplied by factor */
+  int32_t undo;      /* end only: first undo the speculative step made after begin */
+  float factor;      /* 1/loss_scale times the clipping coefficient, as a float (0 when step is 0
+                        after begin, or when skipped) */
+  int32_t skipped;   /* end: inf/NaN somewhere, no step this iteration */
+  int32_t clipped;   /* end: factor includes a clipping coefficient < 1 */
+  double grad_norm;  /* end: global L2 norm of the unscaled gradients (inf when skipped) */
+  double loss_scale; /* end: the scale for the next iteration */
+} zb_postval_decision_t;
+
+typedef struct zb_postval zb_postval_t; /* opaque */
+
+/* The config is copied; the transport stays borrowed. Fails with ZB_ERR_INVALID_ARGUMENT (the same
+ * rules and messages as zb_optimizer_create's) and *out NULL. */
+ZB_API zb_status_t zb_postval_create(zb_postval_t **out, const zb_postval_config_t *config);
+/* NULL is a no-op. ZB_ERR_BUSY between zb_postval_begin and zb_postval_end. */
+ZB_API zb_status_t zb_postval_destroy(zb_postval_t *pv);
+/* Steps 1-2 above. sq_norms and nonfinite point at `stages` values each, of which only this rank's
+ * stages are read (during the call; nothing is kept). A sq_norms value that is inf or NaN counts as
+ * nonfinite; a negative one is an invalid argument. Blocks for the partial state from the previous
+ * rank (up to timeout_s); sends never wait. out->step = 1 when the caller must step speculatively
+ * now (post_validation on, not the chain's last rank, the partial state free of inf/NaN). */
+ZB_API zb_status_t zb_postval_begin(zb_postval_t *pv, const double *sq_norms,
+                                    const int32_t *nonfinite, zb_postval_decision_t *out);
+/* Steps 4-5 above. Blocks for the full state from the next rank (up to timeout_s), passes it back,
+ * decides and updates the loss scale: out->undo when the speculative step must be undone (the full
+ * state has inf/NaN, or the clipping factor differs), out->step when the caller must step now
+ * (after any undo) with out->factor. On failure out->undo = 1 if the caller stepped after begin.
+ * With out NULL it fails and the handle stays begun. */
+ZB_API zb_status_t zb_postval_end(zb_postval_t *pv, zb_postval_decision_t *out);
+/* The scale the current gradients must carry (the loss multiplied by it); changes only in end. */
+ZB_API zb_status_t zb_postval_loss_scale(const zb_postval_t *pv, double *out);
+
 #ifdef __cplusplus
 }
 #endif

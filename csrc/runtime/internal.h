@@ -61,4 +61,22 @@ static inline int32_t zb__tag_optim(int32_t stages, int32_t dir) { return 2 * st
 /* Seconds on CLOCK_MONOTONIC: the clock the runner stamps ops with. */
 double zb__now(void);
 
+/* The rank holding a stage (zbpp.h, "the schedule model"); with one rank, every stage. */
+static inline int32_t zb__stage_rank(zb_placement_t placement, int32_t ranks, int32_t stage) {
+  if (ranks == 1) return 0;
+  if (placement == ZB_PLACEMENT_V) return stage < ranks ? stage : 2 * ranks - 1 - stage;
+  return stage % ranks;
+}
+
+/* postval.c, the post-validation exchange zb_optimizer is built on. zb__postval_check checks the
+ * fields every post-validation config shares (not struct_size or version); `owner` names the config
+ * in its messages ("optimizer": "... but the optimizer config says ..."). zb__postval_create checks
+ * the same way and makes a handle whose exchange failures read "<owner> step on rank r: ...";
+ * zb_postval_create is this with the public names. */
+zb_status_t zb__postval_check(const zb_postval_config_t *c, const char *owner);
+zb_status_t zb__postval_create(zb_postval_t **out, const zb_postval_config_t *c, const char *owner);
+/* 1 when zb_postval_begin may tell this rank to step speculatively (post_validation on and not the
+ * chain's last rank): the ranks that need an undo copy. */
+int zb__postval_speculates(const zb_postval_t *pv);
+
 #endif /* ZB_RUNTIME_INTERNAL_H */
