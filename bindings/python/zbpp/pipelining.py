@@ -456,9 +456,16 @@ class PipelineSchedule:
                 if main is not None:
                     main.div_(divisor)
 
-    def _start(self):
-        if self.ranks > 1:
+    @property
+    def transport(self):
+        """This rank's transport over torch.distributed (None with one rank); the optimizer's
+        post-validation shares it (on channels of its own)."""
+        if self._transport is None and self.ranks > 1:
             self._transport = TorchTransport(self.group, self.timeout)
+        return self._transport
+
+    def _start(self):
+        self.transport  # noqa: B018 - created here at the latest
         if not self._meta_given:
             self._infer_shapes()
         S = self.stages[0].num_stages

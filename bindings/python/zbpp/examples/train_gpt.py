@@ -35,15 +35,16 @@ def parse_args(argv=None):
                     help="stages per rank (default: 2 for V kinds and interleaved-1f1b, else 1)")
     ap.add_argument("--microbatches", type=int, default=8, help="microbatches per step (default 8)")
     ap.add_argument("--batch", type=int, default=32, help="sequences per step (default 32)")
-    ap.add_argument("--steps", type=int, default=40, help="training steps (default 40)")
+    ap.add_argument("--steps", type=int, default=60, help="training steps (default 60)")
     ap.add_argument("--seq", type=int, default=32, help="sequence length (default 32)")
     ap.add_argument("--d-model", type=int, default=128, help="model width (default 128)")
     ap.add_argument("--layers", type=int, default=8, help="transformer blocks (default 8)")
     ap.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
     ap.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
     ap.add_argument("--mem-limit", default=None, help="zb-auto's memory limit, e.g. 2p")
-    ap.add_argument("--post-validation", action="store_true",
-                    help="step the optimizer with post-validation (no global sync before the step)")
+    ap.add_argument("--no-post-validation", dest="post_validation", action="store_false",
+                    help="step the optimizer after a global sync instead of with post-validation "
+                         "(the default: speculative step, exact rollback)")
     ap.add_argument("--clip-grad", type=float, default=1.0, help="gradient clipping norm (0: off; default 1)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds a transfer may take (default 120)")
@@ -91,10 +92,10 @@ def train(rank, ranks, args, group=None, report=print):
     sched = cls(stages, args.microbatches, loss_fn=gpt.loss_fn, timeout=args.timeout, **kwargs)
     params = [p for st in stages for p in st.submod.parameters()]
     opt = torch.optim.AdamW(params, lr=args.lr, foreach=False)
-    post = None
-    if args.post_validation or args.clip_grad > 0:
-        post = zbpp.PostValidatedOptimizer.for_schedule(opt, sched, clip_grad=args.clip_grad,
-                                                        post_validation=args.post_validation)
+    # The optimizer steps through the post-validation protocol either way (it also does the global
+    # clipping); --no-post-validation makes it synchronise first, the reference path.
+    post = zbpp.PostValidatedOptimizer.for_schedule(opt, sched, clip_grad=args.clip_grad,
+                                                    post_validation=args.post_validation)
     data = gpt.Batches(args.seq, args.batch, seed=args.seed)
     tokens = args.batch * args.seq
     out = {"losses": [], "bubbles": [], "rolled_back": 0, "step_seconds": []}
@@ -110,12 +111,9 @@ def train(rank, ranks, args, group=None, report=print):
             sched.step(target=y, losses=losses)
         else:
             sched.step()
-        if post is not None:
-            res = post.step()
-            out["rolled_back"] += int(res.rolled_back)
-        else:
-            opt.step()
-        opt.zero_grad(set_to_none=True)
+        res = post.step()
+        out["rolled_back"] += int(res.rolled_back)
+        post.zero_grad(set_to_none=True)
         dt = time.perf_counter() - t0
         timeline = sched.timeline()
         bubble = timeline.measured.bubble_rate
@@ -126,9 +124,10 @@ def train(rank, ranks, args, group=None, report=print):
             loss = float(torch.stack(losses).mean())
             out["losses"].append([float(v) for v in losses])
             if not args.quiet:
-                report(f"step {step + 1:3d}/{args.steps} | loss {loss:.4f} | {tokens / dt:9,.0f} tokens/s "
-                       f"| bubble {100 * bubble:5.1f}% (measured) | {sched.schedule.kind} p={ranks} "
-                       f"m={args.microbatches}")
+                report(f"step {step + 1:3d}/{args.steps} | loss {loss:.4f} | {tokens / dt:7,.0f} tokens/s "
+                       f"| bubble {100 * bubble:5.1f}% (measured) | grad norm {res.grad_norm:6.3f}"
+                       f"{' clipped' if res.clipped else ''}{' rolled back' if res.rolled_back else ''}",
+                       flush=True)
     final = sched.timeline()
     if rank == 0 and args.out:
         os.makedirs(args.out, exist_ok=True)
@@ -179,7 +178,8 @@ def main(argv=None):
     cls, chunks = stage_layout(args.schedule, args.ranks, args.chunks)
     print(f"zbpp {cls.kind}: {args.ranks} processes x {chunks} stage(s), {args.layers} layers, d_model "
           f"{args.d_model}, {args.microbatches} microbatches of {args.batch // args.microbatches} x "
-          f"{args.seq} tokens, {args.steps} steps", flush=True)
+          f"{args.seq} tokens, {args.steps} steps, AdamW with "
+          f"{'post-validation' if args.post_validation else 'a global sync'} (clip {args.clip_grad})", flush=True)
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     t0 = time.time()

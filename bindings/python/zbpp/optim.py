@@ -1,0 +1,270 @@
+"""Optimizer post-validation for torch optimizers (the paper's section 4), over the C protocol.
+
+What this is: `PostValidatedOptimizer(optimizer, stage_params, num_stages, ...)` wraps a
+torch.optim optimizer (AdamW, SGD, anything whose step() reads .grad) so that it steps without a
+global synchronisation first: each rank sends the partial gradient state (per stage: squared norm
+and inf/NaN flag) on along the pipeline, steps at once with what it has, and when the full state
+comes back the C library (zb_postval_*) says whether the step stands. If it does not (inf/NaN
+somewhere, or clipping needed another factor), this wrapper restores the parameters and the
+optimizer state it saved and steps again with the right factor, or skips the step and backs the
+loss scale off. The result is bit for bit the synchronous path's (post_validation=False).
+
+Precision: fp32 parameters are stepped in place. bf16 and fp16 parameters get fp32 master copies
+(which replace them in the optimizer's param groups, as Megatron's mixed-precision optimizer
+does); gradients are read in fp32 and the stepped masters are copied back to the model in its
+dtype after the decision. Gradients come from `param.main_grad` when present, else `param.grad`.
+
+Memory: a rank that steps speculatively keeps one copy of its fp32 parameters and optimizer state
+(AdamW: 3 values per parameter; SGD with momentum: 2) to undo a step.
+
+What this is not: an optimizer. The update is the wrapped optimizer's own; the loss scale is
+applied by the caller (multiply the loss by `.loss_scale` before backward).
+"""
+
+import ctypes
+from typing import NamedTuple
+
+import torch
+
+from . import _lib
+
+__all__ = ["PostValidatedOptimizer", "StepResult"]
+
+_c = ctypes
+_P = _c.c_void_p
+
+
+class _Config(_c.Structure):
+    _fields_ = [
+        ("struct_size", _c.c_uint32),
+        ("version", _c.c_uint32),
+        ("clip_grad", _c.c_double),
+        ("loss_scale", _c.c_double),
+        ("backoff", _c.c_double),
+        ("growth", _c.c_double),
+        ("growth_interval", _c.c_int32),
+        ("post_validation", _c.c_int32),
+        ("stages", _c.c_int32),
+        ("rank", _c.c_int32),
+        ("ranks", _c.c_int32),
+        ("placement", _c.c_int),
+        ("transport", _P),
+        ("timeout_s", _c.c_double),
+    ]
+
+
+class _Decision(_c.Structure):
+    _fields_ = [
+        ("step", _c.c_int32),
+        ("undo", _c.c_int32),
+        ("factor", _c.c_float),
+        ("skipped", _c.c_int32),
+        ("clipped", _c.c_int32),
+        ("grad_norm", _c.c_double),
+        ("loss_scale", _c.c_double),
+    ]
+
+
+class StepResult(NamedTuple):
+    skipped: bool       # inf/NaN somewhere: no parameter changed, the loss scale backed off
+    clipped: bool       # the gradients were scaled down to clip_grad
+    rolled_back: bool   # this rank undid a speculative step (and redid or skipped it)
+    grad_norm: float    # global L2 norm of the unscaled gradients (inf when skipped)
+    loss_scale: float   # multiply the next iteration's loss by this
+
+
+class PostValidatedOptimizer:
+    """A torch optimizer stepped with post-validation; see the module docstring.
+
+    stage_params: {stage index: [parameters]} for this rank's stages (each parameter in exactly one
+    stage, all of them in the optimizer). num_stages, rank, ranks, placement ('loop' or 'v') and
+    transport (an object with .handle, e.g. the schedule's) describe the pipeline;
+    `PostValidatedOptimizer.for_schedule(optimizer, schedule)` fills them in from a zbpp schedule.
+    clip_grad: max global norm (0: none); loss_scale/backoff/growth/growth_interval: a dynamic loss
+    scale as torch's GradScaler (1.0 and no growth: none); post_validation=False gives the
+    synchronous reference path.
+    """
+
+    def __init__(self, optimizer, stage_params, num_stages, *, rank=0, ranks=1, placement="loop",
+                 transport=None, clip_grad=0.0, loss_scale=1.0, backoff=0.5, growth=2.0,
+                 growth_interval=0, post_validation=True, timeout=300.0):
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"zbpp.PostValidatedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if placement not in ("loop", "v"):
+            raise ValueError(f"zbpp.PostValidatedOptimizer: placement must be 'loop' or 'v', got {placement!r}")
+        if ranks > 1 and transport is None:
+            raise ValueError("zbpp.PostValidatedOptimizer: a pipeline of several ranks needs a transport "
+                             "(use PostValidatedOptimizer.for_schedule)")
+        self.optimizer = optimizer
+        self.num_stages = num_stages
+        in_opt = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        self._stages = {}  # stage -> [(model param, master param)]
+        seen = set()
+        for s, params in sorted(stage_params.items()):
+            if not 0 <= s < num_stages:
+                raise ValueError(f"zbpp.PostValidatedOptimizer: stage {s} is outside [0, {num_stages - 1}]")
+            pairs = []
+            for p in params:
+                if id(p) in seen:
+                    raise ValueError(f"zbpp.PostValidatedOptimizer: a parameter {tuple(p.shape)} is listed twice")
+                seen.add(id(p))
+                if id(p) not in in_opt:
+                    raise ValueError(f"zbpp.PostValidatedOptimizer: a parameter {tuple(p.shape)} of stage {s} "
+                                     "is not in the optimizer's param groups")
+                if p.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+                    raise TypeError(f"zbpp.PostValidatedOptimizer: parameters must be float32, float16 or "
+                                    f"bfloat16, got {p.dtype}")
+                pairs.append((p, p if p.dtype == torch.float32 else self._master(p)))
+            self._stages[s] = pairs
+        missing = in_opt - seen
+        if missing:
+            raise ValueError(f"zbpp.PostValidatedOptimizer: {len(missing)} parameter(s) of the optimizer "
+                             "belong to no stage in stage_params")
+        self._transport = transport
+        cfg = _Config()
+        cfg.struct_size, cfg.version = _c.sizeof(_Config), 1
+        cfg.clip_grad, cfg.loss_scale, cfg.backoff, cfg.growth = clip_grad, loss_scale, backoff, growth
+        cfg.growth_interval, cfg.post_validation = growth_interval, int(bool(post_validation))
+        cfg.stages, cfg.rank, cfg.ranks = num_stages, rank, ranks
+        cfg.placement = 1 if placement == "v" else 0
+        cfg.transport = transport.handle if transport is not None else None
+        cfg.timeout_s = timeout
+        self._h = _P()
+        _lib.call("zb_postval_create", [_c.POINTER(_P), _c.POINTER(_Config)], _c.byref(self._h), _c.byref(cfg))
+
+    @classmethod
+    def for_schedule(cls, optimizer, schedule, **kwargs):
+        """Wraps `optimizer` for the stages, ranks and transport of a zbpp PipelineSchedule."""
+        stage_params = {st.stage_index: list(st.submod.parameters()) for st in schedule.stages}
+        return cls(optimizer, stage_params, schedule.stages[0].num_stages, rank=schedule.rank,
+                   ranks=schedule.ranks, placement=schedule.schedule.placement,
+                   transport=schedule.transport, timeout=schedule.timeout, **kwargs)
+
+    def _master(self, p):
+        master = torch.nn.Parameter(p.detach().float().clone())
+        for g in self.optimizer.param_groups:
+            g["params"] = [master if q is p else q for q in g["params"]]
+        if p in self.optimizer.state:
+            raise ValueError("zbpp.PostValidatedOptimizer: wrap the optimizer before its first step (a "
+                             "half-precision parameter already has optimizer state)")
+        return master
+
+    @property
+    def loss_scale(self):
+        out = _c.c_double()
+        _lib.call("zb_postval_loss_scale", [_P, _c.POINTER(_c.c_double)], self._handle(), _c.byref(out))
+        return out.value
+
+    def _handle(self):
+        if not self._h:
+            raise ValueError("zbpp.PostValidatedOptimizer: closed")
+        return self._h
+
+    # ---- one step --------------------------------------------------------------------------------
+
+    def _grads(self):
+        """{stage: [(master, fp32 gradient or None)]} as the gradients are now (loss scale included)."""
+        out = {}
+        for s, pairs in self._stages.items():
+            row = []
+            for p, master in pairs:
+                g = getattr(p, "main_grad", None)
+                if g is None:
+                    g = p.grad
+                row.append((master, None if g is None else g.detach().float()))
+            out[s] = row
+        return out
+
+    def _apply(self, grads, factor):
+        for row in grads.values():
+            for master, g in row:
+                master.grad = None if g is None else g.mul(factor)
+        self.optimizer.step()
+        for row in grads.values():
+            for master, _ in row:
+                master.grad = None
+
+    def _snapshot(self):
+        snap = []
+        for pairs in self._stages.values():
+            for _, master in pairs:
+                state = self.optimizer.state.get(master)
+                copy = None if state is None else {k: (v.clone() if torch.is_tensor(v) else v) for k, v in state.items()}
+                snap.append((master, master.detach().clone(), copy))
+        return snap
+
+    def _restore(self, snap):
+        with torch.no_grad():
+            for master, value, state in snap:
+                master.copy_(value)
+                if state is None:
+                    self.optimizer.state.pop(master, None)
+                else:
+                    self.optimizer.state[master] = state
+
+    def _publish(self):
+        with torch.no_grad():
+            for pairs in self._stages.values():
+                for p, master in pairs:
+                    if master is not p:
+                        p.copy_(master)
+
+    def step(self):
+        """One optimizer step with post-validation; blocks for the pipeline's exchange. Returns a
+        StepResult. On a transport failure raises ZbError with this rank's parameters and optimizer
+        state as they were before the call."""
+        S = self.num_stages
+        grads = self._grads()
+        sq = (_c.c_double * S)()
+        bad = (_c.c_int32 * S)()
+        for s, row in grads.items():
+            acc = 0.0
+            for _, g in row:
+                if g is None:
+                    continue
+                if not bool(torch.isfinite(g).all()):
+                    bad[s] = 1
+                acc += float(g.double().pow(2).sum())
+            sq[s] = acc
+        d = _Decision()
+        _lib.call("zb_postval_begin", [_P, _c.POINTER(_c.c_double), _c.POINTER(_c.c_int32), _c.POINTER(_Decision)],
+                  self._handle(), sq, bad, _c.byref(d))
+        snap = None
+        if d.step:
+            snap = self._snapshot()
+            self._apply(grads, d.factor)
+        status = _lib.function("zb_postval_end", [_P, _c.POINTER(_Decision)])(self._handle(), _c.byref(d))
+        if d.undo and snap is not None:
+            self._restore(snap)
+        _lib.check(status)
+        if d.step:
+            self._apply(grads, d.factor)
+        self._publish()
+        return StepResult(bool(d.skipped), bool(d.clipped), bool(d.undo), float(d.grad_norm), float(d.loss_scale))
+
+    def zero_grad(self, set_to_none=True):
+        for pairs in self._stages.values():
+            for p, _ in pairs:
+                if getattr(p, "main_grad", None) is not None:
+                    p.main_grad.zero_()
+                if set_to_none:
+                    p.grad = None
+                elif p.grad is not None:
+                    p.grad.zero_()
+
+    def state_dict(self):
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state):
+        self.optimizer.load_state_dict(state)
+
+    def close(self):
+        h, self._h = self._h, _P()
+        if h:
+            _lib.call("zb_postval_destroy", [_P], h)
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - nothing sensible to do during garbage collection
+            pass

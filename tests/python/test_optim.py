@@ -1,0 +1,175 @@
+"""PostValidatedOptimizer: torch's AdamW/SGD stepped with post-validation equals the synchronous
+path bit for bit, rolls back when the full state disagrees, skips on inf/NaN and backs the loss
+scale off, for fp32, bf16 and fp16 parameters.
+
+The ranks are threads of this process joined by the C in-process transport (the C calls release
+the GIL while they wait), so the whole protocol runs without starting processes. The synchronous
+path is also checked against an independent reference computed here: the global norm in float64,
+torch's clip_grad_norm_ coefficient max_norm / (norm + 1e-6), the loss scale divided out.
+"""
+
+import math
+import threading
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import zbpp  # noqa: E402
+from zbpp import runtime  # noqa: E402
+from zbpp.optim import PostValidatedOptimizer  # noqa: E402
+
+SHAPES = [(4, 3), (3,)]
+
+
+def stage_params(s, dtype):
+    g = torch.Generator().manual_seed(100 + s)
+    return [torch.nn.Parameter(torch.randn(*sh, generator=g).to(dtype)) for sh in SHAPES]
+
+
+def stage_grads(s, step, scale, nan=False):
+    g = torch.Generator().manual_seed(1000 * step + s)
+    out = [torch.randn(*sh, generator=g) * (0.5 + s) * scale for sh in SHAPES]
+    if nan:
+        out[0][1, 1] = float("nan")
+    return out
+
+
+def placement_stages(p, placement):
+    if placement == "loop":
+        return p, {r: [r] for r in range(p)}
+    return 2 * p, {r: [r, 2 * p - 1 - r] for r in range(p)}
+
+
+def run(p, placement, post_validation, dtype=torch.float32, opt="adamw", clip=0.0, nan_at=None, steps=3,
+        loss_scale=1.0, growth_interval=0):
+    """Trains per-stage parameters with made-up gradients on p threads; returns
+    ({stage: [params]}, {rank: [StepResult]})."""
+    S, held = placement_stages(p, placement)
+    group = runtime.InprocGroup(p)
+    params = {s: stage_params(s, dtype) for s in range(S)}
+    results, errors = {}, []
+
+    def rank_main(r):
+        try:
+            transport = runtime.Transport.inproc(group, r) if p > 1 else None
+            mine = {s: params[s] for s in held[r]}
+            flat = [q for s in held[r] for q in params[s]]
+            optimizer = (torch.optim.AdamW(flat, lr=0.05, weight_decay=0.01, foreach=False) if opt == "adamw"
+                         else torch.optim.SGD(flat, lr=0.1, momentum=0.9, foreach=False))
+            pv = PostValidatedOptimizer(optimizer, mine, S, rank=r, ranks=p, placement=placement,
+                                        transport=transport, clip_grad=clip, loss_scale=loss_scale,
+                                        growth_interval=growth_interval, post_validation=post_validation,
+                                        timeout=20.0)
+            out = []
+            for step in range(steps):
+                scale = pv.loss_scale
+                for s in held[r]:
+                    for q, g in zip(params[s], stage_grads(s, step, scale, nan=(nan_at == step and s == S - 1))):
+                        q.grad = g.to(dtype)
+                out.append(pv.step())
+                pv.zero_grad()
+            results[r] = out
+            pv.close()
+            if transport is not None:
+                transport.close()
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(p)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    group.close()
+    return params, results
+
+
+def assert_same(a, b):
+    for s in a:
+        for x, y in zip(a[s], b[s]):
+            assert torch.equal(x, y), f"stage {s}: differs by {(x.float() - y.float()).abs().max().item():.3g}"
+
+
+@pytest.mark.parametrize("placement", ["loop", "v"])
+@pytest.mark.parametrize("opt", ["adamw", "sgd"])
+def test_post_validation_equals_the_synchronous_path(placement, opt):
+    for clip in (0.0, 1.0):
+        pv, pv_res = run(3, placement, True, opt=opt, clip=clip)
+        sync, sync_res = run(3, placement, False, opt=opt, clip=clip)
+        assert_same(pv, sync)
+        rolled = sum(r.rolled_back for rs in pv_res.values() for r in rs)
+        clipped_steps = sum(r.clipped for r in sync_res[0])
+        # With clipping on every step, each rank that speculated (all but the chain's last) used a
+        # partial norm and must undo: (p - 1) per clipped step. Without clipping nothing is undone.
+        assert rolled == (3 - 1) * clipped_steps
+        assert clipped_steps == (3 if clip else 0)
+        assert not any(r.rolled_back for rs in sync_res.values() for r in rs)
+
+
+def test_synchronous_path_matches_an_independent_reference():
+    clip, steps, S = 1.0, 3, 3
+    params, results = run(3, "loop", False, opt="sgd", clip=clip, steps=steps)
+    ref = {s: stage_params(s, torch.float32) for s in range(S)}
+    opt = torch.optim.SGD([q for s in range(S) for q in ref[s]], lr=0.1, momentum=0.9, foreach=False)
+    for step in range(steps):
+        grads = {s: stage_grads(s, step, 1.0) for s in range(S)}
+        total = math.sqrt(sum(float(g.double().pow(2).sum()) for s in range(S) for g in grads[s]))
+        coef = clip / (total + 1e-6) if total > clip else 1.0
+        assert results[0][step].grad_norm == pytest.approx(total, rel=1e-12)
+        for s in range(S):
+            for q, g in zip(ref[s], grads[s]):
+                q.grad = g * coef
+        opt.step()
+    for s in range(S):
+        for a, b in zip(params[s], ref[s]):
+            assert torch.allclose(a, b, rtol=1e-6, atol=1e-7), f"stage {s}"
+
+
+@pytest.mark.parametrize("placement", ["loop", "v"])
+def test_nan_in_the_last_stage_skips_everywhere_and_backs_off(placement):
+    params, results = run(3, placement, True, nan_at=1, loss_scale=1024.0, steps=3)
+    sync, sync_res = run(3, placement, False, nan_at=1, loss_scale=1024.0, steps=3)
+    assert_same(params, sync)
+    for r, rs in results.items():
+        assert [x.skipped for x in rs] == [False, True, False], f"rank {r}"
+        assert rs[1].grad_norm == math.inf
+        assert [x.loss_scale for x in rs] == [1024.0, 512.0, 512.0], "backoff 0.5 after the skip"
+    # The last stage's rank is the chain's end: it never speculates, so never rolls back.
+    last = 2 if placement == "loop" else 0
+    assert [x.rolled_back for x in results[last]] == [False, False, False]
+    assert all(results[r][1].rolled_back for r in results if r != last)
+
+
+def test_loss_scale_grows_after_good_steps():
+    _, results = run(2, "loop", True, loss_scale=8.0, growth_interval=2, steps=5)
+    assert [x.loss_scale for x in results[0]] == [8.0, 16.0, 16.0, 32.0, 32.0]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_parameters_step_through_fp32_masters(dtype):
+    # torch 1.13 has no fp16 AdamW on CPU: the masters are what make fp16 work at all.
+    params, results = run(2, "loop", True, dtype=dtype, clip=1.0, loss_scale=256.0, nan_at=2, steps=4)
+    sync, _ = run(2, "loop", False, dtype=dtype, clip=1.0, loss_scale=256.0, nan_at=2, steps=4)
+    assert_same(params, sync)
+    assert all(q.dtype == dtype for s in params for q in params[s])
+    assert [x.skipped for x in results[0]] == [False, False, True, False]
+    start = {s: stage_params(s, dtype) for s in params}
+    assert any(not torch.equal(a, b) for s in params for a, b in zip(params[s], start[s])), "the model moved"
+
+
+def test_misuse_gets_clear_errors():
+    p = torch.nn.Parameter(torch.zeros(3))
+    q = torch.nn.Parameter(torch.zeros(3))
+    opt = torch.optim.SGD([p, q], lr=0.1)
+    with pytest.raises(ValueError, match="belong to no stage"):
+        PostValidatedOptimizer(opt, {0: [p]}, 1)
+    with pytest.raises(ValueError, match="not in the optimizer"):
+        PostValidatedOptimizer(torch.optim.SGD([p], lr=0.1), {0: [p, q]}, 1)
+    with pytest.raises(ValueError, match="needs a transport"):
+        PostValidatedOptimizer(opt, {0: [p, q]}, 2, ranks=2)
+    with pytest.raises(TypeError, match="torch.optim.Optimizer"):
+        PostValidatedOptimizer(object(), {0: [p]}, 1)
+    with pytest.raises(zbpp.ZbError, match="rank"):
+        PostValidatedOptimizer(opt, {0: [p, q]}, 1, rank=3)
