@@ -188,9 +188,11 @@ def main(argv=None):
     losses = [r["losses"] for r in results.values() if r["losses"]][0]
     first, last = sum(losses[0]) / len(losses[0]), sum(losses[-1]) / len(losses[-1])
     bubbles = results[0]["bubbles"]
-    steady = bubbles[1:] or bubbles
+    steady = sorted(bubbles[1:] or bubbles)
+    rolled = sum(r["rolled_back"] for r in results.values())
     print(f"done in {time.time() - t0:.1f} s: loss {first:.3f} -> {last:.3f}, measured bubble "
-          f"{100 * sum(steady) / len(steady):.1f}% (mean after the first step)")
+          f"{100 * steady[len(steady) // 2]:.1f}% (median after the first step), "
+          f"{rolled} speculative step(s) rolled back by post-validation")
     for f in results[0].get("files", []):
         print(f"  wrote {f}")
     return 0
