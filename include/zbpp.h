@@ -368,9 +368,9 @@ ZB_API zb_status_t zb_transport_create_inproc(zb_transport_t **out, zb_inproc_gr
                                               int32_t rank);
 
 /* Callback transport: the binding supplies non-blocking send/recv (e.g. torch.distributed.isend and
- * irecv over gloo). Each start call returns an opaque request handle; the library passes every
- * handle exactly once either to wait_cb (which completes it) or, when it gives up after an error,
- * to cancel_cb. wait_cb(timeout_s = 0) must not block: it returns ZB_ERR_TIMEOUT when the request is
+ * irecv over gloo). Each start call that succeeds returns an opaque request handle; the library
+ * passes every such handle exactly once either to wait_cb (which completes it) or, when it gives up
+ * after an error, to cancel_cb. A start call that fails hands nothing over: it frees what it made. wait_cb(timeout_s = 0) must not block: it returns ZB_ERR_TIMEOUT when the request is
  * not done yet. wait_cb returns ZB_ERR_TIMEOUT when the time runs out, ZB_ERR_REMOTE when the peer
  * is known to be gone, anything else for its own failures. abort_cb (may be NULL) tells the peers
  * that this rank failed. The callbacks run on the thread that called into the library. Buffers are

@@ -225,14 +225,19 @@ typedef struct {
 static zb_status_t cb_isend(void *user, int32_t peer, int32_t tag, const void *buf, size_t bytes, void **req) {
   cb_user_t *u = user;
   zb__request_t *r = calloc(1, sizeof *r);
+  zb_status_t st = zb__transport_isend(u->inner, r, peer, tag, buf, bytes);
+  /* A start that fails hands no request back (the library never sees it): free it here. */
+  if (st != ZB_OK) free(r), r = NULL;
   *req = r;
-  return zb__transport_isend(u->inner, r, peer, tag, buf, bytes);
+  return st;
 }
 static zb_status_t cb_irecv(void *user, int32_t peer, int32_t tag, void *buf, size_t bytes, void **req) {
   cb_user_t *u = user;
   zb__request_t *r = calloc(1, sizeof *r);
+  zb_status_t st = zb__transport_irecv(u->inner, r, peer, tag, buf, bytes);
+  if (st != ZB_OK) free(r), r = NULL;
   *req = r;
-  return zb__transport_irecv(u->inner, r, peer, tag, buf, bytes);
+  return st;
 }
 static zb_status_t cb_wait(void *user, void *req, double timeout) {
   cb_user_t *u = user;

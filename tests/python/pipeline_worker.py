@@ -29,13 +29,13 @@ def model_config(layers=4):
     return gpt.GPTConfig(vocab=32, seq=8, d_model=16, n_head=2, n_layer=layers, ffn=2)
 
 
-def train_kind(rank, world, kind, chunks, m, batch, steps, seed, csv=None, lr=1e-2):
+def train_kind(rank, world, kind, chunks, m, batch, steps, seed, csv=None, lr=1e-2, layers=4):
     import zbpp
     from zbpp.examples import gpt
     from zbpp.split import default_store
 
     S = world * chunks
-    modules = gpt.build_stages(model_config(), S, seed=seed)
+    modules = gpt.build_stages(model_config(layers), S, seed=seed)
     cls = zbpp.get_schedule_class(kind) if csv is None else zbpp.ScheduleFromCSV
     probe = zbpp.Schedule.generate(kind, p=world, m=m, v=chunks) if csv is None else zbpp.Schedule.from_csv(csv)
     mine = probe.rank_stages(rank)
