@@ -18,6 +18,10 @@ returns the merged output, and gradients are averaged over the microbatches (sca
 Boundary shapes: the first step runs microbatch 0 forward through the stages once, without
 gradients, to learn the shape and dtype of every activation; they must stay the same afterwards.
 
+Subclassing (the Megatron adapter does): override _first_inputs, _run_stage, _compute_loss and
+_loss_backward, fill _meta and set _meta_given to skip shape inference, and call _run_iteration();
+these names are the adapter interface and stay stable.
+
 What this is not: a tracer or a model splitter. Each rank builds its own stage modules.
 """
 
