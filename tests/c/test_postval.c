@@ -37,20 +37,6 @@
       fail_msg("%s is %.17g, expected %.17g", #actual, zb__a, zb__e);                              \
   } while (0)
 
-/* ---- deterministic data ----------------------------------------------------------------------- */
-
-static uint64_t mix(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
-
-/* A float in [-1, 1) with 24 significant bits, so it and its power-of-two multiples are exact. */
-static float urand(uint64_t a, uint64_t b, uint64_t c, uint64_t d) {
-  uint64_t x = mix(mix(mix(mix(a) ^ b) ^ c) ^ d);
-  return (float)((double)(x >> 40) / 8388608.0 - 1.0);
-}
 
 /* ---- the pipeline and the gradients ----------------------------------------------------------- */
 

@@ -71,17 +71,17 @@ class TorchTransport:
     # ---- called from C (through runtime.Transport's callbacks) -----------------------------------
 
     def isend(self, peer, tag, addr, nbytes):
-        t = _view(addr, nbytes)
-        work = dist.isend(t, dst=global_rank(self.group, peer), group=self.group, tag=tag)
-        rid = next(self._ids)
-        self._requests[rid] = (work, t, peer, "send to", tag)
-        return rid
+        return self._start(dist.isend, "send to", peer, tag, addr, nbytes)
 
     def irecv(self, peer, tag, addr, nbytes):
+        return self._start(dist.irecv, "receive from", peer, tag, addr, nbytes)
+
+    def _start(self, op, what, peer, tag, addr, nbytes):
         t = _view(addr, nbytes)
-        work = dist.irecv(t, src=global_rank(self.group, peer), group=self.group, tag=tag)
+        # The tensor is the only thing keeping the view of C's buffer alive: hold it until wait.
+        work = op(t, global_rank(self.group, peer), group=self.group, tag=tag)
         rid = next(self._ids)
-        self._requests[rid] = (work, t, peer, "receive from", tag)
+        self._requests[rid] = (work, t, peer, what, tag)
         return rid
 
     def wait(self, rid, timeout_s):
