@@ -276,16 +276,16 @@ class PipelineSchedule:
         """Runs microbatch 0 forward through every stage once, in stage order, without gradients,
         passing the real activations on, so every rank learns its boundaries' shapes."""
         S = self.stages[0].num_stages
-        carry = None
         # The extra forward must not move the random streams (dropout): the first step then draws
         # the same numbers as a run without inference would.
         rng = torch.get_rng_state()
         try:
-            self._infer_loop(S, carry)
+            self._infer_loop(S)
         finally:
             torch.set_rng_state(rng)
 
-    def _infer_loop(self, S, carry):
+    def _infer_loop(self, S):
+        carry = None
         for s in range(S):
             holder = self._holder(s)
             if holder != self.rank:

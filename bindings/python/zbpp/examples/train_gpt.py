@@ -60,7 +60,7 @@ def parse_args(argv=None):
     return args
 
 
-def stage_layout(kind, ranks, chunks=None):
+def stage_layout(kind, chunks=None):
     """(canonical kind name, stages per rank) for a schedule name."""
     from zbpp.pipelining import get_schedule_class
 
@@ -79,7 +79,7 @@ def train(rank, ranks, args, group=None, report=print):
     from zbpp.examples import gpt
 
     torch.set_num_threads(1)  # the ranks share the cores; also keeps results independent of threads
-    cls, chunks = stage_layout(args.schedule, ranks, args.chunks)
+    cls, chunks = stage_layout(args.schedule, args.chunks)
     S = ranks * chunks
     config = gpt.GPTConfig(seq=args.seq, d_model=args.d_model, n_head=args.heads, n_layer=args.layers)
     modules = gpt.build_stages(config, S, seed=args.seed)
@@ -175,7 +175,7 @@ def main(argv=None):
         train(dist.get_rank(), dist.get_world_size(), args)
         dist.destroy_process_group()
         return 0
-    cls, chunks = stage_layout(args.schedule, args.ranks, args.chunks)
+    cls, chunks = stage_layout(args.schedule, args.chunks)
     print(f"zbpp {cls.kind}: {args.ranks} processes x {chunks} stage(s), {args.layers} layers, d_model "
           f"{args.d_model}, {args.microbatches} microbatches of {args.batch // args.microbatches} x "
           f"{args.seq} tokens, {args.steps} steps, AdamW with "
