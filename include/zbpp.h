@@ -290,6 +290,12 @@ typedef enum {
   ZB_DTYPE_BF16 = 2,
 } zb_dtype_t;
 
+/* The optimizers zb_optimizer and zb_optim_step implement (torch.optim.SGD and AdamW). */
+typedef enum {
+  ZB_OPTIM_SGD = 0,
+  ZB_OPTIM_ADAMW = 1,
+} zb_optim_kind_t;
+
 /* A backend owns memory, the compute stream and the GEMMs of one rank. The host backend is
  * synchronous: its "streams" run work when it is issued, and GEMMs go through the system's CBLAS.
  * Half-precision inputs are widened to fp32 before the GEMM there (a host reference, not fast). */
@@ -300,6 +306,110 @@ ZB_API zb_status_t zb_backend_create_host(zb_backend_t **out);
 ZB_API zb_status_t zb_backend_destroy(zb_backend_t *backend);
 /* "host" or "cuda". The pointer is static. */
 ZB_API const char *zb_backend_name(const zb_backend_t *backend);
+
+/* The CUDA backend: device memory (cudaMalloc), one compute stream, and the W store's GEMMs through
+ * cuBLASLt on that stream. Every call that takes a CUDA backend only enqueues work on the compute
+ * stream and returns (it does not block) unless its comment says otherwise.
+ *
+ * The compute stream is the caller's when `stream` is given (a cudaStream_t, for example
+ * torch.cuda.current_stream().cuda_stream): the backend borrows it and never destroys it. With
+ * stream NULL the backend creates a non-blocking stream of its own. The cuBLASLt workspace
+ * (workspace_bytes, 0: 32 MiB) is allocated once at creation and owned by the backend.
+ *
+ * cuBLASLt and NCCL are not linked: the backend and the NCCL transport find them at run time,
+ * preferring copies the process has already loaded (import torch first and zbpp uses torch's), then
+ * libcublasLt.so.13/.12 and libnccl.so.2 on the loader's path. CUDA itself is linked statically.
+ * Builds without nvcc have the functions too; they fail with ZB_ERR_UNSUPPORTED. Without a GPU,
+ * creation fails with ZB_ERR_CUDA and CUDA's message ("no CUDA-capable device is detected"). */
+#define ZB_CUDA_BACKEND_CONFIG_VERSION 1
+
+typedef struct {
+  uint32_t struct_size; /* sizeof(zb_cuda_backend_config_t) */
+  uint32_t version;     /* ZB_CUDA_BACKEND_CONFIG_VERSION */
+  int32_t device;       /* CUDA device ordinal */
+  void *stream;         /* cudaStream_t to borrow as the compute stream; NULL: create one */
+  size_t workspace_bytes; /* cuBLASLt workspace; 0: 32 MiB */
+} zb_cuda_backend_config_t;
+
+#define ZB_CUDA_BACKEND_CONFIG_INIT                                                                \
+  { sizeof(zb_cuda_backend_config_t), ZB_CUDA_BACKEND_CONFIG_VERSION, 0, NULL, 0 }
+
+/* 1 when this library was built with CUDA (the functions below can work), 0 otherwise. */
+ZB_API int zb_cuda_built(void);
+/* Number of CUDA devices this process sees (0 without a GPU or driver; never fails for that). */
+ZB_API zb_status_t zb_cuda_device_count(int32_t *out);
+ZB_API zb_status_t zb_backend_create_cuda(zb_backend_t **out, const zb_cuda_backend_config_t *config);
+/* Makes `stream` (a cudaStream_t, borrowed) the compute stream from now on, e.g. torch's current
+ * stream before each iteration; work already issued stays ordered before later work by an event.
+ * NULL goes back to the backend's own stream. On the host backend only NULL is accepted. */
+ZB_API zb_status_t zb_backend_set_stream(zb_backend_t *backend, void *stream);
+/* Blocks the host until everything issued on the compute stream has finished (host: returns). */
+ZB_API zb_status_t zb_backend_synchronize(zb_backend_t *backend);
+/* Memory the backend's work can use: device memory on CUDA, host memory on the host backend.
+ * zb_backend_free(backend, NULL) is a no-op. zb_backend_copy copies `bytes` between two such
+ * buffers (or from/to host memory on CUDA: cudaMemcpyDefault) on the compute stream. */
+ZB_API zb_status_t zb_backend_alloc(zb_backend_t *backend, size_t bytes, void **out);
+ZB_API zb_status_t zb_backend_free(zb_backend_t *backend, void *ptr);
+ZB_API zb_status_t zb_backend_copy(zb_backend_t *backend, void *dst, const void *src, size_t bytes);
+
+/* ---- optimizer kernels (the CUDA backend's, with a host reference on the host backend) ----------
+ * Each call runs over a list of tensors in one launch per call on the CUDA backend (kernels/, one .cu per kernel)
+ * and as the plain C reference on the host backend; the GPU tests use the host backend as their
+ * oracle. Pointers in the lists are backend memory (device on CUDA); the list arrays themselves are
+ * host memory, read during the call. The work is enqueued on the compute stream. */
+typedef struct {
+  int32_t count;
+  void *const *ptrs;     /* count tensors, each dense */
+  const int64_t *numels; /* elements of each */
+} zb_tensor_list_t;
+
+/* sq_out[0] += sum of the squares of every element (accumulated in double), and nonfinite_out[0] = 1
+ * if any element is inf or NaN (left as it was otherwise). Both outputs are backend memory. The sum
+ * is deterministic: the same inputs give the same bits on the same device and launch shape. On the
+ * host it is one sequential double accumulator over the tensors in list order (zb_optimizer's). */
+ZB_API zb_status_t zb_sq_norm(zb_backend_t *backend, zb_dtype_t dtype, const zb_tensor_list_t *tensors,
+                              double *sq_out, int32_t *nonfinite_out);
+
+/* In place: every element *= factor (in fp32, rounded back to dtype), and nonfinite_out[0] = 1 if any
+ * result is inf or NaN: torch's _amp_foreach_non_finite_check_and_unscale_ with factor = 1/scale. */
+ZB_API zb_status_t zb_unscale(zb_backend_t *backend, zb_dtype_t dtype, const zb_tensor_list_t *tensors,
+                              float factor, int32_t *nonfinite_out);
+
+/* The dynamic loss scale update of torch.cuda.amp.GradScaler (_amp_update_scale_), in backend
+ * memory: if *nonfinite, *scale *= backoff and *growth_tracker = 0; else ++*growth_tracker and, when
+ * it reaches growth_interval, *scale *= growth (kept only if finite) and *growth_tracker = 0. */
+ZB_API zb_status_t zb_loss_scale_update(zb_backend_t *backend, float *scale, int32_t *growth_tracker,
+                                        const int32_t *nonfinite, double growth, double backoff,
+                                        int32_t growth_interval);
+
+/* One fused AdamW or SGD step over fp32 master weights, with exactly the formulas of zb_optimizer
+ * (torch.optim.AdamW / SGD, see zb_optimizer_config_t): every gradient element is first multiplied by
+ * `factor` in fp32 (1/loss_scale times the clipping coefficient). Gradients may be fp32, bf16 or f16
+ * (widened to fp32). With `undo` set, the kernel first saves what the step changes, so zb_optim_undo
+ * restores the parameters and the state bit for bit (post-validation's rollback). Memory of the undo
+ * buffer, per parameter element: AdamW 12 bytes (param, exp_avg, exp_avg_sq), SGD with momentum 8,
+ * plain SGD 4; zb_optim_undo_bytes gives the size. The step count is the caller's (host) state. */
+#define ZB_OPTIM_STEP_VERSION 1
+
+typedef struct {
+  uint32_t struct_size; /* sizeof(zb_optim_step_t) */
+  uint32_t version;     /* ZB_OPTIM_STEP_VERSION */
+  zb_optim_kind_t kind;
+  double lr, momentum, beta1, beta2, eps, weight_decay; /* as in zb_optimizer_config_t */
+  int64_t step;        /* this step's number t: 1 for the first (bias correction, SGD's first step) */
+  float factor;        /* gradient multiplier */
+  zb_dtype_t grad_dtype;
+  zb_tensor_list_t params; /* fp32 */
+  zb_tensor_list_t grads;  /* same count and numels, grad_dtype */
+  zb_tensor_list_t state1; /* AdamW exp_avg, SGD momentum buffer (count 0 for plain SGD), fp32 */
+  zb_tensor_list_t state2; /* AdamW exp_avg_sq (count 0 for SGD), fp32 */
+  float *undo;             /* NULL, or zb_optim_undo_bytes of backend memory */
+} zb_optim_step_t;
+
+ZB_API zb_status_t zb_optim_undo_bytes(const zb_optim_step_t *step, size_t *out);
+ZB_API zb_status_t zb_optim_step(zb_backend_t *backend, const zb_optim_step_t *step);
+/* Restores params and state from step->undo, as saved by zb_optim_step with the same lists. */
+ZB_API zb_status_t zb_optim_undo(zb_backend_t *backend, const zb_optim_step_t *step);
 
 /* ---- the W store ---------------------------------------------------------------------------
  * During B the split-backward layers push their weight-gradient work here instead of running it;
@@ -320,9 +430,16 @@ typedef struct {
   int64_t ldx;
   const void *dy;
   int64_t ldy;
-  float *dw; /* [out_features, in_features], row-major, dense */
-  float *db; /* [out_features] or NULL */
+  void *dw; /* [out_features, in_features], row-major, dense, in dw_dtype */
+  void *db; /* [out_features] or NULL, in dw_dtype */
   uint64_t token; /* handed back to release_cb */
+  /* Where the gradient goes. The default (zero-initialised) is Megatron's main_grad: dw and db are
+   * fp32 and accumulate (beta = 1). dw_dtype may instead be the input dtype, for parameters whose
+   * gradients are kept in bf16/f16 (the GEMM still sums in fp32 and rounds once to nearest-even);
+   * overwrite = 1 writes dw = dy^T x and db = column sums instead of adding (beta = 0). An entry whose
+   * struct_size ends before these fields gets the defaults. */
+  zb_dtype_t dw_dtype; /* ZB_DTYPE_F32 or the same as dtype */
+  int32_t overwrite;
 } zb_wgrad_t;
 
 typedef void (*zb_wgrad_release_cb)(void *user, uint64_t token, int32_t ran);
@@ -390,6 +507,47 @@ typedef struct {
 ZB_API zb_status_t zb_transport_create_callback(zb_transport_t **out,
                                                 const zb_transport_callbacks_t *callbacks,
                                                 int32_t rank, int32_t ranks);
+/* NCCL transport: moves the CUDA backend's device buffers between ranks, one process (and GPU) per
+ * rank. NCCL has no tags and serialises the operations of one communicator, so each pipeline
+ * channel (a stage boundary in one direction: activations forward, gradients backward) that crosses
+ * ranks gets its own two-rank communicator and its own stream: forward and backward traffic, and
+ * the channels of different chunks, never wait for each other, and each communicator sees its
+ * sends and receives in the FIFO order the schedule's validator checked. The communicators are
+ * split (ncclCommSplit) from one parent made from `unique_id`, or from the borrowed `comm`.
+ *
+ * Work is ordered on the device: a send waits for the compute stream's work issued before it, the
+ * compute stream waits for a receive with an event, and the host only blocks at the end of an
+ * iteration (for sends to leave). A watchdog thread checks ncclCommGetAsyncError and the age of the
+ * oldest unfinished operation; after timeout_s (or on an NCCL error) it aborts the communicators
+ * (ncclCommAbort), so stuck kernels return, and the runner fails naming the peer and the channel.
+ * An aborted transport stays failed; make a new one (and a new unique id) for the next attempt.
+ *
+ * The transport only carries the runner's channels: zb_optimizer and zb_postval exchange host
+ * memory, so give them a host transport (the callback transport over a torch.distributed gloo
+ * group, as the Python binding does). zb_transport_create_nccl blocks until every rank has called
+ * it (it creates communicators collectively); every rank passes the same schedule. */
+#define ZB_NCCL_UNIQUE_ID_BYTES 128
+#define ZB_NCCL_TRANSPORT_CONFIG_VERSION 1
+
+/* A fresh ncclUniqueId (ncclGetUniqueId), to make on one rank and broadcast to all. */
+ZB_API zb_status_t zb_nccl_unique_id(uint8_t out[ZB_NCCL_UNIQUE_ID_BYTES]);
+
+typedef struct {
+  uint32_t struct_size; /* sizeof(zb_nccl_transport_config_t) */
+  uint32_t version;     /* ZB_NCCL_TRANSPORT_CONFIG_VERSION */
+  int32_t rank, ranks;
+  const uint8_t *unique_id; /* ZB_NCCL_UNIQUE_ID_BYTES, the same on every rank; NULL with comm */
+  void *comm;               /* an ncclComm_t over the same ranks to split from (borrowed), or NULL */
+  zb_backend_t *backend;    /* the rank's CUDA backend (borrowed, must outlive the transport) */
+  const zb_schedule_t *schedule; /* decides the channels; read during the call only */
+  double timeout_s;         /* longest an operation may stay unfinished; <= 0: 300 s */
+} zb_nccl_transport_config_t;
+
+#define ZB_NCCL_TRANSPORT_CONFIG_INIT                                                              \
+  { sizeof(zb_nccl_transport_config_t), ZB_NCCL_TRANSPORT_CONFIG_VERSION, 0, 1, NULL, NULL, NULL, NULL, 0.0 }
+
+ZB_API zb_status_t zb_transport_create_nccl(zb_transport_t **out, const zb_nccl_transport_config_t *config);
+
 /* Tells the peers that this rank failed (their pending and later receives from it fail with
  * ZB_ERR_REMOTE and `reason`). A runner does this itself when an iteration fails. */
 ZB_API zb_status_t zb_transport_abort(zb_transport_t *transport, const char *reason);
@@ -474,10 +632,6 @@ ZB_API zb_status_t zb_runner_destroy(zb_runner_t *runner);
  * Only ranks that step speculatively hold it (not the last rank of the chain), allocated once at
  * the first step; the optimizer state itself (AdamW: 2 values per parameter, SGD with momentum: 1)
  * is also allocated then. */
-typedef enum {
-  ZB_OPTIM_SGD = 0,
-  ZB_OPTIM_ADAMW = 1,
-} zb_optim_kind_t;
 
 #define ZB_OPTIMIZER_CONFIG_VERSION 1
 

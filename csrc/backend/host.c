@@ -17,6 +17,7 @@
 #include <string.h>
 
 #include "internal.h"
+#include "reference.h"
 
 size_t zb__dtype_size(zb_dtype_t dtype) {
   switch (dtype) {
@@ -149,7 +150,7 @@ static zb_status_t host_wgrad(zb_backend_t *be, const zb_wgrad_t *e) {
                  (int)in);
   if (e->db)
     for (int64_t r = 0; r < rows; r++)
-      for (int64_t c = 0; c < out; c++) e->db[c] += dy[r * ldy + c];
+      for (int64_t c = 0; c < out; c++) ((float *)e->db)[c] += dy[r * ldy + c];
   free(xw), free(dyw);
   return ZB_OK;
 }
@@ -180,9 +181,61 @@ static zb_status_t host_stream_wait(zb_backend_t *be, int stream, zb__event_t *e
 static zb_status_t host_stream_sync(zb_backend_t *be, int stream) { return ZB_OK; }
 static void host_destroy(zb_backend_t *be) { free(be); }
 
+static zb_status_t host_set_stream(zb_backend_t *be, void *stream) {
+  if (stream)
+    return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
+                   "the host backend has no streams; zb_backend_set_stream accepts only NULL here");
+  return ZB_OK;
+}
+static zb_status_t host_copy(zb_backend_t *be, void *dst, const void *src, size_t bytes) {
+  if (bytes) memmove(dst, src, bytes);
+  return ZB_OK;
+}
+
+/* The optimizer kernels' host side is their reference (reference.c), run as issued. */
+static zb_status_t host_sq_norm(zb_backend_t *be, zb_dtype_t dtype, const zb_tensor_list_t *t,
+                                double *sq, int32_t *nonfinite) {
+  zb__ref_sq_norm(dtype, t, sq, nonfinite);
+  return ZB_OK;
+}
+static zb_status_t host_unscale(zb_backend_t *be, zb_dtype_t dtype, const zb_tensor_list_t *t,
+                                float factor, int32_t *nonfinite) {
+  zb__ref_unscale(dtype, t, factor, nonfinite);
+  return ZB_OK;
+}
+static zb_status_t host_scale_update(zb_backend_t *be, float *scale, int32_t *tracker,
+                                     const int32_t *nonfinite, double growth, double backoff,
+                                     int32_t interval) {
+  zb__ref_scale_update(scale, tracker, nonfinite, growth, backoff, interval);
+  return ZB_OK;
+}
+static zb_status_t host_optim_step(zb_backend_t *be, const zb_optim_step_t *s) {
+  zb__ref_optim_step(s);
+  return ZB_OK;
+}
+static zb_status_t host_optim_undo(zb_backend_t *be, const zb_optim_step_t *s) {
+  zb__ref_optim_undo(s);
+  return ZB_OK;
+}
+
 static const zb__backend_ops_t host_ops = {
-    "host",           host_alloc,       host_release,     host_wgrad,      host_event_create,
-    host_event_destroy, host_event_record, host_stream_wait, host_stream_sync, host_destroy,
+    .name = "host",
+    .alloc = host_alloc,
+    .release = host_release,
+    .wgrad = host_wgrad,
+    .event_create = host_event_create,
+    .event_destroy = host_event_destroy,
+    .event_record = host_event_record,
+    .stream_wait = host_stream_wait,
+    .stream_sync = host_stream_sync,
+    .destroy = host_destroy,
+    .set_stream = host_set_stream,
+    .copy = host_copy,
+    .sq_norm = host_sq_norm,
+    .unscale = host_unscale,
+    .scale_update = host_scale_update,
+    .optim_step = host_optim_step,
+    .optim_undo = host_optim_undo,
 };
 
 zb_status_t zb_backend_create_host(zb_backend_t **out) {
@@ -207,3 +260,40 @@ zb_status_t zb_backend_destroy(zb_backend_t *be) {
 }
 
 const char *zb_backend_name(const zb_backend_t *be) { return be ? be->ops->name : "none"; }
+
+/* ---- the backend-generic public calls ---------------------------------------------------------- */
+
+zb_status_t zb_backend_set_stream(zb_backend_t *be, void *stream) {
+  ZB_ARG_NOT_NULL(be);
+  return be->ops->set_stream(be, stream);
+}
+
+zb_status_t zb_backend_synchronize(zb_backend_t *be) {
+  ZB_ARG_NOT_NULL(be);
+  return be->ops->stream_sync(be, ZB__STREAM_COMPUTE);
+}
+
+zb_status_t zb_backend_alloc(zb_backend_t *be, size_t bytes, void **out) {
+  ZB_ARG_NOT_NULL(out);
+  *out = NULL;
+  ZB_ARG_NOT_NULL(be);
+  return be->ops->alloc(be, bytes, out);
+}
+
+zb_status_t zb_backend_free(zb_backend_t *be, void *ptr) {
+  ZB_ARG_NOT_NULL(be);
+  if (ptr) be->ops->release(be, ptr);
+  return ZB_OK;
+}
+
+zb_status_t zb_backend_copy(zb_backend_t *be, void *dst, const void *src, size_t bytes) {
+  ZB_ARG_NOT_NULL(be);
+  if (bytes == 0) return ZB_OK;
+  ZB_ARG_NOT_NULL(dst);
+  ZB_ARG_NOT_NULL(src);
+  return be->ops->copy(be, dst, src, bytes);
+}
+
+/* Placeholders until the W GEMM work lands (being written now). */
+uint16_t zb__float_to_half(float f) { return 0; }
+uint16_t zb__float_to_bf16(float f) { return 0; }

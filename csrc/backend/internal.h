@@ -36,6 +36,21 @@ typedef struct {
   /* Blocks the host until `stream` has finished what was issued. */
   zb_status_t (*stream_sync)(zb_backend_t *be, int stream);
   void (*destroy)(zb_backend_t *be);
+  /* zb_backend_set_stream (arguments checked by the caller only for NULL-ness of be). */
+  zb_status_t (*set_stream)(zb_backend_t *be, void *stream);
+  /* Copies bytes on the compute stream (host: memcpy). */
+  zb_status_t (*copy)(zb_backend_t *be, void *dst, const void *src, size_t bytes);
+  /* The optimizer kernels of zbpp.h; arguments are checked before these are called (ops.c), so
+   * implementations only run them: the host backend calls the references in reference.h, the CUDA
+   * backend launches the kernels/ code on the compute stream. */
+  zb_status_t (*sq_norm)(zb_backend_t *be, zb_dtype_t dtype, const zb_tensor_list_t *t, double *sq,
+                         int32_t *nonfinite);
+  zb_status_t (*unscale)(zb_backend_t *be, zb_dtype_t dtype, const zb_tensor_list_t *t, float factor,
+                         int32_t *nonfinite);
+  zb_status_t (*scale_update)(zb_backend_t *be, float *scale, int32_t *tracker, const int32_t *nonfinite,
+                              double growth, double backoff, int32_t interval);
+  zb_status_t (*optim_step)(zb_backend_t *be, const zb_optim_step_t *s);
+  zb_status_t (*optim_undo)(zb_backend_t *be, const zb_optim_step_t *s);
 } zb__backend_ops_t;
 
 struct zb_backend {
@@ -63,5 +78,9 @@ const char *zb__host_blas_name(void);
 /* Widens bf16/f16 values to fp32 (the host reference for half types). */
 float zb__half_to_float(uint16_t h);
 float zb__bf16_to_float(uint16_t h);
+/* fp32 -> binary16 / bfloat16, round to nearest even (as CUDA's __float2half_rn and
+ * __float2bfloat16_rn); inf kept, NaN stays a NaN. */
+uint16_t zb__float_to_half(float f);
+uint16_t zb__float_to_bf16(float f);
 
 #endif /* ZB_BACKEND_INTERNAL_H */

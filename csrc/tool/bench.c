@@ -103,7 +103,7 @@ static double wstore_ns(int iters) {
     return NAN;
   }
   float dummy = 0;
-  zb_wgrad_t e = {sizeof(zb_wgrad_t), ZB_DTYPE_F32, 0, 1, 1, &dummy, 0, &dummy, 0, &dummy, NULL, 0};
+  zb_wgrad_t e = {sizeof(zb_wgrad_t), ZB_DTYPE_F32, 0, 1, 1, &dummy, 0, &dummy, 0, &dummy, NULL, 0, ZB_DTYPE_F32, 0};
   double t0 = zb__now();
   for (int k = 0; k < iters; k++) {
     zb_wstore_begin(ws, 0, k);

@@ -24,7 +24,7 @@ static void on_release(void *user, uint64_t token, int32_t ran) {
 
 /* A one-row entry whose GEMM adds x*dy to dw[0]: lets the test see the order entries ran in. */
 static zb_wgrad_t tiny(float *x, float *dy, float *dw, uint64_t token) {
-  zb_wgrad_t e = {sizeof(zb_wgrad_t), ZB_DTYPE_F32, 1, 1, 1, x, 0, dy, 0, dw, NULL, token};
+  zb_wgrad_t e = {sizeof(zb_wgrad_t), ZB_DTYPE_F32, 1, 1, 1, x, 0, dy, 0, dw, NULL, token, ZB_DTYPE_F32, 0};
   return e;
 }
 
@@ -141,7 +141,7 @@ static void test_gemm_against_naive(void **state) {
     for (int k = 0; k < OUT; k++) db[k] = -0.25f;
     zb_wgrad_t e = {sizeof(zb_wgrad_t), dtypes[t], ROWS, IN, OUT,
                     dtypes[t] == ZB_DTYPE_F32 ? (const void *)x : (const void *)xh, LDX,
-                    dtypes[t] == ZB_DTYPE_F32 ? (const void *)dy : (const void *)dyh, LDY, dw, db, 0};
+                    dtypes[t] == ZB_DTYPE_F32 ? (const void *)dy : (const void *)dyh, LDY, dw, db, 0, ZB_DTYPE_F32, 0};
     ZB_ASSERT_OK(zb_wstore_begin(ws, 0, t));
     ZB_ASSERT_OK(zb_wstore_push(ws, &e));
     ZB_ASSERT_OK(zb_wstore_end(ws));

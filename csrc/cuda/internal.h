@@ -1,0 +1,150 @@
+/*
+ * internal.h - what the CUDA parts of the library share: the check macros, the cuBLASLt and NCCL
+ * entry points found at run time (libs.c), and the CUDA backend's state that the W GEMMs (gemm.c)
+ * and the NCCL transport (transport_nccl.c) reach into. Private to csrc/cuda/; compiled only when
+ * CMake found nvcc (ZB_HAVE_CUDA).
+ *
+ * Only C headers of the toolkit are included here (cuda_runtime_api.h, cublasLt.h, nccl.h): the C11
+ * core never sees CUDA C++; device code lives in kernels/ behind extern "C" launchers.
+ */
+#ifndef ZB_CUDA_INTERNAL_H
+#define ZB_CUDA_INTERNAL_H
+
+#include <cublasLt.h>
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include "../backend/internal.h"
+
+/* ---- check macros: a foreign status becomes a zb_status_t with the library's own text --------- */
+
+#define ZB_CUDA_FAIL(err, what)                                                                    \
+  ZB_FAIL(ZB_ERR_CUDA, "%s failed: %s (%s)", (what), cudaGetErrorString(err), cudaGetErrorName(err))
+
+#define ZB_CUDA_CHECK(call)                                                                        \
+  do {                                                                                             \
+    cudaError_t zb__e = (call);                                                                    \
+    if (zb__e != cudaSuccess) return ZB_CUDA_FAIL(zb__e, #call);                                   \
+  } while (0)
+
+#define ZB_CUDA_CHECK_GOTO(call, st, label)                                                        \
+  do {                                                                                             \
+    cudaError_t zb__e = (call);                                                                    \
+    if (zb__e != cudaSuccess) {                                                                    \
+      (st) = ZB_CUDA_FAIL(zb__e, #call);                                                           \
+      goto label;                                                                                  \
+    }                                                                                              \
+  } while (0)
+
+/* ---- cuBLASLt and NCCL, found at run time (libs.c) ---------------------------------------------
+ * Not linked, so that libzbpp.so loads on machines without them (CPU-only runs, CI) and binds to
+ * the copies torch already loaded. Each table is filled once per process; a missing library or
+ * symbol is reported by zb__cublaslt()/zb__nccl() with the names tried. */
+typedef struct {
+  const char *path; /* what was loaded, for messages and benchmark reports */
+  cublasStatus_t (*Create)(cublasLtHandle_t *);
+  cublasStatus_t (*Destroy)(cublasLtHandle_t);
+  size_t (*GetVersion)(void);
+  const char *(*GetStatusString)(cublasStatus_t);
+  cublasStatus_t (*MatmulDescCreate)(cublasLtMatmulDesc_t *, cublasComputeType_t, cudaDataType_t);
+  cublasStatus_t (*MatmulDescDestroy)(cublasLtMatmulDesc_t);
+  cublasStatus_t (*MatmulDescSetAttribute)(cublasLtMatmulDesc_t, cublasLtMatmulDescAttributes_t,
+                                           const void *, size_t);
+  cublasStatus_t (*MatrixLayoutCreate)(cublasLtMatrixLayout_t *, cudaDataType, uint64_t, uint64_t,
+                                       int64_t);
+  cublasStatus_t (*MatrixLayoutDestroy)(cublasLtMatrixLayout_t);
+  cublasStatus_t (*MatrixLayoutSetAttribute)(cublasLtMatrixLayout_t, cublasLtMatrixLayoutAttribute_t,
+                                             const void *, size_t);
+  cublasStatus_t (*MatmulPreferenceCreate)(cublasLtMatmulPreference_t *);
+  cublasStatus_t (*MatmulPreferenceDestroy)(cublasLtMatmulPreference_t);
+  cublasStatus_t (*MatmulPreferenceSetAttribute)(cublasLtMatmulPreference_t,
+                                                 cublasLtMatmulPreferenceAttributes_t, const void *,
+                                                 size_t);
+  cublasStatus_t (*MatmulAlgoGetHeuristic)(cublasLtHandle_t, cublasLtMatmulDesc_t,
+                                           cublasLtMatrixLayout_t, cublasLtMatrixLayout_t,
+                                           cublasLtMatrixLayout_t, cublasLtMatrixLayout_t,
+                                           cublasLtMatmulPreference_t, int,
+                                           cublasLtMatmulHeuristicResult_t[], int *);
+  cublasStatus_t (*Matmul)(cublasLtHandle_t, cublasLtMatmulDesc_t, const void *, const void *,
+                           cublasLtMatrixLayout_t, const void *, cublasLtMatrixLayout_t,
+                           const void *, const void *, cublasLtMatrixLayout_t, void *,
+                           cublasLtMatrixLayout_t, const cublasLtMatmulAlgo_t *, void *, size_t,
+                           cudaStream_t);
+} zb__cublaslt_t;
+
+typedef struct {
+  const char *path;
+  ncclResult_t (*GetVersion)(int *);
+  ncclResult_t (*GetUniqueId)(ncclUniqueId *);
+  ncclResult_t (*CommInitRank)(ncclComm_t *, int, ncclUniqueId, int);
+  ncclResult_t (*CommSplit)(ncclComm_t, int, int, ncclComm_t *, ncclConfig_t *);
+  ncclResult_t (*CommAbort)(ncclComm_t);
+  ncclResult_t (*CommDestroy)(ncclComm_t);
+  ncclResult_t (*CommGetAsyncError)(ncclComm_t, ncclResult_t *);
+  ncclResult_t (*CommCount)(const ncclComm_t, int *);
+  ncclResult_t (*CommUserRank)(const ncclComm_t, int *);
+  ncclResult_t (*Send)(const void *, size_t, ncclDataType_t, int, ncclComm_t, cudaStream_t);
+  ncclResult_t (*Recv)(void *, size_t, ncclDataType_t, int, ncclComm_t, cudaStream_t);
+  const char *(*GetErrorString)(ncclResult_t);
+  const char *(*GetLastError)(ncclComm_t);
+} zb__nccl_t;
+
+zb_status_t zb__cublaslt(const zb__cublaslt_t **out);
+zb_status_t zb__nccl(const zb__nccl_t **out);
+
+#define ZB_CUBLAS_CHECK(lt, call)                                                                  \
+  do {                                                                                             \
+    cublasStatus_t zb__b = (call);                                                                 \
+    if (zb__b != CUBLAS_STATUS_SUCCESS)                                                            \
+      return ZB_FAIL(ZB_ERR_CUBLAS, "%s failed: %s (status %d)", #call, (lt)->GetStatusString(zb__b), \
+                     (int)zb__b);                                                                  \
+  } while (0)
+
+/* NCCL's own text plus its last-error detail for the communicator (may be NULL). */
+#define ZB_NCCL_FAIL(nc, res, comm, what)                                                          \
+  ZB_FAIL(ZB_ERR_NCCL, "%s failed: %s%s%s", (what), (nc)->GetErrorString(res),                     \
+          (nc)->GetLastError ? ": " : "", (nc)->GetLastError ? (nc)->GetLastError(comm) : "")
+
+/* ---- the CUDA backend's state (backend.c owns it) ------------------------------------------------ */
+
+typedef struct zb__wgemm_cache zb__wgemm_cache_t;
+
+typedef struct {
+  int device;
+  cudaStream_t compute;    /* borrowed (zb_backend_set_stream) or own_stream */
+  cudaStream_t own_stream; /* created by the backend, destroyed with it */
+  cudaStream_t comm[2];    /* ZB__STREAM_SEND, ZB__STREAM_RECV: the backend's communication streams */
+  cudaEvent_t order;       /* scratch event for ordering one stream after another */
+  void *workspace;         /* cuBLASLt workspace, workspace_bytes, device memory */
+  size_t workspace_bytes;
+  /* gemm.c's: cuBLASLt (loaded at the first GEMM), its handle and the per-shape cache; all NULL
+   * until then, freed by zb__wgemm_destroy. */
+  const zb__cublaslt_t *lt;
+  cublasLtHandle_t lt_handle;
+  zb__wgemm_cache_t *gemm;
+} zb__cuda_t;
+
+/* The backend's state, or NULL when `be` is not a CUDA backend. */
+zb__cuda_t *zb__cuda_of(zb_backend_t *be);
+/* Makes the calling thread's current device the backend's (threads start on device 0). */
+zb_status_t zb__cuda_enter(const zb__cuda_t *cu);
+
+/* gemm.c: dw (+)= dy^T x and db (+)= column sums of dy, on cu->compute, per zb_wgrad_t's contract
+ * (dtype, dw_dtype, overwrite). The entry was checked by zb__wgrad_check. Loads cuBLASLt and
+ * makes cu->lt_handle on first use. */
+zb_status_t zb__wgemm_run(zb__cuda_t *cu, const zb_wgrad_t *e);
+/* Frees the cache, its descriptors and the cuBLASLt handle (not the workspace: backend.c owns it). */
+void zb__wgemm_destroy(zb__cuda_t *cu);
+
+/* kernels.c, the C side of the kernels/ code: builds each launch's params and launches on cu->compute.
+ * Arguments were checked by the public entry points (csrc/backend/ops.c). */
+zb_status_t zb__cuda_sq_norm(zb__cuda_t *cu, zb_dtype_t dtype, const zb_tensor_list_t *t, double *sq,
+                             int32_t *nonfinite);
+zb_status_t zb__cuda_unscale(zb__cuda_t *cu, zb_dtype_t dtype, const zb_tensor_list_t *t, float factor,
+                             int32_t *nonfinite);
+zb_status_t zb__cuda_scale_update(zb__cuda_t *cu, float *scale, int32_t *tracker, const int32_t *nonfinite,
+                                  double growth, double backoff, int32_t interval);
+zb_status_t zb__cuda_optim_step(zb__cuda_t *cu, const zb_optim_step_t *s);
+zb_status_t zb__cuda_optim_undo(zb__cuda_t *cu, const zb_optim_step_t *s);
+
+#endif /* ZB_CUDA_INTERNAL_H */
