@@ -481,6 +481,11 @@ typedef struct zb_inproc_group zb_inproc_group_t;
 ZB_API zb_status_t zb_inproc_group_create(zb_inproc_group_t **out, int32_t ranks);
 /* Fails with ZB_ERR_BUSY while transports of the group exist. NULL is a no-op. */
 ZB_API zb_status_t zb_inproc_group_destroy(zb_inproc_group_t *group);
+/* With a CUDA backend (several ranks on one GPU) the messages travel device to device: each send and
+ * receive copies on the rank's compute stream and waits for it (slow, exact; for tests and
+ * benchmarks). Undelivered device messages are freed with the sender's backend when the group is
+ * destroyed, so destroy the group before the backends. A transport carries the buffers of the
+ * backend of the first runner created on it, and refuses runners on another backend. */
 ZB_API zb_status_t zb_transport_create_inproc(zb_transport_t **out, zb_inproc_group_t *group,
                                               int32_t rank);
 
@@ -491,7 +496,8 @@ ZB_API zb_status_t zb_transport_create_inproc(zb_transport_t **out, zb_inproc_gr
  * not done yet. wait_cb returns ZB_ERR_TIMEOUT when the time runs out, ZB_ERR_REMOTE when the peer
  * is known to be gone, anything else for its own failures. abort_cb (may be NULL) tells the peers
  * that this rank failed. The callbacks run on the thread that called into the library. Buffers are
- * host memory for the host backend, device memory for the CUDA backend. */
+ * host memory: a runner on the CUDA backend refuses this transport (use the NCCL or the in-process
+ * transport there). */
 typedef struct {
   uint32_t struct_size; /* sizeof(zb_transport_callbacks_t) */
   void *user;

@@ -22,6 +22,7 @@ typedef struct zb__event zb__event_t;
 
 typedef struct {
   const char *name;
+  int device_memory; /* 1: alloc gives device memory that host code must not touch (CUDA) */
   /* Memory the backend's GEMMs and transports can use (host: malloc; CUDA: device memory). */
   zb_status_t (*alloc)(zb_backend_t *be, size_t bytes, void **out);
   void (*release)(zb_backend_t *be, void *ptr);

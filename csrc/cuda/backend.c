@@ -157,6 +157,7 @@ static zb_status_t cuda_optim_undo(zb_backend_t *be, const zb_optim_step_t *s) {
 
 static const zb__backend_ops_t cuda_ops = {
     .name = "cuda",
+    .device_memory = 1,
     .alloc = cuda_alloc,
     .release = cuda_release,
     .wgrad = cuda_wgrad,

@@ -85,6 +85,8 @@ typedef struct {
   ncclResult_t (*CommUserRank)(const ncclComm_t, int *);
   ncclResult_t (*Send)(const void *, size_t, ncclDataType_t, int, ncclComm_t, cudaStream_t);
   ncclResult_t (*Recv)(void *, size_t, ncclDataType_t, int, ncclComm_t, cudaStream_t);
+  ncclResult_t (*GroupStart)(void);
+  ncclResult_t (*GroupEnd)(void);
   const char *(*GetErrorString)(ncclResult_t);
   const char *(*GetLastError)(ncclComm_t);
 } zb__nccl_t;

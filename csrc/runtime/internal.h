@@ -36,13 +36,31 @@ typedef struct {
   void (*cancel)(zb_transport_t *t, zb__request_t *req);
   void (*abort)(zb_transport_t *t, const char *reason);
   void (*destroy)(zb_transport_t *t);
+  /* Optional (NULL: never fails). A failure noticed away from wait, such as the NCCL watchdog's
+   * timeout or an asynchronous NCCL error; the runner asks between ops and after the last one. */
+  zb_status_t (*check)(zb_transport_t *t);
+  /* Which memory the transport moves: 0 host memory only, 1 the memory of any backend (the
+   * in-process transport copies with the bound backend), 2 device memory only (NCCL). */
+  int memory;
+  /* 1 when wait() on a receive does not block the host: it makes the bound backend's compute
+   * stream wait for the data on the device (NCCL). Sends still complete on the host's wait. */
+  int device_ordered;
 } zb__transport_ops_t;
+
+enum { ZB__TRANSPORT_HOST_MEMORY = 0, ZB__TRANSPORT_ANY_MEMORY = 1, ZB__TRANSPORT_DEVICE_MEMORY = 2 };
 
 struct zb_transport {
   const zb__transport_ops_t *ops;
   int32_t rank, ranks;
   void *impl;
+  /* The backend whose buffers the transport moves: set at creation (NCCL) or by the first runner
+   * created on it (zb__transport_bind); NULL until then. Borrowed. */
+  zb_backend_t *be;
 };
+
+/* Ties a transport to the backend of the runner that uses it; fails with a message when the
+ * transport cannot carry that backend's memory or is already tied to another backend. */
+zb_status_t zb__transport_bind(zb_transport_t *t, zb_backend_t *be);
 
 /* Thin wrappers that keep zb__request_t's bookkeeping in one place. */
 zb_status_t zb__transport_isend(zb_transport_t *t, zb__request_t *req, int32_t peer, int32_t tag,

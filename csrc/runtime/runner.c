@@ -13,6 +13,13 @@
  * A failure anywhere aborts the transport, so the peers fail too instead of waiting, and drops what
  * is left (receives cancelled, W-store entries released unrun).
  *
+ * On a device backend the same loop only issues work: callbacks, GEMMs and copies go onto the
+ * compute stream, a receive on a device-ordered transport (NCCL) makes that stream wait for the
+ * data instead of blocking the host, and a send's stream waits for the compute work before it. A
+ * receive buffer is reused only after the compute work issued before its next receive (the
+ * transport orders the receive after it), so the host can run ahead of the device safely. The host
+ * blocks only at the end: for the sends to leave and for the compute stream to finish.
+ *
  * What it is not: a model. Buffers handed to callbacks are the runner's and live only for the call.
  */
 #include <stdio.h>
@@ -221,6 +228,7 @@ zb_status_t zb_runner_create(zb_runner_t **out, const zb_runner_config_t *c) {
   }
   /* The runner trusts the op lists (FIFO channels, no deadlock), so it checks them once here. */
   ZB_CHECK(zb_schedule_validate(c->schedule));
+  if (c->transport) ZB_CHECK(zb__transport_bind(c->transport, c->backend));
 
   zb_runner_t *r = calloc(1, sizeof(*r));
   if (!r) return ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory creating a runner");
@@ -368,6 +376,8 @@ static zb_status_t run_op(zb_runner_t *r, int32_t k, int32_t *next_post) {
   const op_io_t *io = &r->io[k];
   void *in = NULL, *out = NULL;
   char inner[1536];
+  /* A device-ordered transport (NCCL) notices a dead peer off the host's waits; stop at once. */
+  if (r->tr && r->tr->ops->check) ZB_CHECK(r->tr->ops->check(r->tr));
   if (io->in_kind == IO_REMOTE) {
     int32_t j = io->recv;
     zb_status_t st = zb__transport_wait(r->tr, &r->recv_req[j], r->timeout);
@@ -458,6 +468,16 @@ zb_status_t zb_runner_run(zb_runner_t *r) {
     goto fail;
   }
   ZB_CHECK_GOTO(r->be->ops->stream_sync(r->be, ZB__STREAM_COMPUTE), st, fail);
+  /* With NCCL the compute stream waited for the receives on the device; a receive that never came
+   * was ended by the watchdog's abort, which the transport reports now. */
+  if (r->tr && r->tr->ops->check) {
+    st = r->tr->ops->check(r->tr);
+    if (st != ZB_OK) {
+      take_error(inner, sizeof inner);
+      st = ZB_FAIL(st, "rank %d, after its last op: %s", (int)r->rank, inner);
+      goto fail;
+    }
+  }
   ZB_CHECK_GOTO(zb_wstore_pending(r->ws, -1, &pending), st, fail);
   if (pending > 0) {
     st = ZB_FAIL(ZB_ERR_INVALID_SCHEDULE,

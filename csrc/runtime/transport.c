@@ -53,6 +53,25 @@ void zb__transport_cancel(zb_transport_t *t, zb__request_t *req) {
   req->active = 0;
 }
 
+zb_status_t zb__transport_bind(zb_transport_t *t, zb_backend_t *be) {
+  if (t->be && t->be != be)
+    return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
+                   "the %s transport of rank %d already moves another backend's buffers; give each "
+                   "rank's runners one backend",
+                   t->ops->name, (int)t->rank);
+  if (be->ops->device_memory && t->ops->memory == ZB__TRANSPORT_HOST_MEMORY)
+    return ZB_FAIL(ZB_ERR_UNSUPPORTED,
+                   "the %s transport moves host memory, but the runner's backend is %s (device "
+                   "memory); use the NCCL transport (zb_transport_create_nccl) or the in-process one",
+                   t->ops->name, be->ops->name);
+  if (!be->ops->device_memory && t->ops->memory == ZB__TRANSPORT_DEVICE_MEMORY)
+    return ZB_FAIL(ZB_ERR_UNSUPPORTED,
+                   "the %s transport moves device memory, but the runner's backend is %s",
+                   t->ops->name, be->ops->name);
+  t->be = be;
+  return ZB_OK;
+}
+
 zb_status_t zb_transport_abort(zb_transport_t *t, const char *reason) {
   ZB_ARG_NOT_NULL(t);
   t->ops->abort(t, reason ? reason : "(no reason given)");

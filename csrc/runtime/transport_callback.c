@@ -62,8 +62,16 @@ static void cb_destroy(zb_transport_t *t) {
   free(t);
 }
 
+/* Host memory only: the binding's send/recv (gloo) read and write the buffers from the host. */
 static const zb__transport_ops_t callback_ops = {
-    "callback", cb_start, cb_start, cb_wait, cb_cancel, cb_abort, cb_destroy,
+    .name = "callback",
+    .isend = cb_start,
+    .irecv = cb_start,
+    .wait = cb_wait,
+    .cancel = cb_cancel,
+    .abort = cb_abort,
+    .destroy = cb_destroy,
+    .memory = ZB__TRANSPORT_HOST_MEMORY,
 };
 
 zb_status_t zb_transport_create_callback(zb_transport_t **out, const zb_transport_callbacks_t *callbacks,

@@ -8,7 +8,14 @@
  * aborts, the group is marked failed and every waiting or later call fails with ZB_ERR_REMOTE and
  * that rank's message, so no thread is left waiting for a partner that will never come.
  *
- * What it is not: fast for large tensors (one malloc and memcpy per message) or cross-process.
+ * With a device backend (CUDA: several ranks on one GPU in the tests and benchmarks) the runner binds
+ * its backend to the transport and messages travel in device memory: a send copies the buffer on
+ * the sender's compute stream into a device buffer of its own and waits for that copy, a receive
+ * copies it out on the receiver's compute stream and waits again. That is slow (two host waits per
+ * message) but exact and simple, which is what a test transport needs. Undelivered device messages
+ * are freed with the sender's backend, so destroy the group before the backends.
+ *
+ * What it is not: fast for large tensors (one allocation and copy per message) or cross-process.
  */
 #define _POSIX_C_SOURCE 200809L
 #include <errno.h>
@@ -24,8 +31,15 @@ typedef struct msg {
   int32_t src, tag;
   size_t bytes;
   struct msg *next;
+  zb_backend_t *dev_be; /* the sender's device backend when the bytes are in dev, else NULL */
+  void *dev;
   unsigned char data[];
 } msg_t;
+
+static void msg_free(msg_t *m) {
+  if (m->dev_be) m->dev_be->ops->release(m->dev_be, m->dev);
+  free(m);
+}
 
 struct zb_inproc_group {
   pthread_mutex_t mu;
@@ -81,7 +95,7 @@ zb_status_t zb_inproc_group_destroy(zb_inproc_group_t *g) {
     msg_t *m = g->inbox_head[r];
     while (m) {
       msg_t *next = m->next;
-      free(m);
+      msg_free(m);
       m = next;
     }
   }
@@ -121,15 +135,30 @@ static zb_status_t timeout_error(const zb_inproc_group_t *g, int32_t peer, int32
 
 static zb_status_t inproc_isend(zb_transport_t *t, zb__request_t *req) {
   zb_inproc_group_t *g = t->impl;
-  msg_t *m = malloc(sizeof(msg_t) + (req->bytes ? req->bytes : 1));
+  zb_backend_t *be = t->be && t->be->ops->device_memory ? t->be : NULL;
+  msg_t *m = malloc(sizeof(msg_t) + (!be && req->bytes ? req->bytes : 1));
   if (!m) return ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory buffering %zu bytes for rank %d", req->bytes, (int)req->peer);
   m->src = t->rank, m->tag = req->tag, m->bytes = req->bytes, m->next = NULL;
-  if (req->bytes) memcpy(m->data, req->buf, req->bytes);
+  m->dev_be = NULL, m->dev = NULL;
+  if (be && req->bytes) {
+    zb_status_t st = be->ops->alloc(be, req->bytes, &m->dev);
+    if (st == ZB_OK) {
+      m->dev_be = be;
+      st = be->ops->copy(be, m->dev, req->buf, req->bytes);
+    }
+    if (st == ZB_OK) st = be->ops->stream_sync(be, ZB__STREAM_COMPUTE);
+    if (st != ZB_OK) {
+      msg_free(m);
+      return st;
+    }
+  } else if (req->bytes) {
+    memcpy(m->data, req->buf, req->bytes);
+  }
   pthread_mutex_lock(&g->mu);
   if (g->failed) {
     zb_status_t st = remote_failure(g, t->rank);
     pthread_mutex_unlock(&g->mu);
-    free(m);
+    msg_free(m);
     return st;
   }
   int32_t d = req->peer;
@@ -176,10 +205,21 @@ static zb_status_t inproc_wait(zb_transport_t *t, zb__request_t *req, double tim
                      "rank %d received %zu bytes from rank %d on channel %d but expected %zu; the "
                      "ranks disagree about the activation size",
                      (int)t->rank, m->bytes, (int)req->peer, (int)req->tag, req->bytes);
+      } else if (m->bytes && m->dev_be) {
+        /* Device to device on the receiver's stream; the host waits so the message can go. */
+        st = t->be ? t->be->ops->copy(t->be, req->buf, m->dev, m->bytes)
+                   : ZB_FAIL(ZB_ERR_UNSUPPORTED, "rank %d received device memory but has no device backend",
+                             (int)t->rank);
+        if (st == ZB_OK) st = t->be->ops->stream_sync(t->be, ZB__STREAM_COMPUTE);
+      } else if (m->bytes && t->be && t->be->ops->device_memory) {
+        st = ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
+                     "rank %d runs on the %s backend but rank %d sent host memory; every rank of an "
+                     "in-process group needs the same kind of backend",
+                     (int)t->rank, t->be->ops->name, (int)req->peer);
       } else if (m->bytes) {
         memcpy(req->buf, m->data, m->bytes);
       }
-      free(m);
+      msg_free(m);
       break;
     }
     if (g->failed) {
@@ -221,7 +261,14 @@ static void inproc_destroy(zb_transport_t *t) {
 }
 
 static const zb__transport_ops_t inproc_ops = {
-    "in-process", inproc_isend, inproc_irecv, inproc_wait, inproc_cancel, inproc_abort, inproc_destroy,
+    .name = "in-process",
+    .isend = inproc_isend,
+    .irecv = inproc_irecv,
+    .wait = inproc_wait,
+    .cancel = inproc_cancel,
+    .abort = inproc_abort,
+    .destroy = inproc_destroy,
+    .memory = ZB__TRANSPORT_ANY_MEMORY,
 };
 
 zb_status_t zb_transport_create_inproc(zb_transport_t **out, zb_inproc_group_t *g, int32_t rank) {
