@@ -614,6 +614,8 @@ ZB_API zb_status_t zb_runner_create(zb_runner_t **out, const zb_runner_config_t 
  * in the W store, and the message says which op failed and why. */
 ZB_API zb_status_t zb_runner_run(zb_runner_t *runner);
 /* The last iteration's op times, aligned with zb_schedule_rank_ops (seconds, CLOCK_MONOTONIC).
+ * On the CUDA backend they are device times (events around each op's work on the compute stream,
+ * counted from the iteration's start on the host clock), since the host only issues the work.
  * Valid until the next zb_runner_run or zb_runner_destroy. */
 ZB_API zb_status_t zb_runner_times(const zb_runner_t *runner, const double **start,
                                    const double **end, int32_t *count);

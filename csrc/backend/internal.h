@@ -52,6 +52,11 @@ typedef struct {
                               double growth, double backoff, int32_t interval);
   zb_status_t (*optim_step)(zb_backend_t *be, const zb_optim_step_t *s);
   zb_status_t (*optim_undo)(zb_backend_t *be, const zb_optim_step_t *s);
+  /* Optional (NULL on the host, where the runner stamps ops with the host clock): events that
+   * carry a device timestamp, and the seconds between two of them once both completed. The runner
+   * times each op on the device this way, since its host stamps only say when work was issued. */
+  zb_status_t (*timing_event_create)(zb_backend_t *be, zb__event_t **out);
+  zb_status_t (*elapsed)(zb_backend_t *be, zb__event_t *from, zb__event_t *to, double *seconds);
 } zb__backend_ops_t;
 
 struct zb_backend {

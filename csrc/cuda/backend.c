@@ -69,6 +69,27 @@ static zb_status_t cuda_event_create(zb_backend_t *be, zb__event_t **out) {
   return ZB_OK;
 }
 
+static zb_status_t cuda_timing_event_create(zb_backend_t *be, zb__event_t **out) {
+  zb__cuda_t *cu = cu_of(be);
+  ZB_CHECK(zb__cuda_enter(cu));
+  zb__event_t *ev = calloc(1, sizeof *ev);
+  if (!ev) return ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory for a CUDA event");
+  cudaError_t e = cudaEventCreate(&ev->ev);
+  if (e != cudaSuccess) {
+    free(ev);
+    return ZB_CUDA_FAIL(e, "cudaEventCreate");
+  }
+  *out = ev;
+  return ZB_OK;
+}
+
+static zb_status_t cuda_elapsed(zb_backend_t *be, zb__event_t *from, zb__event_t *to, double *seconds) {
+  float ms = 0;
+  ZB_CUDA_CHECK(cudaEventElapsedTime(&ms, from->ev, to->ev));
+  *seconds = 1e-3 * (double)ms;
+  return ZB_OK;
+}
+
 static void cuda_event_destroy(zb_backend_t *be, zb__event_t *ev) {
   if (!ev) return;
   cudaEventDestroy(ev->ev);
@@ -174,6 +195,8 @@ static const zb__backend_ops_t cuda_ops = {
     .scale_update = cuda_scale_update,
     .optim_step = cuda_optim_step,
     .optim_undo = cuda_optim_undo,
+    .timing_event_create = cuda_timing_event_create,
+    .elapsed = cuda_elapsed,
 };
 
 zb__cuda_t *zb__cuda_of(zb_backend_t *be) { return be && be->ops == &cuda_ops ? cu_of(be) : NULL; }

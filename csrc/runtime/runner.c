@@ -78,6 +78,10 @@ struct zb_runner {
   pool_t *pools;
   int n_pools;
   zb__event_t *ev_compute, *ev_recv;
+  /* Device timing (backends with timing events): a base event, then a start and an end event per
+   * op, turned into seconds after the iteration; NULL on the host, which stamps with its clock. */
+  zb__event_t *ev_base, **ev_op;
+  double host_base;
 };
 
 static const char *op_name(int type) {
@@ -179,6 +183,11 @@ zb_status_t zb_runner_destroy(zb_runner_t *r) {
     for (int j = 0; j < r->pools[k].n; j++) r->be->ops->release(r->be, r->pools[k].free_bufs[j]);
     free(r->pools[k].free_bufs);
   }
+  if (r->ev_op)
+    for (int32_t k = 0; k < 2 * r->n; k++)
+      if (r->ev_op[k]) r->be->ops->event_destroy(r->be, r->ev_op[k]);
+  free(r->ev_op);
+  if (r->ev_base) r->be->ops->event_destroy(r->be, r->ev_base);
   if (r->ev_compute) r->be->ops->event_destroy(r->be, r->ev_compute);
   if (r->ev_recv) r->be->ops->event_destroy(r->be, r->ev_recv);
   zb__backend_unref(r->be);
@@ -256,6 +265,12 @@ zb_status_t zb_runner_create(zb_runner_t **out, const zb_runner_config_t *c) {
   if (st == ZB_OK) st = plan(r, c);
   if (st == ZB_OK) st = r->be->ops->event_create(r->be, &r->ev_compute);
   if (st == ZB_OK) st = r->be->ops->event_create(r->be, &r->ev_recv);
+  if (st == ZB_OK && r->be->ops->timing_event_create) {
+    r->ev_op = calloc(2 * n, sizeof(zb__event_t *));
+    if (!r->ev_op) st = ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory for %d timing events", 2 * (int)n);
+    if (st == ZB_OK) st = r->be->ops->timing_event_create(r->be, &r->ev_base);
+    for (int32_t k = 0; k < 2 * r->n && st == ZB_OK; k++) st = r->be->ops->timing_event_create(r->be, &r->ev_op[k]);
+  }
   if (st != ZB_OK) {
     zb_runner_destroy(r);
     return st;
@@ -408,7 +423,9 @@ static zb_status_t run_op(zb_runner_t *r, int32_t k, int32_t *next_post) {
     }
   }
   r->start[k] = zb__now();
-  zb_status_t st = run_compute(r, op, in, out);
+  zb_status_t st = r->ev_op ? r->be->ops->event_record(r->be, ZB__STREAM_COMPUTE, r->ev_op[2 * k]) : ZB_OK;
+  if (st == ZB_OK) st = run_compute(r, op, in, out);
+  if (st == ZB_OK && r->ev_op) st = r->be->ops->event_record(r->be, ZB__STREAM_COMPUTE, r->ev_op[2 * k + 1]);
   if (st == ZB_OK) st = r->be->ops->event_record(r->be, ZB__STREAM_COMPUTE, r->ev_compute);
   r->end[k] = zb__now();
   pool_put(r, in, io->in_bytes);
@@ -441,7 +458,11 @@ zb_status_t zb_runner_run(zb_runner_t *r) {
   zb_status_t st = ZB_OK;
   char inner[1536], full[2048];
   int32_t k = 0, next_post = 0;
-  for (; next_post < r->n_recv && next_post < r->depth; next_post++) {
+  if (r->ev_base) {
+    r->host_base = zb__now();
+    st = r->be->ops->event_record(r->be, ZB__STREAM_COMPUTE, r->ev_base);
+  }
+  for (; st == ZB_OK && next_post < r->n_recv && next_post < r->depth; next_post++) {
     st = post_recv(r, next_post);
     if (st != ZB_OK) break;
   }
@@ -477,6 +498,13 @@ zb_status_t zb_runner_run(zb_runner_t *r) {
       st = ZB_FAIL(st, "rank %d, after its last op: %s", (int)r->rank, inner);
       goto fail;
     }
+  }
+  /* Device timestamps replace the host's issue times once the device has finished. */
+  for (int32_t j = 0; r->ev_base && j < r->n; j++) {
+    double a = 0, b = 0;
+    ZB_CHECK_GOTO(r->be->ops->elapsed(r->be, r->ev_base, r->ev_op[2 * j], &a), st, fail);
+    ZB_CHECK_GOTO(r->be->ops->elapsed(r->be, r->ev_base, r->ev_op[2 * j + 1], &b), st, fail);
+    r->start[j] = r->host_base + a, r->end[j] = r->host_base + b;
   }
   ZB_CHECK_GOTO(zb_wstore_pending(r->ws, -1, &pending), st, fail);
   if (pending > 0) {
