@@ -34,22 +34,12 @@ typedef struct {
   int S, m;
   float *dw[MAX_S], *db[MAX_S];  /* device, fp32 */
   float *y_last[MAX_M];          /* host: the last stage's outputs, for the loss gradient */
+  /* Device copies of x and dy that a W-store entry points at, one per (stage, mb), made before the
+   * run: a cudaFree during the run would wait for the whole device, NCCL kernels included. */
+  void *saved_x[MAX_S][MAX_M], *saved_dy[MAX_S][MAX_M];
   int fail_mb;                   /* forward of this microbatch fails (-1: none), to kill a rank */
 } model_t;
 
-/* A W-store entry owns its two device buffers; the release callback frees them once the GEMM is
- * enqueued (the next use of that memory is ordered after it on the same device). */
-typedef struct {
-  model_t *mdl;
-  void *x, *dy;
-} saved_t;
-
-static void release_cb(void *user, uint64_t token, int32_t ran) {
-  saved_t *sv = (saved_t *)(uintptr_t)token;
-  zb_backend_free(sv->mdl->be, sv->x);
-  zb_backend_free(sv->mdl->be, sv->dy);
-  free(sv);
-}
 
 static zb_status_t to_host(model_t *md, float *dst, const void *src, size_t n) {
   zb_status_t st = zb_backend_copy(md->be, dst, src, n * sizeof(float));
@@ -114,24 +104,14 @@ static zb_status_t backward(void *user, int32_t s, int32_t mb, const void *gout,
       }
     ZB_CHECK(to_device(md, gin, dx, ROWS * D));
   }
-  saved_t *sv = calloc(1, sizeof *sv);
-  if (!sv) return ZB_ERR_OUT_OF_MEMORY;
-  sv->mdl = md;
-  zb_status_t st = zb_backend_alloc(md->be, sizeof dy, &sv->x);
-  if (st == ZB_OK) st = zb_backend_alloc(md->be, sizeof dy, &sv->dy);
-  if (st == ZB_OK) st = to_device(md, sv->x, saved_x[s][mb], ROWS * D);
-  if (st == ZB_OK) st = to_device(md, sv->dy, dy, ROWS * D);
-  if (st != ZB_OK) {
-    release_cb(NULL, (uint64_t)(uintptr_t)sv, 0);
-    return st;
-  }
+  ZB_CHECK(to_device(md, md->saved_x[s][mb], saved_x[s][mb], ROWS * D));
+  ZB_CHECK(to_device(md, md->saved_dy[s][mb], dy, ROWS * D));
   zb_wgrad_t e;
   memset(&e, 0, sizeof e);
   e.struct_size = sizeof e;
   e.dtype = ZB_DTYPE_F32;
   e.rows = ROWS, e.in_features = D, e.out_features = D;
-  e.x = sv->x, e.dy = sv->dy, e.dw = md->dw[s], e.db = md->db[s];
-  e.token = (uint64_t)(uintptr_t)sv;
+  e.x = md->saved_x[s][mb], e.dy = md->saved_dy[s][mb], e.dw = md->dw[s], e.db = md->db[s];
   e.dw_dtype = ZB_DTYPE_F32;
   return zb_wstore_push(md->ws, &e);
 }
@@ -142,7 +122,7 @@ static void model_init(model_t *md, int S, int m, const int *own, int n_own, int
   zb_cuda_backend_config_t bc = ZB_CUDA_BACKEND_CONFIG_INIT;
   bc.device = device;
   ZB_ASSERT_OK(zb_backend_create_cuda(&md->be, &bc));
-  ZB_ASSERT_OK(zb_wstore_create(&md->ws, md->be, release_cb, NULL));
+  ZB_ASSERT_OK(zb_wstore_create(&md->ws, md->be, NULL, NULL));
   static const float zeros[D * D];
   for (int k = 0; k < n_own; k++) {
     int s = own[k];
@@ -150,13 +130,20 @@ static void model_init(model_t *md, int S, int m, const int *own, int n_own, int
     ZB_ASSERT_OK(zb_backend_alloc(md->be, D * sizeof(float), (void **)&md->db[s]));
     ZB_ASSERT_OK(to_device(md, md->dw[s], zeros, D * D));
     ZB_ASSERT_OK(to_device(md, md->db[s], zeros, D));
+    for (int i = 0; i < m; i++) {
+      ZB_ASSERT_OK(zb_backend_alloc(md->be, ROWS * D * sizeof(float), &md->saved_x[s][i]));
+      ZB_ASSERT_OK(zb_backend_alloc(md->be, ROWS * D * sizeof(float), &md->saved_dy[s][i]));
+    }
   }
   for (int i = 0; i < m; i++) md->y_last[i] = calloc(ROWS * D, sizeof(float));
 }
 
 static void model_free(model_t *md) {
   zb_wstore_destroy(md->ws);
-  for (int s = 0; s < MAX_S; s++) zb_backend_free(md->be, md->dw[s]), zb_backend_free(md->be, md->db[s]);
+  for (int s = 0; s < MAX_S; s++) {
+    zb_backend_free(md->be, md->dw[s]), zb_backend_free(md->be, md->db[s]);
+    for (int i = 0; i < MAX_M; i++) zb_backend_free(md->be, md->saved_x[s][i]), zb_backend_free(md->be, md->saved_dy[s][i]);
+  }
   for (int i = 0; i < md->m; i++) free(md->y_last[i]);
   ZB_ASSERT_OK(zb_backend_destroy(md->be));
 }
