@@ -420,8 +420,11 @@ ZB_API zb_status_t zb_optim_undo(zb_backend_t *backend, const zb_optim_step_t *s
  *
  * x and dy are row-major with leading dimensions ldx/ldy (0: dense). Who frees them: the caller
  * keeps x and dy alive until the store hands back the entry's token through release_cb, which it
- * does exactly once per entry: after the GEMM has completed (ran = 1) or when the entry is dropped
- * without running (ran = 0: zb_wstore_clear, zb_wstore_destroy, or a failed iteration). */
+ * does exactly once per entry: after the GEMM has run (ran = 1) or when the entry is dropped
+ * without running (ran = 0: zb_wstore_clear, zb_wstore_destroy, or a failed iteration). On the CUDA
+ * backend "has run" means enqueued on the compute stream: memory freed then is safe to reuse in
+ * that stream's order (cudaFree, or torch's caching allocator when x and dy were used on that
+ * stream; otherwise record_stream them on it first). */
 typedef struct {
   uint32_t struct_size; /* sizeof(zb_wgrad_t) */
   zb_dtype_t dtype;     /* of x and dy */

@@ -28,9 +28,19 @@ size_t zb__dtype_size(zb_dtype_t dtype) {
   return 0;
 }
 
+/* dw_dtype and overwrite as the entry means them: an entry whose struct_size ends before a field
+ * (built against an older zbpp.h, without these two) gets that field's default, fp32 and accumulate. */
+static zb_dtype_t entry_dw_dtype(const zb_wgrad_t *e) {
+  return e->struct_size >= offsetof(zb_wgrad_t, dw_dtype) + sizeof e->dw_dtype ? e->dw_dtype : ZB_DTYPE_F32;
+}
+static int entry_overwrite(const zb_wgrad_t *e) {
+  return e->struct_size >= offsetof(zb_wgrad_t, overwrite) + sizeof e->overwrite ? e->overwrite != 0 : 0;
+}
+
 zb_status_t zb__wgrad_check(const zb_wgrad_t *e) {
   ZB_ARG_NOT_NULL(e);
-  if (e->struct_size < sizeof(zb_wgrad_t))
+  /* The first zb_wgrad_t ended at dw_dtype; anything shorter was never a valid entry. */
+  if (e->struct_size < offsetof(zb_wgrad_t, dw_dtype))
     return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
                    "zb_wgrad_t.struct_size is %u; set it to sizeof(zb_wgrad_t) (%zu)",
                    (unsigned)e->struct_size, sizeof(zb_wgrad_t));
@@ -38,6 +48,17 @@ zb_status_t zb__wgrad_check(const zb_wgrad_t *e) {
     return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
                    "zb_wgrad_t.dtype is %d; allowed: ZB_DTYPE_F32, ZB_DTYPE_F16, ZB_DTYPE_BF16",
                    (int)e->dtype);
+  zb_dtype_t dw_dtype = entry_dw_dtype(e);
+  if (dw_dtype != ZB_DTYPE_F32 && dw_dtype != e->dtype)
+    return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
+                   "zb_wgrad_t.dw_dtype is %d but dtype is %d; dw and db must be ZB_DTYPE_F32 (0) or "
+                   "the input dtype",
+                   (int)dw_dtype, (int)e->dtype);
+  if (e->struct_size >= offsetof(zb_wgrad_t, overwrite) + sizeof e->overwrite && e->overwrite != 0 &&
+      e->overwrite != 1)
+    return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
+                   "zb_wgrad_t.overwrite is %d; use 0 (accumulate: beta = 1) or 1 (overwrite: beta = 0)",
+                   (int)e->overwrite);
   if (e->rows < 0 || e->in_features < 1 || e->out_features < 1)
     return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
                    "zb_wgrad_t shape rows=%lld in=%lld out=%lld; rows must be >= 0 and the feature "
@@ -115,7 +136,7 @@ float zb__bf16_to_float(uint16_t h) {
   return f;
 }
 
-/* A dense fp32 copy of a [rows, cols] matrix with leading dimension ld. */
+/* A dense fp32 copy of a [rows, cols] half (f16 or bf16) matrix with leading dimension ld. */
 static float *widen(const void *src, zb_dtype_t dtype, int64_t rows, int64_t cols, int64_t ld) {
   float *dst = malloc((size_t)(rows * cols > 0 ? rows * cols : 1) * sizeof(float));
   if (!dst) return NULL;
@@ -128,31 +149,72 @@ static float *widen(const void *src, zb_dtype_t dtype, int64_t rows, int64_t col
   return dst;
 }
 
-/* dw[out, in] += dy[rows, out]^T x[rows, in]; db[out] += sum over rows of dy. The bias sum runs
- * row by row in a fixed order, so it is as deterministic as the GEMM. */
+/* Rounds n fp32 values back into a dense half (f16 or bf16) buffer, once each, to nearest even. */
+static void narrow(void *dst, zb_dtype_t dtype, const float *src, int64_t n) {
+  uint16_t *d = dst;
+  for (int64_t i = 0; i < n; i++)
+    d[i] = dtype == ZB_DTYPE_F16 ? zb__float_to_half(src[i]) : zb__float_to_bf16(src[i]);
+}
+
+/* dw[out, in] (+)= dy[rows, out]^T x[rows, in]; db[out] (+)= sum over rows of dy.
+ *
+ * Everything is computed in fp32: half inputs are widened (exactly), a half dw or db is widened
+ * too, the GEMM runs with beta = 1 (accumulate) or beta = 0 (overwrite: the old dw is never read,
+ * so NaN garbage in it does not leak), and a half result is rounded back once. The bias sum runs row
+ * by row in a fixed order, so it is as deterministic as the GEMM. */
 static zb_status_t host_wgrad(zb_backend_t *be, const zb_wgrad_t *e) {
   int64_t rows = e->rows, in = e->in_features, out = e->out_features;
   int64_t ldx = e->ldx ? e->ldx : in, ldy = e->ldy ? e->ldy : out;
-  if (rows == 0) return ZB_OK;
+  zb_dtype_t dw_dtype = entry_dw_dtype(e);
+  int overwrite = entry_overwrite(e);
+  if (rows == 0) {
+    /* An empty sum: overwrite writes zeros (all-zero bits are +0 in every dtype), else no change. */
+    if (overwrite) {
+      memset(e->dw, 0, (size_t)(out * in) * zb__dtype_size(dw_dtype));
+      if (e->db) memset(e->db, 0, (size_t)out * zb__dtype_size(dw_dtype));
+    }
+    return ZB_OK;
+  }
   const float *x = e->x, *dy = e->dy;
-  float *xw = NULL, *dyw = NULL;
+  float *xw = NULL, *dyw = NULL, *dww = NULL, *dbw = NULL;
+  float *dw = e->dw, *db = e->db;
+  zb_status_t st = ZB_OK;
   if (e->dtype != ZB_DTYPE_F32) {
     xw = widen(e->x, e->dtype, rows, in, ldx);
     dyw = widen(e->dy, e->dtype, rows, out, ldy);
-    if (!xw || !dyw) {
-      free(xw), free(dyw);
-      return ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory widening a %lldx%lld W-store entry",
-                     (long long)rows, (long long)(in > out ? in : out));
-    }
+    if (!xw || !dyw) goto oom;
     x = xw, dy = dyw, ldx = in, ldy = out;
   }
-  zb__host_sgemm(1, 0, (int)out, (int)in, (int)rows, 1.0f, dy, (int)ldy, x, (int)ldx, 1.0f, e->dw,
-                 (int)in);
-  if (e->db)
+  if (dw_dtype != ZB_DTYPE_F32) {
+    /* With overwrite the old values are not needed (beta = 0); zeros, not garbage, for a BLAS that
+     * would still scale C by beta. */
+    dww = overwrite ? calloc((size_t)(out * in), sizeof(float)) : widen(e->dw, dw_dtype, out, in, in);
+    if (!dww) goto oom;
+    if (e->db) {
+      dbw = overwrite ? calloc((size_t)out, sizeof(float)) : widen(e->db, dw_dtype, 1, out, out);
+      if (!dbw) goto oom;
+    }
+    dw = dww, db = dbw;
+  }
+  zb__host_sgemm(1, 0, (int)out, (int)in, (int)rows, 1.0f, dy, (int)ldy, x, (int)ldx, overwrite ? 0.0f : 1.0f,
+                 dw, (int)in);
+  if (db) {
+    if (overwrite)
+      for (int64_t c = 0; c < out; c++) db[c] = 0.0f;
     for (int64_t r = 0; r < rows; r++)
-      for (int64_t c = 0; c < out; c++) ((float *)e->db)[c] += dy[r * ldy + c];
-  free(xw), free(dyw);
-  return ZB_OK;
+      for (int64_t c = 0; c < out; c++) db[c] += dy[r * ldy + c];
+  }
+  if (dw_dtype != ZB_DTYPE_F32) {
+    narrow(e->dw, dw_dtype, dww, out * in);
+    if (e->db) narrow(e->db, dw_dtype, dbw, out);
+  }
+  goto done;
+oom:
+  st = ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory widening a W-store entry (rows %lld, in %lld, out %lld)",
+               (long long)rows, (long long)in, (long long)out);
+done:
+  free(xw), free(dyw), free(dww), free(dbw);
+  return st;
 }
 
 static zb_status_t host_alloc(zb_backend_t *be, size_t bytes, void **out) {
@@ -294,6 +356,39 @@ zb_status_t zb_backend_copy(zb_backend_t *be, void *dst, const void *src, size_t
   return be->ops->copy(be, dst, src, bytes);
 }
 
-/* Placeholders until the W GEMM work lands (being written now). */
-uint16_t zb__float_to_half(float f) { return 0; }
-uint16_t zb__float_to_bf16(float f) { return 0; }
+/* fp32 -> IEEE binary16, round to nearest even; overflow goes to inf, NaN stays a (quiet) NaN, and
+ * results below 2^-14 become subnormals rounded at their own (coarser) precision. */
+uint16_t zb__float_to_half(float f) {
+  uint32_t x;
+  memcpy(&x, &f, 4);
+  uint16_t sign = (uint16_t)((x >> 16) & 0x8000);
+  uint32_t a = x & 0x7fffffffu;
+  if (a > 0x7f800000u) return (uint16_t)(sign | 0x7e00 | ((a >> 13) & 0x3ff)); /* NaN: quiet, top payload */
+  /* 65520 = 0x477ff000 is halfway between 65504 (largest half, odd mantissa) and 2^16: ties-to-even
+   * goes up, so it and everything above (inf included) is inf. */
+  if (a >= 0x477ff000u) return (uint16_t)(sign | 0x7c00);
+  if (a >= 0x38800000u) { /* >= 2^-14: a normal half. Rebias the exponent (127 - 15 = 112). */
+    uint32_t h = (a - 0x38000000u) >> 13, rest = a & 0x1fff;
+    if (rest > 0x1000 || (rest == 0x1000 && (h & 1))) h++; /* a carry into the exponent is right */
+    return (uint16_t)(sign | h);
+  }
+  /* At most 2^-25 (half the smallest subnormal; the tie goes to even, 0): a signed zero. */
+  if (a <= 0x33000000u) return sign;
+  /* Subnormal: the result is round(|f| * 2^24) units of 2^-24, |f| = m * 2^(e - 150) with the
+   * implicit bit in m, so the shift is 126 - e, between 14 and 24 here. 1024 = the smallest normal. */
+  uint32_t e = a >> 23, m = (a & 0x7fffffu) | 0x800000u, shift = 126 - e;
+  uint32_t h = m >> shift, rest = m & ((1u << shift) - 1), half = 1u << (shift - 1);
+  if (rest > half || (rest == half && (h & 1))) h++;
+  return (uint16_t)(sign | h);
+}
+
+/* fp32 -> bfloat16 (the top half of a binary32), round to nearest even; adding 0x7fff plus the
+ * kept lowest bit rounds ties to even and carries into the exponent, overflowing to inf exactly when
+ * it should. NaN is kept quiet so the carry cannot turn it into inf. */
+uint16_t zb__float_to_bf16(float f) {
+  uint32_t x;
+  memcpy(&x, &f, 4);
+  if ((x & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x >> 16) | 0x0040);
+  x += 0x7fffu + ((x >> 16) & 1);
+  return (uint16_t)(x >> 16);
+}

@@ -138,7 +138,12 @@ zb_status_t zb_wstore_push(zb_wstore_t *w, const zb_wgrad_t *e) {
     if (!ne) return ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory growing a W-store group to %d entries", cap);
     g->entries = ne, g->cap = cap;
   }
-  g->entries[g->n++] = *e;
+  /* Copy only what the caller's struct has (an older, shorter zb_wgrad_t is accepted); the fields
+   * it lacks are zero, which are their defaults. */
+  zb_wgrad_t *slot = &g->entries[g->n++];
+  memset(slot, 0, sizeof *slot);
+  memcpy(slot, e, e->struct_size < sizeof *slot ? e->struct_size : sizeof *slot);
+  slot->struct_size = sizeof *slot;
   return ZB_OK;
 }
 

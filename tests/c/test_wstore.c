@@ -3,7 +3,9 @@
  * release per entry, the accumulation against a naive double-precision product, half types, and
  * misuse errors.
  */
+#include <float.h>
 #include <math.h>
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -175,6 +177,232 @@ static void test_half_conversions(void **state) {
   assert_true(zb__bf16_to_float(0xc040) == -3.0f);
 }
 
+/* ---- dw_dtype, overwrite, rows = 0, old struct sizes, and the fp32 -> half conversions ---------- */
+
+/* Element i of a buffer of dtype t, widened (exactly) to double. */
+static double get(const void *buf, zb_dtype_t t, int64_t i) {
+  if (t == ZB_DTYPE_F32) return ((const float *)buf)[i];
+  uint16_t v = ((const uint16_t *)buf)[i];
+  return t == ZB_DTYPE_F16 ? zb__half_to_float(v) : zb__bf16_to_float(v);
+}
+
+/* Stores v rounded to dtype t. */
+static void put(void *buf, zb_dtype_t t, int64_t i, float v) {
+  if (t == ZB_DTYPE_F32)
+    ((float *)buf)[i] = v;
+  else
+    ((uint16_t *)buf)[i] = t == ZB_DTYPE_F16 ? zb__float_to_half(v) : zb__float_to_bf16(v);
+}
+
+static void run_one(zb_wstore_t *ws, const zb_wgrad_t *e) {
+  ZB_ASSERT_OK(zb_wstore_begin(ws, 0, 0));
+  ZB_ASSERT_OK(zb_wstore_push(ws, e));
+  ZB_ASSERT_OK(zb_wstore_end(ws));
+  ZB_ASSERT_OK(zb_wstore_pop_run(ws, 0, NULL));
+}
+
+/* Unit roundoff of storing a result in dtype t (half an ulp, relative). */
+static double unit_roundoff(zb_dtype_t t) {
+  return t == ZB_DTYPE_F32 ? 0x1p-24 : t == ZB_DTYPE_F16 ? 0x1p-11 : 0x1p-8;
+}
+
+/* The error bound of one output element: fp32 summation of n terms (the products or dy values) and
+ * the old value has the classical bound gamma_{n+1} ~ (n + 1) 2^-24 times the sum of the terms'
+ * magnitudes (we allow twice that), and a half dw_dtype then adds one rounding to nearest: u of the
+ * result (2^-11 f16, 2^-8 bf16), plus half the smallest f16 subnormal for results that land there. */
+static double bound(int n, double mag, double want, zb_dtype_t out) {
+  double fp32 = 2.0 * (n + 1) * 0x1p-24 * mag, u = unit_roundoff(out);
+  return out == ZB_DTYPE_F32 ? fp32 : fp32 * (1 + u) + u * fabs(want) + 0x1p-25;
+}
+
+/* Every mode of an entry against a double product of the same (rounded) inputs: dw_dtype fp32 or
+ * the input dtype, accumulate (the old dw and db must stay in) or overwrite (old values are NaN and
+ * must not be read), with and without bias, odd sizes and leading dimensions above the row length. */
+static void check_mode(zb_wstore_t *ws, zb_dtype_t dt, zb_dtype_t dwt, int overwrite, int bias) {
+  enum { ROWS = 9, IN = 7, OUT = 5, LDX = 8, LDY = 6 };
+  float x[ROWS * LDX], dy[ROWS * LDY], dw[OUT * IN], db[OUT]; /* big enough for every dtype */
+  double dw0[OUT * IN], db0[OUT];
+  for (int k = 0; k < ROWS * LDX; k++) put(x, dt, k, urand(1, dt, k, 0));
+  for (int k = 0; k < ROWS * LDY; k++) put(dy, dt, k, urand(2, dt, k, 0));
+  for (int k = 0; k < OUT * IN; k++) {
+    put(dw, dwt, k, overwrite ? NAN : urand(3, dwt, k, 0));
+    dw0[k] = overwrite ? 0 : get(dw, dwt, k);
+  }
+  for (int k = 0; k < OUT; k++) {
+    put(db, dwt, k, overwrite ? NAN : urand(4, dwt, k, 0));
+    db0[k] = overwrite ? 0 : get(db, dwt, k);
+  }
+  zb_wgrad_t e = {sizeof(zb_wgrad_t), dt, ROWS, IN, OUT, x, LDX, dy, LDY, dw, bias ? db : NULL, 0, dwt, overwrite};
+  run_one(ws, &e);
+  for (int o = 0; o < OUT; o++) {
+    for (int i = 0; i < IN; i++) {
+      double want = dw0[o * IN + i], mag = fabs(want);
+      for (int r = 0; r < ROWS; r++) {
+        double t = get(dy, dt, r * LDY + o) * get(x, dt, r * LDX + i);
+        want += t, mag += fabs(t);
+      }
+      double got = get(dw, dwt, o * IN + i), err = fabs(got - want), b = bound(ROWS, mag, want, dwt);
+      if (!(err <= b)) /* NaN fails too */
+        fail_msg("dtype %d dw_dtype %d overwrite %d bias %d: dw[%d,%d] = %.9g, want %.9g (error %.3g > %.3g)",
+                 dt, dwt, overwrite, bias, o, i, got, want, err, b);
+    }
+    double want = db0[o], mag = fabs(want);
+    for (int r = 0; r < ROWS; r++) want += get(dy, dt, r * LDY + o), mag += fabs(get(dy, dt, r * LDY + o));
+    double got = get(db, dwt, o);
+    if (bias && !(fabs(got - want) <= bound(ROWS, mag, want, dwt)))
+      fail_msg("dtype %d dw_dtype %d overwrite %d: db[%d] = %.9g, want %.9g", dt, dwt, overwrite, o, got, want);
+    if (!bias && !(overwrite ? isnan(got) : got == db0[o]))
+      fail_msg("db is NULL in the entry, yet the buffer changed: db[%d] = %.9g", o, got);
+  }
+}
+
+static void test_dw_dtype_and_overwrite(void **state) {
+  zb_backend_t *be;
+  zb_wstore_t *ws;
+  ZB_ASSERT_OK(zb_backend_create_host(&be));
+  ZB_ASSERT_OK(zb_wstore_create(&ws, be, NULL, NULL));
+  const zb_dtype_t pairs[5][2] = {{ZB_DTYPE_F32, ZB_DTYPE_F32},   {ZB_DTYPE_BF16, ZB_DTYPE_F32},
+                                  {ZB_DTYPE_BF16, ZB_DTYPE_BF16}, {ZB_DTYPE_F16, ZB_DTYPE_F32},
+                                  {ZB_DTYPE_F16, ZB_DTYPE_F16}};
+  for (int p = 0; p < 5; p++)
+    for (int overwrite = 0; overwrite < 2; overwrite++)
+      for (int bias = 0; bias < 2; bias++) check_mode(ws, pairs[p][0], pairs[p][1], overwrite, bias);
+  ZB_ASSERT_OK(zb_wstore_destroy(ws));
+  ZB_ASSERT_OK(zb_backend_destroy(be));
+}
+
+/* rows = 0 is an empty sum: overwrite makes dw and db zero, accumulate leaves them as they were. */
+static void test_rows_zero(void **state) {
+  zb_backend_t *be;
+  zb_wstore_t *ws;
+  ZB_ASSERT_OK(zb_backend_create_host(&be));
+  ZB_ASSERT_OK(zb_wstore_create(&ws, be, NULL, NULL));
+  const zb_dtype_t pairs[2][2] = {{ZB_DTYPE_F32, ZB_DTYPE_F32}, {ZB_DTYPE_BF16, ZB_DTYPE_BF16}};
+  for (int p = 0; p < 2; p++)
+    for (int overwrite = 0; overwrite < 2; overwrite++) {
+      unsigned char dw[3 * 4 * 4], db[3 * 4], dw_before[sizeof dw], db_before[sizeof db];
+      memset(dw, 0x7e, sizeof dw), memset(db, 0x7e, sizeof db); /* NaN-ish garbage in every dtype */
+      memcpy(dw_before, dw, sizeof dw), memcpy(db_before, db, sizeof db);
+      zb_wgrad_t e = {sizeof(zb_wgrad_t), pairs[p][0], 0, 4, 3, NULL, 0, NULL, 0, dw, db, 0, pairs[p][1], overwrite};
+      run_one(ws, &e);
+      for (int k = 0; k < 12; k++) {
+        double got = get(dw, pairs[p][1], k);
+        if (overwrite ? got != 0.0 : memcmp(dw, dw_before, sizeof dw) != 0)
+          fail_msg("rows 0, dw_dtype %d, overwrite %d: dw[%d] = %g", pairs[p][1], overwrite, k, got);
+      }
+      for (int k = 0; k < 3; k++) {
+        double got = get(db, pairs[p][1], k);
+        if (overwrite ? got != 0.0 : memcmp(db, db_before, sizeof db) != 0)
+          fail_msg("rows 0, dw_dtype %d, overwrite %d: db[%d] = %g", pairs[p][1], overwrite, k, got);
+      }
+    }
+  ZB_ASSERT_OK(zb_wstore_destroy(ws));
+  ZB_ASSERT_OK(zb_backend_destroy(be));
+}
+
+/* An entry from a caller built against the zbpp.h before dw_dtype and overwrite: its struct_size
+ * ends where dw_dtype starts, and whatever lies in those bytes must be ignored (fp32, accumulate). */
+static void test_old_struct_size_defaults(void **state) {
+  zb_backend_t *be;
+  zb_wstore_t *ws;
+  ZB_ASSERT_OK(zb_backend_create_host(&be));
+  ZB_ASSERT_OK(zb_wstore_create(&ws, be, NULL, NULL));
+  float x = 2, dy = 3, dw = 1, db = 0.5f;
+  zb_wgrad_t e = {offsetof(zb_wgrad_t, dw_dtype), ZB_DTYPE_F32, 1, 1, 1, &x, 0, &dy, 0, &dw, &db, 0,
+                  (zb_dtype_t)7, 1};
+  run_one(ws, &e);
+  if (dw != 7.0f || db != 3.5f) fail_msg("old-size entry: dw = %g (want 1 + 3*2 = 7), db = %g (want 3.5)", dw, db);
+  /* One that has dw_dtype but ends before overwrite keeps its dw_dtype and accumulates. */
+  e.struct_size = offsetof(zb_wgrad_t, overwrite);
+  e.dw_dtype = ZB_DTYPE_F32;
+  run_one(ws, &e);
+  if (dw != 13.0f || db != 6.5f) fail_msg("entry without overwrite: dw = %g (want 13), db = %g (want 6.5)", dw, db);
+  ZB_ASSERT_OK(zb_wstore_destroy(ws));
+  ZB_ASSERT_OK(zb_backend_destroy(be));
+}
+
+static void test_rejected_dw_dtype(void **state) {
+  zb_backend_t *be;
+  zb_wstore_t *ws;
+  ZB_ASSERT_OK(zb_backend_create_host(&be));
+  ZB_ASSERT_OK(zb_wstore_create(&ws, be, NULL, NULL));
+  ZB_ASSERT_OK(zb_wstore_begin(ws, 0, 0));
+  uint16_t x = 0, dy = 0, dw = 0;
+  const zb_dtype_t bad[3][2] = {{ZB_DTYPE_F16, ZB_DTYPE_BF16}, {ZB_DTYPE_F32, ZB_DTYPE_F16}, {ZB_DTYPE_BF16, 9}};
+  for (int k = 0; k < 3; k++) {
+    zb_wgrad_t e = {sizeof(zb_wgrad_t), bad[k][0], 1, 1, 1, &x, 0, &dy, 0, &dw, NULL, 0, bad[k][1], 0};
+    ASSERT_STATUS(zb_wstore_push(ws, &e), ZB_ERR_INVALID_ARGUMENT);
+    ASSERT_CONTAINS(zb_last_error(), "dw_dtype");
+    ASSERT_CONTAINS(zb_last_error(), "ZB_DTYPE_F32");
+  }
+  zb_wgrad_t e = {sizeof(zb_wgrad_t), ZB_DTYPE_F32, 1, 1, 1, &x, 0, &dy, 0, &dw, NULL, 0, ZB_DTYPE_F32, 2};
+  ASSERT_STATUS(zb_wstore_push(ws, &e), ZB_ERR_INVALID_ARGUMENT);
+  ASSERT_CONTAINS(zb_last_error(), "overwrite is 2");
+  e.overwrite = 0;
+  e.struct_size = offsetof(zb_wgrad_t, dw_dtype) - 8; /* shorter than any zb_wgrad_t ever was */
+  ASSERT_STATUS(zb_wstore_push(ws, &e), ZB_ERR_INVALID_ARGUMENT);
+  ASSERT_CONTAINS(zb_last_error(), "struct_size");
+  int32_t pending;
+  ZB_ASSERT_OK(zb_wstore_end(ws));
+  ZB_ASSERT_OK(zb_wstore_pending(ws, 0, &pending));
+  assert_int_equal(pending, 1); /* the group exists, with nothing in it */
+  ZB_ASSERT_OK(zb_wstore_pop_run(ws, 0, NULL));
+  assert_true(dw == 0);
+  ZB_ASSERT_OK(zb_wstore_destroy(ws));
+  ZB_ASSERT_OK(zb_backend_destroy(be));
+}
+
+/* One narrowing, float_to (zb__float_to_half or _bf16) against its widening to_float. Every bit
+ * pattern round-trips exactly (NaN to a NaN); the midpoint of every two neighbouring finite values
+ * (exact in fp32: both formats have far fewer significant bits) goes to the one with the even
+ * pattern, one fp32 ulp off the midpoint goes to the nearer neighbour, and the sign is symmetric. The
+ * midpoint above the largest finite value rounds to inf. */
+static void check_narrowing(const char *name, uint16_t (*float_to)(float), float (*to_float)(uint16_t),
+                            uint16_t max_finite) {
+  for (uint32_t h = 0; h <= 0xffff; h++) {
+    float f = to_float((uint16_t)h);
+    uint16_t back = float_to(f);
+    if (isnan(f) ? !isnan(to_float(back)) : back != h)
+      fail_msg("%s: 0x%04x (%g) came back as 0x%04x", name, (unsigned)h, f, (unsigned)back);
+  }
+  for (uint32_t h = 0; h <= max_finite; h++) {
+    /* Above the largest finite value the next step would be 2^(emax + 1): extrapolate it. */
+    double lo = to_float((uint16_t)h);
+    double hi = h < max_finite ? to_float((uint16_t)(h + 1)) : 2 * lo - to_float((uint16_t)(h - 1));
+    float mid = (float)((lo + hi) / 2);
+    uint16_t even = h < max_finite ? (uint16_t)((h & 1) ? h + 1 : h) : (uint16_t)(h + 1); /* h + 1: inf */
+    uint16_t got = float_to(mid), got_neg = float_to(-mid);
+    uint16_t up = float_to(nextafterf(mid, INFINITY)), down = float_to(nextafterf(mid, 0));
+    if (got != even || got_neg != (even | 0x8000) || up != h + 1 || down != h)
+      fail_msg("%s: midpoint %.9g of 0x%04x and its neighbour: got 0x%04x (-: 0x%04x), up 0x%04x, down 0x%04x; "
+               "want 0x%04x, 0x%04x, 0x%04x",
+               name, mid, (unsigned)h, got, got_neg, up, down, even, (unsigned)(h + 1), (unsigned)h);
+  }
+  uint32_t quiet_low = 0x7f800001u; /* a NaN whose payload lies only in bits both formats drop */
+  float nan_low;
+  memcpy(&nan_low, &quiet_low, 4);
+  assert_true(isnan(to_float(float_to(nan_low))) && isnan(to_float(float_to(NAN))));
+  assert_int_equal(float_to(INFINITY), max_finite + 1);
+  assert_int_equal(float_to(-INFINITY), (max_finite + 1) | 0x8000);
+  assert_int_equal(float_to(FLT_MAX), max_finite + 1);
+  assert_int_equal(float_to(-0.0f), 0x8000);
+}
+
+static void test_float_to_half_bf16(void **state) {
+  check_narrowing("float_to_half", zb__float_to_half, zb__half_to_float, 0x7bff);
+  check_narrowing("float_to_bf16", zb__float_to_bf16, zb__bf16_to_float, 0x7f7f);
+  /* Values fixed by the formats: 65520 is the tie between 65504 and 2^16, and 2^-25 the tie between
+   * 0 and the smallest f16 subnormal; 1 + 2^-8 is the tie between bf16's 1 and 1 + 2^-7. */
+  assert_int_equal(zb__float_to_half(65520.0f), 0x7c00);
+  assert_int_equal(zb__float_to_half(65519.0f), 0x7bff);
+  assert_int_equal(zb__float_to_half(0x1p-25f), 0x0000);
+  assert_int_equal(zb__float_to_half(0x1.000002p-25f), 0x0001);
+  assert_int_equal(zb__float_to_half(0x1p-24f), 0x0001);
+  assert_int_equal(zb__float_to_bf16(1.0f + 0x1p-8f), 0x3f80);
+  assert_int_equal(zb__float_to_bf16(1.0f + 3 * 0x1p-8f), 0x3f82);
+  assert_int_equal(zb__float_to_bf16(FLT_TRUE_MIN), 0x0000);
+}
+
 static void test_misuse(void **state) {
   zb_backend_t *be;
   zb_wstore_t *ws;
@@ -221,6 +449,11 @@ int main(void) {
       cmocka_unit_test(test_gemm_against_naive),
       cmocka_unit_test(test_half_conversions),
       cmocka_unit_test(test_misuse),
+      cmocka_unit_test(test_dw_dtype_and_overwrite),
+      cmocka_unit_test(test_rows_zero),
+      cmocka_unit_test(test_old_struct_size_defaults),
+      cmocka_unit_test(test_rejected_dw_dtype),
+      cmocka_unit_test(test_float_to_half_bf16),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
