@@ -36,5 +36,8 @@ typedef struct {
   int32_t first;             /* t == 1 (SGD's momentum buffer starts as the gradient) */
 } zb__optim_scalars_t;
 zb__optim_scalars_t zb__optim_scalars(const zb_optim_step_t *s);
+/* Blocks of state per parameter element: 2 for AdamW, 1 for SGD with momentum, 0 for plain SGD.
+ * The undo buffer holds 1 + this many blocks (launch.h describes its layout). */
+int zb__optim_nstate(const zb_optim_step_t *s);
 
 #endif /* ZB_BACKEND_REFERENCE_H */

@@ -10,23 +10,27 @@
  * the full one comes back, and undoes that step exactly when the handle says it turned out wrong.
  *
  * What it is not: a device optimizer (parameters, gradients and the exchanged state are host
- * memory; a CUDA backend needs its own update kernels and device-side staging for NCCL), nor an
- * owner of parameters (they are borrowed), nor a master-weight manager for half precision.
+ * memory; for device parameters, zb_postval with zb_optim_step runs the same formulas on the CUDA
+ * backend), nor an owner of parameters (they are borrowed), nor a master-weight manager for half
+ * precision.
  *
  * Bit-for-bit reproducibility is the point of the design, so three rules hold everywhere:
- *  - the update formulas (AdamW, SGD) are written once, in adamw_update/sgd_update, and every path
- *    (ranks == 1, synchronous, speculative, redo after a rollback) calls them with the same float
- *    gradient factor;
+ *  - the update formulas (AdamW, SGD) are written once, in the optimizer kernels' host reference
+ *    (csrc/backend/reference.c, which the CUDA kernels match bit for bit), and every path (ranks ==
+ *    1, synchronous, speculative, redo after a rollback) calls them through apply_step with the same
+ *    float gradient factor;
  *  - each stage's squared norm is one double accumulator over its arrays in registration order
- *    (fill_local), and postval.c sums the stages in stage order whatever the partition of stages
- *    over ranks (its header comment says why);
+ *    (fill_local, through the same reference as zb_sq_norm), and postval.c sums the stages in
+ *    stage order whatever the partition of stages over ranks (its header comment says why);
  *  - a rollback restores a copy of everything a step changes (parameters, optimizer state, step
  *    count) rather than inverting the update arithmetically, which would not be exact in floats.
  */
 #include <math.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "../backend/reference.h"
 #include "internal.h"
 
 typedef struct {
@@ -202,59 +206,37 @@ zb_status_t zb_optimizer_add(zb_optimizer_t *o, int32_t stage, float *param, con
   return ZB_OK;
 }
 
-/* ---- the update formulas (each written once) ---------------------------------------------------- */
+/* ---- the update formulas ------------------------------------------------------------------------ */
 
-/* AdamW as torch.optim.AdamW computes it (Loshchilov & Hutter, "Decoupled Weight Decay
- * Regularization", Algorithm 2): the scalars are computed in double from the step count, as torch
- * does in Python, then cast to float; everything per element is float arithmetic.
- *   p = p * (1 - lr*wd);  m = b1*m + (1-b1)*g;  v = b2*v + (1-b2)*g*g
- *   p = p - (lr / (1 - b1^t)) * m / (sqrt(v) / sqrt(1 - b2^t) + eps) */
-static void adamw_update(const zb_optimizer_config_t *c, int64_t t, float factor, float *p, float *m,
-                         float *v, const float *grad, int64_t n) {
-  const double bc1 = 1.0 - pow(c->beta1, (double)t), bc2 = 1.0 - pow(c->beta2, (double)t);
-  const float decay = (float)(1.0 - c->lr * c->weight_decay);
-  const float b1 = (float)c->beta1, omb1 = (float)(1.0 - c->beta1);
-  const float b2 = (float)c->beta2, omb2 = (float)(1.0 - c->beta2);
-  const float step_size = (float)(c->lr / bc1), bc2_sqrt = (float)sqrt(bc2);
-  const float eps = (float)c->eps;
-  for (int64_t i = 0; i < n; i++) {
-    const float g = grad[i] * factor;
-    const float mi = b1 * m[i] + omb1 * g;
-    const float vi = b2 * v[i] + omb2 * g * g;
-    const float pi = p[i] * decay;
-    p[i] = pi - step_size * mi / (sqrtf(vi) / bc2_sqrt + eps);
-    m[i] = mi;
-    v[i] = vi;
-  }
-}
-
-/* SGD as torch.optim.SGD (dampening 0, no Nesterov): g' = g + wd*p; with momentum the buffer starts
- * as g' on the first step and is momentum*buf + g' afterwards; p = p - lr*d. */
-static void sgd_update(const zb_optimizer_config_t *c, int64_t t, float factor, float *p, float *buf,
-                       const float *grad, int64_t n) {
-  const float wd = (float)c->weight_decay, lr = (float)c->lr, mom = (float)c->momentum;
-  for (int64_t i = 0; i < n; i++) {
-    const float g = grad[i] * factor + wd * p[i];
-    float d = g;
-    if (buf) {
-      buf[i] = t == 1 ? g : mom * buf[i] + g;
-      d = buf[i];
-    }
-    p[i] = p[i] - lr * d;
-  }
-}
-
-/* Applies one step with the given factor to every registered array. */
+/* One step with the given factor over every registered array. The formulas (AdamW, SGD) are the
+ * optimizer kernels' host reference (csrc/backend/reference.c), so this optimizer, zb_optim_step on
+ * the host backend and the CUDA kernels run one formula: the scalars come from zb__optim_scalars
+ * (double from the step count t, rounded to float once) and every element gets the same sequence of
+ * float operations. */
 static void apply_step(zb_optimizer_t *o, float factor) {
+  const zb_optimizer_config_t *c = &o->cfg;
   o->t += 1;
+  zb_optim_step_t s;
+  memset(&s, 0, sizeof s);
+  s.struct_size = sizeof s;
+  s.version = ZB_OPTIM_STEP_VERSION;
+  s.kind = c->kind;
+  s.lr = c->lr, s.momentum = c->momentum, s.beta1 = c->beta1, s.beta2 = c->beta2;
+  s.eps = c->eps, s.weight_decay = c->weight_decay;
+  s.step = o->t;
+  s.factor = factor;
+  s.grad_dtype = ZB_DTYPE_F32;
   for (int32_t k = 0; k < o->n_entries; k++) {
     const entry_t *e = &o->entries[k];
-    if (o->cfg.kind == ZB_OPTIM_ADAMW)
-      adamw_update(&o->cfg, o->t, factor, e->param, o->state + e->offset,
-                   o->state + o->numel + e->offset, e->grad, e->numel);
-    else
-      sgd_update(&o->cfg, o->t, factor, e->param, o->nstate ? o->state + e->offset : NULL, e->grad,
-                 e->numel);
+    /* One-tensor lists; the reference only reads the gradient, so dropping its const is safe. */
+    void *param = e->param, *grad = (void *)(uintptr_t)e->grad;
+    void *m = o->nstate >= 1 ? o->state + e->offset : NULL;
+    void *v = o->nstate >= 2 ? o->state + o->numel + e->offset : NULL;
+    s.params = (zb_tensor_list_t){1, &param, &e->numel};
+    s.grads = (zb_tensor_list_t){1, &grad, &e->numel};
+    s.state1 = (zb_tensor_list_t){o->nstate >= 1, &m, &e->numel};
+    s.state2 = (zb_tensor_list_t){o->nstate >= 2, &v, &e->numel};
+    zb__ref_optim_step(&s);
   }
 }
 
@@ -287,15 +269,9 @@ static void fill_local(zb_optimizer_t *o) {
   for (int32_t s = 0; s < S; s++) o->sq[s] = 0.0, o->bad[s] = 0;
   for (int32_t k = 0; k < o->n_entries; k++) {
     const entry_t *e = &o->entries[k];
-    double acc = o->sq[e->stage];
-    int bad = 0;
-    for (int64_t i = 0; i < e->numel; i++) {
-      const float g = e->grad[i];
-      bad |= !isfinite(g);
-      acc += (double)g * (double)g;
-    }
-    o->sq[e->stage] = acc;
-    if (bad) o->bad[e->stage] = 1;
+    void *grad = (void *)(uintptr_t)e->grad; /* read only */
+    const zb_tensor_list_t one = {1, &grad, &e->numel};
+    zb__ref_sq_norm(ZB_DTYPE_F32, &one, &o->sq[e->stage], &o->bad[e->stage]);
   }
 }
 
