@@ -341,7 +341,12 @@ ZB_API zb_status_t zb_cuda_device_count(int32_t *out);
 ZB_API zb_status_t zb_backend_create_cuda(zb_backend_t **out, const zb_cuda_backend_config_t *config);
 /* Makes `stream` (a cudaStream_t, borrowed) the compute stream from now on, e.g. torch's current
  * stream before each iteration; work already issued stays ordered before later work by an event.
- * NULL goes back to the backend's own stream. On the host backend only NULL is accepted. */
+ * NULL goes back to the backend's own stream, so name the legacy default stream (torch's default
+ * stream, handle 0) as cudaStreamLegacy ((void *)1); cudaStreamPerThread works too. A borrowed
+ * stream must outlive its use. On the host backend only NULL is accepted.
+ *
+ * Every CUDA backend call makes the backend's device current on the calling thread (cudaSetDevice)
+ * and leaves it so; a thread that drives several GPUs sets its device again afterwards. */
 ZB_API zb_status_t zb_backend_set_stream(zb_backend_t *backend, void *stream);
 /* Blocks the host until everything issued on the compute stream has finished (host: returns). */
 ZB_API zb_status_t zb_backend_synchronize(zb_backend_t *backend);

@@ -94,12 +94,21 @@ _TORCH_EXPORTS = {
 }
 __all__ += list(_TORCH_EXPORTS)
 
+# Library queries that need neither torch nor a GPU (the ctypes layer only).
+_RUNTIME_EXPORTS = ("cuda_built", "cuda_device_count")
+__all__ += list(_RUNTIME_EXPORTS)
+
 
 def __getattr__(name):
+    import importlib
+
+    if name in _RUNTIME_EXPORTS:
+        value = getattr(importlib.import_module(".runtime", __name__), name)
+        globals()[name] = value
+        return value
     module = _TORCH_EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'zbpp' has no attribute {name!r}")
-    import importlib
 
     import torch  # noqa: F401 - first, so the library binds to torch's CUDA libraries (DESIGN.md 5)
 

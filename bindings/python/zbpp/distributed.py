@@ -9,8 +9,14 @@ the reason, so an error says which peer failed and why:
   - gloo reports a peer process that died at once ("Connection closed by peer"): ZB_ERR_REMOTE;
   - a peer that is alive but silent runs into the timeout: ZB_ERR_TIMEOUT.
 
-What this is not: NCCL (the CUDA issue brings a transport in C). After a failure the gloo pairs
-involved are closed; the process group cannot be used for further point-to-point traffic.
+Also here: the few process-group helpers the CUDA pipeline needs: whether a group takes CPU
+tensors (`takes_cpu`), a gloo group for host-memory messages (`cpu_group`), and sending a few
+bytes from one rank to all (`broadcast_bytes`, for the NCCL unique id).
+
+What this is not: NCCL. Device buffers between GPUs go over the library's own NCCL transport
+(runtime.Transport.nccl); this transport carries host memory only (the optimizer's post-validation
+state, and everything on CPU pipelines). After a failure the gloo pairs involved are closed; the
+process group cannot be used for further point-to-point traffic.
 """
 
 import ctypes
@@ -22,7 +28,8 @@ import torch.distributed as dist
 
 from . import runtime
 
-__all__ = ["TorchTransport", "global_rank", "group_rank", "group_size"]
+__all__ = ["TorchTransport", "broadcast_bytes", "cpu_group", "global_rank", "group_rank", "group_size",
+           "takes_cpu"]
 
 
 def group_rank(group=None):
@@ -39,6 +46,48 @@ def global_rank(group, rank):
         return rank
     fn = getattr(dist, "get_global_rank", None) or dist.distributed_c10d._get_global_rank
     return fn(group, rank)
+
+
+def takes_cpu(group=None):
+    """True when point-to-point on `group` takes CPU tensors (gloo, or a "cpu:gloo,cuda:nccl" mix)."""
+    try:
+        backend = dist.get_backend(group)
+    except (RuntimeError, ValueError):
+        return False
+    return "gloo" in str(backend).lower()
+
+
+_cpu_groups = {}
+
+
+def cpu_group(group=None):
+    """A group over the same ranks as `group` that takes CPU tensors: the group itself when it does,
+    else a gloo group made with torch.distributed.new_group(backend="gloo"). new_group is a
+    collective of the whole world, so it is made only when every process of the world is in the
+    pipeline (then every one of them asks for it at the same point); for a subgroup, pass a gloo
+    group you made over its ranks (the schedule's cpu_group=)."""
+    if takes_cpu(group):
+        return group
+    if dist.get_world_size(group) != dist.get_world_size():
+        raise ValueError(f"zbpp: the pipeline's process group (backend {dist.get_backend(group)}) does not take "
+                         "CPU tensors and is a subgroup of the world, so zbpp cannot make a gloo group over it "
+                         "alone (torch.distributed.new_group is a collective of every process); make one with "
+                         "torch.distributed.new_group(ranks, backend='gloo') on every process and pass it as "
+                         "cpu_group=... to the schedule")
+    made = _cpu_groups.get("world")
+    if made is None:
+        # new_group sorts its ranks, like the pipeline group's, so group ranks mean the same ranks.
+        made = _cpu_groups["world"] = dist.new_group(backend="gloo")
+    return made
+
+
+def broadcast_bytes(data, src, group=None, device="cpu"):
+    """The process of global rank `src` sends `data` to every rank of `group`; every rank passes
+    bytes of the same length and gets src's back. device: where the message tensor lives ("cpu" for
+    gloo, a CUDA device for an NCCL group)."""
+    t = torch.tensor(list(data), dtype=torch.uint8, device=device)
+    dist.broadcast(t, src=src, group=group)
+    return bytes(t.cpu().tolist())
 
 
 def _view(addr, nbytes):

@@ -17,6 +17,12 @@ dtype after the decision. Gradients come from `param.main_grad` when present, el
 Memory: a rank that steps speculatively keeps one copy of its fp32 parameters and optimizer state
 (AdamW: 3 values per parameter; SGD with momentum: 2) to undo a step.
 
+Devices: CUDA parameters stay on the GPU: the per-tensor squared norms and inf/NaN flags are
+computed there (same formula as on CPU: each tensor's sum of squares in float64, summed over a
+stage's tensors in order on the host) and only those few numbers are copied to the host, once per
+device per step. The snapshot, the step and any undo run on the device on torch's current stream.
+CPU gradients take exactly the path they always did.
+
 What this is not: an optimizer. The update is the wrapped optimizer's own; the loss scale is
 applied by the caller (multiply the loss by `.loss_scale` before backward).
 """
@@ -63,6 +69,58 @@ class _Decision(_c.Structure):
         ("grad_norm", _c.c_double),
         ("loss_scale", _c.c_double),
     ]
+
+
+# Device gradients are reduced in pieces of this many elements, so the float64 copy a piece needs
+# stays small (a whole 100M-element tensor would need 800 MB more).
+_PIECE = 1 << 24
+
+
+def _device_sq(g):
+    """A device tensor's sum of squares in float64 and its inf/NaN flag, both still on the device."""
+    flat = g.reshape(-1)
+    if flat.numel() <= _PIECE:
+        return flat.double().pow(2).sum(), ~torch.isfinite(flat).all()
+    sq = bad = None
+    for piece in flat.split(_PIECE):
+        ps, pb = piece.double().pow(2).sum(), ~torch.isfinite(piece).all()
+        sq, bad = (ps, pb) if sq is None else (sq + ps, bad | pb)
+    return sq, bad
+
+
+def _stage_state(grads, S):
+    """Per stage: the sum of squares of its gradients (float64) and an inf/NaN flag, as ctypes arrays
+    for zb_postval_begin. CPU tensors: each tensor's float64 sum, read at once (the original path);
+    device tensors: the same per-tensor values computed on the device and read in one copy per
+    device. Either way the stage's sum is accumulated on the host in tensor order."""
+    sq = (_c.c_double * S)()
+    bad = (_c.c_int32 * S)()
+    values = {}   # (stage, index) -> (sum of squares, nonfinite) as Python numbers
+    pending = {}  # device -> [((stage, index), sq tensor, flag tensor)]
+    for s, row in grads.items():
+        for k, (_, g) in enumerate(row):
+            if g is None:
+                continue
+            if g.device.type == "cpu":
+                values[(s, k)] = (float(g.double().pow(2).sum()), not bool(torch.isfinite(g).all()))
+            else:
+                pending.setdefault(g.device, []).append(((s, k),) + _device_sq(g))
+    for items in pending.values():
+        sums = torch.stack([v for _, v, _ in items]).cpu().tolist()
+        flags = torch.stack([f for _, _, f in items]).cpu().tolist()
+        for (key, _, _), v, f in zip(items, sums, flags):
+            values[key] = (v, bool(f))
+    for s, row in grads.items():
+        acc = 0.0
+        for k in range(len(row)):
+            v = values.get((s, k))
+            if v is None:
+                continue
+            if v[1]:
+                bad[s] = 1
+            acc += v[0]
+        sq[s] = acc
+    return sq, bad
 
 
 class StepResult(NamedTuple):
@@ -215,17 +273,7 @@ class PostValidatedOptimizer:
         state as they were before the call."""
         S = self.num_stages
         grads = self._grads()
-        sq = (_c.c_double * S)()
-        bad = (_c.c_int32 * S)()
-        for s, row in grads.items():
-            acc = 0.0
-            for _, g in row:
-                if g is None:
-                    continue
-                if not bool(torch.isfinite(g).all()):
-                    bad[s] = 1
-                acc += float(g.double().pow(2).sum())
-            sq[s] = acc
+        sq, bad = _stage_state(grads, S)
         d = _Decision()
         _lib.call("zb_postval_begin", [_P, _c.POINTER(_c.c_double), _c.POINTER(_c.c_int32), _c.POINTER(_Decision)],
                   self._handle(), sq, bad, _c.byref(d))

@@ -22,15 +22,23 @@ Subclassing (the Megatron adapter does): override _first_inputs, _run_stage, _co
 _loss_backward, fill _meta and set _meta_given to skip shape inference, and call _run_iteration();
 these names are the adapter interface and stay stable.
 
+CUDA: stages on a GPU (all of a rank's on one device) run on that device's CUDA backend, on
+torch's current stream (set before every step, so the runner's copies, the W GEMMs and the model
+share one stream order). The callbacks see the runner's device buffers as CUDA tensors (no host
+copies). With several ranks the activations travel over the library's NCCL transport, made from a
+unique id that rank 0 broadcasts; the optimizer's post-validation messages (host memory) keep using
+the torch.distributed callback transport over a group that takes CPU tensors (gloo). See cuda.py.
+
 What this is not: a tracer or a model splitter. Each rank builds its own stage modules.
 """
 
+import contextlib
 import ctypes
 
 import torch
 import torch.distributed as dist
 
-from . import _lib, runtime
+from . import _lib, cuda, distributed, runtime
 from .distributed import TorchTransport, group_rank, group_size
 from .schedule import Schedule
 from .split import default_store
@@ -65,8 +73,9 @@ class PipelineStage:
     """One stage of the pipeline on this rank (torch.distributed.pipelining.PipelineStage's shape).
 
     submodule: the layers of this stage; stage_index in [0, num_stages); device: where its tensors
-    live (CPU here; CUDA comes with the CUDA backend); group: the pipeline's process group (None:
-    the default group, or a single process when torch.distributed is not initialised).
+    live ("cpu", or a CUDA device: one GPU per rank, all of a rank's stages on it); group: the
+    pipeline's process group (None: the default group, or a single process when torch.distributed
+    is not initialised).
     input_args/output_args are accepted for compatibility; shapes are inferred at the first step.
     """
 
@@ -85,10 +94,10 @@ class PipelineStage:
         self.submod = submodule
         self.stage_index = stage_index
         self.num_stages = num_stages
-        self.device = torch.device(device) if device is not None else torch.device("cpu")
-        if self.device.type != "cpu":
-            raise NotImplementedError(f"zbpp.PipelineStage: device {self.device} needs the CUDA backend, "
-                                      "which this build does not have yet; use device='cpu'")
+        try:
+            self.device = cuda.device_of(device)
+        except ValueError as exc:
+            raise ValueError(f"zbpp.PipelineStage: {str(exc).replace('zbpp: ', '', 1)}") from None
         self.group = group
         self.group_rank = group_rank(group)
         self.group_size = group_size(group)
@@ -138,8 +147,12 @@ def _buffer(addr, nbytes):
 
 
 def _views(addr, meta):
-    offsets, size = _layout(meta)
-    raw = _buffer(addr, size)
+    return _typed(_buffer(addr, _layout(meta)[1]), meta)
+
+
+def _typed(raw, meta):
+    """Typed, shaped views of a uint8 buffer laid out by _layout."""
+    offsets, _ = _layout(meta)
     out = []
     for (dtype, shape), off in zip(meta, offsets):
         n = 1
@@ -196,14 +209,17 @@ class PipelineSchedule:
     Subclasses fix `kind`. Extra keyword arguments beyond torch's: mem_limit (zb-auto's memory limit,
     in microbatches of a rank's activations, or a string such as "2p"), times (per-rank F/B/W costs
     for zb-auto, see zbpp.Schedule.generate), timeout (seconds one transfer may take before the step
-    fails naming the peer; default 300), csv (a schedule in torch's CSV grammar instead of a kind).
+    fails naming the peer; default 300), csv (a schedule in torch's CSV grammar instead of a kind),
+    cpu_group (CUDA stages only: a gloo group over the pipeline's ranks for host-memory messages,
+    needed when `group` is a non-gloo subgroup of the world; by default the group itself when it
+    takes CPU tensors, else a gloo group made over the whole world).
     """
 
     kind = None
 
     def __init__(self, stage_or_stages, n_microbatches, loss_fn=None, args_chunk_spec=None,
                  kwargs_chunk_spec=None, output_merge_spec=None, scale_grads=True, *, kind=None,
-                 csv=None, mem_limit=None, times=None, timeout=300.0):
+                 csv=None, mem_limit=None, times=None, timeout=300.0, cpu_group=None):
         stages = list(stage_or_stages) if isinstance(stage_or_stages, (list, tuple)) else [stage_or_stages]
         if not stages or not all(isinstance(s, PipelineStage) for s in stages):
             raise TypeError(f"zbpp.{type(self).__name__}: expected a zbpp.PipelineStage or a list of them")
@@ -218,6 +234,12 @@ class PipelineSchedule:
             if s.num_stages != S or s.group is not group:
                 raise ValueError(f"zbpp.{type(self).__name__}: all stages of a rank must share num_stages "
                                  "and group")
+            if s.device != first.device:
+                raise ValueError(f"zbpp.{type(self).__name__}: all stages of a rank must be on one device (one "
+                                 f"runner, one stream); got {first.device} and {s.device}")
+        self.device = first.device
+        self._cuda = self.device.type == "cuda"
+        self._cpu_group_given = cpu_group
         self.stages = sorted(stages, key=lambda s: s.stage_index)
         self.n_microbatches = m = n_microbatches
         self._loss_fn = loss_fn
@@ -263,7 +285,10 @@ class PipelineSchedule:
         self._meta_given = False  # a subclass that knows the shapes fills _meta and sets this
         self._runner = None
         self._transport = None
-        self._store = default_store()
+        self._nccl = None
+        self._store = default_store(self.device if self._cuda else None)
+        self._dviews = cuda.DeviceViews(self.device) if self._cuda else None
+        self._msg = None  # (group, device) of shape inference and the NCCL unique id; see _messages
         self._last_times = None
         self.steps = 0
 
@@ -279,10 +304,13 @@ class PipelineSchedule:
         # The extra forward must not move the random streams (dropout): the first step then draws
         # the same numbers as a run without inference would.
         rng = torch.get_rng_state()
+        cuda_rng = torch.cuda.get_rng_state(self.device) if self._cuda else None
         try:
             self._infer_loop(S)
         finally:
             torch.set_rng_state(rng)
+            if cuda_rng is not None:
+                torch.cuda.set_rng_state(cuda_rng, self.device)
 
     def _infer_loop(self, S):
         carry = None
@@ -301,7 +329,7 @@ class PipelineSchedule:
                     meta_t = torch.zeros(_META_LEN, dtype=torch.int64)
                     self._recv(meta_t, prev)
                     meta = _decode(meta_t)
-                    inputs = tuple(torch.empty(shape, dtype=dtype) for dtype, shape in meta)
+                    inputs = tuple(torch.empty(shape, dtype=dtype, device=self.device) for dtype, shape in meta)
                     for t in inputs:
                         self._recv(t, prev)
                     self._meta[s - 1] = meta
@@ -320,11 +348,34 @@ class PipelineSchedule:
                 for t in out:
                     self._send(t.detach().contiguous(), nxt)
 
+    def _messages(self):
+        """Where the set-up messages go: CPU tensors over the pipeline's group when it takes them
+        (gloo), else over the gloo group of cpu_group= or one made over the world (when the pipeline
+        is the whole world; a collective, made at the first step, where every rank is); a
+        non-gloo subgroup without cpu_group= gets device tensors over itself (NCCL), since making a
+        gloo group over part of the world needs every process of the world."""
+        if self._msg is None:
+            cpu = torch.device("cpu")
+            if not self._cuda or self.ranks == 1 or distributed.takes_cpu(self.group):
+                self._msg = (self.group, cpu)
+            elif self._cpu_group_given is not None:
+                self._msg = (self._cpu_group_given, cpu)
+            elif dist.get_world_size(self.group) == dist.get_world_size():
+                self._msg = (distributed.cpu_group(self.group), cpu)
+            else:
+                self._msg = (self.group, self.device)
+        return self._msg
+
     def _send(self, t, rank):
-        dist.send(t, dst=_global(self.group, rank), group=self.group, tag=_META_TAG)
+        group, device = self._messages()
+        dist.send(t.to(device), dst=_global(self.group, rank), group=group, tag=_META_TAG)
 
     def _recv(self, t, rank):
-        dist.recv(t, src=_global(self.group, rank), group=self.group, tag=_META_TAG)
+        group, device = self._messages()
+        buf = t if t.device == device else torch.empty_like(t, device=device)
+        dist.recv(buf, src=_global(self.group, rank), group=group, tag=_META_TAG)
+        if buf is not t:
+            t.copy_(buf)
 
     # ---- the runner's callbacks ------------------------------------------------------------------
 
@@ -356,7 +407,7 @@ class PipelineSchedule:
             inputs, kwargs = self._first_inputs(i)
         else:
             inputs = []
-            for t in _views(in_addr, self._meta[s - 1]):
+            for t in self._views(in_addr, s - 1):
                 t = t.clone()
                 if t.is_floating_point():
                     t.requires_grad_(True)
@@ -373,9 +424,19 @@ class PipelineSchedule:
             raise ValueError(f"zbpp: stage {s} returned {[(str(d), sh) for d, sh in _meta_of(outs, s)]} for "
                              f"microbatch {i}, but the boundary was set up for "
                              f"{[(str(d), sh) for d, sh in meta]}; shapes must not change")
-        for view, t in zip(_views(out_addr, meta), outs):
+        for view, t in zip(self._views(out_addr, s), outs):
             view.copy_(t.detach())
         self._ctx[(s, i)] = (inputs, outs, None)
+
+    def _views(self, addr, boundary):
+        """Typed tensors over a runner buffer of `boundary` (host memory, or device memory wrapped
+        as CUDA tensors: every copy in and out then runs on torch's current stream, the runner's
+        compute stream)."""
+        meta = self._meta[boundary]
+        if self._dviews is None:
+            return _views(addr, meta)
+        dv = self._dviews
+        return dv.get(addr, boundary, lambda a: _typed(dv.buffer(a, _layout(meta)[1]), meta))
 
     def _backward(self, s, i, gout_addr, gin_addr):
         inputs, outs, loss = self._ctx.pop((s, i))
@@ -385,14 +446,14 @@ class PipelineSchedule:
             if loss is not None:
                 self._loss_backward(loss)
             else:
-                pairs = [(o, g) for o, g in zip(outs, _views(gout_addr, self._meta[s]))
+                pairs = [(o, g) for o, g in zip(outs, self._views(gout_addr, s))
                          if o.requires_grad]
                 if pairs:
                     torch.autograd.backward([o for o, _ in pairs], [g.clone() for _, g in pairs])
         finally:
             store.capturing = False
         if s > 0:
-            for view, x in zip(_views(gin_addr, self._meta[s - 1]), inputs):
+            for view, x in zip(self._views(gin_addr, s - 1), inputs):
                 if x.grad is not None:
                     view.copy_(x.grad)
                 else:
@@ -439,13 +500,19 @@ class PipelineSchedule:
     def _run_iteration(self):
         """Runs this rank's op list once (the runner calls _forward/_backward)."""
         m = self.n_microbatches
-        if self._runner is None:
-            self._start()
-        self._ctx, self._outputs, self._losses = {}, [None] * m, [None] * m
-        try:
-            self._runner.run(extra_error=self._transport.take_error if self._transport else None)
-        finally:
-            self._ctx = {}
+        with self._device_scope():
+            if self._runner is None:
+                self._start()
+            self._ctx, self._outputs, self._losses = {}, [None] * m, [None] * m
+            if self._cuda:
+                # The runner's copies and W GEMMs go on torch's current stream, the stream the
+                # callbacks' torch work lands on, so one stream order covers all of it.
+                self._store.prepare_run()
+            extra = self._transport.take_error if self._transport is not None and not self._cuda else None
+            try:
+                self._runner.run(extra_error=extra)
+            finally:
+                self._ctx = {}
         self._last_times = self._runner.times()
         self.steps += 1
 
@@ -463,20 +530,55 @@ class PipelineSchedule:
     @property
     def transport(self):
         """This rank's transport over torch.distributed (None with one rank); the optimizer's
-        post-validation shares it (on channels of its own)."""
+        post-validation shares it (on channels of its own). CPU stages: the runner's transport too.
+        CUDA stages: host messages only, over a group that takes CPU tensors (cpu_group); on first
+        use every rank must ask for it, since making a gloo group is a collective."""
         if self._transport is None and self.ranks > 1:
-            self._transport = TorchTransport(self.group, self.timeout)
+            group = self.group
+            if self._cuda:
+                group = self._cpu_group_given
+                if group is None:
+                    group = distributed.cpu_group(self.group)
+            self._transport = TorchTransport(group, self.timeout)
         return self._transport
 
+    def _device_scope(self):
+        return torch.cuda.device(self.device) if self._cuda else contextlib.nullcontext()
+
     def _start(self):
-        self.transport  # noqa: B018 - created here at the latest
+        if not self._cuda:
+            self.transport  # noqa: B018 - created here at the latest: it is the runner's
         if not self._meta_given:
             self._infer_shapes()
         S = self.stages[0].num_stages
         sizes = [(_layout(self._meta[b])[1] if b in self._meta else 0) for b in range(S - 1)]
+        if self._cuda:
+            if self.ranks > 1 and self._nccl is None:
+                self._nccl = self._make_nccl()
+            transport = self._nccl
+        else:
+            transport = self._transport.transport if self._transport else None
         self._runner = runtime.Runner(self.schedule, self.rank, self._store.backend, self._store.store,
-                                      self._transport.transport if self._transport else None, sizes,
-                                      self._forward, self._backward, timeout_s=self.timeout)
+                                      transport, sizes, self._forward, self._backward, timeout_s=self.timeout)
+
+    def _make_nccl(self):
+        """The NCCL transport: rank 0 makes the unique id and sends it to every rank (with a flag,
+        so that a rank 0 that failed makes the others fail at once instead of at their timeout)."""
+        uid, failure = bytes(runtime.NCCL_UNIQUE_ID_BYTES), None
+        if self.rank == 0:
+            try:
+                uid = runtime.nccl_unique_id()
+            except _lib.ZbError as exc:
+                failure = exc
+        group, device = self._messages()
+        got = distributed.broadcast_bytes(bytes([failure is None]) + uid, _global(self.group, 0), group, device)
+        if failure is not None:
+            raise failure
+        if got[0] != 1:
+            raise _lib.ZbError(runtime.ZB_ERR_REMOTE, f"rank {self.rank}: pipeline rank 0 could not make an NCCL "
+                                                      "unique id (its error says why)")
+        return runtime.Transport.nccl(self.rank, self.ranks, got[1:], self._store.backend, self.schedule,
+                                      timeout=self.timeout)
 
     # ---- measured timeline -----------------------------------------------------------------------
 
@@ -502,6 +604,11 @@ class PipelineSchedule:
         if self._runner is not None:
             self._runner.close()
             self._runner = None
+        if self._dviews is not None:
+            self._dviews.clear()  # views of the runner's buffers, which are gone now
+        if self._nccl is not None:
+            self._nccl.close()
+            self._nccl = None
         if self._transport is not None:
             self._transport.close()
             self._transport = None

@@ -10,14 +10,22 @@ entry. `split_linear(module)` turns every nn.Linear of a module into a `SplitLin
 class swap: parameters, state dict, hooks and requires_grad are untouched, isinstance(m, nn.Linear)
 stays true). Where the gradient lands: `param.main_grad` when the parameter has one (fp32, as
 Megatron's do), else `param.grad` (fp32 parameters: accumulated in place; bf16/fp16 parameters: the
-fp32 product is added to .grad in the parameter's dtype when W runs, as autograd would).
+product, rounded once to the parameter's dtype, is added to .grad when W runs, as autograd would).
 
 Outside a pipeline (no W store capturing), a SplitLinear's backward runs its W at once through the
 same C GEMM, so `loss.backward()` fills every gradient as usual and a single-process run computes
 the same bits as the pipeline. Inside a pipeline the runner opens a group per B and W pops it.
 
-What this is not: a GEMM for GPUs yet (issue 5 plugs in cuBLASLt); other parametrised layers
-(LayerNorm, Embedding, ...) keep autograd's fused backward, so their gradients arrive in B.
+Devices: one store per device (`default_store(device)`). CPU tensors use the host backend (CBLAS);
+CUDA tensors use the device's CUDA backend (cuBLASLt), and every run is issued on torch's current
+stream of the device. The caching allocator's rule is kept: the store gives back an entry once its
+GEMM is enqueued, and X and dY are then dropped; that is safe when the GEMM ran on the stream they
+were used on at push time, and otherwise they get record_stream(run stream) first, so their memory
+is not reused before the GEMM has read it. Work pushed on one stream and run on another is ordered
+by making the run stream wait for the push stream (as torch requires of any cross-stream use).
+
+What this is not: a layer library. Other parametrised layers (LayerNorm, Embedding, ...) keep
+autograd's fused backward, so their gradients arrive in B.
 """
 
 import itertools
@@ -26,7 +34,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
-from . import runtime
+from . import cuda, runtime
 
 __all__ = ["SplitLinear", "split_linear", "WGradStore", "default_store", "capture"]
 
@@ -37,24 +45,58 @@ _DTYPE = {torch.float32: runtime.DTYPES["float32"], torch.float16: runtime.DTYPE
 class WGradStore:
     """A C W store with the tensors its entries read kept alive until their release.
 
-    One per process is enough (`default_store()`); the pipeline's runner uses it too, so entries
-    pushed during a B land in the group the runner opened for that B.
+    One per device and process is enough (`default_store(device)`); the pipeline's runner uses it
+    too, so entries pushed during a B land in the group the runner opened for that B.
     """
 
-    def __init__(self):
-        self.backend = runtime.Backend("host")
-        self._live = {}  # token -> (tensors kept alive, action after the GEMM ran or None)
+    def __init__(self, device=None):
+        self.device = cuda.device_of(device) if device is not None else torch.device("cpu")
+        self.is_cuda = self.device.type == "cuda"
+        self.backend = cuda.backend_for(self.device) if self.is_cuda else runtime.Backend("host")
+        self._live = {}  # token -> (tensors kept alive, action after the GEMM ran or None, push stream)
         self._tokens = itertools.count(1)
-        self.store = runtime.WStore(self.backend, self._release)
-        self.immediate = runtime.WStore(self.backend, self._release)
+        self._run_stream = None  # CUDA: the stream the backend was last pointed at by prepare_run
+        self._push_streams = {}  # CUDA: stream handle -> [stream, live entries pushed on it]
+        before = self.prepare_run if self.is_cuda else None
+        self.store = runtime.WStore(self.backend, self._release, before_run=before)
+        self.immediate = runtime.WStore(self.backend, self._release, before_run=before)
         # A runner sets this while it is inside a backward callback: pushes then go to its group.
         self.capturing = False
 
+    def prepare_run(self):
+        """CUDA: points the backend at torch's current stream (GEMMs then run there) and makes that
+        stream wait for the streams pending entries were pushed on. Called by pop_run from Python;
+        a runner's owner calls it before zb_runner_run, whose W ops pop in C."""
+        if not self.is_cuda:
+            return None
+        stream = cuda.use_current_stream(self.backend, self.device)
+        for other, _count in self._push_streams.values():
+            if other.cuda_stream != stream.cuda_stream:
+                stream.wait_stream(other)
+        self._run_stream = stream
+        return stream
+
     def _release(self, token, ran):
-        keep, after = self._live.pop(token)
+        keep, after, pushed = self._live.pop(token)
+        if pushed is not None:
+            self._forget_push_stream(pushed)
+            run = self._run_stream
+            # ran = 1 comes back once the GEMM is enqueued on the run stream. The tensors it reads
+            # were last used on the push stream; when that is another stream, tell the caching
+            # allocator, or their blocks could be handed out (on the push stream) before it ran.
+            if ran and run is not None and run.cuda_stream != pushed.cuda_stream:
+                for t in keep:
+                    t.record_stream(run)
         if ran and after is not None:
             after()
         del keep
+
+    def _forget_push_stream(self, stream):
+        entry = self._push_streams.get(stream.cuda_stream)
+        if entry is not None:
+            entry[1] -= 1
+            if entry[1] <= 0:
+                del self._push_streams[stream.cuda_stream]
 
     def live_entries(self):
         """Entries pushed and not yet released (0 after every complete step)."""
@@ -66,15 +108,19 @@ class WGradStore:
         if dtype is None or dy2.dtype != x2.dtype:
             raise TypeError(f"zbpp: split Linear supports float32, float16 and bfloat16 inputs, got "
                             f"{x2.dtype} with gradient {dy2.dtype}")
-        if x2.device.type != "cpu":
-            raise NotImplementedError("zbpp: the W store runs on CPU tensors in this build; the CUDA "
-                                      "backend (cuBLASLt) is not available yet")
+        if x2.device != self.device or dy2.device != self.device:
+            raise ValueError(f"zbpp: the W store of {self.device} got tensors on {x2.device} and {dy2.device}; "
+                             "use default_store(device) of the tensors' device")
+        if self.is_cuda:
+            return self._push_cuda(x2, dy2, weight, bias, dtype, store)
         keep = [x2, dy2]
         after = []
         dw = _target(weight, keep, after)
         db = _target(bias, keep, after) if bias is not None and bias.requires_grad else None
+        if dw is None:
+            dw = _scratch(weight, keep)
         token = next(self._tokens)
-        self._live[token] = (keep, _chain(after))
+        self._live[token] = (keep, _chain(after), None)
         try:
             (store or self.store).push(dtype, x2.shape[0], x2.shape[1], dy2.shape[1], x2.data_ptr(), x2.stride(0),
                             dy2.data_ptr(), dy2.stride(0), dw.data_ptr() if dw is not None else None,
@@ -83,11 +129,82 @@ class WGradStore:
             self._live.pop(token, None)
             raise
 
+    def _push_cuda(self, x2, dy2, weight, bias, dtype, store):
+        has_db = bias is not None and bias.requires_grad
+        # The entry's dw and db share one dw_dtype. The input dtype (bf16/fp16) written with
+        # overwrite is used only when every target is a .grad of exactly that dtype: the GEMM then
+        # sums in fp32 and rounds once, the same value the CPU path gets from its fp32 buffer and
+        # .to(dtype). Anything else (main_grad, fp32 .grad, a mix) accumulates in fp32.
+        targets = [weight] + ([bias] if has_db else [])
+        half = dtype != _DTYPE[torch.float32] and all(
+            p.requires_grad and getattr(p, "main_grad", None) is None and p.dtype == x2.dtype for p in targets)
+        stream = torch.cuda.current_stream(self.device)
+        keep = [x2, dy2]
+        after = []
+        if half:  # (weight.requires_grad holds here: half needs every target trainable)
+            # With no rows the GEMM has nothing to write (the host backend returns early), so the
+            # "product" must start as zeros there; otherwise every element is overwritten.
+            empty = x2.shape[0] == 0
+            dw = _fresh_half(weight, keep, after, empty)
+            db = _fresh_half(bias, keep, after, empty) if has_db else None
+        else:
+            dw = _target(weight, keep, after)
+            db = _target(bias, keep, after) if has_db else None
+        if dw is None and db is None:
+            return
+        if dw is None:
+            dw = _scratch(weight, keep)
+        token = next(self._tokens)
+        self._live[token] = (keep, _chain(after), stream)
+        entry = self._push_streams.setdefault(stream.cuda_stream, [stream, 0])
+        entry[1] += 1
+        run = self._run_stream
+        if self.capturing and run is not None and run.cuda_stream != stream.cuda_stream:
+            # A runner is active and will run this W on its stream from C (no prepare_run then):
+            # order it after everything this push depends on.
+            run.wait_stream(stream)
+        try:
+            (store or self.store).push(dtype, x2.shape[0], x2.shape[1], dy2.shape[1], x2.data_ptr(), x2.stride(0),
+                                       dy2.data_ptr(), dy2.stride(0), dw.data_ptr(),
+                                       db.data_ptr() if db is not None else None, token,
+                                       dw_dtype=dtype if half else _DTYPE[torch.float32], overwrite=half)
+        except BaseException:
+            self._live.pop(token, None)
+            self._forget_push_stream(stream)
+            raise
+
     def close(self):
         self.store.close()
         self.immediate.close()
         self._live.clear()
-        self.backend.close()
+        self._push_streams.clear()
+        if not self.is_cuda:
+            self.backend.close()  # the CUDA backend is the device's, shared (cuda.backend_for)
+
+
+def _scratch(weight, keep):
+    """A frozen weight with a trainable bias: the entry still needs a dw, so it gets a scratch one
+    whose product is thrown away (the bias sum is what is wanted)."""
+    dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+    keep.append(dw)
+    return dw
+
+
+def _fresh_half(param, keep, after, zeros):
+    """CUDA, bf16/fp16 parameter without main_grad: W writes the product (rounded once) into a fresh
+    tensor of the parameter's dtype, which is then added to .grad as autograd would."""
+    make = torch.zeros if zeros else torch.empty
+    tmp = make(param.shape, dtype=param.dtype, device=param.device)
+    keep.append(tmp)
+
+    def add():
+        if param.grad is None:
+            param.grad = tmp
+        else:
+            param.grad.add_(tmp)
+
+    after.append(add)
+    return tmp
 
 
 def _target(param, keep, after):
@@ -99,6 +216,8 @@ def _target(param, keep, after):
         if main.dtype != torch.float32 or not main.is_contiguous() or main.shape != param.shape:
             raise TypeError(f"zbpp: main_grad must be a contiguous float32 tensor shaped like its "
                             f"parameter {tuple(param.shape)}; got {main.dtype} {tuple(main.shape)}")
+        if main.device != param.device:
+            raise TypeError(f"zbpp: main_grad is on {main.device} but its parameter on {param.device}")
         keep.append(main)
         return main
     if param.dtype == torch.float32:
@@ -110,7 +229,7 @@ def _target(param, keep, after):
         return param.grad
     # Half-precision parameter without main_grad: accumulate the product in fp32, then add it to
     # .grad in the parameter's dtype, as autograd does for each backward.
-    tmp = torch.zeros(param.shape, dtype=torch.float32)
+    tmp = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
     keep.append(tmp)
 
     def add():
@@ -135,29 +254,49 @@ def _chain(actions):
     return run
 
 
-_default = None
+_defaults = {}
 _default_lock = threading.Lock()
+_exit_registered = False
 
 
-def default_store():
-    """This process's W store (created on first use)."""
-    global _default
+def default_store(device=None):
+    """This process's W store for a device (created on first use); None means the CPU store."""
+    key = "cpu" if device is None else str(torch.device(device))
+    st = _defaults.get(key)
+    if st is not None:
+        return st
+    global _exit_registered
+    dev = cuda.device_of(device) if device is not None else torch.device("cpu")
     with _default_lock:
-        if _default is None:
-            _default = WGradStore()
-        return _default
+        st = _defaults.get(str(dev))
+        if st is None:
+            st = WGradStore(dev)
+            if st.is_cuda and not _exit_registered:
+                # The stores must be destroyed before the device backends they borrow.
+                cuda.at_exit(_close_defaults)
+                _exit_registered = True
+            _defaults[str(dev)] = st
+        # "cuda" (no index) follows the current device, so only exact names are remembered.
+        return st
+
+
+def _close_defaults():
+    for st in {id(s): s for s in _defaults.values()}.values():
+        st.close()
+    _defaults.clear()
 
 
 class capture:
     """Within `with capture(stage, mb):` split Linears queue their W work as one group of the
     default store instead of running it; `default_store().store.pop_run(stage)` runs it later.
-    The runner does this itself; use it to drive a split model by hand."""
+    The runner does this itself; use it to drive a split model by hand. device: the store of that
+    device (default: the CPU store); on CUDA, pop_run runs on torch's current stream then."""
 
-    def __init__(self, stage, mb):
-        self.stage, self.mb = stage, mb
+    def __init__(self, stage, mb, device=None):
+        self.stage, self.mb, self.device = stage, mb, device
 
     def __enter__(self):
-        st = default_store()
+        st = default_store(self.device)
         if st.capturing:
             raise RuntimeError("zbpp: capture() is already active (a runner or another capture)")
         st.store.begin(self.stage, self.mb)
@@ -165,7 +304,7 @@ class capture:
         return st
 
     def __exit__(self, *exc):
-        st = default_store()
+        st = default_store(self.device)
         st.capturing = False
         st.store.end()
 
@@ -188,7 +327,7 @@ class _SplitLinearFn(torch.autograd.Function):
             dy2 = dy.reshape(-1, dy.shape[-1])
             x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
             dy2 = dy2 if dy2.stride(-1) == 1 else dy2.contiguous()
-            st = default_store()
+            st = default_store(None if x2.device.type == "cpu" else x2.device)
             if st.capturing:
                 st.push_linear(x2, dy2, weight, bias)
             else:
