@@ -60,19 +60,6 @@ static int teardown(void **state) {
 static size_t dsize(zb_dtype_t t) { return t == ZB_DTYPE_F32 ? 4 : 2; }
 static const char *dname(zb_dtype_t t) { return t == ZB_DTYPE_F32 ? "fp32" : t == ZB_DTYPE_F16 ? "f16" : "bf16"; }
 
-static double get(const void *buf, zb_dtype_t t, int64_t i) {
-  if (t == ZB_DTYPE_F32) return ((const float *)buf)[i];
-  uint16_t v = ((const uint16_t *)buf)[i];
-  return t == ZB_DTYPE_F16 ? zb__half_to_float(v) : zb__bf16_to_float(v);
-}
-
-static void put(void *buf, zb_dtype_t t, int64_t i, float v) {
-  if (t == ZB_DTYPE_F32)
-    ((float *)buf)[i] = v;
-  else
-    ((uint16_t *)buf)[i] = t == ZB_DTYPE_F16 ? zb__float_to_half(v) : zb__float_to_bf16(v);
-}
-
 static void *dev_alloc(gpu_t *g, size_t bytes) {
   void *p = NULL;
   ZB_ASSERT_OK(zb_backend_alloc(g->be, bytes, &p));
@@ -122,8 +109,8 @@ static void inputs_make(gpu_t *g, inputs_t *in, shape_t s, zb_dtype_t dt) {
   size_t nx = (size_t)(s.rows * in->ldx), ny = (size_t)(s.rows * in->ldy), es = dsize(dt);
   in->xh = malloc(nx * es), in->dyh = malloc(ny * es);
   assert_non_null(in->xh), assert_non_null(in->dyh);
-  for (size_t k = 0; k < nx; k++) put(in->xh, dt, (int64_t)k, urand(11, (uint64_t)s.rows, dt, k));
-  for (size_t k = 0; k < ny; k++) put(in->dyh, dt, (int64_t)k, urand(12, (uint64_t)s.rows, dt, k));
+  for (size_t k = 0; k < nx; k++) elem_put(in->xh, dt, (int64_t)k, urand(11, (uint64_t)s.rows, dt, k));
+  for (size_t k = 0; k < ny; k++) elem_put(in->dyh, dt, (int64_t)k, urand(12, (uint64_t)s.rows, dt, k));
   in->xd = dev_alloc(g, (nx + (size_t)s.offset) * es), in->dyd = dev_alloc(g, (ny + (size_t)s.offset) * es);
   upload(g, (char *)in->xd + (size_t)s.offset * es, in->xh, nx * es);
   upload(g, (char *)in->dyd + (size_t)s.offset * es, in->dyh, ny * es);
@@ -148,7 +135,7 @@ static zb_wgrad_t entry_of(const inputs_t *in, void *dw, void *db, zb_dtype_t dw
 static double ref_dw(const inputs_t *in, int64_t o, int64_t i, double *mag) {
   double s = 0, m = 0;
   for (int64_t r = 0; r < in->s.rows; r++) {
-    double t = get(in->dyh, in->dt, r * in->ldy + o) * get(in->xh, in->dt, r * in->ldx + i);
+    double t = elem_get(in->dyh, in->dt, r * in->ldy + o) * elem_get(in->xh, in->dt, r * in->ldx + i);
     s += t, m += fabs(t);
   }
   *mag = m;
@@ -157,7 +144,7 @@ static double ref_dw(const inputs_t *in, int64_t o, int64_t i, double *mag) {
 static double ref_db(const inputs_t *in, int64_t o, double *mag) {
   double s = 0, m = 0;
   for (int64_t r = 0; r < in->s.rows; r++) {
-    double t = get(in->dyh, in->dt, r * in->ldy + o);
+    double t = elem_get(in->dyh, in->dt, r * in->ldy + o);
     s += t, m += fabs(t);
   }
   *mag = m;
@@ -177,8 +164,8 @@ static void check_mode(gpu_t *g, const inputs_t *in, zb_dtype_t dwt, int overwri
   void *dwh = malloc((size_t)(n * es)), *dbh = malloc((size_t)(s.out * es));
   void *dw0 = malloc((size_t)(n * es)), *db0 = malloc((size_t)(s.out * es));
   assert_true(dwh && dbh && dw0 && db0);
-  for (int64_t k = 0; k < n; k++) put(dw0, dwt, k, overwrite ? NAN : urand(13, (uint64_t)n, dwt, (uint64_t)k));
-  for (int64_t k = 0; k < s.out; k++) put(db0, dwt, k, overwrite ? NAN : urand(14, (uint64_t)n, dwt, (uint64_t)k));
+  for (int64_t k = 0; k < n; k++) elem_put(dw0, dwt, k, overwrite ? NAN : urand(13, (uint64_t)n, dwt, (uint64_t)k));
+  for (int64_t k = 0; k < s.out; k++) elem_put(db0, dwt, k, overwrite ? NAN : urand(14, (uint64_t)n, dwt, (uint64_t)k));
   void *dwd = dev_alloc(g, (size_t)(n * es)), *dbd = dev_alloc(g, (size_t)(s.out * es));
   upload(g, dwd, dw0, (size_t)(n * es));
   upload(g, dbd, db0, (size_t)(s.out * es));
@@ -190,9 +177,9 @@ static void check_mode(gpu_t *g, const inputs_t *in, zb_dtype_t dwt, int overwri
   const int64_t checks = n <= 65536 ? n : 511;
   for (int64_t k = 0; k < checks; k++) {
     int64_t idx = pick(k, n), o = idx / s.in, i = idx % s.in;
-    double mag, want = ref_dw(in, o, i, &mag), old = overwrite ? 0 : get(dw0, dwt, idx);
+    double mag, want = ref_dw(in, o, i, &mag), old = overwrite ? 0 : elem_get(dw0, dwt, idx);
     want += old, mag += fabs(old);
-    double got = get(dwh, dwt, idx), b = bound(s.rows, mag, want, dwt);
+    double got = elem_get(dwh, dwt, idx), b = bound(s.rows, mag, want, dwt);
     if (!(fabs(got - want) <= b)) /* NaN fails too: an overwrite that read the old NaN */
       fail_msg("%s x/dy, %s dw, %s, bias %d, rows %lld in %lld out %lld ldx %lld ldy %lld offset %d: "
                "dw[%lld, %lld] = %.9g, want %.9g (error %.3g > bound %.3g; mag %.3g)",
@@ -201,7 +188,7 @@ static void check_mode(gpu_t *g, const inputs_t *in, zb_dtype_t dwt, int overwri
                (long long)i, got, want, fabs(got - want), b, mag);
   }
   for (int64_t o = 0; o < s.out; o++) {
-    double mag, want = ref_db(in, o, &mag), old = get(db0, dwt, o), got = get(dbh, dwt, o);
+    double mag, want = ref_db(in, o, &mag), old = elem_get(db0, dwt, o), got = elem_get(dbh, dwt, o);
     if (!bias) {
       /* No bias in the entry: the buffer is untouched, NaN included. */
       if (memcmp((char *)dbh + o * es, (char *)db0 + o * es, (size_t)es) != 0)

@@ -13,6 +13,7 @@
 #include <cmocka.h>
 
 #include "zbpp.h"
+#include "backend/internal.h" /* the host half <-> float conversions */
 
 /* Asserts a zbpp call returned ZB_OK, printing the status and zb_last_error() otherwise. */
 #define ZB_ASSERT_OK(expr)                                                                         \
@@ -59,6 +60,23 @@ static inline uint64_t mix(uint64_t x) {
 static inline float urand(uint64_t a, uint64_t b, uint64_t c, uint64_t d) {
   uint64_t x = mix(mix(mix(mix(a) ^ b) ^ c) ^ d);
   return (float)((double)(x >> 40) / 8388608.0 - 1.0);
+}
+
+/* ---- elements of any dtype ---------------------------------------------------------------------- */
+
+/* Element i of a buffer of dtype t, widened (exactly) to double. */
+static inline double elem_get(const void *buf, zb_dtype_t t, int64_t i) {
+  if (t == ZB_DTYPE_F32) return ((const float *)buf)[i];
+  uint16_t v = ((const uint16_t *)buf)[i];
+  return t == ZB_DTYPE_F16 ? zb__half_to_float(v) : zb__bf16_to_float(v);
+}
+
+/* Stores v rounded (to nearest even) to dtype t. */
+static inline void elem_put(void *buf, zb_dtype_t t, int64_t i, float v) {
+  if (t == ZB_DTYPE_F32)
+    ((float *)buf)[i] = v;
+  else
+    ((uint16_t *)buf)[i] = t == ZB_DTYPE_F16 ? zb__float_to_half(v) : zb__float_to_bf16(v);
 }
 
 #endif

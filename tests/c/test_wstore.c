@@ -179,21 +179,6 @@ static void test_half_conversions(void **state) {
 
 /* ---- dw_dtype, overwrite, rows = 0, old struct sizes, and the fp32 -> half conversions ---------- */
 
-/* Element i of a buffer of dtype t, widened (exactly) to double. */
-static double get(const void *buf, zb_dtype_t t, int64_t i) {
-  if (t == ZB_DTYPE_F32) return ((const float *)buf)[i];
-  uint16_t v = ((const uint16_t *)buf)[i];
-  return t == ZB_DTYPE_F16 ? zb__half_to_float(v) : zb__bf16_to_float(v);
-}
-
-/* Stores v rounded to dtype t. */
-static void put(void *buf, zb_dtype_t t, int64_t i, float v) {
-  if (t == ZB_DTYPE_F32)
-    ((float *)buf)[i] = v;
-  else
-    ((uint16_t *)buf)[i] = t == ZB_DTYPE_F16 ? zb__float_to_half(v) : zb__float_to_bf16(v);
-}
-
 static void run_one(zb_wstore_t *ws, const zb_wgrad_t *e) {
   ZB_ASSERT_OK(zb_wstore_begin(ws, 0, 0));
   ZB_ASSERT_OK(zb_wstore_push(ws, e));
@@ -222,15 +207,15 @@ static void check_mode(zb_wstore_t *ws, zb_dtype_t dt, zb_dtype_t dwt, int overw
   enum { ROWS = 9, IN = 7, OUT = 5, LDX = 8, LDY = 6 };
   float x[ROWS * LDX], dy[ROWS * LDY], dw[OUT * IN], db[OUT]; /* big enough for every dtype */
   double dw0[OUT * IN], db0[OUT];
-  for (int k = 0; k < ROWS * LDX; k++) put(x, dt, k, urand(1, dt, k, 0));
-  for (int k = 0; k < ROWS * LDY; k++) put(dy, dt, k, urand(2, dt, k, 0));
+  for (int k = 0; k < ROWS * LDX; k++) elem_put(x, dt, k, urand(1, dt, k, 0));
+  for (int k = 0; k < ROWS * LDY; k++) elem_put(dy, dt, k, urand(2, dt, k, 0));
   for (int k = 0; k < OUT * IN; k++) {
-    put(dw, dwt, k, overwrite ? NAN : urand(3, dwt, k, 0));
-    dw0[k] = overwrite ? 0 : get(dw, dwt, k);
+    elem_put(dw, dwt, k, overwrite ? NAN : urand(3, dwt, k, 0));
+    dw0[k] = overwrite ? 0 : elem_get(dw, dwt, k);
   }
   for (int k = 0; k < OUT; k++) {
-    put(db, dwt, k, overwrite ? NAN : urand(4, dwt, k, 0));
-    db0[k] = overwrite ? 0 : get(db, dwt, k);
+    elem_put(db, dwt, k, overwrite ? NAN : urand(4, dwt, k, 0));
+    db0[k] = overwrite ? 0 : elem_get(db, dwt, k);
   }
   zb_wgrad_t e = {sizeof(zb_wgrad_t), dt, ROWS, IN, OUT, x, LDX, dy, LDY, dw, bias ? db : NULL, 0, dwt, overwrite};
   run_one(ws, &e);
@@ -238,17 +223,17 @@ static void check_mode(zb_wstore_t *ws, zb_dtype_t dt, zb_dtype_t dwt, int overw
     for (int i = 0; i < IN; i++) {
       double want = dw0[o * IN + i], mag = fabs(want);
       for (int r = 0; r < ROWS; r++) {
-        double t = get(dy, dt, r * LDY + o) * get(x, dt, r * LDX + i);
+        double t = elem_get(dy, dt, r * LDY + o) * elem_get(x, dt, r * LDX + i);
         want += t, mag += fabs(t);
       }
-      double got = get(dw, dwt, o * IN + i), err = fabs(got - want), b = bound(ROWS, mag, want, dwt);
+      double got = elem_get(dw, dwt, o * IN + i), err = fabs(got - want), b = bound(ROWS, mag, want, dwt);
       if (!(err <= b)) /* NaN fails too */
         fail_msg("dtype %d dw_dtype %d overwrite %d bias %d: dw[%d,%d] = %.9g, want %.9g (error %.3g > %.3g)",
                  dt, dwt, overwrite, bias, o, i, got, want, err, b);
     }
     double want = db0[o], mag = fabs(want);
-    for (int r = 0; r < ROWS; r++) want += get(dy, dt, r * LDY + o), mag += fabs(get(dy, dt, r * LDY + o));
-    double got = get(db, dwt, o);
+    for (int r = 0; r < ROWS; r++) want += elem_get(dy, dt, r * LDY + o), mag += fabs(elem_get(dy, dt, r * LDY + o));
+    double got = elem_get(db, dwt, o);
     if (bias && !(fabs(got - want) <= bound(ROWS, mag, want, dwt)))
       fail_msg("dtype %d dw_dtype %d overwrite %d: db[%d] = %.9g, want %.9g", dt, dwt, overwrite, o, got, want);
     if (!bias && !(overwrite ? isnan(got) : got == db0[o]))
@@ -286,12 +271,12 @@ static void test_rows_zero(void **state) {
       zb_wgrad_t e = {sizeof(zb_wgrad_t), pairs[p][0], 0, 4, 3, NULL, 0, NULL, 0, dw, db, 0, pairs[p][1], overwrite};
       run_one(ws, &e);
       for (int k = 0; k < 12; k++) {
-        double got = get(dw, pairs[p][1], k);
+        double got = elem_get(dw, pairs[p][1], k);
         if (overwrite ? got != 0.0 : memcmp(dw, dw_before, sizeof dw) != 0)
           fail_msg("rows 0, dw_dtype %d, overwrite %d: dw[%d] = %g", pairs[p][1], overwrite, k, got);
       }
       for (int k = 0; k < 3; k++) {
-        double got = get(db, pairs[p][1], k);
+        double got = elem_get(db, pairs[p][1], k);
         if (overwrite ? got != 0.0 : memcmp(db, db_before, sizeof db) != 0)
           fail_msg("rows 0, dw_dtype %d, overwrite %d: db[%d] = %g", pairs[p][1], overwrite, k, got);
       }
