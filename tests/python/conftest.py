@@ -66,3 +66,18 @@ def build_dir():
             pytrace=False,
         )
     return BUILD_DIR
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _remove_rendezvous_files():
+    """Multi-process tests meet through files (pipeline_worker.store_url); a rank that a test kills
+    on purpose leaves its file behind, so this session's files go when it ends."""
+    yield
+    import glob
+    import tempfile
+
+    for path in glob.glob(os.path.join(tempfile.gettempdir(), f"zbpp-store-{os.getpid()}-*")):
+        try:
+            os.remove(path)
+        except OSError:
+            pass

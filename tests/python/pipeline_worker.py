@@ -17,9 +17,18 @@ import torch
 import torch.distributed as dist
 
 
+def store_url(key):
+    """A file:// rendezvous unique to this spawn (the parent's pid and a key it chose). A TCP port
+    picked in the parent can be taken by another socket before rank 0 binds it, which made runs
+    fail now and then with "Address already in use"; a file cannot be taken."""
+    import tempfile
+
+    return "file://" + os.path.join(tempfile.gettempdir(), f"zbpp-store-{os.getppid()}-{key}")
+
+
 def _init(rank, world, port, timeout=60.0):
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout))
+    dist.init_process_group("gloo", init_method=store_url(port), rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout))
     torch.set_num_threads(1)
 
 

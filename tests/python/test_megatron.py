@@ -200,8 +200,10 @@ CASES = {
 def _worker(rank, port, out_dir):
     import torch.distributed as dist
 
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=RANKS, timeout=datetime.timedelta(seconds=TIMEOUT))
+    from pipeline_worker import store_url
+
+    dist.init_process_group("gloo", init_method=store_url(port), rank=rank, world_size=RANKS,
+                            timeout=datetime.timedelta(seconds=TIMEOUT))
     torch.set_num_threads(1)  # the ranks share the cores; results must not depend on threads
     results = {}
     try:
@@ -333,8 +335,10 @@ def _dead_peer_worker(rank, port, out_dir):
 
     import zbpp
 
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=RANKS, timeout=datetime.timedelta(seconds=TIMEOUT))
+    from pipeline_worker import store_url
+
+    dist.init_process_group("gloo", init_method=store_url(port), rank=rank, world_size=RANKS,
+                            timeout=datetime.timedelta(seconds=TIMEOUT))
     torch.set_num_threads(1)
     ps = standin.install()
     ps.initialize_model_parallel(rank, RANKS)
