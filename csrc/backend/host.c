@@ -224,23 +224,8 @@ static zb_status_t host_alloc(zb_backend_t *be, size_t bytes, void **out) {
 }
 static void host_release(zb_backend_t *be, void *ptr) { free(ptr); }
 
-/* Host streams are synchronous: an event is complete when recorded, and nothing ever waits. The
- * event objects still exist so that a runner leaks them exactly when it would leak CUDA events. */
-struct zb__event {
-  int recorded;
-};
-static zb_status_t host_event_create(zb_backend_t *be, zb__event_t **out) {
-  *out = calloc(1, sizeof(zb__event_t));
-  if (!*out) return ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "host backend: out of memory for an event");
-  return ZB_OK;
-}
-static void host_event_destroy(zb_backend_t *be, zb__event_t *ev) { free(ev); }
-static zb_status_t host_event_record(zb_backend_t *be, int stream, zb__event_t *ev) {
-  ev->recorded = 1;
-  return ZB_OK;
-}
-static zb_status_t host_stream_wait(zb_backend_t *be, int stream, zb__event_t *ev) { return ZB_OK; }
-static zb_status_t host_stream_sync(zb_backend_t *be, int stream) { return ZB_OK; }
+/* Work runs when it is issued, so there is never anything to wait for. */
+static zb_status_t host_sync(zb_backend_t *be) { return ZB_OK; }
 static void host_destroy(zb_backend_t *be) { free(be); }
 
 static zb_status_t host_set_stream(zb_backend_t *be, void *stream) {
@@ -285,11 +270,7 @@ static const zb__backend_ops_t host_ops = {
     .alloc = host_alloc,
     .release = host_release,
     .wgrad = host_wgrad,
-    .event_create = host_event_create,
-    .event_destroy = host_event_destroy,
-    .event_record = host_event_record,
-    .stream_wait = host_stream_wait,
-    .stream_sync = host_stream_sync,
+    .sync = host_sync,
     .destroy = host_destroy,
     .set_stream = host_set_stream,
     .copy = host_copy,
@@ -332,7 +313,7 @@ zb_status_t zb_backend_set_stream(zb_backend_t *be, void *stream) {
 
 zb_status_t zb_backend_synchronize(zb_backend_t *be) {
   ZB_ARG_NOT_NULL(be);
-  return be->ops->stream_sync(be, ZB__STREAM_COMPUTE);
+  return be->ops->sync(be);
 }
 
 zb_status_t zb_backend_alloc(zb_backend_t *be, size_t bytes, void **out) {

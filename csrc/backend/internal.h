@@ -2,11 +2,11 @@
  * internal.h - the backend interface the runtime is written against, and the host helpers the
  * reference model shares with the host backend. Private to the library.
  *
- * A backend owns one rank's memory, its compute stream and its communication streams, and runs the
- * W store's GEMMs. Streams are named by small integers (ZB__STREAM_COMPUTE, then one per channel
- * direction); events order work between them. On the host every stream is synchronous, so events
- * are always complete and waits return at once; the CUDA backend maps the same calls onto
- * cudaStream_t and cudaEvent_t, so the runner never needs to know which one it drives.
+ * A backend owns one rank's memory and its compute stream, and runs the W store's GEMMs and the
+ * optimizer kernels there. On the host the "stream" is synchronous: work runs when it is issued.
+ * On CUDA it is a cudaStream_t. Communication streams are not the backend's: a transport that
+ * moves device memory orders itself against the compute stream (the NCCL transport has a stream per
+ * channel and events of its own), so the runner never needs to know which backend it drives.
  */
 #ifndef ZB_BACKEND_INTERNAL_H
 #define ZB_BACKEND_INTERNAL_H
@@ -15,8 +15,6 @@
 
 #include "../common/error.h"
 #include "zbpp.h"
-
-enum { ZB__STREAM_COMPUTE = 0, ZB__STREAM_SEND = 1, ZB__STREAM_RECV = 2 };
 
 typedef struct zb__event zb__event_t;
 
@@ -28,14 +26,8 @@ typedef struct {
   void (*release)(zb_backend_t *be, void *ptr);
   /* dw += dy^T x (and db += column sums of dy) on the compute stream. */
   zb_status_t (*wgrad)(zb_backend_t *be, const zb_wgrad_t *e);
-  zb_status_t (*event_create)(zb_backend_t *be, zb__event_t **out);
-  void (*event_destroy)(zb_backend_t *be, zb__event_t *ev);
-  /* Marks the point in `stream` that later waits refer to. */
-  zb_status_t (*event_record)(zb_backend_t *be, int stream, zb__event_t *ev);
-  /* Makes `stream` wait for the event on the device (never on the host). */
-  zb_status_t (*stream_wait)(zb_backend_t *be, int stream, zb__event_t *ev);
-  /* Blocks the host until `stream` has finished what was issued. */
-  zb_status_t (*stream_sync)(zb_backend_t *be, int stream);
+  /* Blocks the host until the compute stream has finished what was issued. */
+  zb_status_t (*sync)(zb_backend_t *be);
   void (*destroy)(zb_backend_t *be);
   /* zb_backend_set_stream (arguments checked by the caller only for NULL-ness of be). */
   zb_status_t (*set_stream)(zb_backend_t *be, void *stream);
@@ -52,10 +44,13 @@ typedef struct {
                               double growth, double backoff, int32_t interval);
   zb_status_t (*optim_step)(zb_backend_t *be, const zb_optim_step_t *s);
   zb_status_t (*optim_undo)(zb_backend_t *be, const zb_optim_step_t *s);
-  /* Optional (NULL on the host, where the runner stamps ops with the host clock): events that
-   * carry a device timestamp, and the seconds between two of them once both completed. The runner
-   * times each op on the device this way, since its host stamps only say when work was issued. */
+  /* Optional, all four NULL on the host (where the runner stamps ops with the host clock): events
+   * that take a device timestamp where they are recorded on the compute stream, and the seconds
+   * between two of them once both completed. The runner times each op on the device this way,
+   * since its host stamps only say when the work was issued. */
   zb_status_t (*timing_event_create)(zb_backend_t *be, zb__event_t **out);
+  void (*event_destroy)(zb_backend_t *be, zb__event_t *ev);
+  zb_status_t (*event_record)(zb_backend_t *be, zb__event_t *ev);
   zb_status_t (*elapsed)(zb_backend_t *be, zb__event_t *from, zb__event_t *to, double *seconds);
 } zb__backend_ops_t;
 

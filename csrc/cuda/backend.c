@@ -1,11 +1,10 @@
 /*
- * backend.c - the CUDA backend: device memory, the compute stream (the caller's or its own), two
- * communication streams, events between them, and the entry points that hand GEMMs to gemm.c and
- * the optimizer kernels to kernels.c.
+ * backend.c - the CUDA backend: device memory, the compute stream (the caller's or its own), timing
+ * events, and the entry points that hand GEMMs to gemm.c and the optimizer kernels to kernels.c.
  *
  * What it is: the production backend of the runner (DESIGN.md section 4). Every operation is
- * enqueued on a stream and returns; only stream_sync blocks the host. Ordering between streams is
- * always an event wait on the device (cudaStreamWaitEvent), never a host wait.
+ * enqueued on the compute stream and returns; only sync blocks the host. Communication streams are
+ * the NCCL transport's, which orders them against this stream with events on the device.
  * What it is not: a memory pool. alloc is cudaMalloc; the runner keeps its own free lists so a warm
  * iteration allocates nothing, and torch tensors come from torch's caching allocator anyway.
  */
@@ -24,10 +23,6 @@ zb_status_t zb__cuda_enter(const zb__cuda_t *cu) {
   ZB_CUDA_CHECK(cudaGetDevice(&cur));
   if (cur != cu->device) ZB_CUDA_CHECK(cudaSetDevice(cu->device));
   return ZB_OK;
-}
-
-static cudaStream_t stream_of(zb__cuda_t *cu, int stream) {
-  return stream == ZB__STREAM_COMPUTE ? cu->compute : cu->comm[stream == ZB__STREAM_SEND ? 0 : 1];
 }
 
 static zb_status_t cuda_alloc(zb_backend_t *be, size_t bytes, void **out) {
@@ -53,20 +48,6 @@ static zb_status_t cuda_wgrad(zb_backend_t *be, const zb_wgrad_t *e) {
   zb__cuda_t *cu = cu_of(be);
   ZB_CHECK(zb__cuda_enter(cu));
   return zb__wgemm_run(cu, e);
-}
-
-static zb_status_t cuda_event_create(zb_backend_t *be, zb__event_t **out) {
-  zb__cuda_t *cu = cu_of(be);
-  ZB_CHECK(zb__cuda_enter(cu));
-  zb__event_t *ev = calloc(1, sizeof *ev);
-  if (!ev) return ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory for a CUDA event");
-  cudaError_t e = cudaEventCreateWithFlags(&ev->ev, cudaEventDisableTiming);
-  if (e != cudaSuccess) {
-    free(ev);
-    return ZB_CUDA_FAIL(e, "cudaEventCreateWithFlags");
-  }
-  *out = ev;
-  return ZB_OK;
 }
 
 static zb_status_t cuda_timing_event_create(zb_backend_t *be, zb__event_t **out) {
@@ -96,20 +77,15 @@ static void cuda_event_destroy(zb_backend_t *be, zb__event_t *ev) {
   free(ev);
 }
 
-static zb_status_t cuda_event_record(zb_backend_t *be, int stream, zb__event_t *ev) {
-  ZB_CUDA_CHECK(cudaEventRecord(ev->ev, stream_of(cu_of(be), stream)));
+static zb_status_t cuda_event_record(zb_backend_t *be, zb__event_t *ev) {
+  ZB_CUDA_CHECK(cudaEventRecord(ev->ev, cu_of(be)->compute));
   return ZB_OK;
 }
 
-static zb_status_t cuda_stream_wait(zb_backend_t *be, int stream, zb__event_t *ev) {
-  ZB_CUDA_CHECK(cudaStreamWaitEvent(stream_of(cu_of(be), stream), ev->ev, 0));
-  return ZB_OK;
-}
-
-static zb_status_t cuda_stream_sync(zb_backend_t *be, int stream) {
+static zb_status_t cuda_sync(zb_backend_t *be) {
   zb__cuda_t *cu = cu_of(be);
   ZB_CHECK(zb__cuda_enter(cu));
-  ZB_CUDA_CHECK(cudaStreamSynchronize(stream_of(cu, stream)));
+  ZB_CUDA_CHECK(cudaStreamSynchronize(cu->compute));
   return ZB_OK;
 }
 
@@ -122,8 +98,6 @@ static void cuda_destroy(zb_backend_t *be) {
       zb__wgemm_destroy(cu);
       cudaFree(cu->workspace);
       if (cu->order) cudaEventDestroy(cu->order);
-      for (int k = 0; k < 2; k++)
-        if (cu->comm[k]) cudaStreamDestroy(cu->comm[k]);
       if (cu->own_stream) cudaStreamDestroy(cu->own_stream);
     }
     free(cu);
@@ -182,11 +156,9 @@ static const zb__backend_ops_t cuda_ops = {
     .alloc = cuda_alloc,
     .release = cuda_release,
     .wgrad = cuda_wgrad,
-    .event_create = cuda_event_create,
     .event_destroy = cuda_event_destroy,
     .event_record = cuda_event_record,
-    .stream_wait = cuda_stream_wait,
-    .stream_sync = cuda_stream_sync,
+    .sync = cuda_sync,
     .destroy = cuda_destroy,
     .set_stream = cuda_set_stream,
     .copy = cuda_copy,
@@ -248,8 +220,6 @@ zb_status_t zb_backend_create_cuda(zb_backend_t **out, const zb_cuda_backend_con
   zb_status_t st = zb__cuda_enter(cu);
   if (st != ZB_OK) goto fail;
   ZB_CUDA_CHECK_GOTO(cudaStreamCreateWithFlags(&cu->own_stream, cudaStreamNonBlocking), st, fail);
-  for (int k = 0; k < 2; k++)
-    ZB_CUDA_CHECK_GOTO(cudaStreamCreateWithFlags(&cu->comm[k], cudaStreamNonBlocking), st, fail);
   ZB_CUDA_CHECK_GOTO(cudaEventCreateWithFlags(&cu->order, cudaEventDisableTiming), st, fail);
   ZB_CUDA_CHECK_GOTO(cudaMalloc(&cu->workspace, cu->workspace_bytes), st, fail);
   cu->compute = c->stream ? (cudaStream_t)c->stream : cu->own_stream;

@@ -115,7 +115,6 @@ typedef struct {
   int device;
   cudaStream_t compute;    /* borrowed (zb_backend_set_stream) or own_stream */
   cudaStream_t own_stream; /* created by the backend, destroyed with it */
-  cudaStream_t comm[2];    /* ZB__STREAM_SEND, ZB__STREAM_RECV: the backend's communication streams */
   cudaEvent_t order;       /* scratch event for ordering one stream after another */
   void *workspace;         /* cuBLASLt workspace, workspace_bytes, device memory */
   size_t workspace_bytes;

@@ -77,7 +77,6 @@ struct zb_runner {
   int32_t send_head, send_count, send_cap;
   pool_t *pools;
   int n_pools;
-  zb__event_t *ev_compute, *ev_recv;
   /* Device timing (backends with timing events): a base event, then a start and an end event per
    * op, turned into seconds after the iteration; NULL on the host, which stamps with its clock. */
   zb__event_t *ev_base, **ev_op;
@@ -188,8 +187,6 @@ zb_status_t zb_runner_destroy(zb_runner_t *r) {
       if (r->ev_op[k]) r->be->ops->event_destroy(r->be, r->ev_op[k]);
   free(r->ev_op);
   if (r->ev_base) r->be->ops->event_destroy(r->be, r->ev_base);
-  if (r->ev_compute) r->be->ops->event_destroy(r->be, r->ev_compute);
-  if (r->ev_recv) r->be->ops->event_destroy(r->be, r->ev_recv);
   zb__backend_unref(r->be);
   free(r->pools), free(r->io), free(r->start), free(r->end), free(r->recv_op), free(r->recv_req);
   free(r->recv_buf), free(r->local), free(r->sends);
@@ -263,8 +260,6 @@ zb_status_t zb_runner_create(zb_runner_t **out, const zb_runner_config_t *c) {
       st = ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory planning %d ops for rank %d", (int)r->n, (int)r->rank);
   }
   if (st == ZB_OK) st = plan(r, c);
-  if (st == ZB_OK) st = r->be->ops->event_create(r->be, &r->ev_compute);
-  if (st == ZB_OK) st = r->be->ops->event_create(r->be, &r->ev_recv);
   if (st == ZB_OK && r->be->ops->timing_event_create) {
     r->ev_op = calloc(2 * n, sizeof(zb__event_t *));
     if (!r->ev_op) st = ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory for %d timing events", 2 * (int)n);
@@ -300,7 +295,6 @@ static zb_status_t push_send(zb_runner_t *r, void *buf, const op_io_t *io) {
   send_t *sd = &r->sends[(r->send_head + r->send_count) % r->send_cap];
   sd->buf = buf, sd->bytes = io->out_bytes;
   r->send_count++;
-  ZB_CHECK(r->be->ops->stream_wait(r->be, ZB__STREAM_SEND, r->ev_compute));
   return zb__transport_isend(r->tr, &sd->req, io->out_peer, io->out_tag, buf, io->out_bytes);
 }
 
@@ -401,8 +395,6 @@ static zb_status_t run_op(zb_runner_t *r, int32_t k, int32_t *next_post) {
       return ZB_FAIL(st, "waiting for %s from rank %d: %s", op->type == ZB_OP_F ? "the activation" : "the gradient",
                      (int)io->in_peer, inner);
     }
-    ZB_CHECK(r->be->ops->event_record(r->be, ZB__STREAM_RECV, r->ev_recv));
-    ZB_CHECK(r->be->ops->stream_wait(r->be, ZB__STREAM_COMPUTE, r->ev_recv));
     in = r->recv_buf[j];
     r->recv_buf[j] = NULL;
     if (*next_post < r->n_recv) {
@@ -423,10 +415,9 @@ static zb_status_t run_op(zb_runner_t *r, int32_t k, int32_t *next_post) {
     }
   }
   r->start[k] = zb__now();
-  zb_status_t st = r->ev_op ? r->be->ops->event_record(r->be, ZB__STREAM_COMPUTE, r->ev_op[2 * k]) : ZB_OK;
+  zb_status_t st = r->ev_op ? r->be->ops->event_record(r->be, r->ev_op[2 * k]) : ZB_OK;
   if (st == ZB_OK) st = run_compute(r, op, in, out);
-  if (st == ZB_OK && r->ev_op) st = r->be->ops->event_record(r->be, ZB__STREAM_COMPUTE, r->ev_op[2 * k + 1]);
-  if (st == ZB_OK) st = r->be->ops->event_record(r->be, ZB__STREAM_COMPUTE, r->ev_compute);
+  if (st == ZB_OK && r->ev_op) st = r->be->ops->event_record(r->be, r->ev_op[2 * k + 1]);
   r->end[k] = zb__now();
   pool_put(r, in, io->in_bytes);
   if (st != ZB_OK) {
@@ -460,7 +451,7 @@ zb_status_t zb_runner_run(zb_runner_t *r) {
   int32_t k = 0, next_post = 0;
   if (r->ev_base) {
     r->host_base = zb__now();
-    st = r->be->ops->event_record(r->be, ZB__STREAM_COMPUTE, r->ev_base);
+    st = r->be->ops->event_record(r->be, r->ev_base);
   }
   for (; st == ZB_OK && next_post < r->n_recv && next_post < r->depth; next_post++) {
     st = post_recv(r, next_post);
@@ -488,7 +479,7 @@ zb_status_t zb_runner_run(zb_runner_t *r) {
     st = ZB_FAIL(st, "rank %d, after its last op, waiting for its sends to leave: %s", (int)r->rank, inner);
     goto fail;
   }
-  ZB_CHECK_GOTO(r->be->ops->stream_sync(r->be, ZB__STREAM_COMPUTE), st, fail);
+  ZB_CHECK_GOTO(r->be->ops->sync(r->be), st, fail);
   /* With NCCL the compute stream waited for the receives on the device; a receive that never came
    * was ended by the watchdog's abort, which the transport reports now. */
   if (r->tr && r->tr->ops->check) {

@@ -146,7 +146,7 @@ static zb_status_t inproc_isend(zb_transport_t *t, zb__request_t *req) {
       m->dev_be = be;
       st = be->ops->copy(be, m->dev, req->buf, req->bytes);
     }
-    if (st == ZB_OK) st = be->ops->stream_sync(be, ZB__STREAM_COMPUTE);
+    if (st == ZB_OK) st = be->ops->sync(be);
     if (st != ZB_OK) {
       msg_free(m);
       return st;
@@ -210,7 +210,7 @@ static zb_status_t inproc_wait(zb_transport_t *t, zb__request_t *req, double tim
         st = t->be ? t->be->ops->copy(t->be, req->buf, m->dev, m->bytes)
                    : ZB_FAIL(ZB_ERR_UNSUPPORTED, "rank %d received device memory but has no device backend",
                              (int)t->rank);
-        if (st == ZB_OK) st = t->be->ops->stream_sync(t->be, ZB__STREAM_COMPUTE);
+        if (st == ZB_OK) st = t->be->ops->sync(t->be);
       } else if (m->bytes && t->be && t->be->ops->device_memory) {
         st = ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
                      "rank %d runs on the %s backend but rank %d sent host memory; every rank of an "
