@@ -25,6 +25,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+import pipeline_worker  # noqa: E402
 import zbpp  # noqa: E402
 from zbpp import cuda, runtime  # noqa: E402
 from zbpp.examples import gpt  # noqa: E402
@@ -359,32 +360,14 @@ def test_w_run_on_another_stream_records_it_and_keeps_memory_safe(monkeypatch):
 # ---- GPU: pipelines ----------------------------------------------------------------------------------
 
 def _config():
-    return gpt.GPTConfig(vocab=32, seq=8, d_model=32, n_head=2, n_layer=4, ffn=2)
+    return pipeline_worker.model_config()
 
 
-def _reference(device, steps=STEPS):
+def _reference(device):
     """The whole model trained sequentially on one GPU, W run at once: (losses, parameters)."""
-    modules = [zbpp.split_linear(m).to(device) for m in gpt.build_stages(_config(), 1, seed=SEED)]
-    params = [p for m in modules for p in m.parameters()]
-    opt = torch.optim.AdamW(params, lr=LR, foreach=False)
-    data = gpt.Batches(8, BATCH, seed=SEED)
-    losses = []
-    for _ in range(steps):
-        x, y = (t.to(device) for t in data.next())
-        step = []
-        for xi, yi in zip(x.chunk(M), y.chunk(M)):
-            h = xi
-            for m in modules:
-                h = m(h)
-            loss = gpt.loss_fn(h, yi)
-            loss.backward()
-            step.append(float(loss))
-        for p in params:
-            p.grad.div_(M)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(step)
-    return losses, [p.detach().cpu() for p in params]
+    from test_pipeline import reference
+
+    return reference(steps=STEPS, m=M, batch=BATCH, seed=SEED, lr=LR, device=device)
 
 
 def _pipeline_worker(rank, world, init, out_dir):

@@ -30,16 +30,18 @@ def free_port():
         return s.getsockname()[1]
 
 
-def reference(steps=STEPS, m=M, batch=BATCH, seed=SEED, lr=1e-2, layers=4):
-    """Sequential training of the whole model in this process: (per-step losses, parameters)."""
+def reference(steps=STEPS, m=M, batch=BATCH, seed=SEED, lr=1e-2, layers=4, device="cpu"):
+    """Sequential training of the whole model in this process, on `device` (W run at once):
+    (per-step losses, parameters on the CPU)."""
     torch.set_num_threads(1)
-    modules = [zbpp.split_linear(mod) for mod in gpt.build_stages(pipeline_worker.model_config(layers), 1, seed=seed)]
+    modules = [zbpp.split_linear(mod).to(device)
+               for mod in gpt.build_stages(pipeline_worker.model_config(layers), 1, seed=seed)]
     params = [p for mod in modules for p in mod.parameters()]
     opt = torch.optim.AdamW(params, lr=lr, foreach=False)
     data = gpt.Batches(8, batch, seed=seed)
     losses = []
     for _ in range(steps):
-        x, y = data.next()
+        x, y = (t.to(device) for t in data.next())
         step = []
         for xi, yi in zip(x.chunk(m), y.chunk(m)):
             h = xi
@@ -53,7 +55,7 @@ def reference(steps=STEPS, m=M, batch=BATCH, seed=SEED, lr=1e-2, layers=4):
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(step)
-    return losses, [p.detach() for p in params]
+    return losses, [p.detach().cpu() for p in params]
 
 
 def spawn(fn, world, *args):
