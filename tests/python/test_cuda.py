@@ -59,6 +59,22 @@ def test_cuda_queries_are_sane():
     assert zbpp.cuda_built() == built and zbpp.cuda_device_count() == count
 
 
+def test_backend_memory_calls_round_trip_on_the_host():
+    """alloc/copy/free, the calls the CUDA backend uses for device memory, on the host backend."""
+    import ctypes
+
+    be = runtime.Backend("host")
+    a, b = be.alloc(16), be.alloc(16)
+    assert a and b and a != b
+    ctypes.memmove(a, b"sixteen bytes!!\0", 16)
+    be.copy(b, a, 16)
+    be.synchronize()
+    assert ctypes.string_at(b, 16) == b"sixteen bytes!!\0"
+    be.free(a)
+    be.free(b)
+    be.free(0)  # like free(NULL)
+
+
 def test_cuda_backend_without_a_gpu_says_so():
     reason = _no_gpu_reason()
     if reason:
