@@ -232,7 +232,9 @@ static zb_status_t inproc_wait(zb_transport_t *t, zb__request_t *req, double tim
     }
     if (pthread_cond_timedwait(&g->cv, &g->mu, &deadline) == ETIMEDOUT) last = 1;
   }
-  g->waiting_on[t->rank] = -1;
+  /* A rank that timed out stays marked as waiting on its peer until its next wait: it is about to
+   * abort, and a rank timing out on it meanwhile must still see whom the chain is stuck on. */
+  if (!(st == ZB_ERR_TIMEOUT && timeout_s > 0)) g->waiting_on[t->rank] = -1;
   pthread_mutex_unlock(&g->mu);
   return st;
 }
