@@ -409,10 +409,14 @@ def test_patch_replaces_the_three_lookups_and_unpatch_restores(megatron):
     assert zm.unpatch() == []
 
 
-def test_patch_without_megatron_says_so():
+def test_patch_without_megatron_says_so(monkeypatch):
     import zbpp.megatron as zm
 
     standin.uninstall()
+    # A real megatron-core may be installed: hide it (None in sys.modules makes its import fail).
+    for name in ("megatron", "megatron.core", "megatron.core.pipeline_parallel",
+                 "megatron.core.pipeline_parallel.schedules", "megatron.training", "megatron.training.training"):
+        monkeypatch.setitem(sys.modules, name, None)
     with pytest.raises(ImportError, match="Megatron-LM was not found"):
         zm.patch()
 

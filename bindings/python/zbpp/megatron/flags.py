@@ -1,0 +1,230 @@
+"""The zero-bubble flags (the reference fork's names), configure(), and the schedule they choose."""
+
+import argparse
+import importlib
+from typing import NamedTuple, Optional, Union
+
+from ..pipelining import get_schedule_class
+
+V_KINDS = ("zb-v", "v-half", "v-min")
+_ONE_CHUNK_KINDS = ("gpipe", "1f1b", "zb-h1", "zb-h2")
+_MEM_SETUPS = {"zb": "zb-v", "half": "v-half", "min": "v-min"}
+
+
+# ---- options: the zero-bubble flags ----------------------------------------------------------------
+
+class Options(NamedTuple):
+    """The zero-bubble settings in effect (see options()).
+
+    enable_zero_bubble, zero_bubble_v_schedule, zero_bubble_v_schedule_mem_setup ('zb', 'half' or
+    'min'), zero_bubble_max_pending_backward ('auto' or an int, in microbatches),
+    enable_optimizer_post_validation: the flags. kind, mem_limit: configure()'s override of the
+    schedule (None: from the flags). timeout: seconds one transfer may take.
+    """
+
+    enable_zero_bubble: bool = False
+    zero_bubble_v_schedule: bool = False
+    zero_bubble_v_schedule_mem_setup: str = "zb"
+    zero_bubble_max_pending_backward: Union[str, int] = "auto"
+    enable_optimizer_post_validation: bool = False
+    kind: Optional[str] = None
+    mem_limit: Union[None, float, str] = None
+    timeout: float = 300.0
+
+
+_config = {}
+
+
+def configure(args=None, *, pipeline_rank=None, pipeline_world_size=None, pipeline_group=None,
+              kind=None, mem_limit=None, timeout=None):
+    """Settings for runs without Megatron's globals (tests, custom loops), or to override them.
+
+    args: a namespace with the zero-bubble flags (what add_arguments' parser returns); used
+    instead of megatron.training.get_args(). pipeline_rank / pipeline_world_size / pipeline_group:
+    this rank's place in the pipeline, used instead of megatron.core.parallel_state (the group
+    defaults to torch.distributed's default group; rank and size to the group's). kind: a zbpp
+    schedule kind name that overrides the flags (e.g. "zb-h1"); mem_limit: its memory limit (for
+    zb-auto). timeout: seconds a transfer may take before the step fails naming the peer.
+
+    Each call replaces the previous configuration (configure() clears it) and drops the cached
+    schedule.
+    """
+    global _config
+    if args is not None:
+        _read_args(args)  # fail now, not at the first step
+    if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
+        raise ValueError(f"zbpp.megatron.configure: timeout must be a number > 0, got {timeout!r}")
+    from .run import reset  # run imports this module
+    reset()
+    _config = {"args": args, "rank": pipeline_rank, "size": pipeline_world_size,
+               "group": pipeline_group, "kind": kind, "mem_limit": mem_limit, "timeout": timeout}
+
+
+def _megatron_args():
+    """Megatron's global args, or None when Megatron is absent or has not parsed them yet."""
+    for name in ("megatron.training", "megatron"):
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        get_args = getattr(module, "get_args", None)
+        if get_args is None:
+            continue
+        try:
+            return get_args()
+        except (AssertionError, RuntimeError):  # Megatron asserts its args are initialised
+            return None
+    return None
+
+
+def _pending(value):
+    """--zero-bubble-max-pending-backward's value: 'auto' or an int >= 1."""
+    if isinstance(value, bool):
+        raise ValueError(f"--zero-bubble-max-pending-backward must be 'auto' or an integer >= 1, got {value!r}")
+    if isinstance(value, int):
+        number = value
+    else:
+        text = str(value).strip().lower()
+        if text == "auto":
+            return "auto"
+        try:
+            number = int(text)
+        except ValueError:
+            raise ValueError(f"--zero-bubble-max-pending-backward must be 'auto' or an integer >= 1 "
+                             f"(microbatches), got {value!r}") from None
+    if number < 1:
+        raise ValueError(f"--zero-bubble-max-pending-backward must be 'auto' or an integer >= 1 "
+                         f"(microbatches), got {value!r}")
+    return number
+
+
+def _read_args(args):
+    setup = getattr(args, "zero_bubble_v_schedule_mem_setup", None) or "zb"
+    pending = getattr(args, "zero_bubble_max_pending_backward", None)
+    if setup not in _MEM_SETUPS:
+        raise ValueError(f"--zero-bubble-v-schedule-mem-setup must be one of zb, half, min; got {setup!r}")
+    return dict(
+        enable_zero_bubble=bool(getattr(args, "enable_zero_bubble", False)),
+        zero_bubble_v_schedule=bool(getattr(args, "zero_bubble_v_schedule", False)),
+        zero_bubble_v_schedule_mem_setup=setup,
+        zero_bubble_max_pending_backward=_pending("auto" if pending is None else pending),
+        enable_optimizer_post_validation=bool(getattr(args, "enable_optimizer_post_validation", False)),
+    )
+
+
+def options():
+    """The settings in effect now: configure(args=...) if given, else Megatron's get_args(), else
+    the defaults (no flag: 1F1B); configure()'s kind, mem_limit and timeout on top."""
+    args = _config.get("args")
+    if args is None:
+        args = _megatron_args()
+    values = _read_args(args) if args is not None else {}
+    if _config.get("kind") is not None:
+        values["kind"] = _config["kind"]
+    if _config.get("mem_limit") is not None:
+        values["mem_limit"] = _config["mem_limit"]
+    if _config.get("timeout") is not None:
+        values["timeout"] = float(_config["timeout"])
+    return Options(**values)
+
+
+def schedule_for(num_chunks, p, opts=None):
+    """(kind, mem_limit): the zbpp schedule for num_chunks model chunks per rank on p ranks under
+    `opts` (default: options()). Raises ValueError when the chunk count does not fit the kind."""
+    opts = options() if opts is None else opts
+    mem = None
+    if opts.kind is not None:
+        kind = get_schedule_class(opts.kind).kind
+        mem = opts.mem_limit
+        if mem is None and kind == "zb-auto":
+            from ..schedule import _resolve_kind
+            factor = _resolve_kind(opts.kind)[1]  # "zb-2p" carries its limit as a factor of p
+            mem = factor * p if factor > 0 else None
+        source = f"configure(kind={opts.kind!r})"
+    elif opts.zero_bubble_v_schedule:
+        kind = _MEM_SETUPS[opts.zero_bubble_v_schedule_mem_setup]
+        source = "--zero-bubble-v-schedule"
+    else:
+        if opts.zero_bubble_v_schedule_mem_setup != "zb":
+            raise ValueError(f"zbpp.megatron: --zero-bubble-v-schedule-mem-setup "
+                             f"{opts.zero_bubble_v_schedule_mem_setup} selects a V schedule's memory "
+                             "and needs --zero-bubble-v-schedule")
+        if opts.enable_zero_bubble:
+            if num_chunks != 1:
+                raise ValueError(
+                    f"zbpp.megatron: --enable-zero-bubble schedules one model chunk per pipeline rank "
+                    f"(zb-auto), but the model has {num_chunks} chunks on this rank; for two chunks use "
+                    "--zero-bubble-v-schedule (chunks built in V order: chunk 0 is stage r, chunk 1 is "
+                    "stage 2p-1-r), or drop --enable-zero-bubble for interleaved 1F1B")
+            pending = opts.zero_bubble_max_pending_backward
+            kind, mem = "zb-auto", (p if pending == "auto" else pending)
+            source = "--enable-zero-bubble"
+        else:
+            kind = "1f1b" if num_chunks == 1 else "interleaved-1f1b"
+            source = "no zero-bubble flag"
+    _check_chunks(kind, num_chunks, source)
+    return kind, mem
+
+
+def _check_chunks(kind, v, source):
+    if kind in V_KINDS and v != 2:
+        raise ValueError(
+            f"zbpp.megatron: {kind} ({source}) needs 2 model chunks per pipeline rank, placed in a V "
+            f"(chunk 0 is stage r, chunk 1 is stage 2p-1-r), but the model has {v} chunk(s) on this "
+            "rank; pass model=[chunk0, chunk1] with one data iterator per chunk")
+    if kind in _ONE_CHUNK_KINDS and v != 1:
+        raise ValueError(f"zbpp.megatron: {kind} ({source}) takes 1 model chunk per pipeline rank, but the "
+                         f"model has {v}; use interleaved-1f1b or a V schedule for several chunks")
+    if kind == "interleaved-1f1b" and v < 2:
+        raise ValueError(f"zbpp.megatron: interleaved-1f1b ({source}) needs at least 2 model chunks per "
+                         f"pipeline rank, but the model has {v}")
+    if kind == "zb-auto" and v not in (1, 2):
+        raise ValueError(f"zbpp.megatron: zb-auto ({source}) schedules 1 model chunk per rank (loop) or 2 "
+                         f"(V), but the model has {v}")
+
+
+
+# ---- argument parser extension -----------------------------------------------------------------------
+
+def _pending_arg(text):
+    try:
+        return _pending(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_arguments(parser):
+    """Adds the zero-bubble flags to an argparse parser and returns it (Megatron's
+    extra_args_provider shape: `pretrain(..., extra_args_provider=zbpp.megatron.add_arguments)`).
+    Flags the parser already has (a Megatron built from the reference fork defines them) are left
+    as they are."""
+    existing = getattr(parser, "_option_string_actions", {})
+    group = parser.add_argument_group(
+        title="zero bubble",
+        description="zbpp's schedules behind Megatron's get_forward_backward_func "
+                    "(zbpp.megatron.patch()); without a flag: 1F1B, or interleaved 1F1B with several "
+                    "model chunks")
+
+    def add(flag, **kwargs):
+        if flag not in existing:
+            group.add_argument(flag, **kwargs)
+
+    add("--enable-zero-bubble", action="store_true", dest="enable_zero_bubble",
+        help="Use a zero-bubble schedule: zbpp's automatic scheduler (zb-auto) under the memory limit "
+             "of --zero-bubble-max-pending-backward, one model chunk per pipeline rank.")
+    add("--zero-bubble-v-schedule", action="store_true", dest="zero_bubble_v_schedule",
+        help="Use the ZB-V schedule: two model chunks per pipeline rank in a V (chunk 0 is stage r, "
+             "chunk 1 is stage 2p-1-r), 1F1B's memory and no bubble once there are >= 2p microbatches.")
+    add("--zero-bubble-v-schedule-mem-setup", default="zb", choices=sorted(_MEM_SETUPS),
+        dest="zero_bubble_v_schedule_mem_setup",
+        help="Memory of the V schedule: zb (ZB-V, 1F1B's activation memory), half (V-Half, about half "
+             "of it) or min (V-Min, about a third). Default: zb.")
+    add("--zero-bubble-max-pending-backward", type=_pending_arg, default="auto",
+        dest="zero_bubble_max_pending_backward",
+        help="Memory limit of --enable-zero-bubble's schedule, in microbatches whose activations a "
+             "rank may hold (p ranks: p is 1F1B's peak, 2p allows ZB-H2-like schedules). Default: "
+             "auto, which means p.")
+    add("--enable-optimizer-post-validation", action="store_true", dest="enable_optimizer_post_validation",
+        help="Step the optimizer with post-validation (no global synchronisation before the step; a "
+             "step that turns out invalid is rolled back). Read by the optimizer wrapper.")
+    return parser

@@ -1,0 +1,109 @@
+"""Where this rank sits in the pipeline: Megatron's parallel state, the pipeline group, and which
+stage each model chunk is under a schedule."""
+
+import contextlib
+import importlib
+import warnings
+
+import torch.distributed as dist
+
+from ..distributed import group_rank, group_size
+from .flags import V_KINDS, _config
+
+def _is_v(kind, v):
+    return kind in V_KINDS or (kind == "zb-auto" and v == 2)
+
+
+def _stage_of(kind, v, p, rank, c):
+    """The stage index of chunk c on pipeline rank `rank`."""
+    if _is_v(kind, v):
+        return rank if c == 0 else 2 * p - 1 - rank
+    return c * p + rank
+
+
+def _holder(kind, v, p, s):
+    """The pipeline rank holding stage s."""
+    if _is_v(kind, v):
+        return s if s < p else 2 * p - 1 - s
+    return s % p
+
+
+# ---- where Megatron keeps its pipeline state ----------------------------------------------------------
+
+def _parallel_state():
+    """megatron.core.parallel_state when importable and initialised, else None."""
+    try:
+        ps = importlib.import_module("megatron.core.parallel_state")
+    except ImportError:
+        return None
+    initialized = getattr(ps, "model_parallel_is_initialized", None)
+    if initialized is not None and not initialized():
+        return None
+    return ps
+
+
+def _topology(ps, pg_collection):
+    """(rank, p, group) of this process in the pipeline."""
+    group, rank, size = _config.get("group"), _config.get("rank"), _config.get("size")
+    if group is None and pg_collection is not None:
+        group = getattr(pg_collection, "pp", None)
+    if ps is not None:
+        if group is None and hasattr(ps, "get_pipeline_model_parallel_group"):
+            group = ps.get_pipeline_model_parallel_group()
+        if rank is None:
+            rank = ps.get_pipeline_model_parallel_rank()
+        if size is None:
+            size = ps.get_pipeline_model_parallel_world_size()
+    if isinstance(group, (list, tuple)):
+        raise NotImplementedError("zbpp.megatron: several pipeline groups per rank (heterogeneous "
+                                  "pipelines) are not supported")
+    initialized = dist.is_available() and dist.is_initialized()
+    if initialized:
+        actual_rank, actual_size = group_rank(group), group_size(group)
+        if (rank is not None and rank != actual_rank) or (size is not None and size != actual_size):
+            raise ValueError(f"zbpp.megatron: the pipeline says rank {rank} of {size}, but this process is "
+                             f"rank {actual_rank} of {actual_size} in the pipeline's process group; pass "
+                             "the pipeline group (configure(pipeline_group=...))")
+        return actual_rank, actual_size, group
+    if size not in (None, 1) or rank not in (None, 0):
+        raise RuntimeError(f"zbpp.megatron: a pipeline of {size} ranks needs torch.distributed; call "
+                           "torch.distributed.init_process_group first")
+    return 0, 1, group
+
+
+def _parallel_size(ps, name):
+    fn = getattr(ps, name, None) if ps is not None else None
+    return int(fn()) if fn is not None else 1
+
+
+@contextlib.contextmanager
+def _virtual_rank(ps, chunk_index, chunks):
+    """Sets Megatron's virtual pipeline rank to the chunk while it runs (as its interleaved schedule
+    does), so is_pipeline_first_stage()/is_pipeline_last_stage() answer for that chunk."""
+    setter = getattr(ps, "set_virtual_pipeline_model_parallel_rank", None) if ps is not None else None
+    if setter is None or chunks < 2:
+        yield
+        return
+    getter = getattr(ps, "get_virtual_pipeline_model_parallel_rank", None)
+    previous = getter() if getter is not None else None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # newest Megatron deprecates the setter
+        setter(chunk_index)
+    try:
+        yield
+    finally:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            setter(previous)
+
+
+def _wrapped_attr(model, name):
+    """An attribute of a model chunk or of the module it wraps (DDP, Float16Module: .module), as
+    Megatron's get_attr_wrapped_model finds it; None if no layer has it."""
+    seen = set()
+    while model is not None and id(model) not in seen:
+        seen.add(id(model))
+        if hasattr(model, name):
+            return getattr(model, name)
+        model = getattr(model, "module", None)
+    return None

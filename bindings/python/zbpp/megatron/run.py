@@ -1,0 +1,238 @@
+"""forward_backward_func: Megatron's training pass run by zbpp's C runner."""
+
+import contextlib
+import inspect
+import warnings
+
+import torch
+
+from .. import _lib
+from ..pipelining import PipelineSchedule, PipelineStage
+from .evaluate import _forward_only
+from .flags import options, schedule_for
+from .loss import _Call
+from .placement import _parallel_size, _parallel_state, _stage_of, _topology, _wrapped_attr
+
+
+# Keyword arguments of Megatron's forward-backward functions this adapter knows; zbpp's own are
+# hidden_size and pipeline_dtype (for a model chunk without a .config).
+_KNOWN_KWARGS = frozenset({"adjust_tensor_shapes_fn", "p2p_communicator", "pg_collection",
+                           "force_all_reduce", "hidden_size", "pipeline_dtype"})
+
+
+class _MegatronSchedule(PipelineSchedule):
+    """A zbpp schedule whose stages run Megatron's forward_step_func (the pipelining hooks)."""
+
+    def __init__(self, stages, m, kind, mem_limit, timeout, meta, chunk_of):
+        super().__init__(stages, m, kind=kind, mem_limit=mem_limit, timeout=timeout)
+        S = stages[0].num_stages
+        # Megatron's activations are (seq, micro batch, hidden) everywhere; no inference pass, which
+        # would read from the data iterators.
+        self._meta = {b: list(meta) for b in range(S - 1)}
+        self._meta_given = True
+        self._chunk_of = chunk_of
+        self.call = None
+
+    def _first_inputs(self, i):
+        return (), {}
+
+    def _run_stage(self, s, i, inputs, kwargs):
+        c = self._chunk_of[s]
+        out, loss_func = self.call.forward(c, i, inputs[0] if s > 0 else None)
+        if s == self.loss_stage:
+            self.call.loss_funcs[i] = loss_func
+        return out
+
+    def _compute_loss(self, i, out):
+        loss_func = self.call.loss_funcs.pop(i, None)
+        if loss_func is None:
+            raise ValueError(
+                f"zbpp.megatron: forward_step_func returned no loss_func (None) for microbatch {i} on the "
+                f"loss stage (stage {self.loss_stage}, model chunk {self._chunk_of[self.loss_stage]}); on the "
+                "last stage it must return (output_tensor, loss_func) with loss_func(output_tensor) -> "
+                "(loss, reduced_dict)")
+        return self.call.loss(i, out, loss_func)
+
+    def _loss_backward(self, loss):
+        if self.call.grad_scale_func is not None:
+            loss = self.call.grad_scale_func(loss)  # as Megatron's backward_step does on the last stage
+        loss.backward()
+
+
+_cache = {"key": None, "schedule": None}
+
+
+def current_schedule():
+    """The zbpp PipelineSchedule of the last training call (for .schedule.kind, .timeline()), or None."""
+    return _cache["schedule"]
+
+
+def reset():
+    """Closes the cached schedule (its runner and transport); the next call builds a new one."""
+    sched = _cache["schedule"]
+    _cache["key"] = _cache["schedule"] = None
+    if sched is not None:
+        sched.close()
+
+
+def _schedule(key, build):
+    if _cache["key"] != key or _cache["schedule"] is None:
+        reset()
+        _cache["schedule"] = build()
+        _cache["key"] = key
+    return _cache["schedule"]
+
+
+# ---- the forward-backward function -------------------------------------------------------------------
+
+def _pipeline_meta(config, seq_length, micro_batch_size, ps, kwargs):
+    hidden = kwargs.get("hidden_size", getattr(config, "hidden_size", None))
+    if hidden is None:
+        raise ValueError("zbpp.megatron: the activation shape needs hidden_size: give the model chunks a "
+                         ".config with hidden_size (Megatron's TransformerConfig) or pass hidden_size=...")
+    dtype = (kwargs.get("pipeline_dtype") or getattr(config, "pipeline_dtype", None)
+             or getattr(config, "params_dtype", None) or torch.float32)
+    seq = int(seq_length) // _parallel_size(ps, "get_context_parallel_world_size")
+    if getattr(config, "sequence_parallel", False):
+        seq //= _parallel_size(ps, "get_tensor_model_parallel_world_size")
+    return [(dtype, (seq, int(micro_batch_size), int(hidden)))]
+
+
+def _check_config(config, kwargs):
+    if getattr(config, "variable_seq_lengths", False):
+        raise NotImplementedError("zbpp.megatron: variable_seq_lengths is not supported; every microbatch "
+                                  "of a call has the shape (seq_length, micro_batch_size, hidden_size)")
+    if getattr(config, "num_moe_experts", None) is not None or getattr(config, "mtp_num_layers", None) is not None:
+        raise NotImplementedError("zbpp.megatron: MoE auxiliary-loss and MTP loss scaling are not supported")
+    if kwargs.get("adjust_tensor_shapes_fn") is not None:
+        raise NotImplementedError("zbpp.megatron: adjust_tensor_shapes_fn is not supported")
+    if kwargs.get("p2p_communicator") is not None:
+        raise NotImplementedError("zbpp.megatron: a p2p_communicator is not used; zbpp's runner does the "
+                                  "transfers over the pipeline group (pass pg_collection or configure())")
+    unknown = sorted(set(kwargs) - _KNOWN_KWARGS)
+    if unknown:
+        warnings.warn(f"zbpp.megatron: ignoring forward_backward_func arguments {unknown}", stacklevel=3)
+
+
+def _no_sync(config):
+    fn = getattr(config, "no_sync_func", None)
+    if fn is None:
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    for f in (fn if isinstance(fn, (list, tuple)) else [fn]):
+        stack.enter_context(f())
+    return stack
+
+
+def _finalize(config, chunks, call, kwargs):
+    """config.finalize_model_grads_func(model, num_tokens, ...) as Megatron calls it after the
+    backwards (data-parallel reduction); older Megatron's take the model list only."""
+    fn = getattr(config, "finalize_model_grads_func", None)
+    if fn is None:
+        return
+    num_tokens = call.total_tokens if call.per_token else None
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        fn(chunks, num_tokens)
+        return
+    kinds = [prm.kind for prm in params.values()]
+    positional = sum(k in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+                     for k in kinds)
+    var_kw = inspect.Parameter.VAR_KEYWORD in kinds
+    args = [chunks]
+    if positional >= 2 or inspect.Parameter.VAR_POSITIONAL in kinds:
+        args.append(num_tokens)
+    extra = {}
+    for name in ("pg_collection", "force_all_reduce"):
+        if kwargs.get(name) is not None and (name in params or var_kw):
+            extra[name] = kwargs[name]
+    fn(*args, **extra)
+
+
+def forward_backward_func(*, forward_step_func, data_iterator, model, num_microbatches, seq_length,
+                          micro_batch_size, decoder_seq_length=None, forward_only=False,
+                          collect_non_loss_data=False, first_val_step=None, **kwargs):
+    """Megatron's forward-backward function, run by zbpp (see the module docstring).
+
+    model: a module or a list of this rank's model chunks; data_iterator: an iterator or a list,
+    one per chunk (each is read num_microbatches times: once per forward_step_func call).
+    Returns the loss stage's per-microbatch reduced dicts (or, with collect_non_loss_data and
+    forward_only, loss_func(output, non_loss_data=True)) on the rank holding the last stage, [] on
+    the others. decoder_seq_length and first_val_step are accepted and ignored.
+    """
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    if not chunks or not all(isinstance(c, torch.nn.Module) for c in chunks):
+        raise TypeError("zbpp.megatron: model must be a torch.nn.Module or a non-empty list of them (the "
+                        "model chunks of this pipeline rank)")
+    if isinstance(data_iterator, (list, tuple)):
+        iterators = list(data_iterator)
+        if len(iterators) != len(chunks):
+            raise ValueError(f"zbpp.megatron: {len(iterators)} data iterators for {len(chunks)} model chunks; "
+                             "pass one per chunk")
+    elif len(chunks) == 1:
+        iterators = [data_iterator]
+    else:
+        raise ValueError(f"zbpp.megatron: the model has {len(chunks)} chunks, so data_iterator must be a list "
+                         "with one iterator per chunk (as for Megatron's interleaved schedule)")
+    if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
+        raise ValueError(f"zbpp.megatron: num_microbatches must be an int >= 1, got {num_microbatches!r}")
+    if collect_non_loss_data and not forward_only:
+        raise ValueError("zbpp.megatron: collect_non_loss_data needs forward_only=True (there is no loss to "
+                         "differentiate)")
+    config = _wrapped_attr(chunks[0], "config")
+    _check_config(config, kwargs)
+    ps = _parallel_state()
+    rank, p, group = _topology(ps, kwargs.get("pg_collection"))
+    opts = options()
+    v = len(chunks)
+    kind, mem_limit = schedule_for(v, p, opts)
+    S = p * v
+    meta = _pipeline_meta(config, seq_length, micro_batch_size, ps, kwargs)
+    m = num_microbatches
+    call = _Call(forward_step_func, iterators, chunks, ps, config, m,
+                 _parallel_size(ps, "get_context_parallel_world_size"), collect_non_loss_data)
+    stage_of = [_stage_of(kind, v, p, rank, c) for c in range(v)]
+    holds_loss = (S - 1) in stage_of
+
+    if forward_only:
+        _forward_only(call, kind, v, p, rank, group, stage_of, S, meta, opts.timeout)
+        return call.store if holds_loss else []
+
+    def build():
+        device = next((prm.device for c in chunks for prm in c.parameters()), torch.device("cpu"))
+        stages = [PipelineStage(chunks[c], stage_of[c], S, device, group=group) for c in range(v)]
+        return _MegatronSchedule(stages, m, kind, mem_limit, opts.timeout, meta,
+                                 {s: c for c, s in enumerate(stage_of)})
+
+    key = (kind, mem_limit, p, rank, m, tuple(id(c) for c in chunks), id(group),
+           tuple((str(d), s) for d, s in meta), opts.timeout)
+    sched = _schedule(key, build)
+    sched.call = call
+    try:
+        with _no_sync(config):
+            sched._run_iteration()
+    except BaseException as exc:
+        # After a failure the runner and the transport's pairs are in an unknown state: the next
+        # call starts from a fresh schedule.
+        sched.call = None
+        with contextlib.suppress(Exception):
+            reset()
+        cause = exc.__cause__
+        if isinstance(exc, _lib.ZbError) and cause is not None and not isinstance(cause, _lib.ZbError):
+            # An exception raised in forward_step_func, loss_func or the model: a Megatron caller
+            # expects it as itself (e.g. StopIteration from an exhausted data iterator); the
+            # runner's error, which names the op, stays attached as its cause.
+            exc.__cause__ = None
+            raise cause from exc
+        raise
+    sched.call = None
+    _finalize(config, chunks, call, kwargs)
+    return call.store if holds_loss else []
+
+
+def get_forward_backward_func(*args, **kwargs):
+    """Replacement for megatron.core.pipeline_parallel.get_forward_backward_func: returns
+    forward_backward_func whatever the sizes given (pp_size/vp_size are ignored; the schedule comes
+    from the zero-bubble flags and the number of model chunks)."""
+    return forward_backward_func
