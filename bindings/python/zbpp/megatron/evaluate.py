@@ -40,6 +40,7 @@ def _forward_only(call, kind, v, p, rank, group, stage_of, S, meta, timeout):
     receive only waits for a stage that its holder runs before any later one: no deadlock."""
     (dtype, shape), = meta
     m = call.m
+    device = next((prm.device for ch in call.chunks for prm in ch.parameters()), torch.device("cpu"))
     sends, carry = [], {}
     for s, c in sorted((s, c) for c, s in enumerate(stage_of)):
         for i in range(m):
@@ -49,7 +50,8 @@ def _forward_only(call, kind, v, p, rank, group, stage_of, S, meta, timeout):
                 if prev == rank:
                     x = carry.pop((s - 1, i))
                 else:
-                    x = torch.empty(shape, dtype=dtype)
+                    # On the chunk's device: a CUDA pipeline's group is NCCL, which takes device tensors.
+                    x = torch.empty(shape, dtype=dtype, device=device)
                     work = dist.irecv(x, src=global_rank(group, prev), group=group, tag=_EVAL_TAG + (s - 1) * m + i)
                     _wait(work, prev, "receive from", timeout)
             out, loss_func = call.forward(c, i, x)

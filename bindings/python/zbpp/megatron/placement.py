@@ -3,12 +3,14 @@ stage each model chunk is under a schedule."""
 
 import contextlib
 import importlib
+import sys
 import warnings
 
 import torch.distributed as dist
 
 from ..distributed import group_rank, group_size
 from .flags import V_KINDS, _config
+
 
 def _is_v(kind, v):
     return kind in V_KINDS or (kind == "zb-auto" and v == 2)
@@ -107,3 +109,71 @@ def _wrapped_attr(model, name):
             return getattr(model, name)
         model = getattr(model, "module", None)
     return None
+
+
+# ---- answering as the stage a V chunk is ----------------------------------------------------------------
+#
+# Megatron numbers stages in loop order: with 2 virtual stages, (pipeline rank q, virtual stage c) is
+# stage c*p + q. Under a V schedule chunk 1 of rank r is stage 2p-1-r, which in loop order belongs to
+# pipeline rank p-1-r. So while a V chunk is built or runs, Megatron is told that pipeline rank: its
+# first/last-stage answers (get_batch's labels, pre_process/post_process) and its layer offsets then
+# describe the stage the chunk really is. Chunk 0 (stage r) needs no change.
+
+def _loop_rank(stage, p):
+    """The pipeline rank that holds `stage` in Megatron's loop numbering."""
+    return stage % p
+
+
+def _pp_group(ps):
+    getter = getattr(ps, "get_pipeline_model_parallel_group", None)
+    try:
+        return getter() if getter is not None else None
+    except (AssertionError, RuntimeError):
+        return None
+
+
+_pg_rank_cache = {"count": -1, "modules": []}
+
+
+def _pg_rank_modules():
+    """The megatron.core modules that imported get_pg_rank (looked up again when modules were added)."""
+    if _pg_rank_cache["count"] != len(sys.modules):
+        _pg_rank_cache["modules"] = [m for n, m in list(sys.modules.items())
+                                     if n.startswith("megatron.core") and m is not None
+                                     and "get_pg_rank" in getattr(m, "__dict__", {})]
+        _pg_rank_cache["count"] = len(sys.modules)
+    return _pg_rank_cache["modules"]
+
+
+@contextlib.contextmanager
+def _as_pipeline_rank(ps, rank):
+    """Megatron's parallel_state (and megatron.core's get_pg_rank of the pipeline group) answer
+    `rank` as this process's pipeline rank inside the block; rank None changes nothing."""
+    if ps is None or rank is None or not hasattr(ps, "set_pipeline_model_parallel_rank"):
+        yield
+        return
+    previous = getattr(ps, "_MPU_PIPELINE_MODEL_PARALLEL_RANK", None)
+    group = _pp_group(ps)
+    patched = []
+    # Newer megatron.core asks the process group itself (get_pg_rank(pg_collection.pp)); each module
+    # imported the function by name, so each module's reference is swapped.
+    for module in _pg_rank_modules():
+        original = module.__dict__.get("get_pg_rank")
+        if original is None or getattr(original, "__zbpp_original__", None) is not None:
+            continue
+
+        def get_pg_rank(pg, _original=original):
+            if group is not None and pg is group:
+                return rank
+            return _original(pg)
+
+        get_pg_rank.__zbpp_original__ = original
+        module.get_pg_rank = get_pg_rank
+        patched.append((module, original))
+    ps.set_pipeline_model_parallel_rank(rank)
+    try:
+        yield
+    finally:
+        ps.set_pipeline_model_parallel_rank(previous)
+        for module, original in patched:
+            module.get_pg_rank = original

@@ -1,8 +1,8 @@
 """forward_backward_func: Megatron's training pass run by zbpp's C runner."""
 
 import contextlib
-import inspect
 import warnings
+from typing import NamedTuple
 
 import torch
 
@@ -10,14 +10,15 @@ from .. import _lib
 from ..pipelining import PipelineSchedule, PipelineStage
 from .evaluate import _forward_only
 from .flags import options, schedule_for
+from .hooks import GradSync, finalize, forward_losses, optimizer_step, param_sync
 from .loss import _Call
-from .placement import _parallel_size, _parallel_state, _stage_of, _topology, _wrapped_attr
+from .placement import _holder, _is_v, _loop_rank, _parallel_size, _parallel_state, _stage_of, _topology, _wrapped_attr
 
 
 # Keyword arguments of Megatron's forward-backward functions this adapter knows; zbpp's own are
 # hidden_size and pipeline_dtype (for a model chunk without a .config).
 _KNOWN_KWARGS = frozenset({"adjust_tensor_shapes_fn", "p2p_communicator", "pg_collection",
-                           "force_all_reduce", "hidden_size", "pipeline_dtype"})
+                           "force_all_reduce", "hidden_size", "pipeline_dtype", "optimizer"})
 
 
 class _MegatronSchedule(PipelineSchedule):
@@ -32,6 +33,7 @@ class _MegatronSchedule(PipelineSchedule):
         self._meta_given = True
         self._chunk_of = chunk_of
         self.call = None
+        self.grad_sync = None  # the pass's GradSync (hooks.py) while it runs
 
     def _first_inputs(self, i):
         return (), {}
@@ -98,12 +100,34 @@ def _pipeline_meta(config, seq_length, micro_batch_size, ps, kwargs):
     return [(dtype, (seq, int(micro_batch_size), int(hidden)))]
 
 
+# TransformerConfig fields Megatron's schedules act on that zbpp does not: refused by name, never
+# ignored. (enable_autocast/autocast_dtype, set_is_first_microbatch and set_current_microbatch are
+# honoured in loss.py; microbatch_group_size_per_vp_stage only orders Megatron's own interleaving.)
+_REFUSED_FIELDS = (
+    ("num_microbatches_with_partial_activation_checkpoints", lambda v: v is None,
+     "Megatron passes checkpoint_activations_microbatch to forward_step_func by its own 1F1B window"),
+    ("defer_embedding_wgrad_compute", lambda v: not v,
+     "the output layer's deferred weight gradient is Megatron's own W store; split the layer with "
+     "zbpp.split_linear instead"),
+    ("overlap_moe_expert_parallel_comm", lambda v: not v, "MoE expert-parallel overlap needs Megatron's "
+     "combined 1F1B schedule"),
+    ("cuda_graph_impl", lambda v: v in (None, "none"), "CUDA graphs capture Megatron's own schedule"),
+    ("fine_grained_activation_offloading", lambda v: not v, "activation offloading is driven by Megatron's "
+     "schedule"),
+)
+
+
 def _check_config(config, kwargs):
     if getattr(config, "variable_seq_lengths", False):
         raise NotImplementedError("zbpp.megatron: variable_seq_lengths is not supported; every microbatch "
                                   "of a call has the shape (seq_length, micro_batch_size, hidden_size)")
     if getattr(config, "num_moe_experts", None) is not None or getattr(config, "mtp_num_layers", None) is not None:
         raise NotImplementedError("zbpp.megatron: MoE auxiliary-loss and MTP loss scaling are not supported")
+    for field, ok, what in _REFUSED_FIELDS:
+        value = getattr(config, field, None)
+        if not ok(value):
+            raise NotImplementedError(f"zbpp.megatron: config.{field} = {value!r} is not supported ({what}); "
+                                      "unset it or use Megatron's own schedule")
     if kwargs.get("adjust_tensor_shapes_fn") is not None:
         raise NotImplementedError("zbpp.megatron: adjust_tensor_shapes_fn is not supported")
     if kwargs.get("p2p_communicator") is not None:
@@ -112,42 +136,6 @@ def _check_config(config, kwargs):
     unknown = sorted(set(kwargs) - _KNOWN_KWARGS)
     if unknown:
         warnings.warn(f"zbpp.megatron: ignoring forward_backward_func arguments {unknown}", stacklevel=3)
-
-
-def _no_sync(config):
-    fn = getattr(config, "no_sync_func", None)
-    if fn is None:
-        return contextlib.nullcontext()
-    stack = contextlib.ExitStack()
-    for f in (fn if isinstance(fn, (list, tuple)) else [fn]):
-        stack.enter_context(f())
-    return stack
-
-
-def _finalize(config, chunks, call, kwargs):
-    """config.finalize_model_grads_func(model, num_tokens, ...) as Megatron calls it after the
-    backwards (data-parallel reduction); older Megatron's take the model list only."""
-    fn = getattr(config, "finalize_model_grads_func", None)
-    if fn is None:
-        return
-    num_tokens = call.total_tokens if call.per_token else None
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        fn(chunks, num_tokens)
-        return
-    kinds = [prm.kind for prm in params.values()]
-    positional = sum(k in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-                     for k in kinds)
-    var_kw = inspect.Parameter.VAR_KEYWORD in kinds
-    args = [chunks]
-    if positional >= 2 or inspect.Parameter.VAR_POSITIONAL in kinds:
-        args.append(num_tokens)
-    extra = {}
-    for name in ("pg_collection", "force_all_reduce"):
-        if kwargs.get(name) is not None and (name in params or var_kw):
-            extra[name] = kwargs[name]
-    fn(*args, **extra)
 
 
 def forward_backward_func(*, forward_step_func, data_iterator, model, num_microbatches, seq_length,
@@ -180,6 +168,10 @@ def forward_backward_func(*, forward_step_func, data_iterator, model, num_microb
     if collect_non_loss_data and not forward_only:
         raise ValueError("zbpp.megatron: collect_non_loss_data needs forward_only=True (there is no loss to "
                          "differentiate)")
+    if "optimizer" in kwargs:
+        # The reference fork's train_step calls a second time with optimizer= after the pass; that call
+        # steps the optimizer and reads no data.
+        return optimizer_step(kwargs["optimizer"])
     config = _wrapped_attr(chunks[0], "config")
     _check_config(config, kwargs)
     ps = _parallel_state()
@@ -187,17 +179,24 @@ def forward_backward_func(*, forward_step_func, data_iterator, model, num_microb
     opts = options()
     v = len(chunks)
     kind, mem_limit = schedule_for(v, p, opts)
+    group_size_vp = getattr(config, "microbatch_group_size_per_vp_stage", None)
+    if v > 1 and not _is_v(kind, v) and group_size_vp not in (None, p):
+        raise NotImplementedError(f"zbpp.megatron: config.microbatch_group_size_per_vp_stage = {group_size_vp} is "
+                                  f"not supported; zbpp's interleaved schedule groups p = {p} microbatches per chunk")
     S = p * v
     meta = _pipeline_meta(config, seq_length, micro_batch_size, ps, kwargs)
     m = num_microbatches
-    call = _Call(forward_step_func, iterators, chunks, ps, config, m,
-                 _parallel_size(ps, "get_context_parallel_world_size"), collect_non_loss_data)
     stage_of = [_stage_of(kind, v, p, rank, c) for c in range(v)]
-    holds_loss = (S - 1) in stage_of
+    # Under V, chunk 1 is stage 2p-1-rank: Megatron is told the loop rank of that stage while it runs.
+    loop_ranks = [(_loop_rank(s, p) if _is_v(kind, v) and _loop_rank(s, p) != rank else None) for s in stage_of]
+    call = _Call(forward_step_func, iterators, chunks, ps, config, m,
+                 _parallel_size(ps, "get_context_parallel_world_size"), collect_non_loss_data, loop_ranks,
+                 first_val_step, forward_only)
+    layout = _Layout(p, rank, group, _holder(kind, v, p, S - 1), stage_of, S)
 
     if forward_only:
         _forward_only(call, kind, v, p, rank, group, stage_of, S, meta, opts.timeout)
-        return call.store if holds_loss else []
+        return forward_losses(call.store, layout)
 
     def build():
         device = next((prm.device for c in chunks for prm in c.parameters()), torch.device("cpu"))
@@ -210,12 +209,14 @@ def forward_backward_func(*, forward_step_func, data_iterator, model, num_microb
     sched = _schedule(key, build)
     sched.call = call
     try:
-        with _no_sync(config):
+        param_sync(config, chunks)
+        with GradSync(config, chunks) as sync:
+            sched.grad_sync = sync
             sched._run_iteration()
     except BaseException as exc:
         # After a failure the runner and the transport's pairs are in an unknown state: the next
         # call starts from a fresh schedule.
-        sched.call = None
+        sched.call = sched.grad_sync = None
         with contextlib.suppress(Exception):
             reset()
         cause = exc.__cause__
@@ -226,9 +227,20 @@ def forward_backward_func(*, forward_step_func, data_iterator, model, num_microb
             exc.__cause__ = None
             raise cause from exc
         raise
-    sched.call = None
-    _finalize(config, chunks, call, kwargs)
-    return call.store if holds_loss else []
+    sched.call = sched.grad_sync = None
+    finalize(config, chunks, call, kwargs, layout)
+    return forward_losses(call.store, layout)
+
+
+class _Layout(NamedTuple):
+    """This rank's place: p ranks, its rank and group, the loss stage's rank, its stages, S stages."""
+
+    p: int
+    rank: int
+    group: object
+    loss_rank: int
+    stage_of: list
+    S: int
 
 
 def get_forward_backward_func(*args, **kwargs):

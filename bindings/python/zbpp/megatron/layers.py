@@ -1,0 +1,272 @@
+"""Split backward for Megatron-LM's own linear layers (ColumnParallelLinear, RowParallelLinear).
+
+What this is: a replacement for Megatron's `linear_with_grad_accumulation_and_async_allreduce`,
+installed per layer as the instance attribute `_forward_impl` (Megatron's forward calls
+`self._forward_impl(input=..., weight=..., bias=..., ...)`; the class's own method dispatches to
+the frozen-weight or the trainable path, and so does this one). Only the layers it is installed
+on change; their parameters, state dict and hooks do not.
+
+    forward   identical to Megatron's: with sequence parallelism the input is all-gathered over the
+              tensor-parallel group into Megatron's global buffer, then output = total_input @ W^T
+              (+ bias), the same torch ops.
+    B         grad_input = grad_output @ W, with Megatron's tensor-parallel handling: all-reduced
+              over the group (allreduce_dgrad) or reduce-scattered (sequence parallelism); the bias
+              gradient (a sum over rows) is returned to autograd, as Megatron does.
+    W         dW += grad_output^T total_input (fp32 accumulation), pushed to zbpp's W store
+              (zbpp.split.defer_weight_grad): into the group of the current B when a pipeline
+              runner is capturing, run at once otherwise. It lands in weight.main_grad when the
+              weight has one (Megatron's DDP), else in weight.grad. With sequence parallelism B
+              all-gathers the input again into a tensor of its own, which W reads: it stays alive
+              from B until W (Megatron re-gathers into its shared buffer and runs W at once).
+
+The weight gradient B returns is what Megatron's DDP backward hook expects of a layer that writes
+main_grad itself (gradient_accumulation_fusion's contract): when the weight has main_grad and
+`grad_added_to_main_grad`, a dummy (torch.empty, or zeros when `zero_out_wgrad` is set, as for a
+weight tied with the embedding) and weight.grad_added_to_main_grad = True, so the hook does not add
+it again; otherwise None (W fills main_grad or .grad). This holds with gradient_accumulation_fusion
+on or off: W always accumulates into main_grad, so the hook must never add a returned gradient.
+
+Not split (the layer keeps Megatron's implementation; `classify` says why, and split_linear warns):
+- the layer's class overrides `_forward_impl`, or its forward does not call it, or something else
+  replaced the instance's `_forward_impl`;
+- defer_embedding_wgrad_compute with a grad_output_buffer (the output layer): Megatron defers that
+  weight gradient itself, to the pipeline flush;
+- Megatron-FSDP parameters (`__fsdp_param__`: main_grad is made in the backward);
+- a megatron.core whose linear_with_grad_accumulation_and_async_allreduce takes arguments this
+  module does not know.
+At call time the same checks fall back to Megatron's function: a frozen weight runs
+linear_with_frozen_weight (nothing to defer; `classify` says "frozen"), a grad_output_buffer or an
+FSDP parameter runs linear_with_grad_accumulation_and_async_allreduce, and so do a main_grad that
+is not float32 (zbpp's W accumulates into fp32 only) and tensors of a dtype the W GEMM does not take
+(a one-time warning names the reason).
+
+What this is not: a Transformer Engine integration. TE's linear layers are reported as not split by
+zbpp.split_report.
+"""
+
+import inspect
+import warnings
+
+import torch
+from megatron.core.tensor_parallel import layers as _ml
+
+from .. import split as _split
+
+__all__ = ["classify", "is_megatron_linear", "is_split", "split_forward_impl", "split_layer", "unsplit_layer"]
+
+_BASES = (_ml.ColumnParallelLinear, _ml.RowParallelLinear)
+_BASE_IMPLS = tuple(getattr(c, "_forward_impl", None) for c in _BASES)
+_MEGATRON_FUNCS = (_ml.linear_with_grad_accumulation_and_async_allreduce, _ml.linear_with_frozen_weight)
+
+# The arguments of linear_with_grad_accumulation_and_async_allreduce this module implements.
+_KNOWN_ARGS = {"input", "weight", "bias", "gradient_accumulation_fusion", "allreduce_dgrad",
+               "sequence_parallel", "grad_output_buffer", "wgrad_deferral_limit", "async_grad_allreduce",
+               "tp_group"}
+_SIGNATURE = inspect.signature(_ml.linear_with_grad_accumulation_and_async_allreduce)
+_UNKNOWN_ARGS = sorted(set(_SIGNATURE.parameters) - _KNOWN_ARGS)
+_MISSING_ARGS = sorted({"input", "weight", "bias", "allreduce_dgrad", "sequence_parallel"}
+                       - set(_SIGNATURE.parameters))
+
+
+def is_megatron_linear(module):
+    """Whether `module` is a Megatron ColumnParallelLinear or RowParallelLinear (or a subclass)."""
+    return isinstance(module, _BASES)
+
+
+def is_split(module):
+    """Whether `module`'s forward runs zbpp's split implementation."""
+    return module.__dict__.get("_forward_impl") is split_forward_impl
+
+
+def classify(layer):
+    """(status, reason) of a Megatron linear layer: zbpp.split.SPLIT (its W goes to the W store),
+    FROZEN (split, but its weight is frozen now: no weight gradient) or NOT_SPLIT."""
+    reason = _refusal(layer)
+    if reason is not None:
+        return _split.NOT_SPLIT, reason
+    if not is_split(layer):
+        return _split.NOT_SPLIT, "not converted (zbpp.split_linear converts it)"
+    weight = getattr(layer, "weight", None)
+    if weight is not None and not weight.requires_grad:
+        return _split.FROZEN, ("weight frozen (requires_grad=False): no weight gradient to defer; Megatron's "
+                               "linear_with_frozen_weight runs while it stays frozen")
+    if weight is None:
+        return _split.SPLIT, "the weight is passed to forward (tied with the embedding)"
+    main = getattr(weight, "main_grad", None)
+    if main is not None and main.dtype != torch.float32:
+        return _split.NOT_SPLIT, _unsupported_tensors(torch.empty(0, dtype=weight.dtype), weight)
+    return _split.SPLIT, ""
+
+
+def split_layer(layer):
+    """Installs the split implementation on a Megatron linear layer when it can be split; returns
+    whether it is split now."""
+    if not is_megatron_linear(layer):
+        raise TypeError(f"zbpp: {type(layer).__name__} is not a Megatron ColumnParallelLinear or "
+                        "RowParallelLinear")
+    if is_split(layer):
+        return True
+    if _refusal(layer) is not None:
+        return False
+    layer._forward_impl = split_forward_impl  # a plain function: not bound, nothing of the layer kept
+    return True
+
+
+def unsplit_layer(layer):
+    """Gives a split layer back Megatron's own implementation."""
+    if is_split(layer):
+        del layer._forward_impl
+
+
+def _refusal(layer):
+    """Why `layer` cannot be split (a sentence), or None."""
+    if _UNKNOWN_ARGS or _MISSING_ARGS:
+        return (f"this megatron.core's linear_with_grad_accumulation_and_async_allreduce has arguments zbpp "
+                f"does not know ({', '.join(_UNKNOWN_ARGS) or 'missing ' + ', '.join(_MISSING_ARGS)})")
+    cls = type(layer)
+    base = next(b for b in _BASES if isinstance(layer, b))
+    own = layer.__dict__.get("_forward_impl")
+    if own is not None and own is not split_forward_impl and own not in _MEGATRON_FUNCS:
+        return "its _forward_impl was replaced by something else than Megatron's or zbpp's"
+    if own is None and getattr(cls, "_forward_impl", None) not in _BASE_IMPLS:
+        return f"{cls.__name__} overrides _forward_impl (or has none); zbpp replaces Megatron's only"
+    if "_forward_impl" not in base.forward.__code__.co_names:
+        return f"this megatron.core's {base.__name__}.forward does not call _forward_impl"
+    forward = cls.forward
+    names = set(getattr(getattr(forward, "__code__", None), "co_names", ()))
+    if forward is not base.forward and not {"_forward_impl", "super"} & names:
+        return f"{cls.__name__} has its own forward, which does not go through Megatron's"
+    config = getattr(layer, "config", None)
+    if getattr(config, "defer_embedding_wgrad_compute", False) and getattr(layer, "grad_output_buffer", None) is not None:
+        return ("defer_embedding_wgrad_compute: Megatron defers this layer's weight gradient itself (to the "
+                "pipeline flush, through grad_output_buffer); turn it off to let zbpp schedule this W")
+    weight = getattr(layer, "weight", None)
+    if weight is not None and hasattr(weight, "__fsdp_param__"):
+        return "Megatron-FSDP parameter (its main_grad is made during the backward)"
+    return None
+
+
+def split_forward_impl(input, weight, *args, **kwargs):
+    """Megatron's `_forward_impl` with the weight gradient split off into a W (module docstring)."""
+    if not weight.requires_grad:
+        return _ml.linear_with_frozen_weight(input, weight, *args, **kwargs)
+    bound = _SIGNATURE.bind(input, weight, *args, **kwargs)
+    bound.apply_defaults()
+    a = bound.arguments
+    if a.get("grad_output_buffer") is not None or hasattr(weight, "__fsdp_param__"):
+        return _ml.linear_with_grad_accumulation_and_async_allreduce(input, weight, *args, **kwargs)
+    reason = _unsupported_tensors(input, weight)
+    if reason is not None:
+        if reason not in _warned:
+            _warned.add(reason)
+            warnings.warn(f"zbpp: a Megatron linear layer runs unsplit (its weight gradient in B): {reason}",
+                          stacklevel=3)
+        return _ml.linear_with_grad_accumulation_and_async_allreduce(input, weight, *args, **kwargs)
+    if a.get("async_grad_allreduce") is not None:
+        warnings.warn("async_grad_allreduce is deprecated, not in use anymore and will be fully removed "
+                      "with 0.11.0. Please use allreduce_dgrad instead.")
+    sequence_parallel = bool(a["sequence_parallel"])
+    allreduce_dgrad = bool(a["allreduce_dgrad"])
+    tp_group = a.get("tp_group")
+    if sequence_parallel or allreduce_dgrad:
+        tp_group = _ml.get_tensor_model_parallel_group_if_none(tp_group)
+    return _SplitLinearWithAsyncCommunication.apply(
+        input, weight, a["bias"], bool(a.get("gradient_accumulation_fusion", False)), allreduce_dgrad,
+        sequence_parallel, tp_group)
+
+
+_warned = set()
+
+
+def _unsupported_tensors(input, weight):
+    """Why W cannot take these tensors (a sentence), or None."""
+    if input.dtype not in _split._DTYPE or weight.dtype != input.dtype:
+        return (f"zbpp's W GEMM takes float32, float16 or bfloat16 inputs and weights of one dtype, got "
+                f"{input.dtype} and {weight.dtype}")
+    main = getattr(weight, "main_grad", None)
+    if main is not None and main.dtype != torch.float32:
+        return (f"main_grad is {main.dtype}: zbpp's W accumulates into float32 main_grad only (Megatron's "
+                "--accumulate-allreduce-grads-in-fp32)")
+    return None
+
+
+class _SplitLinearWithAsyncCommunication(torch.autograd.Function):
+    """LinearWithGradAccumulationAndAsyncCommunication with its weight-gradient GEMM as a W."""
+
+    @staticmethod
+    @_ml.custom_fwd
+    def forward(ctx, input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
+                tp_group):
+        ctx.save_for_backward(input, weight)
+        # As Megatron: main_grad is kept on ctx (not saved) and put back on the weight in backward.
+        ctx.main_grad = getattr(weight, "main_grad", None) if gradient_accumulation_fusion else None
+        ctx.use_bias = bias is not None
+        ctx.allreduce_dgrad = allreduce_dgrad
+        ctx.sequence_parallel = sequence_parallel
+        ctx.tp_group = tp_group
+        if sequence_parallel:
+            dim_size = list(input.size())
+            dim_size[0] = dim_size[0] * tp_group.size()
+            total_input = _ml.get_global_memory_buffer().get_tensor(dim_size, input.dtype, "mpu")
+            _ml.dist_all_gather_func(total_input, input, group=tp_group)
+        else:
+            total_input = input
+        output = torch.matmul(total_input, weight.t())
+        if bias is not None:
+            output = output + bias
+        return output
+
+    @staticmethod
+    @_ml.custom_bwd
+    def backward(ctx, grad_output):
+        input, weight = ctx.saved_tensors
+        if ctx.main_grad is not None:
+            weight.main_grad = ctx.main_grad
+        tp_group = ctx.tp_group
+        wants_input = ctx.needs_input_grad[0]
+        gather = None
+        if ctx.sequence_parallel:
+            # W reads the gathered input after this B: it gets memory of its own, not the shared buffer.
+            dim_size = list(input.size())
+            dim_size[0] = dim_size[0] * tp_group.size()
+            total_input = torch.empty(dim_size, dtype=input.dtype, device=input.device)
+            gather = _ml.dist_all_gather_func(total_input, input, group=tp_group, async_op=True)
+        else:
+            total_input = input
+        grad_input = grad_output.matmul(weight) if wants_input else None
+        if gather is not None:
+            gather.wait()
+
+        handle = None
+        result = grad_input
+        if wants_input and ctx.allreduce_dgrad:
+            handle = torch.distributed.all_reduce(grad_input, group=tp_group, async_op=True)
+        if wants_input and ctx.sequence_parallel:
+            result = torch.empty(input.size(), dtype=input.dtype, device=input.device)
+            handle = _ml.dist_reduce_scatter_func(result, grad_input, group=tp_group, async_op=True)
+
+        # W: deferred (or run now when no pipeline captures), while the collective is in flight.
+        grad_output = grad_output.contiguous()
+        _split.defer_weight_grad(total_input, grad_output, weight)
+        grad_weight = _dummy_weight_grad(weight, input)
+
+        grad_bias = None
+        if ctx.use_bias and ctx.needs_input_grad[2]:
+            grad_bias = grad_output.view(-1, grad_output.shape[-1]).sum(dim=0)
+        if handle is not None:
+            handle.wait()
+        return result, grad_weight, grad_bias, None, None, None, None
+
+
+def _dummy_weight_grad(weight, input):
+    """What B returns for the weight: Megatron's DDP hook adds a returned gradient to main_grad
+    unless grad_added_to_main_grad is set; W writes main_grad itself, so B returns a dummy and sets
+    it (zeros when zero_out_wgrad: the hook then adds it, with any other use's gradient, e.g. the
+    embedding's of a tied weight). Without DDP's attributes: None."""
+    main = getattr(weight, "main_grad", None)
+    if main is None or not hasattr(weight, "grad_added_to_main_grad"):
+        return None
+    make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
+    dummy = make(main.shape, dtype=input.dtype, device=input.device)
+    weight.grad_added_to_main_grad = True
+    return dummy
