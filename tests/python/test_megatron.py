@@ -454,6 +454,27 @@ def test_add_arguments_parses_the_five_flags(megatron, capsys):
     assert parser.parse_args(["--enable-zero-bubble", "--zero-bubble-v-schedule"]).zero_bubble_v_schedule
 
 
+def test_fork_flags_are_accepted_or_refused_by_name(megatron):
+    """The reference fork's other flags parse; those selecting something zbpp does not run are an error
+    that names the flag (never silently ignored); the rest change nothing."""
+    import zbpp.megatron as zm
+
+    accepted = standin.parse(["--enable-zb-runtime", "--enable-exactly-numeric-match",
+                              "--no-pre-communication-optimization", "--zero-bubble-pipeline-timers-start-iter", "5",
+                              "--zero-bubble-pipeline-timers-end-iter", "9", "--offload-time", "2.0",
+                              "--zero-bubble-adaptive-memory-limit-percentile", "70", "--enable-zero-bubble"])
+    zm.configure(accepted)
+    assert zm.options().zero_bubble_adaptive_memory_limit_percentile == 70
+    assert zm.schedule_for(1, 4, zm.options()) == ("zb-auto", 4)
+    for argv, flag in ((["--enable-1f1b-v"], "--enable-1f1b-v"), (["--num-seq-splits", "2"], "--num-seq-splits"),
+                       (["--interleave-group-size", "2"], "--interleave-group-size"),
+                       (["--cpu-offload"], "--cpu-offload"), (["--offload-chunk-num", "1"], "--offload-chunk-num")):
+        with pytest.raises(ValueError, match=flag):
+            zm.configure(standin.parse(argv))
+    with pytest.raises(ValueError, match="percentile"):
+        zm.configure(standin.parse(["--zero-bubble-adaptive-memory-limit-percentile", "0"]))
+
+
 def test_flags_choose_the_schedule():
     import zbpp.megatron as zm
 
@@ -524,3 +545,59 @@ def test_collect_non_loss_data_needs_forward_only(megatron):
     with pytest.raises(ValueError, match="collect_non_loss_data needs forward_only=True"):
         zm.forward_backward_func(forward_step_func=standin.forward_step, data_iterator=its[0], model=stages,
                                  num_microbatches=2, seq_length=SEQ, micro_batch_size=MBS, collect_non_loss_data=True)
+
+
+def test_optimizer_call_steps_and_reads_no_data(megatron):
+    """The reference fork's second call, forward_backward_func(..., optimizer=...): a stock optimizer
+    steps once and the call returns (update_successful, grad_norm, rolled_back) without a pass."""
+    import zbpp.megatron as zm
+
+    stages, its = _one_rank_model(1)
+
+    class Stock:
+        steps = 0
+
+        def step(self):
+            Stock.steps += 1
+            return True, 1.5, 3  # Megatron's (update_successful, grad_norm, num_zeros_in_grad)
+
+    got = zm.forward_backward_func(forward_step_func=standin.forward_step, data_iterator=its[0], model=stages,
+                                   num_microbatches=4, seq_length=SEQ, micro_batch_size=MBS, optimizer=Stock())
+    assert got == (True, 1.5, False) and Stock.steps == 1
+    assert its[0].index == 0, "the optimizer= call read the data iterator"
+
+
+@pytest.mark.parametrize("rank, size, calls", [
+    (0, 3, ["recv_post_validation", "post_validation"]),
+    (1, 3, ["recv_post_validation", "send_post_validation", "post_validation"]),
+    (2, 3, ["send_post_validation", "post_validation"]),
+    (0, 1, ["post_validation"]),
+])
+def test_fork_post_validation_protocol_order(rank, size, calls):
+    """With the fork's optimizer (post-validation on), each rank finishes the fork's protocol: the
+    fully reduced state comes back from the last rank to the first, then every rank validates."""
+    from zbpp.megatron.hooks import optimizer_step
+
+    class Fork:
+        post_validation_enabled = True
+
+        def __init__(self):
+            self.calls = []
+
+        def recv_post_validation(self):
+            self.calls.append("recv_post_validation")
+
+        def send_post_validation(self):
+            self.calls.append("send_post_validation")
+
+        def post_validation(self, free_buffers):
+            free_buffers()
+            self.calls.append("post_validation")
+            return False, 2.0, True, False  # found inf: not updated, rolled back
+
+        def step(self):
+            raise AssertionError("the fork's optimizer already stepped in pre_step")
+
+    opt = Fork()
+    assert optimizer_step(opt, rank, size) == (False, 2.0, True)
+    assert opt.calls == calls

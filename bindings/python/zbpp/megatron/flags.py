@@ -27,6 +27,7 @@ class Options(NamedTuple):
     zero_bubble_v_schedule_mem_setup: str = "zb"
     zero_bubble_max_pending_backward: Union[str, int] = "auto"
     enable_optimizer_post_validation: bool = False
+    zero_bubble_adaptive_memory_limit_percentile: int = 85
     kind: Optional[str] = None
     mem_limit: Union[None, float, str] = None
     timeout: float = 300.0
@@ -98,12 +99,40 @@ def _pending(value):
     return number
 
 
+# The reference fork's flags that select something zbpp does not run: (flag, attribute, its unset
+# value, why). Given with another value they are an error, never ignored. Its other flags
+# (--enable-zb-runtime: zbpp is the runtime; --zero-bubble-pipeline-timers-*: zbpp times every op;
+# --no-pre-communication-optimization, --enable-exactly-numeric-match: zbpp's runs are exact) are
+# accepted and change nothing.
+_UNSUPPORTED = (
+    ("--enable-1f1b-v", "enable_1f1b_v", False,
+     "1F1B in a V placement; --zero-bubble-v-schedule runs ZB-V at 1F1B's memory with less bubble"),
+    ("--num-seq-splits", "num_seq_splits", 1, "sequence-split microbatches (seq1F1B) are not scheduled; "
+     "use more microbatches instead"),
+    ("--interleave-group-size", "interleave_group_size", 0, "grouped interleaving is not scheduled; zbpp's "
+     "interleaved 1F1B groups p microbatches"),
+    ("--cpu-offload", "cpu_offload", False, "activation offloading (PipeOffload) is not implemented"),
+    ("--offload-chunk-num", "offload_chunk_num", 0, "activation offloading (PipeOffload) is not implemented"),
+    ("--auto-offload-time", "auto_offload_time", False, "activation offloading (PipeOffload) is not implemented"),
+    ("--offload-overlap-sr", "offload_overlap_sr", False, "activation offloading (PipeOffload) is not implemented"),
+)
+
+
 def _read_args(args):
     setup = getattr(args, "zero_bubble_v_schedule_mem_setup", None) or "zb"
     pending = getattr(args, "zero_bubble_max_pending_backward", None)
     if setup not in _MEM_SETUPS:
         raise ValueError(f"--zero-bubble-v-schedule-mem-setup must be one of zb, half, min; got {setup!r}")
+    for flag, attr, unset, why in _UNSUPPORTED:
+        value = getattr(args, attr, unset)
+        if value not in (unset, None):
+            raise ValueError(f"zbpp.megatron: {flag} ({value!r}) is the reference fork's and zbpp does not run it: "
+                             f"{why}")
+    percentile = getattr(args, "zero_bubble_adaptive_memory_limit_percentile", 85)
+    if not isinstance(percentile, (int, float)) or not 0 < percentile <= 100:
+        raise ValueError(f"--zero-bubble-adaptive-memory-limit-percentile must be in (0, 100], got {percentile!r}")
     return dict(
+        zero_bubble_adaptive_memory_limit_percentile=int(percentile),
         enable_zero_bubble=bool(getattr(args, "enable_zero_bubble", False)),
         zero_bubble_v_schedule=bool(getattr(args, "zero_bubble_v_schedule", False)),
         zero_bubble_v_schedule_mem_setup=setup,
@@ -224,6 +253,35 @@ def add_arguments(parser):
         help="Memory limit of --enable-zero-bubble's schedule, in microbatches whose activations a "
              "rank may hold (p ranks: p is 1F1B's peak, 2p allows ZB-H2-like schedules). Default: "
              "auto, which means p.")
+    add("--zero-bubble-adaptive-memory-limit-percentile", type=int, default=85,
+        dest="zero_bubble_adaptive_memory_limit_percentile",
+        help="With --zero-bubble-max-pending-backward auto on GPUs: the share of the device's memory (in "
+             "percent) the pipeline's activations may fill, from which the memory limit is measured.")
+    for flag, dest in (("--enable-zb-runtime", "enable_zb_runtime"),
+                       ("--enable-exactly-numeric-match", "enable_exactly_numeric_match")):
+        add(flag, action="store_true", dest=dest, help="The reference fork's flag; accepted, changes nothing in zbpp.")
+    add("--no-pre-communication-optimization", action="store_false", dest="pre_communication_optimization",
+        help="The reference fork's flag; accepted, changes nothing in zbpp.")
+    for flag, dest in (("--zero-bubble-pipeline-timers-start-iter", "zero_bubble_pipeline_timers_start_iter"),
+                       ("--zero-bubble-pipeline-timers-end-iter", "zero_bubble_pipeline_timers_end_iter")):
+        add(flag, type=int, default=None, dest=dest,
+            help="The reference fork's flag; accepted, changes nothing (zbpp times every op of every step).")
+    add("--enable-1f1b-v", action="store_true", dest="enable_1f1b_v",
+        help="The reference fork's 1F1B in a V; refused by zbpp (use --zero-bubble-v-schedule).")
+    add("--num-seq-splits", type=int, default=1, dest="num_seq_splits",
+        help="The reference fork's seq1F1B; only 1 is accepted by zbpp.")
+    add("--interleave-group-size", type=int, default=0, dest="interleave_group_size",
+        help="The reference fork's grouped interleaving; only 0 is accepted by zbpp.")
+    add("--cpu-offload", action="store_true", dest="cpu_offload",
+        help="The reference fork's activation offloading; refused by zbpp.")
+    add("--offload-chunk-num", type=int, default=0, dest="offload_chunk_num",
+        help="The reference fork's activation offloading; only 0 is accepted by zbpp.")
+    add("--offload-time", type=float, default=1.0, dest="offload_time",
+        help="The reference fork's activation offloading; accepted, changes nothing.")
+    add("--auto-offload-time", action="store_true", dest="auto_offload_time",
+        help="The reference fork's activation offloading; refused by zbpp.")
+    add("--offload-overlap-sr", action="store_true", dest="offload_overlap_sr",
+        help="The reference fork's activation offloading; refused by zbpp.")
     add("--enable-optimizer-post-validation", action="store_true", dest="enable_optimizer_post_validation",
         help="Step the optimizer with post-validation (no global synchronisation before the step; a "
              "step that turns out invalid is rolled back). Read by the optimizer wrapper.")

@@ -179,22 +179,29 @@ def forward_losses(store, layout):
     return []
 
 
-def optimizer_step(optimizer):
+def optimizer_step(optimizer, pipeline_rank, pipeline_size):
     """The reference fork's second call of a step, forward_backward_func(..., optimizer=optimizer),
     which replaces optimizer.step() and returns (update_successful, grad_norm, rolled_back).
 
-    With Megatron's optimizers (MegatronOptimizer.step() -> (update_successful, grad_norm,
-    num_zeros_in_grad)) the step runs here, synchronously: its inf/NaN check and its gradient norm are
-    Megatron's global reductions, so nothing is ever rolled back (the third value is False)."""
+    - The fork's optimizer with post-validation on (its train_step called optimizer.pre_step(), which
+      stepped speculatively and sent the partial inf flag and norm down the pipeline): zbpp finishes
+      the fork's protocol in its order: each rank but the last receives the fully reduced state from
+      the next rank, each rank but the first sends it on to the previous one, then every rank calls
+      post_validation(), which keeps, redoes or rolls back its step. The fork overlaps this with the
+      next iteration's first forwards; zbpp runs it at once, with the same results.
+    - Any other optimizer (stock Megatron's MegatronOptimizer.step() -> (update_successful, grad_norm,
+      num_zeros_in_grad)): the step runs here, synchronously; its inf check and norm are Megatron's
+      global reductions, so nothing is rolled back (the third value is False)."""
+    if hasattr(optimizer, "post_validation") and getattr(optimizer, "post_validation_enabled", False):
+        if pipeline_rank != pipeline_size - 1:
+            optimizer.recv_post_validation()
+        if pipeline_rank != 0:
+            optimizer.send_post_validation()
+        result = optimizer.post_validation(lambda: None)
+        return result[0], result[1], result[2]
     step = getattr(optimizer, "step", None)
     if step is None:
         raise TypeError(f"zbpp.megatron: optimizer= must be an optimizer with step(), got {type(optimizer).__name__}")
-    if hasattr(optimizer, "post_validation") and getattr(optimizer, "post_validation_enabled", False):
-        raise NotImplementedError(
-            "zbpp.megatron: this is the reference fork's optimizer with post-validation enabled: its pre_step() "
-            "already stepped speculatively and expects the fork's own runtime to finish the protocol. zbpp runs "
-            "the step itself: use stock Megatron's optimizer (zbpp then calls step() for the optimizer= call), or "
-            "leave --enable-optimizer-post-validation off")
     result = step()
     if isinstance(result, tuple) and len(result) >= 2:
         return bool(result[0]), result[1], False

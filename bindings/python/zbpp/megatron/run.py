@@ -168,14 +168,14 @@ def forward_backward_func(*, forward_step_func, data_iterator, model, num_microb
     if collect_non_loss_data and not forward_only:
         raise ValueError("zbpp.megatron: collect_non_loss_data needs forward_only=True (there is no loss to "
                          "differentiate)")
+    config = _wrapped_attr(chunks[0], "config")
+    ps = _parallel_state()
+    rank, p, group = _topology(ps, kwargs.get("pg_collection"))
     if "optimizer" in kwargs:
         # The reference fork's train_step calls a second time with optimizer= after the pass; that call
         # steps the optimizer and reads no data.
-        return optimizer_step(kwargs["optimizer"])
-    config = _wrapped_attr(chunks[0], "config")
+        return optimizer_step(kwargs["optimizer"], rank, p)
     _check_config(config, kwargs)
-    ps = _parallel_state()
-    rank, p, group = _topology(ps, kwargs.get("pg_collection"))
     opts = options()
     v = len(chunks)
     kind, mem_limit = schedule_for(v, p, opts)
