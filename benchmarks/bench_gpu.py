@@ -22,7 +22,7 @@ GPU times come from CUDA events around the timed calls on torch's current stream
 is pointed at that stream), after warm-up; each figure is the median of the repeats. Host-side
 overhead (c) is wall-clock time. The table starts with the device, the date and the versions.
 
-Usage: /usr/bin/python3 benchmarks/bench_gpu.py [--json out.json] [--quick] [--only a,b,c]
+Usage: python3 benchmarks/bench_gpu.py [--json out.json] [--quick] [--only a,b,c]
 The library is found as zbpp finds it ($ZBPP_LIBRARY, or build/libzbpp.so of this checkout); pass
 --library PATH to choose. Exits 1 with a message when there is no CUDA device, 3 when a
 correctness check failed.
