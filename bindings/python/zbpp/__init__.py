@@ -74,6 +74,7 @@ def tool_path():
 # import torch. Each name maps to the module that defines it.
 _TORCH_EXPORTS = {
     "split_linear": "split",
+    "split_report": "split",
     "SplitLinear": "split",
     "PipelineStage": "pipelining",
     "PipelineSchedule": "pipelining",

@@ -24,19 +24,32 @@ were used on at push time, and otherwise they get record_stream(run stream) firs
 is not reused before the GEMM has read it. Work pushed on one stream and run on another is ordered
 by making the run stream wait for the push stream (as torch requires of any cross-stream use).
 
+Megatron-LM: split_linear also splits Megatron's ColumnParallelLinear and RowParallelLinear (their
+`_forward_impl`, see zbpp.megatron.layers), W writing main_grad as Megatron's DDP expects.
+`split_report(module)` lists every linear layer as split, frozen (nothing to defer) or not split,
+with the reason; split_linear warns once about those it could not split (Transformer Engine's,
+nn.Linear subclasses, ...). `defer_weight_grad(x, dy, weight, bias)` is the W push both use.
+
+Counting: each WGradStore counts the W GEMMs it ran (`gemms_run`) and dropped unrun
+(`gemms_dropped`), immediate runs included; tests use them to check every split layer's W ran.
+
 What this is not: a layer library. Other parametrised layers (LayerNorm, Embedding, ...) keep
 autograd's fused backward, so their gradients arrive in B.
 """
 
 import itertools
+import sys
 import threading
+import warnings
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from . import cuda, runtime
 
-__all__ = ["SplitLinear", "split_linear", "WGradStore", "default_store", "capture"]
+__all__ = ["SplitLinear", "split_linear", "split_report", "SplitReport", "SplitEntry", "WGradStore",
+           "default_store", "capture", "defer_weight_grad"]
 
 _DTYPE = {torch.float32: runtime.DTYPES["float32"], torch.float16: runtime.DTYPES["float16"],
           torch.bfloat16: runtime.DTYPES["bfloat16"]}
@@ -62,6 +75,11 @@ class WGradStore:
         self.immediate = runtime.WStore(self.backend, self._release, before_run=before)
         # A runner sets this while it is inside a backward callback: pushes then go to its group.
         self.capturing = False
+        # W GEMMs this store has run (released with ran) and dropped (cleared or closed unrun),
+        # over both its stores (pipeline groups and immediate runs). Plain counters: read them,
+        # or set them back to 0, between steps.
+        self.gemms_run = 0
+        self.gemms_dropped = 0
 
     def prepare_run(self):
         """CUDA: points the backend at torch's current stream (GEMMs then run there) and makes that
@@ -78,6 +96,10 @@ class WGradStore:
 
     def _release(self, token, ran):
         keep, after, pushed = self._live.pop(token)
+        if ran:
+            self.gemms_run += 1
+        else:
+            self.gemms_dropped += 1
         if pushed is not None:
             self._forget_push_stream(pushed)
             run = self._run_stream
@@ -323,18 +345,26 @@ class _SplitLinearFn(torch.autograd.Function):
         bias = ctx.bias
         dx = dy.matmul(weight) if ctx.needs_input_grad[0] else None
         if weight.requires_grad or (bias is not None and bias.requires_grad):
-            x2 = x.reshape(-1, x.shape[-1])
-            dy2 = dy.reshape(-1, dy.shape[-1])
-            x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
-            dy2 = dy2 if dy2.stride(-1) == 1 else dy2.contiguous()
-            st = default_store(None if x2.device.type == "cpu" else x2.device)
-            if st.capturing:
-                st.push_linear(x2, dy2, weight, bias)
-            else:
-                # No pipeline around: run W at once through the same GEMM, so plain
-                # loss.backward() works and gives the pipeline's bits.
-                _run_now(st, x2, dy2, weight, bias)
+            defer_weight_grad(x, dy, weight, bias)
         return dx, None, None
+
+
+def defer_weight_grad(x, dy, weight, bias=None):
+    """The W of a linear map y = x W^T (+ b), from inside its B: dW += dy^T x (and db += sum(dy)
+    when bias is given) over x [..., in] and dy [..., out], into main_grad or .grad (see the module
+    docstring). Pushed to the group of the current B when a runner (or capture()) is capturing on
+    the tensors' device, run at once otherwise. x and dy are kept alive until W has run."""
+    x2 = x.reshape(-1, x.shape[-1])
+    dy2 = dy.reshape(-1, dy.shape[-1])
+    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    dy2 = dy2 if dy2.stride(-1) == 1 else dy2.contiguous()
+    st = default_store(None if x2.device.type == "cpu" else x2.device)
+    if st.capturing:
+        st.push_linear(x2, dy2, weight, bias)
+    else:
+        # No pipeline around: run W at once through the same GEMM, so plain
+        # loss.backward() works and gives the pipeline's bits.
+        _run_now(st, x2, dy2, weight, bias)
 
 
 def _run_now(st, x2, dy2, weight, bias):
@@ -356,16 +386,177 @@ class SplitLinear(torch.nn.Linear):
         return _SplitLinearFn.apply(x, self.weight, self.bias)
 
 
-def split_linear(module):
-    """Turns every nn.Linear in `module` (itself included) into a SplitLinear, in place; returns it.
+def split_linear(module, warn=True):
+    """Splits the backward of every linear layer in `module` (itself included) it can, in place;
+    returns `module`.
 
-    Parameters, buffers, state dict keys, hooks and requires_grad are unchanged (the class is
-    swapped, nothing is copied). Subclasses of nn.Linear with their own forward are left alone,
-    since their forward may not be a plain linear map; they keep autograd's fused backward.
+    - torch.nn.Linear (exactly that class) becomes a SplitLinear: the class is swapped, so
+      parameters, buffers, state dict keys, hooks and requires_grad are unchanged. Subclasses of
+      nn.Linear are left alone (their forward may not be a plain linear map).
+    - Megatron-LM's ColumnParallelLinear / RowParallelLinear (megatron.core.tensor_parallel) get a
+      split `_forward_impl` of their own (an instance attribute; see zbpp.megatron.layers). Looked
+      for only when Megatron's tensor_parallel.layers is already imported (a model holding such a
+      layer has imported it); zbpp never imports Megatron itself here.
+
+    Layers that look like linear layers but cannot be split (Transformer Engine's, nn.Linear
+    subclasses, Megatron layers in a mode zbpp does not split, ...) keep their fused backward, so
+    their weight gradients run inside B; with warn=True one warning lists them and why. Calling it
+    again is harmless. `split_report(module)` tells, for every linear layer, whether it is split.
     """
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"zbpp.split_linear expects a torch.nn.Module, got {type(module).__name__}")
+    mlayers = _megatron_layers()
     for m in module.modules():
         if type(m) is torch.nn.Linear:
             m.__class__ = SplitLinear
+        elif not isinstance(mlayers, Exception) and mlayers is not None and mlayers.is_megatron_linear(m):
+            mlayers.split_layer(m)
+    if warn:
+        report = split_report(module)
+        if report.not_split:
+            warnings.warn(report.warning_text(), stacklevel=2)
     return module
+
+
+# ---- which layers are split: split_report ------------------------------------------------------
+
+SPLIT = "split"          # W of this layer goes to the W store
+FROZEN = "frozen"        # nothing to defer: no trainable weight (no weight gradient at all)
+NOT_SPLIT = "not split"  # has a weight gradient, and it runs inside B
+
+
+class SplitEntry(NamedTuple):
+    name: str       # the qualified module name ("" for the module itself)
+    kind: str       # the layer's class name
+    status: str     # SPLIT, FROZEN or NOT_SPLIT
+    reason: str     # why (empty for a plain split layer)
+
+
+class SplitReport:
+    """What `split_report(module)` found: `entries` (one SplitEntry per linear layer, in module
+    order), and the lists `split`, `frozen` and `not_split` of them. str() gives a table."""
+
+    def __init__(self, entries):
+        self.entries = list(entries)
+
+    def _with(self, status):
+        return [e for e in self.entries if e.status == status]
+
+    @property
+    def split(self):
+        return self._with(SPLIT)
+
+    @property
+    def frozen(self):
+        return self._with(FROZEN)
+
+    @property
+    def not_split(self):
+        return self._with(NOT_SPLIT)
+
+    def __iter__(self):
+        return iter(self.entries)
+
+    def __len__(self):
+        return len(self.entries)
+
+    def __repr__(self):
+        return (f"SplitReport(split={len(self.split)}, frozen={len(self.frozen)}, "
+                f"not_split={len(self.not_split)})")
+
+    def __str__(self):
+        if not self.entries:
+            return "no linear layers"
+        names = [e.name or "<module>" for e in self.entries]
+        width = max(len(n) for n in names)
+        lines = []
+        for n, e in zip(names, self.entries):
+            line = f"{n:<{width}}  {e.kind:<30}  {e.status}"
+            lines.append(line + (f": {e.reason}" if e.reason else ""))
+        return "\n".join(lines)
+
+    def warning_text(self):
+        """One message for the layers not split, grouped by reason."""
+        by_reason = {}
+        for e in self.not_split:
+            by_reason.setdefault(e.reason, []).append(f"{e.name or '<module>'} ({e.kind})")
+        parts = [f"{', '.join(names)}: {reason}" for reason, names in by_reason.items()]
+        return (f"zbpp.split_linear: {len(self.not_split)} linear layer(s) not split, so their weight "
+                "gradients run inside B (no deferred W): " + "; ".join(parts))
+
+
+def split_report(module):
+    """For every linear layer of `module` (torch.nn.Linear and its subclasses, Megatron's and
+    Transformer Engine's linear layers, and any other module with parameters of its own whose class
+    name contains "Linear"): whether its backward defers W to the W store now. Changes nothing.
+    Returns a SplitReport."""
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"zbpp.split_report expects a torch.nn.Module, got {type(module).__name__}")
+    mlayers = _megatron_layers()
+    entries = []
+    for name, m in module.named_modules():
+        found = _classify(m, mlayers)
+        if found is not None:
+            entries.append(SplitEntry(name, type(m).__name__, *found))
+    return SplitReport(entries)
+
+
+_TE_REASON = ("Transformer Engine layer: zbpp does not split it (use transformer_impl='local' / "
+              "Megatron's local layer spec, or TE's delay_wgrad_compute, which zbpp does not drive yet)")
+
+
+def _classify(m, mlayers):
+    """(status, reason) for a linear layer, None for any other module."""
+    if isinstance(mlayers, Exception):
+        if _is_megatron_linear_by_name(m):
+            found = (NOT_SPLIT, f"zbpp cannot split this Megatron's layers: {mlayers}")
+            return _frozen_or(m, found)
+    elif mlayers is not None and mlayers.is_megatron_linear(m):
+        return mlayers.classify(m)
+    if type(m) is SplitLinear:
+        return SPLIT, ""
+    if _is_transformer_engine(m):
+        found = (NOT_SPLIT, _TE_REASON)
+    elif type(m) is torch.nn.Linear:
+        found = (NOT_SPLIT, "not converted (zbpp.split_linear converts it)")
+    elif isinstance(m, torch.nn.Linear):
+        found = (NOT_SPLIT, "a subclass of torch.nn.Linear: zbpp converts torch.nn.Linear itself only "
+                            "(a subclass's forward may not be a plain linear map)")
+    elif "linear" in type(m).__name__.lower() and any(True for _ in m.parameters(recurse=False)):
+        found = (NOT_SPLIT, "a linear-like layer zbpp does not know (it splits torch.nn.Linear and "
+                            "Megatron's ColumnParallelLinear / RowParallelLinear)")
+    else:
+        return None
+    return _frozen_or(m, found)
+
+
+def _frozen_or(m, found):
+    params = list(m.parameters())
+    if params and not any(p.requires_grad for p in params):
+        return FROZEN, "no trainable parameters: no weight gradient to defer"
+    return found
+
+
+def _is_megatron_linear_by_name(m):
+    return any(getattr(c, "__module__", "") == "megatron.core.tensor_parallel.layers"
+               and c.__name__ in ("ColumnParallelLinear", "RowParallelLinear") for c in type(m).__mro__)
+
+
+def _is_transformer_engine(m):
+    for cls in type(m).__mro__:
+        mod = getattr(cls, "__module__", "") or ""
+        if mod.split(".")[0] == "transformer_engine" or mod == "megatron.core.extensions.transformer_engine":
+            return True
+    return False
+
+
+def _megatron_layers():
+    """zbpp.megatron.layers when Megatron's tensor_parallel.layers is imported, else None; the
+    ImportError when this Megatron lacks what zbpp.megatron.layers uses."""
+    if sys.modules.get("megatron.core.tensor_parallel.layers") is None:
+        return None
+    try:
+        from .megatron import layers
+    except ImportError as exc:
+        return exc
+    return layers

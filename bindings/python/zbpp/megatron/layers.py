@@ -52,6 +52,19 @@ from megatron.core.tensor_parallel import layers as _ml
 
 from .. import split as _split
 
+# What this module uses of megatron.core's tensor_parallel.layers (0.16.1 has them all): a Megatron
+# without one of them gets an ImportError naming it, and zbpp.split_report lists its linear layers
+# as not split with that message.
+_NEEDED = ("ColumnParallelLinear", "RowParallelLinear", "linear_with_grad_accumulation_and_async_allreduce",
+           "linear_with_frozen_weight", "get_global_memory_buffer", "dist_all_gather_func",
+           "dist_reduce_scatter_func", "get_tensor_model_parallel_group_if_none")
+_missing = [n for n in _NEEDED if not hasattr(_ml, n)]
+if _missing:
+    raise ImportError(f"zbpp.megatron.layers: megatron.core.tensor_parallel.layers has no {', '.join(_missing)} "
+                      "(zbpp splits the layers of megatron-core 0.16)")
+_custom_fwd = getattr(_ml, "custom_fwd", lambda f: f)
+_custom_bwd = getattr(_ml, "custom_bwd", lambda f: f)
+
 __all__ = ["classify", "is_megatron_linear", "is_split", "split_forward_impl", "split_layer", "unsplit_layer"]
 
 _BASES = (_ml.ColumnParallelLinear, _ml.RowParallelLinear)
@@ -63,7 +76,11 @@ _KNOWN_ARGS = {"input", "weight", "bias", "gradient_accumulation_fusion", "allre
                "sequence_parallel", "grad_output_buffer", "wgrad_deferral_limit", "async_grad_allreduce",
                "tp_group"}
 _SIGNATURE = inspect.signature(_ml.linear_with_grad_accumulation_and_async_allreduce)
-_UNKNOWN_ARGS = sorted(set(_SIGNATURE.parameters) - _KNOWN_ARGS)
+# Arguments of a newer Megatron: with a default, a call that leaves them at it is split (one that
+# does not runs Megatron's function); without one, no layer is split.
+_NEW_ARGS = {n: p.default for n, p in _SIGNATURE.parameters.items()
+             if n not in _KNOWN_ARGS and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+_UNKNOWN_ARGS = sorted(n for n, d in _NEW_ARGS.items() if d is inspect.Parameter.empty)
 _MISSING_ARGS = sorted({"input", "weight", "bias", "allreduce_dgrad", "sequence_parallel"}
                        - set(_SIGNATURE.parameters))
 
@@ -80,16 +97,16 @@ def is_split(module):
 
 def classify(layer):
     """(status, reason) of a Megatron linear layer: zbpp.split.SPLIT (its W goes to the W store),
-    FROZEN (split, but its weight is frozen now: no weight gradient) or NOT_SPLIT."""
+    FROZEN (its weight is frozen now: there is no weight gradient) or NOT_SPLIT."""
+    weight = getattr(layer, "weight", None)
+    if weight is not None and not weight.requires_grad:
+        return _split.FROZEN, ("weight frozen (requires_grad=False): no weight gradient to defer; Megatron's "
+                               "linear_with_frozen_weight runs while it stays frozen")
     reason = _refusal(layer)
     if reason is not None:
         return _split.NOT_SPLIT, reason
     if not is_split(layer):
         return _split.NOT_SPLIT, "not converted (zbpp.split_linear converts it)"
-    weight = getattr(layer, "weight", None)
-    if weight is not None and not weight.requires_grad:
-        return _split.FROZEN, ("weight frozen (requires_grad=False): no weight gradient to defer; Megatron's "
-                               "linear_with_frozen_weight runs while it stays frozen")
     if weight is None:
         return _split.SPLIT, "the weight is passed to forward (tied with the embedding)"
     main = getattr(weight, "main_grad", None)
@@ -137,7 +154,8 @@ def _refusal(layer):
     if forward is not base.forward and not {"_forward_impl", "super"} & names:
         return f"{cls.__name__} has its own forward, which does not go through Megatron's"
     config = getattr(layer, "config", None)
-    if getattr(config, "defer_embedding_wgrad_compute", False) and getattr(layer, "grad_output_buffer", None) is not None:
+    deferring = getattr(config, "defer_embedding_wgrad_compute", False)
+    if deferring and getattr(layer, "grad_output_buffer", None) is not None:
         return ("defer_embedding_wgrad_compute: Megatron defers this layer's weight gradient itself (to the "
                 "pipeline flush, through grad_output_buffer); turn it off to let zbpp schedule this W")
     weight = getattr(layer, "weight", None)
@@ -156,6 +174,9 @@ def split_forward_impl(input, weight, *args, **kwargs):
     if a.get("grad_output_buffer") is not None or hasattr(weight, "__fsdp_param__"):
         return _ml.linear_with_grad_accumulation_and_async_allreduce(input, weight, *args, **kwargs)
     reason = _unsupported_tensors(input, weight)
+    changed = [n for n, d in _NEW_ARGS.items() if _differs(a.get(n, d), d)]
+    if reason is None and changed:
+        reason = f"arguments zbpp does not know were given ({', '.join(changed)})"
     if reason is not None:
         if reason not in _warned:
             _warned.add(reason)
@@ -178,6 +199,15 @@ def split_forward_impl(input, weight, *args, **kwargs):
 _warned = set()
 
 
+def _differs(value, default):
+    if value is default:
+        return False
+    try:
+        return bool(value != default)
+    except Exception:  # noqa: BLE001 - e.g. a tensor against None: not the default
+        return True
+
+
 def _unsupported_tensors(input, weight):
     """Why W cannot take these tensors (a sentence), or None."""
     if input.dtype not in _split._DTYPE or weight.dtype != input.dtype:
@@ -194,7 +224,7 @@ class _SplitLinearWithAsyncCommunication(torch.autograd.Function):
     """LinearWithGradAccumulationAndAsyncCommunication with its weight-gradient GEMM as a W."""
 
     @staticmethod
-    @_ml.custom_fwd
+    @_custom_fwd
     def forward(ctx, input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
                 tp_group):
         ctx.save_for_backward(input, weight)
@@ -217,7 +247,7 @@ class _SplitLinearWithAsyncCommunication(torch.autograd.Function):
         return output
 
     @staticmethod
-    @_ml.custom_bwd
+    @_custom_bwd
     def backward(ctx, grad_output):
         input, weight = ctx.saved_tensors
         if ctx.main_grad is not None:
