@@ -80,6 +80,9 @@ class WGradStore:
         # or set them back to 0, between steps.
         self.gemms_run = 0
         self.gemms_dropped = 0
+        # Called as hook(token) after each entry is released (run or dropped): how a caller learns
+        # that the W work it is waiting for is done (zbpp.megatron starts gradient reduction so).
+        self.release_hooks = []
 
     def prepare_run(self):
         """CUDA: points the backend at torch's current stream (GEMMs then run there) and makes that
@@ -112,6 +115,8 @@ class WGradStore:
         if ran and after is not None:
             after()
         del keep
+        for hook in list(self.release_hooks):
+            hook(token)
 
     def _forget_push_stream(self, stream):
         entry = self._push_streams.get(stream.cuda_stream)
@@ -119,6 +124,10 @@ class WGradStore:
             entry[1] -= 1
             if entry[1] <= 0:
                 del self._push_streams[stream.cuda_stream]
+
+    def live_tokens(self):
+        """The tokens of the entries pushed and not yet released."""
+        return set(self._live)
 
     def live_entries(self):
         """Entries pushed and not yet released (0 after every complete step)."""

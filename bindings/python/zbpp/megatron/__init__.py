@@ -62,6 +62,8 @@ in Megatron).
 from .flags import Options, add_arguments, configure, options, schedule_for
 from .patching import patch, unpatch
 from .run import current_schedule, forward_backward_func, get_forward_backward_func, reset
+from .vmodel import v_embedding_ranks, v_model_provider
 
 __all__ = ["Options", "add_arguments", "configure", "current_schedule", "forward_backward_func",
-           "get_forward_backward_func", "options", "patch", "reset", "schedule_for", "unpatch"]
+           "get_forward_backward_func", "options", "patch", "reset", "schedule_for", "unpatch",
+           "v_embedding_ranks", "v_model_provider"]

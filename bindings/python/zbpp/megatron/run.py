@@ -55,6 +55,37 @@ class _MegatronSchedule(PipelineSchedule):
                 "(loss, reduced_dict)")
         return self.call.loss(i, out, loss_func)
 
+    def _backward(self, s, i, gout_addr, gin_addr):
+        """The runner's B, plus: once a chunk's last B has run and every W it pushed has run, its
+        gradients are complete, so its reduction starts then (overlapping the rest of the pass)."""
+        store = self._store
+        before = store.live_tokens()
+        super()._backward(s, i, gout_addr, gin_addr)
+        pending = self._pending.setdefault(s, set())
+        pending |= store.live_tokens() - before
+        if i == self.n_microbatches - 1:
+            self._done_b.add(s)
+            self._maybe_sync(s)
+
+    def _on_release(self, token):
+        for s, pending in self._pending.items():
+            if token in pending:
+                pending.discard(token)
+                self._maybe_sync(s)
+                return
+
+    def _maybe_sync(self, s):
+        if s in self._done_b and not self._pending.get(s) and self.grad_sync is not None:
+            self.grad_sync.start(self._chunk_of[s])
+
+    def _run_iteration(self):
+        self._pending, self._done_b = {}, set()
+        self._store.release_hooks.append(self._on_release)
+        try:
+            super()._run_iteration()
+        finally:
+            self._store.release_hooks.remove(self._on_release)
+
     def _loss_backward(self, loss):
         if self.call.grad_scale_func is not None:
             loss = self.call.grad_scale_func(loss)  # as Megatron's backward_step does on the last stage

@@ -20,6 +20,8 @@ the two copies' gradients on it after each step where Megatron would all-reduce 
 import functools
 import inspect
 
+import torch.distributed as dist
+
 from .placement import _as_pipeline_rank, _loop_rank, _parallel_state, _wrapped_attr
 
 
@@ -31,9 +33,22 @@ def v_embedding_ranks(pp_ranks, *_):
 
 def _embedding_ranks_error(ps, p):
     """A message when Megatron's embedding group spans several ranks (loop placement), else None.
-    Every pipeline rank knows the group's ranks, so every rank raises before any collective."""
-    ranks = getattr(ps, "_EMBEDDING_GLOBAL_RANKS", None)
-    if p < 2 or ranks is None or len(set(ranks)) <= 1:
+    The ranks in that group (the first and the last pipeline rank, the ones that would wait in its
+    all-reduce) both see it and raise before any collective; the others are not in it."""
+    if p < 2:
+        return None
+    getter = getattr(ps, "get_embedding_group", None)
+    try:
+        group = getter(check_initialized=False) if getter is not None else None
+    except TypeError:  # older Megatron: no check_initialized
+        try:
+            group = getter()
+        except (AssertionError, RuntimeError):
+            group = None
+    if group is None:
+        return None
+    ranks = dist.get_process_group_ranks(group)
+    if len(set(ranks)) <= 1:
         return None
     return (f"zbpp.megatron.v_model_provider: Megatron's embedding group is ranks {list(ranks)} (the first "
             "and the last pipeline rank, for loop placement), but under a V schedule the first pipeline "

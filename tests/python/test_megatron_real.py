@@ -1,0 +1,253 @@
+"""zbpp.megatron against real Megatron-LM (megatron-core) on CPU: a tiny GPT trained for two steps
+over gloo on two pipeline ranks, once with Megatron's own schedule and once with zbpp's behind
+zbpp.megatron.patch(); losses, evaluation losses, gradients and parameters must agree bit for bit
+(with Megatron's linear layers split by zbpp.split_linear, whose weight gradients zbpp computes with
+a GEMM of its own: closely).
+
+The harness is megatron_real.py. All cases run in one pair of worker processes (Megatron's import
+takes about 6 s per process), started once for the module.
+
+Every case trains the same 4-layer model: pp=2 with 2 layers per rank, or pp=2 with vp=2 and one
+layer per model chunk. The weights come from the parameters' global names and the data from
+(step, microbatch), so the two layouts train the same model on the same data; that Megatron's own
+1F1B and interleaved schedules then agree bit for bit checks the harness itself.
+"""
+
+import importlib.machinery
+
+import pytest
+
+
+def _megatron_core_installed():
+    """Whether megatron.core can be imported, found on sys.path without importing it (importorskip
+    would import it: about 6 s, and in this process, which never needs it) and without looking at
+    sys.modules (test_megatron.py puts a stand-in there)."""
+    spec = importlib.machinery.PathFinder.find_spec("megatron")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    return importlib.machinery.PathFinder.find_spec("megatron.core", spec.submodule_search_locations) is not None
+
+
+if not _megatron_core_installed():
+    pytest.skip("megatron-core is not installed", allow_module_level=True)
+torch = pytest.importorskip("torch")
+
+import megatron_real as mr  # noqa: E402 - tests/python is on sys.path under pytest
+
+WORLD = 2
+TIMEOUT = 60
+
+PLAIN = dict(pp=2, layers_per_stage=2)                # 1F1B layout: 2 layers per rank
+INTERLEAVED = dict(pp=2, vp=2, layers_per_stage=1)    # interleaved: 1 layer per model chunk
+# Megatron's features the schedules must carry: tied embeddings (the last stage's copy and the
+# embedding-group all-reduce), bf16 with Float16Module, per-token loss (num_tokens to
+# finalize_model_grads), overlapped gradient reduction (no_sync_func / grad_sync_func),
+# config.grad_scale_func (a loss scale, as Megatron's optimizer sets it).
+FEATURES = dict(PLAIN, tied=True, dtype="bf16", per_token=True, overlap_grad_reduce=True, loss_scale=1024.0)
+V_LAYOUT = dict(pp=2, vp=2, layers_per_stage=1, v_order=True)
+# The older 2-tuple loss_func, no attention mask in the batch, AdamW.
+OLD_LOSS = dict(PLAIN, loss_form="mean", attention_mask=False, optimizer="adamw")
+
+CASES = {
+    "megatron": dict(PLAIN),
+    "zbpp-1f1b": dict(PLAIN, use_zbpp=True, zbpp_kind="1f1b"),
+    "zbpp-zb-h1": dict(PLAIN, use_zbpp=True, zbpp_kind="zb-h1"),
+    "megatron-interleaved": dict(INTERLEAVED),
+    "zbpp-interleaved-1f1b": dict(INTERLEAVED, use_zbpp=True, zbpp_kind="interleaved-1f1b"),
+    "zbpp-zb-h1-split": dict(PLAIN, use_zbpp=True, zbpp_kind="zb-h1", zbpp_split=True),
+    "megatron-features": dict(FEATURES),
+    "zbpp-zb-h1-features": dict(FEATURES, use_zbpp=True, zbpp_kind="zb-h1"),
+    # Megatron's linears split by zbpp: under Megatron's own schedule each W runs inside its B; under
+    # zbpp's zero-bubble schedules it runs later, through the same GEMM, so the bits agree.
+    "megatron-split": dict(PLAIN, zbpp_split=True),
+    "zbpp-zb-h2-split": dict(PLAIN, use_zbpp=True, zbpp_kind="zb-h2", zbpp_split=True),
+    "zbpp-zb-auto-split": dict(PLAIN, use_zbpp=True, zbpp_kind="zb-auto", zbpp_split=True),
+    # ZB-V: two chunks per rank in a V, built by zbpp.megatron.v_model_provider, against Megatron's
+    # 1F1B on the same 4 layers (V: rank 0 holds layers 0 and 3 with the embedding and the loss).
+    "zbpp-zb-v-split": dict(V_LAYOUT, use_zbpp=True, zbpp_kind="zb-v", zbpp_split=True),
+    "zbpp-zb-v-features": dict(FEATURES, **V_LAYOUT, use_zbpp=True, zbpp_kind="zb-v"),
+    # Everything at once, split: W passes writing bf16 models' fp32 main_grad, the tied copies, the
+    # per-token count and the overlapped reduction started after each chunk's last W.
+    "megatron-features-split": dict(FEATURES, zbpp_split=True),
+    "zbpp-zb-h1-features-split": dict(FEATURES, use_zbpp=True, zbpp_kind="zb-h1", zbpp_split=True),
+    "zbpp-zb-v-features-split": dict(FEATURES, **V_LAYOUT, use_zbpp=True, zbpp_kind="zb-v", zbpp_split=True),
+    "megatron-old-loss": dict(OLD_LOSS),
+    "zbpp-1f1b-old-loss": dict(OLD_LOSS, use_zbpp=True, zbpp_kind="1f1b"),
+    # Last: a worker that raises must come back as a WorkerError with its traceback.
+    "failing-worker": dict(PLAIN, steps=1, fail_rank=1),
+}
+
+
+@pytest.fixture(scope="module")
+def results():
+    names = list(CASES)
+    out = mr.run_cases(WORLD, [CASES[n] for n in names], timeout=TIMEOUT)
+    return dict(zip(names, out))
+
+
+def _get(results, name):
+    res = results[name]
+    if isinstance(res, BaseException):
+        pytest.fail(f"case {name} failed:\n{res}", pytrace=False)
+    return res
+
+
+def _assert_same(results, ref_name, name, same_layout=True):
+    ref, res = _get(results, ref_name), _get(results, name)
+    diffs = mr.differences(ref, res)
+    assert not diffs, f"{name} differs from {ref_name} in {len(diffs)} places:\n" + "\n".join(diffs[:20])
+    if same_layout:
+        # Same batches read by the same chunks in the same order on every rank.
+        for r, (a, b) in enumerate(zip(ref["ranks"], res["ranks"])):
+            assert a["reads"] == b["reads"], f"rank {r} read different batches under {name}"
+
+
+def _sane(res, steps=2, m=4):
+    """The run did something, with the schedule it was meant to: every step has m loss dicts,
+    finite values and gradients."""
+    case = res["case"]
+    for rank in res["ranks"]:
+        if case["use_zbpp"]:
+            assert rank["ran"] == {f"zbpp.megatron.run.forward_backward_func [{case['zbpp_kind']}]"}
+        else:
+            which = "with" if case["vp"] else "without"
+            assert rank["ran"] == {"megatron.core.pipeline_parallel.schedules."
+                                   f"forward_backward_pipelining_{which}_interleaving"}
+    assert len(res["losses"]) == steps and all(len(step) == m for step in res["losses"])
+    assert len(res["eval_losses"]) == steps and all(len(step) == m for step in res["eval_losses"])
+    assert all(torch.isfinite(d["lm loss"]).all() for step in res["losses"] for d in step)
+    names = set(res["init_params"])
+    assert {"embedding.word_embeddings.weight", "decoder.layers.3.mlp.linear_fc2.weight",
+            "decoder.final_layernorm.weight"} <= names
+    for step in range(steps):
+        assert set(res["grads"][step]) == names and set(res["params"][step]) == names
+        assert any(g.abs().sum() > 0 for g in res["grads"][step].values())
+
+
+def test_megatron_layouts_agree(results):
+    """The harness: Megatron's 1F1B (2 layers per rank) and interleaved 1F1B (1 layer per chunk)
+    train the same model bit for bit, so weights and data do not depend on the placement."""
+    _sane(_get(results, "megatron"))
+    _assert_same(results, "megatron", "megatron-interleaved", same_layout=False)
+
+
+@pytest.mark.parametrize("kind", ["1f1b", "zb-h1"])
+def test_zbpp_matches_megatron(results, kind):
+    _sane(_get(results, f"zbpp-{kind}"))
+    _assert_same(results, "megatron", f"zbpp-{kind}")
+
+
+def test_zbpp_interleaved_matches_megatron(results):
+    _sane(_get(results, "zbpp-interleaved-1f1b"))
+    _assert_same(results, "megatron-interleaved", "zbpp-interleaved-1f1b")
+
+
+def test_zbpp_matches_megatron_with_tied_bf16_per_token_overlap_loss_scale(results):
+    res = _get(results, "megatron-features")
+    _sane(res)
+    # The tied copy on the last stage equals the word embeddings, before and after each step.
+    for params in [res["init_params"]] + res["params"]:
+        assert torch.equal(params["output_layer.weight"], params["embedding.word_embeddings.weight"])
+    assert res["init_params"]["output_layer.weight"].dtype == torch.bfloat16
+    assert res["grads"][0]["output_layer.weight"].dtype == torch.float32
+    _assert_same(results, "megatron-features", "zbpp-zb-h1-features")
+
+
+def test_zbpp_matches_megatron_with_two_tuple_loss(results):
+    _sane(_get(results, "megatron-old-loss"))
+    _assert_same(results, "megatron-old-loss", "zbpp-1f1b-old-loss")
+
+
+def test_zbpp_split_zb_h1_is_close_to_megatron(results):
+    """ZB-H1 with Megatron's linear layers split (zbpp.split_linear): the weight gradients run in
+    zbpp's W passes, a different GEMM from Megatron's, so only closeness holds."""
+    ref, res = _get(results, "megatron"), _get(results, "zbpp-zb-h1-split")
+    _sane(res)
+    split = res["ranks"][0]["split"]
+    assert split is not None and split["split"] and not split["not_split"]
+    for step in range(2):
+        for a, b in zip(ref["losses"][step], res["losses"][step]):
+            torch.testing.assert_close(b["lm loss"], a["lm loss"], rtol=1e-5, atol=1e-5)
+        for field in ("grads", "params"):
+            for name, t in ref[field][step].items():
+                torch.testing.assert_close(res[field][step][name], t, rtol=1e-4, atol=1e-6,
+                                           msg=lambda m: f"{field}[{step}][{name}]: {m}")
+
+
+@pytest.mark.parametrize("kind", ["zb-h1", "zb-h2", "zb-auto"])
+def test_zbpp_split_matches_megatron_split_bitwise(results, kind):
+    """Megatron's own 1F1B with the layers split (W inside each B) and zbpp's zero-bubble schedules
+    (W deferred into the bubbles) train bit for bit alike; and the split really happens: the W store
+    ran the weight GEMM of every ColumnParallelLinear/RowParallelLinear for every microbatch."""
+    ref, res = _get(results, "megatron-split"), _get(results, f"zbpp-{kind}-split")
+    _sane(res)
+    _assert_same(results, "megatron-split", f"zbpp-{kind}-split")
+    for rank in res["ranks"]:
+        split = rank["split"]
+        assert split["split"] and not split["not_split"], split
+        # 2 layers x (linear_qkv, linear_proj, linear_fc1, linear_fc2), + output_layer on the last stage.
+        linears = 8 + (1 if rank["coords"]["pp"] == 1 else 0)
+        assert len(split["split"]) == linears, split["split"]
+        assert rank["gemms_run"] == linears * 4 * 2, f"rank {rank['coords']}: {rank['gemms_run']} W GEMMs"
+
+
+def test_zbpp_zb_v_matches_megatron(results):
+    """ZB-V on stock Megatron: chunks built in V order by v_model_provider (rank 0: layers 0 and 3,
+    the embedding and the loss), split layers; bit for bit Megatron's 1F1B on the same model."""
+    res = _get(results, "zbpp-zb-v-split")
+    _sane(res)
+    assert [r["chunks"] for r in res["ranks"]] == [[0, 1], [0, 1]]
+    _assert_same(results, "megatron-split", "zbpp-zb-v-split", same_layout=False)
+    for rank in res["ranks"]:
+        # Rank 0 holds the output layer (V's last stage): 4 linears per chunk + output_layer.
+        linears = 8 + (1 if rank["coords"]["pp"] == 0 else 0)
+        assert rank["gemms_run"] == linears * 4 * 2, f"rank {rank['coords']}: {rank['gemms_run']} W GEMMs"
+
+
+def test_zbpp_zb_v_matches_megatron_with_tied_bf16_per_token_overlap_loss_scale(results):
+    """ZB-V with tied embeddings (both copies on rank 0, the embedding group rank 0 alone, zbpp sums
+    their gradients), bf16, per-token loss (num_tokens from rank 0), overlapped grad reduce."""
+    _sane(_get(results, "zbpp-zb-v-features"))
+    _assert_same(results, "megatron-features", "zbpp-zb-v-features", same_layout=False)
+
+
+@pytest.mark.parametrize("name", ["zbpp-zb-h1-features-split", "zbpp-zb-v-features-split"])
+def test_zbpp_split_with_every_feature_matches_megatron(results, name):
+    _sane(_get(results, name))
+    _assert_same(results, "megatron-features-split", name, same_layout=False)
+
+
+# ---- four pipeline ranks --------------------------------------------------------------------------------
+
+PLAIN4 = dict(pp=4, layers_per_stage=2, m=8)
+V4 = dict(pp=4, vp=2, layers_per_stage=1, m=8, v_order=True)
+CASES4 = {
+    "megatron-split": dict(PLAIN4, zbpp_split=True),
+    "zbpp-zb-h2-split": dict(PLAIN4, use_zbpp=True, zbpp_kind="zb-h2", zbpp_split=True),
+    "megatron-features-split": dict(FEATURES, **PLAIN4, zbpp_split=True),
+    "zbpp-zb-v-features-split": dict(FEATURES, **V4, use_zbpp=True, zbpp_kind="zb-v", zbpp_split=True),
+    "zbpp-v-min-split": dict(V4, use_zbpp=True, zbpp_kind="v-min", zbpp_split=True),
+}
+
+
+@pytest.fixture(scope="module")
+def results4():
+    names = list(CASES4)
+    out = mr.run_cases(4, [CASES4[n] for n in names], timeout=TIMEOUT * 2)
+    return dict(zip(names, out))
+
+
+@pytest.mark.parametrize("ref, name", [("megatron-split", "zbpp-zb-h2-split"),
+                                       ("megatron-split", "zbpp-v-min-split"),
+                                       ("megatron-features-split", "zbpp-zb-v-features-split")])
+def test_four_ranks_match_megatron(results4, ref, name):
+    _sane(_get(results4, name), m=8)
+    _assert_same(results4, ref, name, same_layout=False)
+
+
+def test_worker_error_comes_back_with_its_traceback(results):
+    err = results["failing-worker"]
+    assert isinstance(err, mr.WorkerError)
+    text = str(err)
+    assert "failure injected on rank 1" in text
+    assert "in forward_step" in text and "Traceback" in text
