@@ -8,7 +8,7 @@ import warnings
 
 import torch.distributed as dist
 
-from ..distributed import group_rank, group_size
+from ..distributed import group_rank, group_size, takes_cpu
 from .flags import V_KINDS, _config
 
 
@@ -177,3 +177,32 @@ def _as_pipeline_rank(ps, rank):
         ps.set_pipeline_model_parallel_rank(previous)
         for module, original in patched:
             module.get_pg_rank = original
+
+
+# ---- a gloo group over the pipeline, for host-memory messages ------------------------------------------
+
+_gloo = {}
+
+
+def pipeline_cpu_group(group):
+    """A group over the pipeline's ranks that takes CPU tensors (zbpp's host messages: the NCCL id,
+    post-validation's norms): `group` itself when it does (gloo), else a gloo group made once.
+
+    In a real Megatron job the pipeline group is a subgroup of the world (any TP or DP > 1), and
+    torch.distributed.new_group is a collective of every process. So every rank first learns every
+    pipeline group's ranks (one all_gather_object over the world), then all of them make a gloo group
+    for each, in the same order, and each keeps its own. Every rank calls this at the same point: the
+    first training call of forward_backward_func."""
+    if group is None or takes_cpu(group):
+        return group
+    key = tuple(dist.get_process_group_ranks(group))
+    made = _gloo.get(key)
+    if made is not None:
+        return made
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, key)
+    for ranks in sorted(set(everyone)):
+        g = dist.new_group(list(ranks), backend="gloo")
+        if ranks == key:
+            _gloo[key] = g
+    return _gloo[key]

@@ -12,7 +12,8 @@ from .evaluate import _forward_only
 from .flags import options, schedule_for
 from .hooks import GradSync, finalize, forward_losses, optimizer_step, param_sync
 from .loss import _Call
-from .placement import _holder, _is_v, _loop_rank, _parallel_size, _parallel_state, _stage_of, _topology, _wrapped_attr
+from .placement import (_holder, _is_v, _loop_rank, _parallel_size, _parallel_state, _stage_of, _topology,
+                        _wrapped_attr, pipeline_cpu_group)
 
 
 # Keyword arguments of Megatron's forward-backward functions this adapter knows; zbpp's own are
@@ -24,8 +25,8 @@ _KNOWN_KWARGS = frozenset({"adjust_tensor_shapes_fn", "p2p_communicator", "pg_co
 class _MegatronSchedule(PipelineSchedule):
     """A zbpp schedule whose stages run Megatron's forward_step_func (the pipelining hooks)."""
 
-    def __init__(self, stages, m, kind, mem_limit, timeout, meta, chunk_of):
-        super().__init__(stages, m, kind=kind, mem_limit=mem_limit, timeout=timeout)
+    def __init__(self, stages, m, kind, mem_limit, timeout, meta, chunk_of, cpu_group=None):
+        super().__init__(stages, m, kind=kind, mem_limit=mem_limit, timeout=timeout, cpu_group=cpu_group)
         S = stages[0].num_stages
         # Megatron's activations are (seq, micro batch, hidden) everywhere; no inference pass, which
         # would read from the data iterators.
@@ -232,8 +233,10 @@ def forward_backward_func(*, forward_step_func, data_iterator, model, num_microb
     def build():
         device = next((prm.device for c in chunks for prm in c.parameters()), torch.device("cpu"))
         stages = [PipelineStage(chunks[c], stage_of[c], S, device, group=group) for c in range(v)]
+        # CUDA: Megatron's pipeline group is NCCL and a subgroup; zbpp's host messages need gloo.
+        cpu = pipeline_cpu_group(group) if device.type == "cuda" and p > 1 else None
         return _MegatronSchedule(stages, m, kind, mem_limit, opts.timeout, meta,
-                                 {s: c for c, s in enumerate(stage_of)})
+                                 {s: c for c, s in enumerate(stage_of)}, cpu_group=cpu)
 
     key = (kind, mem_limit, p, rank, m, tuple(id(c) for c in chunks), id(group),
            tuple((str(d), s) for d, s in meta), opts.timeout)
