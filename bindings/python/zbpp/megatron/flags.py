@@ -252,7 +252,9 @@ def add_arguments(parser):
         dest="zero_bubble_max_pending_backward",
         help="Memory limit of --enable-zero-bubble's schedule, in microbatches whose activations a "
              "rank may hold (p ranks: p is 1F1B's peak, 2p allows ZB-H2-like schedules). Default: "
-             "auto, which means p.")
+             "auto: on GPUs, measured by the first step (the activations of one microbatch and what "
+             "else the step allocates, against --zero-bubble-adaptive-memory-limit-percentile of the "
+             "device's memory), between p and 2p; p until then, and on CPUs.")
     add("--zero-bubble-adaptive-memory-limit-percentile", type=int, default=85,
         dest="zero_bubble_adaptive_memory_limit_percentile",
         help="With --zero-bubble-max-pending-backward auto on GPUs: the share of the device's memory (in "

@@ -12,6 +12,7 @@ from .evaluate import _forward_only
 from .flags import options, schedule_for
 from .hooks import GradSync, finalize, forward_losses, optimizer_step, param_sync
 from .loss import _Call
+from .memory import Meter
 from .placement import (_holder, _is_v, _loop_rank, _parallel_size, _parallel_state, _stage_of, _topology,
                         _wrapped_attr, pipeline_cpu_group)
 
@@ -35,13 +36,15 @@ class _MegatronSchedule(PipelineSchedule):
         self._chunk_of = chunk_of
         self.call = None
         self.grad_sync = None  # the pass's GradSync (hooks.py) while it runs
+        self.meter = None  # a memory.Meter while a call measures for --zero-bubble-max-pending-backward auto
 
     def _first_inputs(self, i):
         return (), {}
 
     def _run_stage(self, s, i, inputs, kwargs):
         c = self._chunk_of[s]
-        out, loss_func = self.call.forward(c, i, inputs[0] if s > 0 else None)
+        run = lambda: self.call.forward(c, i, inputs[0] if s > 0 else None)  # noqa: E731
+        out, loss_func = self.meter.forward(run) if self.meter is not None else run()
         if s == self.loss_stage:
             self.call.loss_funcs[i] = loss_func
         return out
@@ -62,6 +65,8 @@ class _MegatronSchedule(PipelineSchedule):
         store = self._store
         before = store.live_tokens()
         super()._backward(s, i, gout_addr, gin_addr)
+        if self.meter is not None:
+            self.meter.backward_done()
         pending = self._pending.setdefault(s, set())
         pending |= store.live_tokens() - before
         if i == self.n_microbatches - 1:
@@ -94,6 +99,8 @@ class _MegatronSchedule(PipelineSchedule):
 
 
 _cache = {"key": None, "schedule": None}
+# --zero-bubble-max-pending-backward auto: the limit measured by the first call (memory.py), per model.
+_auto_limits = {}
 
 
 def current_schedule():
@@ -231,17 +238,24 @@ def forward_backward_func(*, forward_step_func, data_iterator, model, num_microb
         return forward_losses(call.store, layout)
 
     def build():
-        device = next((prm.device for c in chunks for prm in c.parameters()), torch.device("cpu"))
         stages = [PipelineStage(chunks[c], stage_of[c], S, device, group=group) for c in range(v)]
         # CUDA: Megatron's pipeline group is NCCL and a subgroup; zbpp's host messages need gloo.
         cpu = pipeline_cpu_group(group) if device.type == "cuda" and p > 1 else None
         return _MegatronSchedule(stages, m, kind, mem_limit, opts.timeout, meta,
                                  {s: c for c, s in enumerate(stage_of)}, cpu_group=cpu)
 
+    device = next((prm.device for c in chunks for prm in c.parameters()), torch.device("cpu"))
+    auto = (opts.kind is None and kind == "zb-auto" and opts.zero_bubble_max_pending_backward == "auto"
+            and device.type == "cuda")
+    auto_key = (p, rank, tuple(id(c) for c in chunks), m)
+    if auto and auto_key in _auto_limits:
+        mem_limit = _auto_limits[auto_key]
     key = (kind, mem_limit, p, rank, m, tuple(id(c) for c in chunks), id(group),
            tuple((str(d), s) for d, s in meta), opts.timeout)
     sched = _schedule(key, build)
     sched.call = call
+    if auto and auto_key not in _auto_limits:
+        sched.meter = Meter(device)
     try:
         param_sync(config, chunks)
         with GradSync(config, chunks) as sync:
@@ -250,7 +264,7 @@ def forward_backward_func(*, forward_step_func, data_iterator, model, num_microb
     except BaseException as exc:
         # After a failure the runner and the transport's pairs are in an unknown state: the next
         # call starts from a fresh schedule.
-        sched.call = sched.grad_sync = None
+        sched.call = sched.grad_sync = sched.meter = None
         with contextlib.suppress(Exception):
             reset()
         cause = exc.__cause__
@@ -262,6 +276,9 @@ def forward_backward_func(*, forward_step_func, data_iterator, model, num_microb
             raise cause from exc
         raise
     sched.call = sched.grad_sync = None
+    if sched.meter is not None:
+        meter, sched.meter = sched.meter, None
+        _auto_limits[auto_key] = meter.limit(opts.zero_bubble_adaptive_memory_limit_percentile, p, group)
     finalize(config, chunks, call, kwargs, layout)
     return forward_losses(call.store, layout)
 
