@@ -268,22 +268,14 @@ def add_arguments(parser):
                        ("--zero-bubble-pipeline-timers-end-iter", "zero_bubble_pipeline_timers_end_iter")):
         add(flag, type=int, default=None, dest=dest,
             help="The reference fork's flag; accepted, changes nothing (zbpp times every op of every step).")
-    add("--enable-1f1b-v", action="store_true", dest="enable_1f1b_v",
-        help="The reference fork's 1F1B in a V; refused by zbpp (use --zero-bubble-v-schedule).")
-    add("--num-seq-splits", type=int, default=1, dest="num_seq_splits",
-        help="The reference fork's seq1F1B; only 1 is accepted by zbpp.")
-    add("--interleave-group-size", type=int, default=0, dest="interleave_group_size",
-        help="The reference fork's grouped interleaving; only 0 is accepted by zbpp.")
-    add("--cpu-offload", action="store_true", dest="cpu_offload",
-        help="The reference fork's activation offloading; refused by zbpp.")
-    add("--offload-chunk-num", type=int, default=0, dest="offload_chunk_num",
-        help="The reference fork's activation offloading; only 0 is accepted by zbpp.")
     add("--offload-time", type=float, default=1.0, dest="offload_time",
         help="The reference fork's activation offloading; accepted, changes nothing.")
-    add("--auto-offload-time", action="store_true", dest="auto_offload_time",
-        help="The reference fork's activation offloading; refused by zbpp.")
-    add("--offload-overlap-sr", action="store_true", dest="offload_overlap_sr",
-        help="The reference fork's activation offloading; refused by zbpp.")
+    for flag, dest, unset, why in _UNSUPPORTED:
+        if unset is False:
+            add(flag, action="store_true", dest=dest, help=f"The reference fork's flag; refused by zbpp: {why}.")
+        else:
+            add(flag, type=int, default=unset, dest=dest,
+                help=f"The reference fork's flag; zbpp accepts only {unset}: {why}.")
     add("--enable-optimizer-post-validation", action="store_true", dest="enable_optimizer_post_validation",
         help="Step the optimizer with post-validation (no global synchronisation before the step; a "
              "step that turns out invalid is rolled back). Read by the optimizer wrapper.")
