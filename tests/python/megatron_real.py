@@ -21,13 +21,17 @@ it needs the `if __name__ == "__main__":` guard):
     differences(a, b) -> [str]        what is not bit for bit equal between two Results
 
     `more` / a case's other keys: see DEFAULTS (layers_per_stage, loss_form, attention_mask,
-    optimizer, loss_scale, zbpp_split, seq_length, micro_batch_size, vocab, fail_rank/fail_mode).
+    optimizer, loss_scale, zbpp_split, zbpp_argv, zbpp_timeout, collect, eval_no_grad,
+    optimizer_call, misuse, seq_length, micro_batch_size, vocab, fail_rank/fail_mode).
     world = pp * tp * dp. `timeout` is per case, in seconds; it is also the gloo and zbpp timeout.
 
 Result (a dict, everything gathered to rank 0, tensors on CPU):
     losses[step]       the list of reduced loss dicts forward_backward_func returned for the
                        training pass (from the last pipeline stage, data parallel rank 0)
     eval_losses[step]  the same for the forward_only=True pass after the optimizer step
+    collected[step]    with collect=True: what a further forward_only=True, collect_non_loss_data=True
+                       pass returned (loss_func(output, non_loss_data=True): {"token losses": ...});
+                       None without
     grads[step]        {global name: main_grad} after forward_backward_func (before the step)
     params[step]       {global name: parameter} after the optimizer step
     init_params        {global name: parameter} before the first step
@@ -36,8 +40,21 @@ Result (a dict, everything gathered to rank 0, tensors on CPU):
                        reads (per call, the (vp_stage, batch id) each get_batch read, in order),
                        ran (the training forward_backward_func(s) called, "module.name", with
                        " [kind]" under zbpp) and split (with zbpp_split: the layers zbpp split
-                       and those it did not)
+                       and those it did not); also its own collected, eval_touched[step] (the
+                       names whose main_grad / grad the evaluation passes changed: [] is right),
+                       virtual_ranks ({vp_stage: sorted virtual pipeline ranks parallel_state
+                       answered while that chunk's forward_step ran, training and evaluation}),
+                       schedule_for (zbpp.megatron.schedule_for's (kind, mem_limit) for the model,
+                       under zbpp), holds_loss (zbpp's schedule: this rank holds the loss stage),
+                       optimizer_calls[step] (with optimizer_call: what the optimizer= call
+                       returned, what the optimizer's step() returned, the items it read) and
+                       misuse ({name: outcome}, see MISUSE)
     case               the case's settings
+
+A case with fail_mode="exit" (a dead peer): the Result has only "case" and "ranks", None for the
+rank that exited; each other rank's entry has "dead_peer": what its first training call raised
+({"type", "module", "message", "seconds"}; type None if it returned). The workers end with it; the
+cases after it run in fresh workers.
 
 Global names are GPTModel's parameter names with the decoder layer index made global (from
 TransformerLayer.layer_number), e.g. "decoder.layers.3.self_attention.linear_qkv.weight",
@@ -100,9 +117,34 @@ DEFAULTS = dict(
                              # train() sets optimizer.scale_loss) and the optimizer divides the
                              # gradients by it; the recorded grads are the scaled main_grads
     seq_length=SEQ, micro_batch_size=MICRO_BATCH, vocab=VOCAB,
+    zbpp_argv=None,          # a list: the zero-bubble flags zbpp reads, parsed by an argparse
+                             # parser extended by zbpp.megatron.add_arguments and passed as
+                             # configure(args=...); the schedule comes from them (with zbpp_kind None)
+    zbpp_timeout=None,       # zbpp's transfer timeout in seconds (default: the case's timeout)
+    collect=False,           # after each evaluation, a collect_non_loss_data=True pass (collected)
+    eval_no_grad=True,       # evaluate under torch.no_grad(), as Megatron's evaluate does; False:
+                             # with autograd on (forward_only must still leave the gradients alone)
+    optimizer_call=False,    # under zbpp: step the optimizer through the reference fork's second
+                             # call, forward_backward_func(..., optimizer=optimizer), not step()
+    misuse=(),               # under zbpp: calls that must fail, made before step 0 (see MISUSE);
+                             # the case then trains as usual: each failure leaves zbpp usable
     fail_rank=None,          # testing the harness: this global rank fails in its first
-    fail_mode="raise",       # forward_step: raises ("raise") or never returns ("hang")
+    fail_mode="raise",       # forward_step: raises ("raise") or never returns ("hang"); or ("exit")
+                             # it exits before its first training call, after a barrier with the
+                             # others, whose call must then fail (see "A case with fail_mode")
 )
+
+# The misuse calls a case can make (its `misuse`), each a training call of forward_backward_func
+# (fresh iterators of phase "misuse", counted) that must raise; ranks[r]["misuse"][name] holds
+# {"type", "message", "cause_type", "cause", "pulled"} (pulled: items read from each iterator), or
+# {"type": None, "returned": ...} when the call did not raise.
+MISUSE = {
+    "v-one-chunk": "configure(args=--zero-bubble-v-schedule) with the case's model (one chunk)",
+    "collect-training": "collect_non_loss_data=True without forward_only",
+    "no-loss-func": "forward_step_func returns (output_tensor, None); needs pp=1 (over gloo a peer of "
+                    "the failed rank learns of it only at its timeout, and the pairs are closed then)",
+    "few-microbatches": "num_microbatches = pp + 1, not a multiple of pp (for interleaved-1f1b)",
+}
 
 
 class WorkerError(RuntimeError):
@@ -303,10 +345,22 @@ def make_batch(step, microbatch, dp_rank, phase, case):
     }
 
 
-def batches(step, m, dp_rank, phase, case):
-    """The data iterator of one forward_backward_func call (one per model chunk)."""
-    for i in range(m):
-        yield make_batch(step, i, dp_rank, phase, case)
+class batches:
+    """The data iterator of one forward_backward_func call (one per model chunk); .pulled counts the
+    items read."""
+
+    def __init__(self, step, m, dp_rank, phase, case):
+        self.step, self.m, self.dp_rank, self.phase, self.case = step, m, dp_rank, phase, case
+        self.pulled = 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.pulled >= self.m:
+            raise StopIteration
+        self.pulled += 1
+        return make_batch(self.step, self.pulled - 1, self.dp_rank, self.phase, self.case)
 
 
 class _Log:
@@ -314,6 +368,7 @@ class _Log:
 
     def __init__(self):
         self.reads = []
+        self.virtual = {}  # vp_stage -> the virtual pipeline ranks seen while it ran
 
 
 def get_batch(data_iterator, vp_stage, log=None):
@@ -335,11 +390,14 @@ def get_batch(data_iterator, vp_stage, log=None):
             batch["position_ids"])
 
 
-def loss_func(loss_mask, output_tensor, form="tokens"):
+def loss_func(loss_mask, output_tensor, form="tokens", non_loss_data=False):
     """pretrain_gpt's loss_func: (loss, num_tokens, {'lm loss': [sum, tokens]}), or the older
-    (mean loss, {'lm loss': mean}) with form="mean"."""
+    (mean loss, {'lm loss': mean}) with form="mean". With non_loss_data (Megatron's
+    collect_non_loss_data passes): {"token losses": the per-token losses, "loss mask": the mask}."""
     import torch
 
+    if non_loss_data:
+        return {"token losses": output_tensor.detach().clone(), "loss mask": loss_mask.clone()}
     losses = output_tensor.view(-1).float()
     mask = loss_mask.view(-1).float()
     loss = torch.sum(losses * mask)
@@ -360,11 +418,14 @@ def make_forward_step(case, log=None):
     from megatron.core.utils import get_attr_wrapped_model
 
     def forward_step(data_iterator, model):
-        if case["fail_rank"] is not None and case["fail_rank"] == torch.distributed.get_rank():
+        if (case["fail_rank"] is not None and case["fail_mode"] != "exit"
+                and case["fail_rank"] == torch.distributed.get_rank()):
             if case["fail_mode"] == "hang":
                 time.sleep(24 * 3600)
             raise RuntimeError(f"failure injected on rank {case['fail_rank']} (fail_rank)")
         vp_stage = get_attr_wrapped_model(model, "vp_stage")
+        if log is not None:
+            log.virtual.setdefault(vp_stage, set()).add(ps.get_virtual_pipeline_model_parallel_rank())
         # zbpp sets the (deprecated) global virtual pipeline rank to the chunk it runs, as older
         # Megatron's interleaved schedule did; Megatron 0.16's schedules leave it at the 0 that
         # initialize_model_parallel set. Under zbpp it must name the chunk being run.
@@ -514,6 +575,7 @@ class _Optimizer:
         self.params = [p for chunk in model for p in chunk.parameters() if p.requires_grad]
         self.master = [p.detach().float().clone() for p in self.params]
         self.kind = kind
+        self.steps, self.last = 0, None  # step() calls so far, what the last one returned
         self.inv_scale = None if loss_scale is None else 1.0 / float(loss_scale)
         if kind == "adamw":
             self.inner = torch.optim.AdamW(self.master, lr=LR / 10, weight_decay=0.01, foreach=False)
@@ -521,8 +583,11 @@ class _Optimizer:
             raise ValueError(f"optimizer must be 'sgd' or 'adamw', got {kind!r}")
 
     def step(self):
+        """Steps; returns (True, the gradients' norm, None), the shape of Megatron's optimizer
+        step()'s (update_successful, grad_norm, num_zeros_in_grad)."""
         import torch
 
+        norm_sq = 0.0
         with torch.no_grad():
             for p, master in zip(self.params, self.master):
                 grad = getattr(p, "main_grad", None)
@@ -533,6 +598,7 @@ class _Optimizer:
                 grad = grad.float()
                 if self.inv_scale is not None:
                     grad = grad * self.inv_scale
+                norm_sq += float(grad.double().square().sum())
                 if self.kind == "sgd":
                     master.add_(grad, alpha=-LR)
                 else:
@@ -541,6 +607,9 @@ class _Optimizer:
                 self.inner.step()
             for p, master in zip(self.params, self.master):
                 p.copy_(master.to(p.dtype))
+        self.steps += 1
+        self.last = (True, norm_sq ** 0.5, None)
+        return self.last
 
 
 # =====================================================================================================
@@ -552,6 +621,52 @@ def _zbpp_module():
         sys.path.insert(0, str(PYTHON_SRC))
     import zbpp.megatron
     return zbpp.megatron
+
+
+def _parse_flags(argv):
+    """The zero-bubble flags as Megatron's parse_args(extra_args_provider=zbpp.megatron.add_arguments)
+    would give them (megatron.training, which has parse_args, is not part of megatron-core)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Megatron-LM Arguments", allow_abbrev=False)
+    return _zbpp_module().add_arguments(parser).parse_args(list(argv))
+
+
+def _configure(zb, case, timeout):
+    args = _parse_flags(case["zbpp_argv"]) if case["zbpp_argv"] is not None else None
+    zb.configure(args, kind=case["zbpp_kind"], timeout=float(case["zbpp_timeout"] or timeout))
+
+
+def _outcome(exc, pulled):
+    """What a call that had to fail raised."""
+    cause = exc.__cause__
+    return {"type": type(exc).__name__, "module": type(exc).__module__, "message": str(exc),
+            "cause_type": None if cause is None else type(cause).__name__,
+            "cause": None if cause is None else str(cause), "pulled": pulled}
+
+
+def _grad_state(model):
+    """{parameter name: (main_grad, grad)} (clones or None), to see what a pass changed."""
+    out = {}
+    for c, chunk in enumerate(model):
+        for name, param in _unwrap(chunk).named_parameters():
+            main = getattr(param, "main_grad", None)
+            out[f"chunk{c}.{name}"] = (None if main is None else main.detach().clone(),
+                                       None if param.grad is None else param.grad.detach().clone())
+    return out
+
+
+def _changed(before, after):
+    import torch
+
+    def same(x, y):
+        return (x is None and y is None) or (x is not None and y is not None and torch.equal(x, y))
+
+    return sorted(n for n in before if not (same(before[n][0], after[n][0]) and same(before[n][1], after[n][1])))
+
+
+class _Stop(Exception):
+    """Ends a case early (fail_mode="exit": nothing more can run with a dead peer)."""
 
 
 def _run_case(case, timeout, progress):
@@ -573,7 +688,7 @@ def _run_case(case, timeout, progress):
         if case["use_zbpp"]:
             zb = _zbpp_module()
             zb.patch()
-            zb.configure(kind=case["zbpp_kind"], timeout=float(timeout))
+            _configure(zb, case, timeout)
         tp_rank = ps.get_tensor_model_parallel_rank()
         dp_rank = ps.get_data_parallel_rank()
         tp = case["tp"]
@@ -599,21 +714,47 @@ def _run_case(case, timeout, progress):
             "split": split,
             "init_params": named_tensors(model, "param", tp, tp_rank),
             "losses": [], "eval_losses": [], "grads": [], "params": [], "reads": [], "ran": set(),
+            "collected": [] if case["collect"] else None, "eval_touched": [], "optimizer_calls": [],
+            "misuse": {}, "holds_loss": None,
+            "schedule_for": list(zb.schedule_for(v, case["pp"])) if zb is not None else None,
         }
 
-        def call(step, phase, forward_only):
-            iterators = [batches(step, m, dp_rank, phase, case) for _ in range(v)]
+        def iterators_for(step, phase, count=m):
+            its = [batches(step, count, dp_rank, phase, case) for _ in range(v)]
+            return its, (its if v > 1 else its[0])
+
+        def fbf_call(data_iterator, forward_step_func=forward_step, num_microbatches=m, **kwargs):
             forward_backward_func = pipeline_parallel.get_forward_backward_func()  # looked up now: patch() applies
-            log.reads = []
-            out = forward_backward_func(
-                forward_step_func=forward_step,
-                data_iterator=iterators if v > 1 else iterators[0],
+            return forward_backward_func(
+                forward_step_func=forward_step_func,
+                data_iterator=data_iterator,
                 model=model,
-                num_microbatches=m,
+                num_microbatches=num_microbatches,
                 seq_length=case["seq_length"],
                 micro_batch_size=case["micro_batch_size"],
-                forward_only=forward_only,
-            )
+                **kwargs,
+            ), forward_backward_func
+
+        def call(step, phase, forward_only, **kwargs):
+            its, data_iterator = iterators_for(step, phase)
+            log.reads = []
+            if case["fail_mode"] == "exit" and phase == "train" and step == 0:
+                # Every rank has built its model; then the failing rank dies and the others call.
+                dist.barrier()
+                if dist.get_rank() == case["fail_rank"]:
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                    os._exit(0)
+                start = time.monotonic()
+                try:
+                    fbf_call(data_iterator, forward_only=forward_only)
+                except Exception as exc:  # noqa: BLE001 - what it is is the result
+                    result["dead_peer"] = dict(_outcome(exc, [it.pulled for it in its]),
+                                               seconds=time.monotonic() - start)
+                else:
+                    result["dead_peer"] = {"type": None, "seconds": time.monotonic() - start}
+                raise _Stop()
+            out, forward_backward_func = fbf_call(data_iterator, forward_only=forward_only, **kwargs)
             result["reads"].append((phase, step, list(log.reads)))
             if not forward_only:
                 # Which function ran (proof that patch() took effect, or did not) and, under zbpp,
@@ -622,30 +763,77 @@ def _run_case(case, timeout, progress):
                 if zb is not None:
                     sched = zb.current_schedule()
                     ran += f" [{getattr(getattr(sched, 'schedule', None), 'kind', None)}]"
+                    result["holds_loss"] = getattr(sched, "holds_loss", None)
                 result["ran"].add(ran)
             return [{k: (t.detach().clone() if torch.is_tensor(t) else t) for k, t in d.items()}
                     for d in (out or [])]
+
+        def misuse(name):
+            kwargs, step_func, count = {}, forward_step, m
+            if name == "v-one-chunk":
+                zb.configure(_parse_flags(["--zero-bubble-v-schedule"]), timeout=float(case["zbpp_timeout"] or timeout))
+            elif name == "collect-training":
+                kwargs = dict(collect_non_loss_data=True, forward_only=False)
+            elif name == "no-loss-func":
+                def no_loss_func(data_iterator, chunk):
+                    return forward_step(data_iterator, chunk)[0], None
+                step_func = no_loss_func
+            elif name == "few-microbatches":
+                count = case["pp"] + 1
+            else:
+                raise ValueError(f"unknown misuse {name!r}; see MISUSE")
+            its, data_iterator = iterators_for(0, "misuse", count)
+            try:
+                returned, _ = fbf_call(data_iterator, forward_step_func=step_func, num_microbatches=count, **kwargs)
+            except Exception as exc:  # noqa: BLE001 - what it is is the result
+                return _outcome(exc, [it.pulled for it in its])
+            finally:
+                if name == "v-one-chunk":
+                    _configure(zb, case, timeout)
+            return {"type": None, "returned": returned, "pulled": [it.pulled for it in its]}
+
+        if case["misuse"] and zb is None:
+            raise ValueError("misuse calls are made under zbpp (use_zbpp=True)")
+        for name in case["misuse"]:
+            progress(f"misuse {name}")
+            result["misuse"][name] = misuse(name)
 
         store = None
         if case["zbpp_split"]:
             from zbpp.split import default_store
             store = default_store()
             store.gemms_run = 0
-        for step in range(case["steps"]):
-            progress(f"step {step}: train")
-            for chunk in model:
-                chunk.zero_grad_buffer()
-            result["losses"].append(call(step, "train", False))
-            result["grads"].append(named_tensors(model, "grad", tp, tp_rank))
-            optimizer.step()
-            result["params"].append(named_tensors(model, "param", tp, tp_rank))
-            progress(f"step {step}: eval")
-            for chunk in model:
-                chunk.eval()
-            with torch.no_grad():
-                result["eval_losses"].append(call(step, "eval", True))
-            for chunk in model:
-                chunk.train()
+        try:
+            for step in range(case["steps"]):
+                progress(f"step {step}: train")
+                for chunk in model:
+                    chunk.zero_grad_buffer()
+                result["losses"].append(call(step, "train", False))
+                result["grads"].append(named_tensors(model, "grad", tp, tp_rank))
+                if case["optimizer_call"]:
+                    # The reference fork's train_step: the optimizer steps inside a second call.
+                    its, data_iterator = iterators_for(step, "optimizer")
+                    returned, _ = fbf_call(data_iterator, optimizer=optimizer)
+                    result["optimizer_calls"].append({"returned": returned, "step_returned": optimizer.last,
+                                                      "steps": optimizer.steps,
+                                                      "pulled": [it.pulled for it in its]})
+                else:
+                    optimizer.step()
+                result["params"].append(named_tensors(model, "param", tp, tp_rank))
+                progress(f"step {step}: eval")
+                before = _grad_state(model)
+                for chunk in model:
+                    chunk.eval()
+                with (torch.no_grad() if case["eval_no_grad"] else contextlib.nullcontext()):
+                    result["eval_losses"].append(call(step, "eval", True))
+                    if case["collect"]:
+                        result["collected"].append(call(step, "collect", True, collect_non_loss_data=True))
+                for chunk in model:
+                    chunk.train()
+                result["eval_touched"].append(_changed(before, _grad_state(model)))
+        except _Stop:
+            pass
+        result["virtual_ranks"] = {k: sorted(vs, key=str) for k, vs in log.virtual.items()}
         # The W GEMMs zbpp's store ran (training only: evaluation has no backward).
         result["gemms_run"] = store.gemms_run if store is not None else None
         progress("done")
@@ -704,6 +892,17 @@ def _worker(rank, world, init_file, out_dir, cases, timeout, library):
         for index, case in cases:
             where["case"] = index
             result = _run_case(case, timeout, progress)
+            if case["fail_mode"] == "exit":
+                # A peer is dead: no gather; each survivor writes its own result, and the workers
+                # end here (the process group cannot be torn down cleanly without the peer).
+                tmp = out / f"case{index}.rank{rank}.tmp"
+                with open(tmp, "wb") as f:
+                    pickle.dump(result, f)
+                tmp.rename(out / f"case{index}.rank{rank}.pkl")
+                progress("finished (a peer exited)")
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(0)
             gathered = [None] * world if rank == 0 else None
             dist.gather_object(result, gathered, dst=0)
             if rank == 0:
@@ -735,6 +934,8 @@ def _merge(per_rank, field, step=None):
 
 
 def _assemble(per_rank, case):
+    if case["fail_mode"] == "exit":
+        return {"case": case, "ranks": per_rank}
     last = [r for r in per_rank if r["coords"]["dp"] == 0 and r["coords"]["tp"] == 0
             and r["coords"]["pp"] == case["pp"] - 1]
     holder = last[0]
@@ -743,6 +944,7 @@ def _assemble(per_rank, case):
         "case": case,
         "losses": holder["losses"],
         "eval_losses": holder["eval_losses"],
+        "collected": holder["collected"],
         "grads": [_merge(per_rank, "grads", s) for s in range(steps)],
         "params": [_merge(per_rank, "params", s) for s in range(steps)],
         "init_params": _merge(per_rank, "init_params"),
@@ -756,6 +958,16 @@ def _full_case(kwargs):
         raise TypeError(f"unknown case settings: {sorted(unknown)}")
     case = dict(DEFAULTS)
     case.update(kwargs)
+    case["misuse"] = tuple(case["misuse"])
+    unknown = set(case["misuse"]) - set(MISUSE)
+    if unknown:
+        raise ValueError(f"unknown misuse calls {sorted(unknown)}; see MISUSE")
+    if (case["misuse"] or case["optimizer_call"]) and not case["use_zbpp"]:
+        raise ValueError("misuse and optimizer_call are calls of zbpp's forward_backward_func (use_zbpp=True)")
+    if case["fail_mode"] not in ("raise", "hang", "exit"):
+        raise ValueError(f"fail_mode must be 'raise', 'hang' or 'exit', got {case['fail_mode']!r}")
+    if case["fail_mode"] == "exit" and case["fail_rank"] is None:
+        raise ValueError("fail_mode='exit' needs a fail_rank")
     return case
 
 
@@ -869,6 +1081,18 @@ def _spawn(world, indexed_cases, timeout):
             if path.exists():
                 with open(path, "rb") as f:
                     done[index] = pickle.load(f)
+                continue
+            # fail_mode="exit": each surviving rank's own file.
+            per_rank = [Path(tmp) / f"case{index}.rank{r}.pkl" for r in range(world)]
+            if any(path.exists() for path in per_rank):
+                gathered = []
+                for path in per_rank:
+                    if path.exists():
+                        with open(path, "rb") as f:
+                            gathered.append(pickle.load(f))
+                    else:
+                        gathered.append(None)
+                done[index] = gathered
         return done, failure, failed_case
 
 
@@ -886,8 +1110,11 @@ def run_cases(world, cases, timeout=120):
         for index, gathered in done.items():
             results[index] = _assemble(gathered, full[index])
         if failure is None:
-            missing = [i for i, _ in pending if i not in done]
-            for i in missing:
+            missing = [(i, c) for i, c in pending if i not in done]
+            if missing and done and any(full[i]["fail_mode"] == "exit" for i in done):
+                pending = missing  # the workers ended with a dead-peer case: fresh ones go on
+                continue
+            for i, _c in missing:
                 results[i] = WorkerError(f"case {i} produced no result")
             break
         if failed is None or failed not in dict(pending):
@@ -915,7 +1142,8 @@ def run(world, pp, tp=1, vp=None, steps=2, m=4, dtype="fp32", tied=False, per_to
 # =====================================================================================================
 
 def differences(a, b):
-    """A list of what differs (not bit for bit) between two Results; [] when they are equal."""
+    """A list of what differs (not bit for bit) between two Results; [] when they are equal.
+    collected is compared where both Results have it (both ran with collect=True)."""
     import torch
 
     diffs = []
@@ -931,7 +1159,9 @@ def differences(a, b):
             delta = (x.double() - y.double()).abs().max().item()
             diffs.append(f"{where}: differs (max |diff| {delta:.3g})")
 
-    for field in ("losses", "eval_losses"):
+    for field in ("losses", "eval_losses", "collected"):
+        if a.get(field) is None or b.get(field) is None:
+            continue  # collected: only with collect=True
         for step, (la, lb) in enumerate(zip(a[field], b[field])):
             if len(la) != len(lb):
                 diffs.append(f"{field}[{step}]: {len(la)} vs {len(lb)} microbatch dicts")

@@ -8,10 +8,10 @@ CBLAS call, another summation order), so it must be close. W run at once (plain 
 captured into a group and popped later must give the same bits. With Megatron's DDP (its real
 backward hook and main_grad buffers) the main_grad must hold each weight gradient exactly once.
 
-Megatron is imported in this process only by the `mcore` fixture (not at collection: the Megatron
-stand-in of test_megatron.py refuses to install over a real Megatron), and everything it imported
-is dropped again when this module's tests end; torch.cuda.current_device is patched to "cpu" for
-that time only (Megatron allocates with it). The TP=2 test runs in two spawned processes.
+Megatron is imported in this process only by the `mcore` fixture (not at collection: tests that
+do not use it do not pay for the import), and everything it imported is dropped again when this
+module's tests end; torch.cuda.current_device is patched to "cpu" for that time only (Megatron
+allocates with it). The TP=2 test runs in two spawned processes.
 """
 
 import datetime
@@ -28,7 +28,7 @@ torch = pytest.importorskip("torch")
 
 def _has_megatron_core():
     spec = importlib.util.find_spec("megatron")  # imports nothing of Megatron
-    if spec is None or getattr(spec, "__zbpp_standin__", False):
+    if spec is None:
         return False
     return any(os.path.isfile(os.path.join(p, "core", "tensor_parallel", "layers.py"))
                for p in (spec.submodule_search_locations or []))
@@ -87,8 +87,6 @@ def mcore():
 
     if dist.is_available() and dist.is_initialized():
         pytest.skip("a torch.distributed default group already exists in this process")
-    if getattr(sys.modules.get("megatron"), "__zbpp_standin__", False):
-        pytest.skip("the Megatron stand-in is installed in this process")
     before = set(sys.modules)
     mp = pytest.MonkeyPatch()
     _cpu_patches(mp)
@@ -111,8 +109,8 @@ def mcore():
         if dist.is_initialized():
             dist.destroy_process_group()
         mp.undo()
-        # Drop what this module imported of Megatron (and zbpp's Megatron layers with it), so that
-        # tests after it see no real Megatron (the stand-in refuses to shadow one).
+        # Drop what this module imported of Megatron (and zbpp's Megatron layers with it): the
+        # process is left with the Megatron modules it had before.
         for name in set(sys.modules) - before:
             if name == "megatron" or name.startswith("megatron.") or name == "zbpp.megatron.layers":
                 del sys.modules[name]

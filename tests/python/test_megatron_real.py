@@ -1,11 +1,19 @@
 """zbpp.megatron against real Megatron-LM (megatron-core) on CPU: a tiny GPT trained for two steps
 over gloo on two pipeline ranks, once with Megatron's own schedule and once with zbpp's behind
-zbpp.megatron.patch(); losses, evaluation losses, gradients and parameters must agree bit for bit
-(with Megatron's linear layers split by zbpp.split_linear, whose weight gradients zbpp computes with
-a GEMM of its own: closely).
+zbpp.megatron.patch(); losses, evaluation losses (and collect_non_loss_data's data), gradients and
+parameters must agree bit for bit (with Megatron's linear layers split by zbpp.split_linear, whose
+weight gradients zbpp computes with a GEMM of its own: closely).
 
-The harness is megatron_real.py. All cases run in one pair of worker processes (Megatron's import
-takes about 6 s per process), started once for the module.
+Also on real Megatron: the schedule chosen by the zero-bubble flags; the loss dicts on the last
+pipeline rank; forward-only passes leaving the gradients alone; each model chunk running under its
+virtual pipeline rank; zbpp with one pipeline rank and two data parallel ones; the misuse errors
+(a V schedule with one chunk, collect_non_loss_data without forward_only, no loss_func, too few
+microbatches for interleaved 1F1B), each leaving zbpp usable; the reference fork's optimizer= call;
+a dead peer giving zbpp.ZbError that names it, not a hang.
+
+The harness is megatron_real.py. The two-rank cases run in one pair of worker processes (Megatron's
+import takes about 6 s per process), started once for the module (the dead-peer case, which ends
+the workers, is last), the four-rank ones in one set of four.
 
 Every case trains the same 4-layer model: pp=2 with 2 layers per rank, or pp=2 with vp=2 and one
 layer per model chunk. The weights come from the parameters' global names and the data from
@@ -14,15 +22,15 @@ layer per model chunk. The weights come from the parameters' global names and th
 """
 
 import importlib.machinery
+import re
 
 import pytest
 
 
 def _megatron_core_installed():
     """Whether megatron.core can be imported, found on sys.path without importing it (importorskip
-    would import it: about 6 s, and in this process, which never needs it) and without looking at
-    sys.modules (test_megatron.py puts a stand-in there)."""
-    spec = importlib.machinery.PathFinder.find_spec("megatron")
+    would import it: about 6 s, and in this process, which never needs it)."""
+    spec = importlib.machinery.PathFinder.find_spec("megatron")  # sys.modules may hold a Megatron already
     if spec is None or not spec.submodule_search_locations:
         return False
     return importlib.machinery.PathFinder.find_spec("megatron.core", spec.submodule_search_locations) is not None
@@ -47,13 +55,25 @@ FEATURES = dict(PLAIN, tied=True, dtype="bf16", per_token=True, overlap_grad_red
 V_LAYOUT = dict(pp=2, vp=2, layers_per_stage=1, v_order=True)
 # The older 2-tuple loss_func, no attention mask in the batch, AdamW.
 OLD_LOSS = dict(PLAIN, loss_form="mean", attention_mask=False, optimizer="adamw")
+# One pipeline rank, two data parallel ones (Megatron's forward_backward_no_pipelining).
+PP1 = dict(pp=1, layers_per_stage=4)
+# Evaluation with a collect_non_loss_data pass too, and with autograd on (Megatron evaluates under
+# no_grad; forward_only must not touch the gradients either way).
+EVAL = dict(collect=True, eval_no_grad=False)
 
 CASES = {
-    "megatron": dict(PLAIN),
-    "zbpp-1f1b": dict(PLAIN, use_zbpp=True, zbpp_kind="1f1b"),
+    "megatron": dict(PLAIN, collect=True),
+    # The schedule from the flags (none: 1F1B); the reference fork's optimizer= call steps the
+    # optimizer; two calls that must fail first, which leave zbpp usable.
+    "zbpp-1f1b": dict(PLAIN, **EVAL, use_zbpp=True, zbpp_argv=[], optimizer_call=True,
+                      misuse=["v-one-chunk", "collect-training"]),
     "zbpp-zb-h1": dict(PLAIN, use_zbpp=True, zbpp_kind="zb-h1"),
-    "megatron-interleaved": dict(INTERLEAVED),
-    "zbpp-interleaved-1f1b": dict(INTERLEAVED, use_zbpp=True, zbpp_kind="interleaved-1f1b"),
+    "megatron-interleaved": dict(INTERLEAVED, collect=True),
+    # No flag, two chunks: interleaved 1F1B; first a call with m = 3 on 2 ranks, which it cannot run.
+    "zbpp-interleaved-1f1b": dict(INTERLEAVED, collect=True, use_zbpp=True, zbpp_argv=[],
+                                  misuse=["few-microbatches"]),
+    # --zero-bubble-v-schedule: ZB-V on chunks built in V order (loss stage on rank 0).
+    "zbpp-zb-v-flag": dict(V_LAYOUT, **EVAL, use_zbpp=True, zbpp_argv=["--zero-bubble-v-schedule"]),
     "zbpp-zb-h1-split": dict(PLAIN, use_zbpp=True, zbpp_kind="zb-h1", zbpp_split=True),
     "megatron-features": dict(FEATURES),
     "zbpp-zb-h1-features": dict(FEATURES, use_zbpp=True, zbpp_kind="zb-h1"),
@@ -71,10 +91,18 @@ CASES = {
     "megatron-features-split": dict(FEATURES, zbpp_split=True),
     "zbpp-zb-h1-features-split": dict(FEATURES, use_zbpp=True, zbpp_kind="zb-h1", zbpp_split=True),
     "zbpp-zb-v-features-split": dict(FEATURES, **V_LAYOUT, use_zbpp=True, zbpp_kind="zb-v", zbpp_split=True),
+    # --enable-zero-bubble: zb-auto at memory p, with every feature.
+    "zbpp-zb-auto-flag-features": dict(FEATURES, use_zbpp=True, zbpp_argv=["--enable-zero-bubble"]),
     "megatron-old-loss": dict(OLD_LOSS),
     "zbpp-1f1b-old-loss": dict(OLD_LOSS, use_zbpp=True, zbpp_kind="1f1b"),
-    # Last: a worker that raises must come back as a WorkerError with its traceback.
-    "failing-worker": dict(PLAIN, steps=1, fail_rank=1),
+    # One pipeline rank: a forward_step_func without loss_func first (the error needs no peer to
+    # learn of it), then training as usual.
+    "megatron-pp1": dict(PP1),
+    "zbpp-pp1": dict(PP1, use_zbpp=True, zbpp_argv=[], misuse=["no-loss-func"]),
+    # Last (it ends the workers): rank 1 exits before the first step; rank 0's call must fail with
+    # ZbError naming it, at once (the zbpp timeout bounds a hang).
+    "dead-peer": dict(PLAIN, steps=1, use_zbpp=True, zbpp_kind="1f1b", zbpp_timeout=20,
+                      fail_rank=1, fail_mode="exit"),
 }
 
 
@@ -98,17 +126,22 @@ def _assert_same(results, ref_name, name, same_layout=True):
     assert not diffs, f"{name} differs from {ref_name} in {len(diffs)} places:\n" + "\n".join(diffs[:20])
     if same_layout:
         # Same batches read by the same chunks in the same order on every rank.
+        # (The collect_non_loss_data passes' reads where both cases made them.)
+        both = ref["case"]["collect"] and res["case"]["collect"]
         for r, (a, b) in enumerate(zip(ref["ranks"], res["ranks"])):
-            assert a["reads"] == b["reads"], f"rank {r} read different batches under {name}"
+            ra, rb = ([x for x in rank["reads"] if both or x[0] != "collect"] for rank in (a, b))
+            assert ra == rb, f"rank {r} read different batches under {name}"
 
 
-def _sane(res, steps=2, m=4):
-    """The run did something, with the schedule it was meant to: every step has m loss dicts,
-    finite values and gradients."""
+def _sane(res, steps=2, m=4, kind=None):
+    """The run did something, with the schedule it was meant to (kind: when the flags choose it):
+    every step has m loss dicts, finite values and gradients."""
     case = res["case"]
     for rank in res["ranks"]:
         if case["use_zbpp"]:
-            assert rank["ran"] == {f"zbpp.megatron.run.forward_backward_func [{case['zbpp_kind']}]"}
+            kind = kind or case["zbpp_kind"]
+            assert kind is not None
+            assert rank["ran"] == {f"zbpp.megatron.run.forward_backward_func [{kind}]"}
         else:
             which = "with" if case["vp"] else "without"
             assert rank["ran"] == {"megatron.core.pipeline_parallel.schedules."
@@ -133,12 +166,12 @@ def test_megatron_layouts_agree(results):
 
 @pytest.mark.parametrize("kind", ["1f1b", "zb-h1"])
 def test_zbpp_matches_megatron(results, kind):
-    _sane(_get(results, f"zbpp-{kind}"))
+    _sane(_get(results, f"zbpp-{kind}"), kind=kind)
     _assert_same(results, "megatron", f"zbpp-{kind}")
 
 
 def test_zbpp_interleaved_matches_megatron(results):
-    _sane(_get(results, "zbpp-interleaved-1f1b"))
+    _sane(_get(results, "zbpp-interleaved-1f1b"), kind="interleaved-1f1b")
     _assert_same(results, "megatron-interleaved", "zbpp-interleaved-1f1b")
 
 
@@ -217,6 +250,130 @@ def test_zbpp_split_with_every_feature_matches_megatron(results, name):
     _assert_same(results, "megatron-features-split", name, same_layout=False)
 
 
+# ---- the flags, the loss dicts' rank, evaluation, virtual ranks ------------------------------------------
+
+FLAG_CASES = [
+    # (case, Megatron's case to match, the kind the flags choose, its memory limit, same layout)
+    ("zbpp-1f1b", "megatron", "1f1b", None, True),                      # no flag, one chunk
+    ("zbpp-interleaved-1f1b", "megatron-interleaved", "interleaved-1f1b", None, True),  # no flag, two
+    ("zbpp-zb-v-flag", "megatron", "zb-v", None, False),                # --zero-bubble-v-schedule
+    ("zbpp-zb-auto-flag-features", "megatron-features", "zb-auto", 2, True),  # --enable-zero-bubble: p
+    ("zbpp-pp1", "megatron-pp1", "1f1b", None, True),                   # no flag, one rank
+]
+
+
+@pytest.mark.parametrize("name, ref, kind, mem, same_layout", FLAG_CASES)
+def test_flags_choose_the_schedule_and_it_matches_megatron(results, name, ref, kind, mem, same_layout):
+    """The zero-bubble flags, parsed by add_arguments' parser and given to configure(args=...), choose
+    the schedule that runs; it trains as Megatron's own does, bit for bit."""
+    res = _get(results, name)
+    _sane(res, kind=kind)
+    for rank in res["ranks"]:
+        assert rank["schedule_for"] == [kind, mem], rank["schedule_for"]
+    _assert_same(results, ref, name, same_layout=same_layout)
+
+
+@pytest.mark.parametrize("name, ref, loss_rank", [("zbpp-1f1b", "megatron", 1),
+                                                  ("zbpp-interleaved-1f1b", "megatron-interleaved", 1),
+                                                  ("zbpp-zb-v-flag", "megatron", 0)])
+def test_loss_dicts_come_back_on_the_last_pipeline_rank(results, name, ref, loss_rank):
+    """Megatron's train_step and evaluate read the loss dicts on the last pipeline rank, where its
+    schedules return them ([] elsewhere). Under V the loss stage is on rank 0, which returns them and
+    sends them to the last rank, which returns them too."""
+    res, want = _get(results, name), _get(results, ref)
+    last = want["ranks"][-1]
+    assert want["ranks"][0]["losses"] == [[]] * 2  # Megatron's own: nothing on the first rank
+    for r, rank in enumerate(res["ranks"]):
+        assert rank["holds_loss"] == (r == loss_rank), f"rank {r}"
+        for field in ("losses", "eval_losses", "collected"):
+            if r in (loss_rank, len(res["ranks"]) - 1):
+                assert len(rank[field]) == len(last[field]) == 2, f"{name}, rank {r}: {field}"
+                for step, (got, exp) in enumerate(zip(rank[field], last[field])):
+                    assert len(got) == len(exp) == 4, f"{name}, rank {r}: {field}[{step}]"
+                    for a, b in zip(got, exp):
+                        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), \
+                            f"{name}, rank {r}: {field}[{step}] differs from Megatron's"
+            else:
+                assert rank[field] == [[]] * 2, f"{name}, rank {r}: {field} {rank[field]}"
+
+
+@pytest.mark.parametrize("name", ["zbpp-1f1b", "zbpp-interleaved-1f1b", "zbpp-zb-v-flag"])
+def test_forward_only_and_collect_non_loss_data_match_megatron_and_leave_grads(results, name):
+    """Evaluation (forward_only=True) and a collect_non_loss_data pass: Megatron's own results
+    (test_flags_choose_the_schedule_and_it_matches_megatron compares eval_losses and collected bit for
+    bit, and the batches read), loss_func(output, non_loss_data=True)'s data, and no gradient touched,
+    with autograd on (zbpp-1f1b, zbpp-zb-v-flag) or off."""
+    res = _get(results, name)
+    assert res["collected"] is not None and len(res["collected"]) == 2
+    for step in res["collected"]:
+        assert len(step) == 4 and all(set(d) == {"token losses", "loss mask"} for d in step)
+        assert all(d["token losses"].shape == (2, 8) for d in step)
+    for r, rank in enumerate(res["ranks"]):
+        assert rank["eval_touched"] == [[], []], f"rank {r}: forward_only changed {rank['eval_touched']}"
+
+
+@pytest.mark.parametrize("name", ["zbpp-interleaved-1f1b", "zbpp-zb-v-flag"])
+def test_each_chunk_runs_under_its_virtual_pipeline_rank(results, name):
+    """parallel_state's (deprecated, global) virtual pipeline rank names the chunk whose forward_step
+    runs, in training and evaluation, as older Megatron's interleaved schedule set it."""
+    for r, rank in enumerate(_get(results, name)["ranks"]):
+        assert rank["virtual_ranks"] == {0: [0], 1: [1]}, f"rank {r}: {rank['virtual_ranks']}"
+
+
+# ---- misuse, the optimizer= call, a dead peer -----------------------------------------------------------
+
+MISUSE = [
+    # (case, misuse, exception type, text in its message, items read from each iterator)
+    ("zbpp-1f1b", "v-one-chunk", "ValueError",
+     r"zb-v \(--zero-bubble-v-schedule\) needs 2 model chunks per pipeline rank.*has 1 chunk", [0]),
+    ("zbpp-1f1b", "collect-training", "ValueError", r"collect_non_loss_data needs forward_only=True", [0]),
+    ("zbpp-interleaved-1f1b", "few-microbatches", "ZbError", r"multiple of p", [0, 0]),
+    ("zbpp-pp1", "no-loss-func", "ValueError",
+     r"forward_step_func returned no loss_func \(None\) for microbatch 0 on the loss stage", [1]),
+]
+
+
+@pytest.mark.parametrize("name, misuse, exc_type, text, pulled", MISUSE, ids=[m[1] for m in MISUSE])
+def test_misuse_is_a_clear_error_and_zbpp_goes_on(results, name, misuse, exc_type, text, pulled):
+    """Each misuse fails on every rank with zbpp's message (the C library's for the schedule), reads no
+    data it should not (the failed forward only the microbatch it ran), and the case's training after
+    it still matches Megatron's (test_flags_choose_the_schedule_and_it_matches_megatron)."""
+    for r, rank in enumerate(_get(results, name)["ranks"]):
+        got = rank["misuse"][misuse]
+        assert got["type"] == exc_type, f"rank {r}: {got}"
+        assert re.search(text, got["message"]), f"rank {r}: {got['message']}"
+        assert got["pulled"] == pulled, f"rank {r}: the failed call read {got['pulled']}"
+        if misuse == "no-loss-func":
+            # The runner's error, naming the op, stays attached as the cause.
+            assert got["cause_type"] == "ZbError" and "F(stage 0, mb 0)" in got["cause"], got
+        if exc_type == "ZbError":
+            assert got["module"] == "zbpp._lib"
+
+
+def test_optimizer_call_steps_the_optimizer_once_and_reads_no_data(results):
+    """The reference fork's train_step steps through forward_backward_func(..., optimizer=...): a stock
+    optimizer's step() runs once per call and the call returns (update_successful, grad_norm, False)
+    without a pass; the parameters are Megatron's own (test_zbpp_matches_megatron[1f1b])."""
+    for r, rank in enumerate(_get(results, "zbpp-1f1b")["ranks"]):
+        calls = rank["optimizer_calls"]
+        assert len(calls) == 2, f"rank {r}: {calls}"
+        for step, call in enumerate(calls):
+            _ok, norm, _zeros = call["step_returned"]
+            assert call["returned"] == (True, norm, False), f"rank {r}, step {step}: {call}"
+            assert call["steps"] == step + 1, f"rank {r}: the optimizer stepped {call['steps']} times"
+            assert call["pulled"] == [0], f"rank {r}: the optimizer= call read {call['pulled']}"
+
+
+def test_dead_peer_gives_zberror_naming_it(results):
+    res = _get(results, "dead-peer")
+    assert res["ranks"][1] is None  # it exited
+    got = res["ranks"][0]["dead_peer"]
+    assert got["type"] == "ZbError" and got["module"] == "zbpp._lib", got
+    assert "rank 1" in got["message"], got["message"]
+    # At once, from the closed connection: not at the zbpp timeout (20 s), not a hang.
+    assert got["seconds"] < 10, got
+
+
 # ---- four pipeline ranks --------------------------------------------------------------------------------
 
 PLAIN4 = dict(pp=4, layers_per_stage=2, m=8)
@@ -227,6 +384,8 @@ CASES4 = {
     "megatron-features-split": dict(FEATURES, **PLAIN4, zbpp_split=True),
     "zbpp-zb-v-features-split": dict(FEATURES, **V4, use_zbpp=True, zbpp_kind="zb-v", zbpp_split=True),
     "zbpp-v-min-split": dict(V4, use_zbpp=True, zbpp_kind="v-min", zbpp_split=True),
+    # Last: a worker that raises must come back as a WorkerError with its traceback.
+    "failing-worker": dict(PLAIN4, steps=1, fail_rank=1),
 }
 
 
@@ -245,8 +404,8 @@ def test_four_ranks_match_megatron(results4, ref, name):
     _assert_same(results4, ref, name, same_layout=False)
 
 
-def test_worker_error_comes_back_with_its_traceback(results):
-    err = results["failing-worker"]
+def test_worker_error_comes_back_with_its_traceback(results4):
+    err = results4["failing-worker"]
     assert isinstance(err, mr.WorkerError)
     text = str(err)
     assert "failure injected on rank 1" in text
