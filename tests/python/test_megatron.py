@@ -212,3 +212,21 @@ def test_fork_post_validation_protocol_order(rank, size, calls):
     opt = Fork()
     assert optimizer_step(opt, rank, size) == (False, 2.0, True)
     assert opt.calls == calls
+
+
+def test_optimizer_call_with_zbpp_post_validation():
+    """optimizer= with zbpp's PostValidatedOptimizer: its post-validated step, returned in the fork's
+    contract (update_successful, grad_norm, rolled_back); an inf gradient skips the update."""
+    import zbpp
+    from zbpp.megatron.hooks import optimizer_step
+
+    w = torch.nn.Parameter(torch.ones(3))
+    post = zbpp.PostValidatedOptimizer(torch.optim.SGD([w], lr=0.5), {0: [w]}, 1)
+    w.grad = torch.tensor([3.0, 4.0, 0.0])
+    ok, norm, rolled = optimizer_step(post, 0, 1)
+    assert (ok, rolled) == (True, False) and norm == pytest.approx(5.0)
+    assert torch.equal(w.detach(), torch.tensor([-0.5, -1.0, 1.0]))
+    w.grad = torch.tensor([float("inf"), 0.0, 0.0])
+    ok, norm, rolled = optimizer_step(post, 0, 1)
+    assert ok is False and torch.equal(w.detach(), torch.tensor([-0.5, -1.0, 1.0]))
+    post.close()

@@ -189,6 +189,9 @@ def optimizer_step(optimizer, pipeline_rank, pipeline_size):
       the next rank, each rank but the first sends it on to the previous one, then every rank calls
       post_validation(), which keeps, redoes or rolls back its step. The fork overlaps this with the
       next iteration's first forwards; zbpp runs it at once, with the same results.
+    - zbpp.PostValidatedOptimizer (a torch optimizer under zbpp's post-validation; build it with
+      PostValidatedOptimizer.for_schedule(opt, zbpp.megatron.current_schedule())): its step(), as
+      (not skipped, grad_norm, rolled_back).
     - Any other optimizer (stock Megatron's MegatronOptimizer.step() -> (update_successful, grad_norm,
       num_zeros_in_grad)): the step runs here, synchronously; its inf check and norm are Megatron's
       global reductions, so nothing is rolled back (the third value is False)."""
@@ -199,6 +202,11 @@ def optimizer_step(optimizer, pipeline_rank, pipeline_size):
             optimizer.send_post_validation()
         result = optimizer.post_validation(lambda: None)
         return result[0], result[1], result[2]
+    from ..optim import PostValidatedOptimizer
+    if isinstance(optimizer, PostValidatedOptimizer):
+        # zbpp's own post-validation (torch optimizers): speculative step, exact rollback.
+        r = optimizer.step()
+        return not r.skipped, r.grad_norm, r.rolled_back
     step = getattr(optimizer, "step", None)
     if step is None:
         raise TypeError(f"zbpp.megatron: optimizer= must be an optimizer with step(), got {type(optimizer).__name__}")
