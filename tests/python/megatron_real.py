@@ -1001,16 +1001,19 @@ def _stacks(tmp, procs):
     return {r: _read(Path(tmp) / f"stack{r}.txt") for r in alive}
 
 
-def _spawn(world, indexed_cases, timeout):
+def _spawn(world, indexed_cases, timeout, target=None, extra=()):
     """Runs the cases in one set of workers. Returns ({index: per-rank results}, failure or None,
-    index of the failed case or None)."""
+    index of the failed case or None). target: the worker function (default: _worker), called as
+    target(rank, world, init_file, out_dir, indexed_cases, timeout, library, *extra); it follows
+    _worker's protocol (progress, error and result files in out_dir)."""
     import multiprocessing as mp
 
     library = os.environ.get("ZBPP_LIBRARY") or str(DEFAULT_LIBRARY)
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="zbpp-megatron-real-") as tmp:
         init_file = os.path.join(tmp, "rendezvous")
-        procs = [ctx.Process(target=_worker, args=(r, world, init_file, tmp, indexed_cases, timeout, library),
+        procs = [ctx.Process(target=target or _worker,
+                             args=(r, world, init_file, tmp, indexed_cases, timeout, library, *extra),
                              daemon=True) for r in range(world)]
         for p in procs:
             p.start()

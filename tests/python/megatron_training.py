@@ -75,8 +75,6 @@ import os
 import pickle
 import signal
 import sys
-import tempfile
-import time
 import traceback
 import types
 from pathlib import Path
@@ -105,10 +103,8 @@ CASE_DEFAULTS = dict(
     lr=0.01,
 )
 
-
 class WorkerError(mr.WorkerError):
     """A worker raised, or the workers hung; the message holds their tracebacks or stacks."""
-
 
 # =====================================================================================================
 # Shims (workers only)
@@ -130,12 +126,10 @@ def _stand_in(name, **attrs):
     sys.modules[name] = module
     return module
 
-
 def _refuse(what):
     def refuse(*args, **kwargs):
         raise RuntimeError(f"{what} is not available in zbpp's CPU test (a stand-in)")
     return refuse
-
 
 def training_import_shims():
     """Stand-ins for the packages megatron.training (core_v0.16.1) imports at module level and the
@@ -170,7 +164,6 @@ def training_import_shims():
                   build_inference_pg_collection=_refuse("megatron.rl (pydantic)"))
         done.append("megatron.rl")
     return done
-
 
 def training_cpu_patches():
     """The monkeypatches megatron/training (core_v0.16.1) and megatron.core's optimizer need on a
@@ -236,7 +229,6 @@ def training_cpu_patches():
 
     _CudaTypeNames().__enter__()
 
-
 # =====================================================================================================
 # One case in one worker
 # =====================================================================================================
@@ -262,7 +254,6 @@ def _argv(case):
         argv += ["--num-layers-per-virtual-pipeline-stage", str(LAYERS // (2 * case["pp"]))]
     return argv + list(case["flags"])
 
-
 class _LoggingIterator:
     """An iterator over the batches of several steps that records the id of each batch it gives."""
 
@@ -277,7 +268,6 @@ class _LoggingIterator:
         self.log.append(batch["id"])
         return batch
 
-
 def _iterators(phase, case, dp_rank, chunks, logs):
     """One iterator per model chunk over every step's microbatches (as Megatron's
     build_train_valid_test_data_iterators gives one per virtual stage)."""
@@ -289,13 +279,11 @@ def _iterators(phase, case, dp_rank, chunks, logs):
         its.append(_LoggingIterator(batches, logs[c]))
     return its if chunks > 1 else its[0]
 
-
 def _zbpp():
     if str(mr.PYTHON_SRC) not in sys.path:
         sys.path.insert(0, str(mr.PYTHON_SRC))
     import zbpp.megatron
     return zbpp.megatron
-
 
 def _detach(value):
     import torch
@@ -305,7 +293,6 @@ def _detach(value):
     if isinstance(value, dict):
         return {k: _detach(v) for k, v in value.items()}
     return value
-
 
 def _run_case(case, timeout, progress):
     from functools import partial
@@ -441,7 +428,6 @@ def _run_case(case, timeout, progress):
         # state, rerun state machine); the process groups stay (gloo keeps them cheaply).
         mt.destroy_global_state()
 
-
 def _setup_training(root, progress):
     """The training workers' imports: the Megatron-LM checkout's root after site-packages (`megatron`
     is a namespace package in both, so megatron.core stays the installed megatron-core, the same
@@ -456,7 +442,6 @@ def _setup_training(root, progress):
     training_import_shims()
     import megatron.training.training  # noqa: F401
     import pretrain_gpt  # noqa: F401
-
 
 def _worker(rank, world, init_file, out_dir, cases, timeout, library, mode, root):
     """One process: its set-up (mode "training": _setup_training; "fork": _setup_fork), gloo over a
@@ -514,88 +499,14 @@ def _worker(rank, world, init_file, out_dir, cases, timeout, library, mode, root
         sys.stderr.flush()
         os._exit(1)
 
-
 # =====================================================================================================
 # The calling side
 # =====================================================================================================
 
-STARTUP_S = 90   # a worker's import of torch and Megatron-LM and the gloo start-up (about 15 s here)
-GRACE_S = 3
-
-
 def _spawn(world, indexed_cases, timeout, mode, root):
-    """Runs the cases in one set of workers: ({index: per-rank results}, failure or None, index of
-    the failed case or None)."""
-    import multiprocessing as mp
-
-    library = os.environ.get("ZBPP_LIBRARY") or str(mr.DEFAULT_LIBRARY)
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory(prefix="zbpp-megatron-training-") as tmp:
-        init_file = os.path.join(tmp, "rendezvous")
-        procs = [ctx.Process(target=_worker, args=(r, world, init_file, tmp, indexed_cases, timeout, library,
-                                                   mode, root), daemon=True) for r in range(world)]
-        for p in procs:
-            p.start()
-        current = {r: (None, time.monotonic()) for r in range(world)}
-        failure, failed = None, None
-        try:
-            while True:
-                now = time.monotonic()
-                for r in range(world):
-                    index, _ = mr._progress_of(tmp, r)
-                    if index != current[r][0]:
-                        current[r] = (index, now)
-                errors = sorted(Path(tmp).glob("error*.txt"))
-                if errors:
-                    deadline = time.monotonic() + GRACE_S
-                    while time.monotonic() < deadline and any(p.is_alive() for p in procs):
-                        time.sleep(0.1)
-                    stacks = mr._stacks(tmp, procs)
-                    parts, indices = [], []
-                    for r in range(world):
-                        text = mr._read(Path(tmp) / f"error{r}.txt")
-                        if text:
-                            case_line, _, tb = text.partition("\n")
-                            if case_line.isdigit():
-                                indices.append(int(case_line))
-                            parts.append(f"--- worker {r} (case {case_line}) ---\n{tb}")
-                        elif r in stacks:
-                            parts.append(f"--- worker {r}: still running at {mr._progress_of(tmp, r)[1]!r}, "
-                                         f"killed; its stack: ---\n{stacks[r]}")
-                    failed = min(indices) if indices else None
-                    failure = WorkerError("Megatron-LM worker failed:\n" + "\n".join(parts))
-                    break
-                if all(not p.is_alive() for p in procs):
-                    codes = [p.exitcode for p in procs]
-                    if any(c != 0 for c in codes):
-                        failure = WorkerError(f"Megatron-LM workers exited with codes {codes} and no traceback")
-                    break
-                late = [r for r in range(world) if procs[r].is_alive() and
-                        now - current[r][1] > (STARTUP_S if current[r][0] is None else timeout + 10)]
-                if late:
-                    stacks = mr._stacks(tmp, procs)
-                    parts = [f"--- worker {r}: at {mr._progress_of(tmp, r)[1]!r} ---\n{stacks.get(r, '(exited)')}"
-                             for r in range(world)]
-                    failure = WorkerError(f"Megatron-LM workers {late} did not finish their case in {timeout} s "
-                                          f"(or start in {STARTUP_S} s); their stacks:\n" + "\n".join(parts))
-                    indices = [current[r][0] for r in late if current[r][0] is not None]
-                    failed = min(indices) if indices else None
-                    break
-                time.sleep(0.1)
-        finally:
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-            for p in procs:
-                p.join(timeout=5)
-        done = {}
-        for index, _case in indexed_cases:
-            path = Path(tmp) / f"case{index}.pkl"
-            if path.exists():
-                with open(path, "rb") as f:
-                    done[index] = pickle.load(f)
-        return done, failure, failed
-
+    """megatron_real's supervisor (progress, timeouts, tracebacks and stacks) over this module's
+    workers."""
+    return mr._spawn(world, indexed_cases, timeout, target=_worker, extra=(mode, root))
 
 def _merge(per_rank, field, step=None):
     merged = {}
@@ -604,7 +515,6 @@ def _merge(per_rank, field, step=None):
         for name, t in d.items():
             merged.setdefault(name, t)
     return merged
-
 
 def _assemble(per_rank, case):
     last = next(r for r in per_rank if r["coords"]["pp"] == case["pp"] - 1 and r["coords"]["dp"] == 0
@@ -622,7 +532,6 @@ def _assemble(per_rank, case):
         "init_params": _merge(per_rank, "init_params"),
         "ranks": per_rank,
     }
-
 
 def _run_all(world, full, timeout, mode, root, assemble):
     results = [None] * len(full)
@@ -642,7 +551,6 @@ def _run_all(world, full, timeout, mode, root, assemble):
         pending = [(i, c) for i, c in pending if i not in done and i != failed]
     return results
 
-
 def run_cases(checkout, cases, world=2, timeout=60):
     """Runs each case (a dict of CASE_DEFAULTS' keys) on `world` workers with Megatron-LM from
     `checkout`; returns, per case, its Result or the WorkerError it failed with."""
@@ -653,7 +561,6 @@ def run_cases(checkout, cases, world=2, timeout=60):
             raise TypeError(f"unknown case settings: {sorted(unknown)}")
         full.append(dict(CASE_DEFAULTS, **c))
     return _run_all(world, full, timeout, "training", str(Path(checkout).resolve()), _assemble)
-
 
 def differences(a, b, grad_norm_exact=True, tolerance=None):
     """What differs between two Results: losses, eval losses, skipped iterations, learning rates,
@@ -708,7 +615,6 @@ def differences(a, b, grad_norm_exact=True, tolerance=None):
             for name in sorted(set(da) & set(db)):
                 cmp(f"{field}[{step}][{name}]", da[name], db[name])
     return diffs
-
 
 # =====================================================================================================
 # The reference fork (sail-sg/zero-bubble-pipeline-parallelism)
@@ -779,7 +685,6 @@ def fork_import_shims():
         done.append("pulp")
     return done
 
-
 def training_import_shims_basic():
     """six, regex, yaml: what stock Megatron-LM's and the fork's megatron.training both import (see
     training_import_shims)."""
@@ -795,12 +700,10 @@ def training_import_shims_basic():
         done.append("yaml")
     return done
 
-
 # --no-pre-communication-optimization: the fork's default (on) gives its pipeline and tensor parallel
 # groups torch.distributed.ProcessGroupNCCL.Options (high-priority streams) in
 # initialize_model_parallel, which a CPU-only torch does not have.
 FORK_ARGV = ["--enable-zero-bubble", "--enable-optimizer-post-validation", "--no-pre-communication-optimization"]
-
 
 def _fork_args():
     """The fork's global args: its own parse_args over FORK_ARGV (its defaults for everything else;
@@ -813,7 +716,6 @@ def _fork_args():
         return parse_args()
     finally:
         sys.argv = argv
-
 
 def _setup_fork(root, progress):
     """The fork first on sys.path: its own megatron.core (0.9.0rc0) shadows the installed one."""
@@ -829,7 +731,6 @@ def _setup_fork(root, progress):
     from megatron.training.global_vars import set_args
     set_args(_fork_args())
     _setup_fork.shims = shims
-
 
 def _undecorated(fn):
     """The function under the fork's decorators: functools.wraps ones (torch.no_grad) by __wrapped__,
@@ -847,7 +748,6 @@ def _undecorated(fn):
             continue
         break
     return fn
-
 
 def _returns(tree):
     """The arity of each `return` of a function's AST (not of nested functions): len of a tuple, 1
@@ -868,7 +768,6 @@ def _returns(tree):
     visit(tree)
     return out
 
-
 def _function_ast(source_text, name):
     import ast
 
@@ -876,7 +775,6 @@ def _function_ast(source_text, name):
         if isinstance(node, ast.FunctionDef) and node.name == name:
             return node
     return None
-
 
 def _calls_in(func_node, attr):
     """Per call of `<something>.attr(...)` in a function's AST: (number of positional args, the names
@@ -898,7 +796,6 @@ def _calls_in(func_node, attr):
             if (isinstance(f, ast.Attribute) and f.attr == attr) or (isinstance(f, ast.Name) and f.id == attr):
                 out.append((len(node.value.args), None))
     return out
-
 
 def _fork_report(root):
     """What the fork defines for post-validation, from the imported classes (inspect) and the
@@ -983,10 +880,8 @@ def _fork_report(root):
     report["orders"] = orders
     return report
 
-
 def _no_forward_step(data_iterator, model):
     raise AssertionError("forward_backward_func(..., optimizer=...) ran a forward step")
-
 
 def _fork_post_validation(case, timeout):
     """The fork's post-validation protocol over `world` pipeline ranks, its norm part run by the
@@ -1047,14 +942,12 @@ def _fork_post_validation(case, timeout):
             zb.configure()
         ps.destroy_model_parallel()
 
-
 def _run_fork_case(case, timeout, progress):
     progress(case["what"])
     if case["what"] == "report":
         import torch.distributed as dist
         return _fork_report(case["root"]) if dist.get_rank() == 0 else None
     return _fork_post_validation(case, timeout)
-
 
 def fork_cases(fork_root, cases, world=2, timeout=60):
     """Runs the fork cases on `world` workers with the fork's megatron first on sys.path. A case is
