@@ -103,8 +103,10 @@ CASE_DEFAULTS = dict(
     lr=0.01,
 )
 
+
 class WorkerError(mr.WorkerError):
     """A worker raised, or the workers hung; the message holds their tracebacks or stacks."""
+
 
 # =====================================================================================================
 # Shims (workers only)
@@ -126,10 +128,12 @@ def _stand_in(name, **attrs):
     sys.modules[name] = module
     return module
 
+
 def _refuse(what):
     def refuse(*args, **kwargs):
         raise RuntimeError(f"{what} is not available in zbpp's CPU test (a stand-in)")
     return refuse
+
 
 def training_import_shims():
     """Stand-ins for the packages megatron.training (core_v0.16.1) imports at module level and the
@@ -164,6 +168,7 @@ def training_import_shims():
                   build_inference_pg_collection=_refuse("megatron.rl (pydantic)"))
         done.append("megatron.rl")
     return done
+
 
 def training_cpu_patches():
     """The monkeypatches megatron/training (core_v0.16.1) and megatron.core's optimizer need on a
@@ -229,6 +234,7 @@ def training_cpu_patches():
 
     _CudaTypeNames().__enter__()
 
+
 # =====================================================================================================
 # One case in one worker
 # =====================================================================================================
@@ -254,6 +260,7 @@ def _argv(case):
         argv += ["--num-layers-per-virtual-pipeline-stage", str(LAYERS // (2 * case["pp"]))]
     return argv + list(case["flags"])
 
+
 class _LoggingIterator:
     """An iterator over the batches of several steps that records the id of each batch it gives."""
 
@@ -268,6 +275,7 @@ class _LoggingIterator:
         self.log.append(batch["id"])
         return batch
 
+
 def _iterators(phase, case, dp_rank, chunks, logs):
     """One iterator per model chunk over every step's microbatches (as Megatron's
     build_train_valid_test_data_iterators gives one per virtual stage)."""
@@ -279,11 +287,13 @@ def _iterators(phase, case, dp_rank, chunks, logs):
         its.append(_LoggingIterator(batches, logs[c]))
     return its if chunks > 1 else its[0]
 
+
 def _zbpp():
     if str(mr.PYTHON_SRC) not in sys.path:
         sys.path.insert(0, str(mr.PYTHON_SRC))
     import zbpp.megatron
     return zbpp.megatron
+
 
 def _detach(value):
     import torch
@@ -293,6 +303,7 @@ def _detach(value):
     if isinstance(value, dict):
         return {k: _detach(v) for k, v in value.items()}
     return value
+
 
 def _run_case(case, timeout, progress):
     from functools import partial
@@ -428,6 +439,7 @@ def _run_case(case, timeout, progress):
         # state, rerun state machine); the process groups stay (gloo keeps them cheaply).
         mt.destroy_global_state()
 
+
 def _setup_training(root, progress):
     """The training workers' imports: the Megatron-LM checkout's root after site-packages (`megatron`
     is a namespace package in both, so megatron.core stays the installed megatron-core, the same
@@ -442,6 +454,7 @@ def _setup_training(root, progress):
     training_import_shims()
     import megatron.training.training  # noqa: F401
     import pretrain_gpt  # noqa: F401
+
 
 def _worker(rank, world, init_file, out_dir, cases, timeout, library, mode, root):
     """One process: its set-up (mode "training": _setup_training; "fork": _setup_fork), gloo over a
@@ -499,14 +512,17 @@ def _worker(rank, world, init_file, out_dir, cases, timeout, library, mode, root
         sys.stderr.flush()
         os._exit(1)
 
+
 # =====================================================================================================
 # The calling side
 # =====================================================================================================
+
 
 def _spawn(world, indexed_cases, timeout, mode, root):
     """megatron_real's supervisor (progress, timeouts, tracebacks and stacks) over this module's
     workers."""
     return mr._spawn(world, indexed_cases, timeout, target=_worker, extra=(mode, root))
+
 
 def _merge(per_rank, field, step=None):
     merged = {}
@@ -515,6 +531,7 @@ def _merge(per_rank, field, step=None):
         for name, t in d.items():
             merged.setdefault(name, t)
     return merged
+
 
 def _assemble(per_rank, case):
     last = next(r for r in per_rank if r["coords"]["pp"] == case["pp"] - 1 and r["coords"]["dp"] == 0
@@ -532,6 +549,7 @@ def _assemble(per_rank, case):
         "init_params": _merge(per_rank, "init_params"),
         "ranks": per_rank,
     }
+
 
 def _run_all(world, full, timeout, mode, root, assemble):
     results = [None] * len(full)
@@ -551,6 +569,7 @@ def _run_all(world, full, timeout, mode, root, assemble):
         pending = [(i, c) for i, c in pending if i not in done and i != failed]
     return results
 
+
 def run_cases(checkout, cases, world=2, timeout=60):
     """Runs each case (a dict of CASE_DEFAULTS' keys) on `world` workers with Megatron-LM from
     `checkout`; returns, per case, its Result or the WorkerError it failed with."""
@@ -561,6 +580,7 @@ def run_cases(checkout, cases, world=2, timeout=60):
             raise TypeError(f"unknown case settings: {sorted(unknown)}")
         full.append(dict(CASE_DEFAULTS, **c))
     return _run_all(world, full, timeout, "training", str(Path(checkout).resolve()), _assemble)
+
 
 def differences(a, b, grad_norm_exact=True, tolerance=None):
     """What differs between two Results: losses, eval losses, skipped iterations, learning rates,
@@ -615,6 +635,7 @@ def differences(a, b, grad_norm_exact=True, tolerance=None):
             for name in sorted(set(da) & set(db)):
                 cmp(f"{field}[{step}][{name}]", da[name], db[name])
     return diffs
+
 
 # =====================================================================================================
 # The reference fork (sail-sg/zero-bubble-pipeline-parallelism)
@@ -685,6 +706,7 @@ def fork_import_shims():
         done.append("pulp")
     return done
 
+
 def training_import_shims_basic():
     """six, regex, yaml: what stock Megatron-LM's and the fork's megatron.training both import (see
     training_import_shims)."""
@@ -700,10 +722,12 @@ def training_import_shims_basic():
         done.append("yaml")
     return done
 
+
 # --no-pre-communication-optimization: the fork's default (on) gives its pipeline and tensor parallel
 # groups torch.distributed.ProcessGroupNCCL.Options (high-priority streams) in
 # initialize_model_parallel, which a CPU-only torch does not have.
 FORK_ARGV = ["--enable-zero-bubble", "--enable-optimizer-post-validation", "--no-pre-communication-optimization"]
+
 
 def _fork_args():
     """The fork's global args: its own parse_args over FORK_ARGV (its defaults for everything else;
@@ -716,6 +740,7 @@ def _fork_args():
         return parse_args()
     finally:
         sys.argv = argv
+
 
 def _setup_fork(root, progress):
     """The fork first on sys.path: its own megatron.core (0.9.0rc0) shadows the installed one."""
@@ -731,6 +756,7 @@ def _setup_fork(root, progress):
     from megatron.training.global_vars import set_args
     set_args(_fork_args())
     _setup_fork.shims = shims
+
 
 def _undecorated(fn):
     """The function under the fork's decorators: functools.wraps ones (torch.no_grad) by __wrapped__,
@@ -748,6 +774,7 @@ def _undecorated(fn):
             continue
         break
     return fn
+
 
 def _returns(tree):
     """The arity of each `return` of a function's AST (not of nested functions): len of a tuple, 1
@@ -768,6 +795,7 @@ def _returns(tree):
     visit(tree)
     return out
 
+
 def _function_ast(source_text, name):
     import ast
 
@@ -775,6 +803,7 @@ def _function_ast(source_text, name):
         if isinstance(node, ast.FunctionDef) and node.name == name:
             return node
     return None
+
 
 def _calls_in(func_node, attr):
     """Per call of `<something>.attr(...)` in a function's AST: (number of positional args, the names
@@ -796,6 +825,7 @@ def _calls_in(func_node, attr):
             if (isinstance(f, ast.Attribute) and f.attr == attr) or (isinstance(f, ast.Name) and f.id == attr):
                 out.append((len(node.value.args), None))
     return out
+
 
 def _fork_report(root):
     """What the fork defines for post-validation, from the imported classes (inspect) and the
@@ -880,8 +910,10 @@ def _fork_report(root):
     report["orders"] = orders
     return report
 
+
 def _no_forward_step(data_iterator, model):
     raise AssertionError("forward_backward_func(..., optimizer=...) ran a forward step")
+
 
 def _fork_post_validation(case, timeout):
     """The fork's post-validation protocol over `world` pipeline ranks, its norm part run by the
@@ -942,12 +974,14 @@ def _fork_post_validation(case, timeout):
             zb.configure()
         ps.destroy_model_parallel()
 
+
 def _run_fork_case(case, timeout, progress):
     progress(case["what"])
     if case["what"] == "report":
         import torch.distributed as dist
         return _fork_report(case["root"]) if dist.get_rank() == 0 else None
     return _fork_post_validation(case, timeout)
+
 
 def fork_cases(fork_root, cases, world=2, timeout=60):
     """Runs the fork cases on `world` workers with the fork's megatron first on sys.path. A case is
