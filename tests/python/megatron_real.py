@@ -147,6 +147,17 @@ MISUSE = {
 }
 
 
+def megatron_core_installed():
+    """Whether megatron.core can be imported, found on sys.path without importing it: importing
+    takes seconds, and sys.modules may already hold a Megatron (or None, where a test hid it)."""
+    import importlib.machinery
+
+    spec = importlib.machinery.PathFinder.find_spec("megatron")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    return importlib.machinery.PathFinder.find_spec("megatron.core", spec.submodule_search_locations) is not None
+
+
 class WorkerError(RuntimeError):
     """A worker raised; the message holds every failed worker's traceback."""
 

@@ -12,26 +12,19 @@ with an extra_args_provider; patch() patches the megatron.core modules it finds.
 
 import argparse
 import importlib
-import importlib.machinery
 import sys
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
+import megatron_real as mr  # noqa: E402 - tests/python is on sys.path under pytest; imports no Megatron
+
 import zbpp.megatron as zm  # noqa: E402
 
 # Where patch() installs the function, as megatron-core 0.16 ships it (megatron.training, not part of
 # megatron-core, adds megatron.training.training when installed).
 CORE_TARGETS = ("megatron.core.pipeline_parallel", "megatron.core.pipeline_parallel.schedules")
-
-
-def _megatron_core_installed():
-    """Whether megatron.core can be imported, found on sys.path without importing it."""
-    spec = importlib.machinery.PathFinder.find_spec("megatron")
-    if spec is None or not spec.submodule_search_locations:
-        return False
-    return importlib.machinery.PathFinder.find_spec("megatron.core", spec.submodule_search_locations) is not None
 
 
 def _parse(argv):
@@ -53,7 +46,7 @@ def megatron_core():
     """The installed megatron-core's pipeline_parallel modules, imported in this process (about 3 s;
     only this module's patch test asks for it). They stay imported afterwards (unpatched): a later
     import would cost the same again, and test_megatron_layers.py's fixture reuses them."""
-    if not _megatron_core_installed():
+    if not mr.megatron_core_installed():
         pytest.skip("megatron-core is not installed")
     modules = {name: importlib.import_module(name) for name in CORE_TARGETS}
     yield modules

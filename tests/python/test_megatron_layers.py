@@ -15,7 +15,6 @@ allocates with it). The TP=2 test runs in two spawned processes.
 """
 
 import datetime
-import importlib.util
 import os
 import sys
 import tempfile
@@ -25,16 +24,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-
-def _has_megatron_core():
-    spec = importlib.util.find_spec("megatron")  # imports nothing of Megatron
-    if spec is None:
-        return False
-    return any(os.path.isfile(os.path.join(p, "core", "tensor_parallel", "layers.py"))
-               for p in (spec.submodule_search_locations or []))
+import megatron_real as mr  # noqa: E402 - tests/python is on sys.path under pytest; imports no Megatron
 
 
-if not _has_megatron_core():
+if not mr.megatron_core_installed():
     pytest.skip("megatron.core (megatron-core) is not installed", allow_module_level=True)
 
 import zbpp  # noqa: E402

@@ -27,7 +27,6 @@ Both skip, with the reason, without their variable.
         python -m pytest tests/python/test_megatron_training.py
 """
 
-import importlib.machinery
 import importlib.metadata
 import os
 import re
@@ -37,17 +36,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+import megatron_real as mr  # noqa: E402 - tests/python is on sys.path under pytest; imports no Megatron
+
 MEGATRON_LM_ENV = "ZBPP_MEGATRON_LM"
 ZB_FORK_ENV = "ZBPP_ZB_FORK"
 TIMEOUT = 60
-
-
-def _megatron_core_installed():
-    """Whether megatron.core can be imported, found without importing it (see test_megatron_real.py)."""
-    spec = importlib.machinery.PathFinder.find_spec("megatron")
-    if spec is None or not spec.submodule_search_locations:
-        return False
-    return importlib.machinery.PathFinder.find_spec("megatron.core", spec.submodule_search_locations) is not None
 
 
 def _checkout_version(root):
@@ -72,7 +65,7 @@ def _megatron_lm_checkout():
     for needed in ("megatron/training/training.py", "pretrain_gpt.py", "gpt_builders.py", "model_provider.py"):
         if not (root / needed).is_file():
             pytest.skip(f"{MEGATRON_LM_ENV}={root} has no {needed}: not a Megatron-LM checkout of core_v0.16.x")
-    if not _megatron_core_installed():
+    if not mr.megatron_core_installed():
         pytest.skip("megatron-core is not installed")
     try:
         installed = tuple(int(x) for x in importlib.metadata.version("megatron-core").split(".")[:2])

@@ -115,8 +115,9 @@ class WGradStore:
         if ran and after is not None:
             after()
         del keep
-        for hook in list(self.release_hooks):
-            hook(token)
+        if self.release_hooks:
+            for hook in list(self.release_hooks):
+                hook(token)
 
     def _forget_push_stream(self, stream):
         entry = self._push_streams.get(stream.cuda_stream)

@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 from .. import _lib, runtime
 from ..distributed import global_rank
-from .placement import _holder
+from .placement import _device_of, _holder
 
 # Forward-only transfers: tags above the runner's channels and the shape inference tag (1 << 20).
 _EVAL_TAG = 1 << 21
@@ -40,7 +40,7 @@ def _forward_only(call, kind, v, p, rank, group, stage_of, S, meta, timeout):
     receive only waits for a stage that its holder runs before any later one: no deadlock."""
     (dtype, shape), = meta
     m = call.m
-    device = next((prm.device for ch in call.chunks for prm in ch.parameters()), torch.device("cpu"))
+    device = _device_of(call.chunks)
     sends, carry = [], {}
     for s, c in sorted((s, c) for c, s in enumerate(stage_of)):
         for i in range(m):

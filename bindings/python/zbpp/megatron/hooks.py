@@ -13,11 +13,10 @@ then waits for it (finish_grad_sync), as in Megatron.
 import contextlib
 import inspect
 
-import torch
 import torch.distributed as dist
 
 from ..distributed import global_rank
-from .placement import _wrapped_attr
+from .placement import _device_of, _wrapped_attr
 from .vmodel import sum_tied_grads, tied_pair
 
 
@@ -155,10 +154,6 @@ def _call_finalize(fn, chunks, num_tokens, kwargs):
         if kwargs.get(name) is not None and (name in params or var_kw):
             extra[name] = kwargs[name]
     fn(*args, **extra)
-
-
-def _device_of(chunks):
-    return next((prm.device for c in chunks for prm in c.parameters()), torch.device("cpu"))
 
 
 def forward_losses(store, layout):

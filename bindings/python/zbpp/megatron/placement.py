@@ -6,6 +6,7 @@ import importlib
 import sys
 import warnings
 
+import torch
 import torch.distributed as dist
 
 from ..distributed import group_rank, group_size, takes_cpu
@@ -97,6 +98,11 @@ def _virtual_rank(ps, chunk_index, chunks):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)
             setter(previous)
+
+
+def _device_of(chunks):
+    """The device of the model chunks' parameters (the CPU when they have none)."""
+    return next((prm.device for c in chunks for prm in c.parameters()), torch.device("cpu"))
 
 
 def _wrapped_attr(model, name):

@@ -13,7 +13,7 @@ from .flags import options, schedule_for
 from .hooks import GradSync, finalize, forward_losses, optimizer_step, param_sync
 from .loss import _Call
 from .memory import Meter
-from .placement import (_holder, _is_v, _loop_rank, _parallel_size, _parallel_state, _stage_of, _topology,
+from .placement import (_device_of, _holder, _is_v, _loop_rank, _parallel_size, _parallel_state, _stage_of, _topology,
                         _wrapped_attr, pipeline_cpu_group)
 
 
@@ -244,7 +244,7 @@ def forward_backward_func(*, forward_step_func, data_iterator, model, num_microb
         return _MegatronSchedule(stages, m, kind, mem_limit, opts.timeout, meta,
                                  {s: c for c, s in enumerate(stage_of)}, cpu_group=cpu)
 
-    device = next((prm.device for c in chunks for prm in c.parameters()), torch.device("cpu"))
+    device = _device_of(chunks)
     auto = (opts.kind is None and kind == "zb-auto" and opts.zero_bubble_max_pending_backward == "auto"
             and device.type == "cuda")
     auto_key = (p, rank, tuple(id(c) for c in chunks), m)
