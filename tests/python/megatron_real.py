@@ -906,28 +906,42 @@ def _worker(rank, world, init_file, out_dir, cases, timeout, library):
             if case["fail_mode"] == "exit":
                 # A peer is dead: no gather; each survivor writes its own result, and the workers
                 # end here (the process group cannot be torn down cleanly without the peer).
-                tmp = out / f"case{index}.rank{rank}.tmp"
-                with open(tmp, "wb") as f:
-                    pickle.dump(result, f)
-                tmp.rename(out / f"case{index}.rank{rank}.pkl")
+                _write(out / f"case{index}.rank{rank}.pkl", result)
                 progress("finished (a peer exited)")
                 sys.stdout.flush()
                 sys.stderr.flush()
                 os._exit(0)
-            gathered = [None] * world if rank == 0 else None
-            dist.gather_object(result, gathered, dst=0)
-            if rank == 0:
-                tmp = out / f"case{index}.tmp"
-                with open(tmp, "wb") as f:
-                    pickle.dump(gathered, f)
-                tmp.rename(out / f"case{index}.pkl")
+            deliver(out, index, rank, world, result)
         progress("finished")
         dist.destroy_process_group()
     except BaseException:
-        (out / f"error{rank}.txt").write_text(f"{where['case']}\n{traceback.format_exc()}")
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
+        fail(out, rank, where["case"])
+
+
+def _write(path, obj):
+    """Pickles obj to path atomically (the supervisor polls for the file)."""
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "wb") as f:
+        pickle.dump(obj, f)
+    tmp.rename(path)
+
+
+def deliver(out, index, rank, world, result):
+    """A worker's end of a case: every rank's result gathered to rank 0, which writes case<index>.pkl."""
+    import torch.distributed as dist
+
+    gathered = [None] * world if rank == 0 else None
+    dist.gather_object(result, gathered, dst=0)
+    if rank == 0:
+        _write(out / f"case{index}.pkl", gathered)
+
+
+def fail(out, rank, case):
+    """A worker's end after an exception: its traceback in error<rank>.txt, then exit at once."""
+    (out / f"error{rank}.txt").write_text(f"{case}\n{traceback.format_exc()}")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
 
 
 # =====================================================================================================

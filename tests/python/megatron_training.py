@@ -72,10 +72,8 @@ import datetime
 import importlib.util
 import itertools
 import os
-import pickle
 import signal
 import sys
-import traceback
 import types
 from pathlib import Path
 
@@ -496,21 +494,11 @@ def _worker(rank, world, init_file, out_dir, cases, timeout, library, mode, root
         with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull):
             for index, case in cases:
                 where["case"] = index
-                result = run_case(case, timeout, progress)
-                gathered = [None] * world if rank == 0 else None
-                dist.gather_object(result, gathered, dst=0)
-                if rank == 0:
-                    tmp = out / f"case{index}.tmp"
-                    with open(tmp, "wb") as f:
-                        pickle.dump(gathered, f)
-                    tmp.rename(out / f"case{index}.pkl")
+                mr.deliver(out, index, rank, world, run_case(case, timeout, progress))
         progress("finished")
         dist.destroy_process_group()
     except BaseException:
-        (out / f"error{rank}.txt").write_text(f"{where['case']}\n{traceback.format_exc()}")
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
+        mr.fail(out, rank, where["case"])
 
 
 # =====================================================================================================
@@ -524,15 +512,6 @@ def _spawn(world, indexed_cases, timeout, mode, root):
     return mr._spawn(world, indexed_cases, timeout, target=_worker, extra=(mode, root))
 
 
-def _merge(per_rank, field, step=None):
-    merged = {}
-    for res in per_rank:
-        d = res[field] if step is None else res[field][step]
-        for name, t in d.items():
-            merged.setdefault(name, t)
-    return merged
-
-
 def _assemble(per_rank, case):
     last = next(r for r in per_rank if r["coords"]["pp"] == case["pp"] - 1 and r["coords"]["dp"] == 0
                 and r["coords"]["tp"] == 0)
@@ -544,9 +523,9 @@ def _assemble(per_rank, case):
         "skipped": last["skipped"],
         "grad_norm": last["grad_norm"],
         "lr": last["lr"],
-        "params": [_merge(per_rank, "params", s) for s in range(steps)],
-        "grads": [_merge(per_rank, "grads", s) for s in range(steps)],
-        "init_params": _merge(per_rank, "init_params"),
+        "params": [mr._merge(per_rank, "params", s) for s in range(steps)],
+        "grads": [mr._merge(per_rank, "grads", s) for s in range(steps)],
+        "init_params": mr._merge(per_rank, "init_params"),
         "ranks": per_rank,
     }
 
