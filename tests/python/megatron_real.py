@@ -78,6 +78,7 @@ import contextlib
 import datetime
 import hashlib
 import importlib
+import inspect
 import os
 import pickle
 import signal
@@ -227,8 +228,24 @@ def cpu_patches():
     _CudaIsCpu().__enter__()
 
     # 4
+    no_fork_rng_tracker()
+
+
+def no_fork_rng_tracker():
+    """Makes Megatron's CUDA RNG tracker one whose fork() does nothing (cpu_patches, 4): Megatron's
+    inference tracker, or the same by hand where megatron-core (before 0.10) has none."""
     from megatron.core.tensor_parallel import random as mp_random
-    mp_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+
+    if "inference_rng_tracker" in inspect.signature(mp_random.initialize_rng_tracker).parameters:
+        mp_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+        return
+
+    class _NoForkTracker(mp_random.CudaRNGStatesTracker):
+        def fork(self, name=None):
+            return contextlib.nullcontext()
+
+    mp_random._CUDA_RNG_STATE_TRACKER = _NoForkTracker()
+    mp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
 
 
 # =====================================================================================================
@@ -387,11 +404,16 @@ def get_batch(data_iterator, vp_stage, log=None):
 
     Megatron 0.16 decides the stage with is_pipeline_first_stage/last_stage(ignore_virtual=False,
     vp_stage=...), the vp_stage being the model chunk's attribute (get_model sets it); the global
-    virtual pipeline rank is deprecated and Megatron's schedules no longer set it."""
+    virtual pipeline rank is deprecated and Megatron's schedules no longer set it. Before 0.13 they
+    take no vp_stage and read that global rank, which the schedules (and zbpp) set per chunk."""
     from megatron.core import parallel_state as ps
 
-    first = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
-    last = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+    if "vp_stage" in inspect.signature(ps.is_pipeline_first_stage).parameters:
+        first = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+        last = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+    else:
+        first = ps.is_pipeline_first_stage(ignore_virtual=False)
+        last = ps.is_pipeline_last_stage(ignore_virtual=False)
     if not (first or last):
         return None, None, None, None, None
     batch = next(data_iterator)
@@ -469,6 +491,10 @@ def build_model(case):
     from megatron.core.transformer.module import Float16Module
 
     pp, tp, vp = case["pp"], case["tp"], case["vp"]
+    # megatron-core before 0.13 (no vp_stage anywhere): its interleaved schedule's overlapped p2p
+    # hangs on gloo in forward-only runs (two irecvs from one peer in flight); there it sends and
+    # receives one op at a time instead, which is Megatron's third p2p form and the same numbers.
+    old_core = "vp_stage" not in inspect.signature(GPTModel.__init__).parameters
     bf16 = case["dtype"] == "bf16"
     dtype = torch.bfloat16 if bf16 else torch.float32
     config = TransformerConfig(
@@ -497,7 +523,7 @@ def build_model(case):
         # (--overlap-p2p-communication is on by default, and the arguments check refuses the
         # batched form for pp == 2, where one batch holds two sends between the same two ranks
         # and gloo, matching them in order, swaps them); the other schedules batch it.
-        overlap_p2p_comm=vp is not None,
+        overlap_p2p_comm=vp is not None and not old_core,
         batch_p2p_comm=vp is None,
         # training sets this True. Not with the overlapped p2p on CPU: the interleaved schedule
         # frees an output's storage (`out.data = torch.empty(1)`) while its isend is still in
@@ -507,7 +533,11 @@ def build_model(case):
     )
     spec = get_gpt_layer_local_spec()
 
+    # megatron-core before 0.13 takes no vp_stage: a chunk's stage is the global virtual rank.
+    takes_vp_stage = not old_core
+
     def provider(pre_process, post_process, vp_stage=None):
+        extra = {"vp_stage": vp_stage} if takes_vp_stage else {}
         gpt = GPTModel(
             config=config,
             transformer_layer_spec=spec,
@@ -518,7 +548,7 @@ def build_model(case):
             parallel_output=True,
             share_embeddings_and_output_weights=case["tied"],
             position_embedding_type="learned_absolute",
-            vp_stage=vp_stage,
+            **extra,
         )
         return gpt
 
@@ -527,13 +557,22 @@ def build_model(case):
         provider = _zbpp_module().v_model_provider(provider)
     if pp > 1 and vp is not None:
         for i in range(vp):
-            pre = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=i)
-            post = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=i)
+            if takes_vp_stage:
+                pre = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=i)
+                post = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=i)
+            else:
+                ps.set_virtual_pipeline_model_parallel_rank(i)
+                pre = ps.is_pipeline_first_stage(ignore_virtual=False)
+                post = ps.is_pipeline_last_stage(ignore_virtual=False)
             gpt = provider(pre, post, vp_stage=i)
             gpt.vp_stage = i
             chunks.append(gpt)
+        if not takes_vp_stage:
+            ps.set_virtual_pipeline_model_parallel_rank(0)
     else:
-        chunks.append(provider(ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()))
+        gpt = provider(ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage())
+        gpt.vp_stage = None  # as get_model leaves it (before 0.13 GPTModel has no such attribute)
+        chunks.append(gpt)
 
     from megatron.core import tensor_parallel
     for gpt in chunks:
@@ -866,6 +905,11 @@ def _cleanup(zb):
         zb.unpatch()
         zb.configure()
     ps.destroy_model_parallel()
+    # megatron-core 0.9 leaves these behind, and a rank outside the next case's embedding group
+    # would still answer "in it" (a process normally initializes once).
+    for name in ("_EMBEDDING_GLOBAL_RANKS", "_POSITION_EMBEDDING_GLOBAL_RANKS"):
+        if hasattr(ps, name):
+            setattr(ps, name, None)
 
 
 def _worker(rank, world, init_file, out_dir, cases, timeout, library):

@@ -90,11 +90,9 @@ def mcore():
                                 timeout=datetime.timedelta(seconds=60))
         m = _Megatron()
         m.ps.initialize_model_parallel(1, 1)
-        # Dropout runs inside get_cuda_rng_tracker().fork(), which needs CUDA's generator; the
-        # inference tracker's fork() does nothing (dropout is 0 here).
-        from megatron.core.tensor_parallel import random as mp_random
-
-        mp_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+        # Dropout runs inside get_cuda_rng_tracker().fork(), which needs CUDA's generator; this
+        # tracker's fork() does nothing (dropout is 0 here).
+        mr.no_fork_rng_tracker()
         yield m
     finally:
         if m is not None:
@@ -368,11 +366,18 @@ def test_refused_layers_are_reported_and_warned(mcore):
     mine = [w for w in record if "zbpp.split_linear" in str(w.message)]
     assert len(mine) == 1, "one warning lists them all"
     text = str(mine[0].message)
-    assert "deferred (ColumnParallelLinear): defer_embedding_wgrad_compute" in text
-    assert "own (OwnImpl): OwnImpl overrides _forward_impl" in text and "fine" not in text
-    assert not m.layers.is_split(deferred) and not m.layers.is_split(own) and m.layers.is_split(fine)
+    assert "deferred (ColumnParallelLinear): defer_embedding_wgrad_compute" in text and "fine" not in text
+    assert not m.layers.is_split(deferred) and m.layers.is_split(fine)
     report = zbpp.split_report(model)
-    assert [(e.name, e.status) for e in report] == [("deferred", NOT_SPLIT), ("own", NOT_SPLIT), ("fine", SPLIT)]
+    if m.layers._REASSIGNING[m.Row]:
+        # megatron-core before 0.10 sets self._forward_impl in __init__ and forward: the instance
+        # attribute hides OwnImpl's method, Megatron's function runs, and zbpp splits it as any.
+        assert "own (" not in text and m.layers.is_split(own)
+        assert [(e.name, e.status) for e in report] == [("deferred", NOT_SPLIT), ("own", SPLIT), ("fine", SPLIT)]
+    else:
+        assert "own (OwnImpl): OwnImpl overrides _forward_impl" in text and not m.layers.is_split(own)
+        assert [(e.name, e.status) for e in report] == [("deferred", NOT_SPLIT), ("own", NOT_SPLIT),
+                                                         ("fine", SPLIT)]
 
 
 def test_half_precision_main_grad_falls_back_loudly(mcore):

@@ -3,8 +3,10 @@
 What this is: a replacement for Megatron's `linear_with_grad_accumulation_and_async_allreduce`,
 installed per layer as the instance attribute `_forward_impl` (Megatron's forward calls
 `self._forward_impl(input=..., weight=..., bias=..., ...)`; the class's own method dispatches to
-the frozen-weight or the trainable path, and so does this one). Only the layers it is installed
-on change; their parameters, state dict and hooks do not.
+the frozen-weight or the trainable path, and so does this one). megatron-core before 0.10 assigns
+`self._forward_impl` in every forward instead: there the layer's class is swapped for a subclass
+(`SplitColumnParallelLinear`, ...) whose `_forward_impl` is zbpp's whatever is assigned. Only the
+layers it is installed on change; their parameters, state dict and hooks do not.
 
     forward   identical to Megatron's: with sequence parallelism the input is all-gathered over the
               tensor-parallel group into Megatron's global buffer, then output = total_input @ W^T
@@ -44,6 +46,7 @@ What this is not: a Transformer Engine integration. TE's linear layers are repor
 zbpp.split_report.
 """
 
+import dis
 import inspect
 import warnings
 
@@ -52,24 +55,86 @@ from megatron.core.tensor_parallel import layers as _ml
 
 from .. import split as _split
 
-# What this module uses of megatron.core's tensor_parallel.layers (0.16.1 has them all): a Megatron
-# without one of them gets an ImportError naming it, and zbpp.split_report lists its linear layers
-# as not split with that message.
+# What this module needs of megatron.core's tensor_parallel.layers: a Megatron without one of them
+# gets an ImportError naming it, and zbpp.split_report lists its linear layers as not split with
+# that message. The helpers newer Megatron re-exports there are found where older Megatron keeps
+# them (0.9: parallel_state, torch.distributed), so megatron-core 0.9 to 0.16 are split alike.
 _NEEDED = ("ColumnParallelLinear", "RowParallelLinear", "linear_with_grad_accumulation_and_async_allreduce",
-           "linear_with_frozen_weight", "get_global_memory_buffer", "dist_all_gather_func",
-           "dist_reduce_scatter_func", "get_tensor_model_parallel_group_if_none")
+           "linear_with_frozen_weight")
 _missing = [n for n in _NEEDED if not hasattr(_ml, n)]
 if _missing:
     raise ImportError(f"zbpp.megatron.layers: megatron.core.tensor_parallel.layers has no {', '.join(_missing)} "
-                      "(zbpp splits the layers of megatron-core 0.16)")
+                      "(zbpp splits the layers of megatron-core 0.9 to 0.16)")
 _custom_fwd = getattr(_ml, "custom_fwd", lambda f: f)
 _custom_bwd = getattr(_ml, "custom_bwd", lambda f: f)
+
+
+def _helper(name, fallback):
+    found = getattr(_ml, name, None)
+    return found if found is not None else fallback()
+
+
+def _global_buffer_fallback():
+    from megatron.core import parallel_state
+    return parallel_state.get_global_memory_buffer
+
+
+def _tp_group_fallback():
+    from megatron.core import parallel_state
+    return lambda group=None: group if group is not None else parallel_state.get_tensor_model_parallel_group()
+
+
+_get_global_memory_buffer = _helper("get_global_memory_buffer", _global_buffer_fallback)
+_all_gather = _helper("dist_all_gather_func", lambda: torch.distributed.all_gather_into_tensor)
+_reduce_scatter = _helper("dist_reduce_scatter_func", lambda: torch.distributed.reduce_scatter_tensor)
+_tp_group_if_none = _helper("get_tensor_model_parallel_group_if_none", _tp_group_fallback)
 
 __all__ = ["classify", "is_megatron_linear", "is_split", "split_forward_impl", "split_layer", "unsplit_layer"]
 
 _BASES = (_ml.ColumnParallelLinear, _ml.RowParallelLinear)
 _BASE_IMPLS = tuple(getattr(c, "_forward_impl", None) for c in _BASES)
 _MEGATRON_FUNCS = (_ml.linear_with_grad_accumulation_and_async_allreduce, _ml.linear_with_frozen_weight)
+
+
+def _stores_impl(forward):
+    """Whether a forward assigns self._forward_impl itself (megatron-core before 0.10 picks the
+    function again in every forward), so an instance attribute would be overwritten."""
+    try:
+        return any(i.opname == "STORE_ATTR" and i.argval == "_forward_impl" for i in dis.get_instructions(forward))
+    except TypeError:
+        return False
+
+
+_REASSIGNING = {b: _stores_impl(b.forward) for b in _BASES}
+_SPLIT_CLASSES = {}  # Megatron layer class -> its subclass whose _forward_impl is zbpp's
+
+
+class _SplitImpl:
+    """The `_forward_impl` of a layer whose Megatron forward reassigns it each call: a data
+    descriptor on a subclass made for the layer's class, so the layer runs zbpp's implementation
+    whatever Megatron assigns (split_forward_impl itself dispatches frozen weights to Megatron's
+    linear_with_frozen_weight, as that forward would)."""
+
+    def __get__(self, obj, owner=None):
+        return split_forward_impl
+
+    def __set__(self, obj, value):
+        if value not in _MEGATRON_FUNCS:
+            raise AttributeError("zbpp: this Megatron linear layer is split; zbpp.megatron.layers.unsplit_layer(layer) "
+                                 "gives it back Megatron's _forward_impl before another is set")
+
+
+def _split_class(cls):
+    made = _SPLIT_CLASSES.get(cls)
+    if made is None:
+        # A module-level name, so a pickled model (torch.save) finds the class again.
+        name = f"Split{cls.__name__}"
+        while name in globals():
+            name += "_"
+        made = type(name, (cls,), {"_forward_impl": _SplitImpl(), "_zbpp_split_of": cls, "__module__": __name__})
+        globals()[name] = made
+        _SPLIT_CLASSES[cls] = made
+    return made
 
 # The arguments of linear_with_grad_accumulation_and_async_allreduce this module implements.
 _KNOWN_ARGS = {"input", "weight", "bias", "gradient_accumulation_fusion", "allreduce_dgrad",
@@ -92,7 +157,8 @@ def is_megatron_linear(module):
 
 def is_split(module):
     """Whether `module`'s forward runs zbpp's split implementation."""
-    return module.__dict__.get("_forward_impl") is split_forward_impl
+    return (module.__dict__.get("_forward_impl") is split_forward_impl
+            or type(module).__dict__.get("_zbpp_split_of") is not None)
 
 
 def classify(layer):
@@ -125,13 +191,22 @@ def split_layer(layer):
         return True
     if _refusal(layer) is not None:
         return False
-    layer._forward_impl = split_forward_impl  # a plain function: not bound, nothing of the layer kept
+    base = next(b for b in _BASES if isinstance(layer, b))
+    if _REASSIGNING[base]:
+        # The forward would overwrite an instance attribute: the class is swapped for a subclass
+        # (parameters, buffers, state dict keys and hooks stay; only the _forward_impl lookup changes).
+        layer.__class__ = _split_class(type(layer))
+    else:
+        layer._forward_impl = split_forward_impl  # a plain function: not bound, nothing of the layer kept
     return True
 
 
 def unsplit_layer(layer):
     """Gives a split layer back Megatron's own implementation."""
-    if is_split(layer):
+    original = type(layer).__dict__.get("_zbpp_split_of")
+    if original is not None:
+        layer.__class__ = original
+    elif is_split(layer):
         del layer._forward_impl
 
 
@@ -140,9 +215,11 @@ def _refusal(layer):
     if _UNKNOWN_ARGS or _MISSING_ARGS:
         return (f"this megatron.core's linear_with_grad_accumulation_and_async_allreduce has arguments zbpp "
                 f"does not know ({', '.join(_UNKNOWN_ARGS) or 'missing ' + ', '.join(_MISSING_ARGS)})")
-    cls = type(layer)
+    cls = type(layer).__dict__.get("_zbpp_split_of") or type(layer)
     base = next(b for b in _BASES if isinstance(layer, b))
     own = layer.__dict__.get("_forward_impl")
+    if _REASSIGNING[base] and own is split_forward_impl:
+        own = None  # (cannot happen through split_layer; an instance attribute it would overwrite)
     if own is not None and own is not split_forward_impl and own not in _MEGATRON_FUNCS:
         return "its _forward_impl was replaced by something else than Megatron's or zbpp's"
     if own is None and getattr(cls, "_forward_impl", None) not in _BASE_IMPLS:
@@ -190,7 +267,7 @@ def split_forward_impl(input, weight, *args, **kwargs):
     allreduce_dgrad = bool(a["allreduce_dgrad"])
     tp_group = a.get("tp_group")
     if sequence_parallel or allreduce_dgrad:
-        tp_group = _ml.get_tensor_model_parallel_group_if_none(tp_group)
+        tp_group = _tp_group_if_none(tp_group)
     return _SplitLinearWithAsyncCommunication.apply(
         input, weight, a["bias"], bool(a.get("gradient_accumulation_fusion", False)), allreduce_dgrad,
         sequence_parallel, tp_group)
@@ -237,8 +314,8 @@ class _SplitLinearWithAsyncCommunication(torch.autograd.Function):
         if sequence_parallel:
             dim_size = list(input.size())
             dim_size[0] = dim_size[0] * tp_group.size()
-            total_input = _ml.get_global_memory_buffer().get_tensor(dim_size, input.dtype, "mpu")
-            _ml.dist_all_gather_func(total_input, input, group=tp_group)
+            total_input = _get_global_memory_buffer().get_tensor(dim_size, input.dtype, "mpu")
+            _all_gather(total_input, input, group=tp_group)
         else:
             total_input = input
         output = torch.matmul(total_input, weight.t())
@@ -260,7 +337,7 @@ class _SplitLinearWithAsyncCommunication(torch.autograd.Function):
             dim_size = list(input.size())
             dim_size[0] = dim_size[0] * tp_group.size()
             total_input = torch.empty(dim_size, dtype=input.dtype, device=input.device)
-            gather = _ml.dist_all_gather_func(total_input, input, group=tp_group, async_op=True)
+            gather = _all_gather(total_input, input, group=tp_group, async_op=True)
         else:
             total_input = input
         grad_input = grad_output.matmul(weight) if wants_input else None
@@ -273,7 +350,7 @@ class _SplitLinearWithAsyncCommunication(torch.autograd.Function):
             handle = torch.distributed.all_reduce(grad_input, group=tp_group, async_op=True)
         if wants_input and ctx.sequence_parallel:
             result = torch.empty(input.size(), dtype=input.dtype, device=input.device)
-            handle = _ml.dist_reduce_scatter_func(result, grad_input, group=tp_group, async_op=True)
+            handle = _reduce_scatter(result, grad_input, group=tp_group, async_op=True)
 
         # W: deferred (or run now when no pipeline captures), while the collective is in flight.
         grad_output = grad_output.contiguous()
