@@ -49,7 +49,7 @@ import torch.nn.functional as F
 from . import cuda, runtime
 
 __all__ = ["SplitLinear", "split_linear", "split_report", "SplitReport", "SplitEntry", "WGradStore",
-           "default_store", "capture", "defer_weight_grad"]
+           "default_store", "capture", "defer_weight_grad", "defer_action"]
 
 _DTYPE = {torch.float32: runtime.DTYPES["float32"], torch.float16: runtime.DTYPES["float16"],
           torch.bfloat16: runtime.DTYPES["bfloat16"]}
@@ -159,6 +159,29 @@ class WGradStore:
                             db.data_ptr() if db is not None else None, token)
         except BaseException:
             self._live.pop(token, None)
+            raise
+
+    def push_action(self, action, keep=(), store=None):
+        """Queues a W that is Python work, not a GEMM zbpp makes: `action()` runs when the entry's
+        group is popped (a W op), in group order with the GEMM entries. For layers that keep their
+        own weight-gradient work until told to run it (Transformer Engine's backward_dw). The entry
+        is an empty GEMM (no rows) whose release runs the action; it counts in gemms_run. On CUDA the
+        action runs when the W op is issued, with torch's current stream the run stream."""
+        scratch = torch.zeros(1, dtype=torch.float32, device=self.device)
+        kept = [scratch, *keep]
+        token = next(self._tokens)
+        pushed = torch.cuda.current_stream(self.device) if self.is_cuda else None
+        self._live[token] = (kept, action, pushed)
+        if pushed is not None:
+            entry = self._push_streams.setdefault(pushed.cuda_stream, [pushed, 0])
+            entry[1] += 1
+        try:
+            (store or self.store).push(_DTYPE[torch.float32], 0, 1, 1, None, 1, None, 1, scratch.data_ptr(), None,
+                                       token)
+        except BaseException:
+            self._live.pop(token, None)
+            if pushed is not None:
+                self._forget_push_stream(pushed)
             raise
 
     def _push_cuda(self, x2, dy2, weight, bias, dtype, store):
@@ -377,6 +400,21 @@ def defer_weight_grad(x, dy, weight, bias=None):
         _run_now(st, x2, dy2, weight, bias)
 
 
+def defer_action(action, device=None):
+    """A W that is Python work (see WGradStore.push_action), from inside a B: pushed to the group of
+    the current B when a runner (or capture()) is capturing on `device`, run at once otherwise."""
+    st = default_store(None if device is None or torch.device(device).type == "cpu" else device)
+    if st.capturing:
+        st.push_action(action)
+        return
+    st.immediate.begin(0, 0)  # as _run_now: through the store, so it is counted the same way
+    try:
+        st.push_action(action, store=st.immediate)
+    finally:
+        st.immediate.end()
+        st.immediate.pop_run(0)
+
+
 def _run_now(st, x2, dy2, weight, bias):
     # A store of its own, so an immediate group never mixes with the groups a pipeline holds.
     st.immediate.begin(0, 0)
@@ -421,6 +459,8 @@ def split_linear(module, warn=True):
             m.__class__ = SplitLinear
         elif not isinstance(mlayers, Exception) and mlayers is not None and mlayers.is_megatron_linear(m):
             mlayers.split_layer(m)
+        elif _te_layers().is_te_linear(m):
+            _te_layers().split_layer(m)
     if warn:
         report = split_report(module)
         if report.not_split:
@@ -511,8 +551,9 @@ def split_report(module):
     return SplitReport(entries)
 
 
-_TE_REASON = ("Transformer Engine layer: zbpp does not split it (use transformer_impl='local' / "
-              "Megatron's local layer spec, or TE's delay_wgrad_compute, which zbpp does not drive yet)")
+_TE_REASON = ("Transformer Engine module without a weight-gradient store (TE 2.3 and later give Linear, "
+              "LayerNormLinear, LayerNormMLP and GroupedLinear one, which zbpp drives; or use Megatron's "
+              "local layers, transformer_impl='local')")
 
 
 def _classify(m, mlayers):
@@ -525,16 +566,17 @@ def _classify(m, mlayers):
         return mlayers.classify(m)
     if type(m) is SplitLinear:
         return SPLIT, ""
-    if _is_transformer_engine(m):
-        found = (NOT_SPLIT, _TE_REASON)
-    elif type(m) is torch.nn.Linear:
+    if _te_layers().is_te_linear(m):
+        return _te_layers().classify(m)
+    if type(m) is torch.nn.Linear:
         found = (NOT_SPLIT, "not converted (zbpp.split_linear converts it)")
     elif isinstance(m, torch.nn.Linear):
         found = (NOT_SPLIT, "a subclass of torch.nn.Linear: zbpp converts torch.nn.Linear itself only "
                             "(a subclass's forward may not be a plain linear map)")
     elif "linear" in type(m).__name__.lower() and any(True for _ in m.parameters(recurse=False)):
-        found = (NOT_SPLIT, "a linear-like layer zbpp does not know (it splits torch.nn.Linear and "
-                            "Megatron's ColumnParallelLinear / RowParallelLinear)")
+        found = (NOT_SPLIT, _TE_REASON if _is_transformer_engine(m) else
+                 "a linear-like layer zbpp does not know (it splits torch.nn.Linear, Megatron's "
+                 "ColumnParallelLinear / RowParallelLinear and Transformer Engine's linear modules)")
     else:
         return None
     return _frozen_or(m, found)
@@ -553,11 +595,12 @@ def _is_megatron_linear_by_name(m):
 
 
 def _is_transformer_engine(m):
-    for cls in type(m).__mro__:
-        mod = getattr(cls, "__module__", "") or ""
-        if mod.split(".")[0] == "transformer_engine" or mod == "megatron.core.extensions.transformer_engine":
-            return True
-    return False
+    return _te_layers()._is_transformer_engine(m)
+
+
+def _te_layers():
+    from . import te_layers  # (imports this module)
+    return te_layers
 
 
 def _megatron_layers():
