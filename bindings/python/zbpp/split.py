@@ -25,10 +25,12 @@ is not reused before the GEMM has read it. Work pushed on one stream and run on 
 by making the run stream wait for the push stream (as torch requires of any cross-stream use).
 
 Megatron-LM: split_linear also splits Megatron's ColumnParallelLinear and RowParallelLinear (their
-`_forward_impl`, see zbpp.megatron.layers), W writing main_grad as Megatron's DDP expects.
+`_forward_impl`, see zbpp.megatron.layers), W writing main_grad as Megatron's DDP expects, and
+Transformer Engine's linear modules through TE's own deferred weight gradient (zbpp.te_layers).
 `split_report(module)` lists every linear layer as split, frozen (nothing to defer) or not split,
-with the reason; split_linear warns once about those it could not split (Transformer Engine's,
-nn.Linear subclasses, ...). `defer_weight_grad(x, dy, weight, bias)` is the W push both use.
+with the reason; split_linear warns once about those it could not split (nn.Linear subclasses,
+...). `defer_weight_grad(x, dy, weight, bias)` is the W push the GEMM layers use;
+`defer_action(fn, device)` the one for W work a layer keeps itself (TE's).
 
 Counting: each WGradStore counts the W GEMMs it ran (`gemms_run`) and dropped unrun
 (`gemms_dropped`), immediate runs included; tests use them to check every split layer's W ran.

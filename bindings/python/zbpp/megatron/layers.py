@@ -42,8 +42,7 @@ FSDP parameter runs linear_with_grad_accumulation_and_async_allreduce, and so do
 is not float32 (zbpp's W accumulates into fp32 only) and tensors of a dtype the W GEMM does not take
 (a one-time warning names the reason).
 
-What this is not: a Transformer Engine integration. TE's linear layers are reported as not split by
-zbpp.split_report.
+Transformer Engine's layers (Megatron's TE layer spec) are split elsewhere: zbpp.te_layers.
 """
 
 import dis
