@@ -9,6 +9,7 @@ torch's clip_grad_norm_ coefficient max_norm / (norm + 1e-6), the loss scale div
 """
 
 import math
+import os
 import threading
 
 import pytest
@@ -173,3 +174,66 @@ def test_misuse_gets_clear_errors():
         PostValidatedOptimizer(object(), {0: [p]}, 1)
     with pytest.raises(zbpp.ZbError, match="rank"):
         PostValidatedOptimizer(opt, {0: [p, q]}, 1, rank=3)
+
+
+# ---- tensor parallelism ---------------------------------------------------------------------------
+
+
+def _tp_worker(rank, key, out_dir, bad_rank):
+    """Two tensor-parallel ranks of one stage: a weight split in rows (Megatron's shard attribute
+    tensor_model_parallel) and a bias copied on both."""
+    import datetime
+    import pickle
+
+    import torch.distributed as dist
+
+    import pipeline_worker
+
+    dist.init_process_group("gloo", init_method=pipeline_worker.store_url(key), rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        full_w, full_b, g_w, g_b = _tp_full()
+        w = torch.nn.Parameter(full_w.chunk(2)[rank].clone())
+        w.tensor_model_parallel = True
+        b = torch.nn.Parameter(full_b.clone())
+        w.grad, b.grad = g_w.chunk(2)[rank].clone(), g_b.clone()
+        if bad_rank == rank:
+            w.grad[0, 0] = float("inf")
+        post = zbpp.PostValidatedOptimizer(torch.optim.SGD([w, b], lr=1.0), {0: [w, b]}, 1, clip_grad=0.5,
+                                           tensor_parallel_group=dist.group.WORLD)
+        r = post.step()
+        with open(f"{out_dir}/{rank}.pkl", "wb") as f:
+            pickle.dump((r, w.detach().clone(), b.detach().clone()), f)
+    finally:
+        dist.destroy_process_group()
+
+
+def _tp_full():
+    g = torch.Generator().manual_seed(7)
+    return (torch.randn(4, 3, generator=g), torch.randn(3, generator=g), torch.randn(4, 3, generator=g),
+            torch.randn(3, generator=g))
+
+
+@pytest.mark.parametrize("bad_rank", [None, 1], ids=["clipped", "inf-on-one-tp-rank"])
+def test_tensor_parallel_ranks_take_the_full_models_decision(tmp_path, bad_rank):
+    """Each tensor-parallel rank sees the norm of the whole layer (shards summed, the copied bias
+    once) and takes the decision one unsplit model would; an inf on one rank skips the step on both."""
+    import pickle
+
+    import torch.multiprocessing as mp
+
+    mp.spawn(_tp_worker, args=(f"tp-{os.getpid()}-{bad_rank}", str(tmp_path), bad_rank), nprocs=2, join=True)
+    full_w, full_b, g_w, g_b = _tp_full()
+    W, B = torch.nn.Parameter(full_w.clone()), torch.nn.Parameter(full_b.clone())
+    W.grad, B.grad = g_w.clone(), g_b.clone()
+    if bad_rank is not None:
+        W.grad[2, 0] = float("inf")  # rank 1's row 0
+    ref = zbpp.PostValidatedOptimizer(torch.optim.SGD([W, B], lr=1.0), {0: [W, B]}, 1, clip_grad=0.5).step()
+    norm = float(torch.sqrt(g_w.double().pow(2).sum() + g_b.double().pow(2).sum()))
+    for rank in range(2):
+        with open(tmp_path / f"{rank}.pkl", "rb") as f:
+            r, w, b = pickle.load(f)
+        assert (r.skipped, r.clipped) == (ref.skipped, ref.clipped) == (bad_rank is not None, bad_rank is None)
+        if bad_rank is None:
+            assert r.grad_norm == pytest.approx(norm, rel=1e-12) and r.grad_norm == pytest.approx(ref.grad_norm)
+        assert torch.equal(w, W.detach().chunk(2)[rank]) and torch.equal(b, B.detach()), f"rank {rank}"

@@ -23,6 +23,14 @@ stage's tensors in order on the host) and only those few numbers are copied to t
 device per step. The snapshot, the step and any undo run on the device on torch's current stream.
 CPU gradients take exactly the path they always did.
 
+Tensor parallelism (Megatron): with `tensor_parallel_group=` each stage's squared norm is summed
+over the tensor-parallel ranks (parameters marked `tensor_model_parallel` are shards; the others
+are copies, counted on tensor-parallel rank 0 only, as Megatron's get_grad_norm_fp32 does) and its
+inf/NaN flag is or-ed there, before the pipeline exchange. That collective stays inside the stage,
+so no pipeline-wide synchronisation comes back; every tensor-parallel rank then takes the same
+decision. Data parallelism needs nothing: Megatron's DDP leaves the same reduced gradients on
+every data-parallel rank (the distributed optimizer's sharded state is not supported).
+
 What this is not: an optimizer. The update is the wrapped optimizer's own; the loss scale is
 applied by the caller (multiply the loss by `.loss_scale` before backward).
 """
@@ -88,7 +96,28 @@ def _device_sq(g):
     return sq, bad
 
 
-def _stage_state(grads, S):
+def _is_tp_shard(master):
+    return getattr(master, "_zbpp_tp_shard", False)
+
+
+def _tp_reduce(sq, bad, group):
+    """Sums the per-stage squares over the tensor-parallel group and ors the flags (the caller left
+    copies of a parameter out everywhere but on the group's rank 0; see the module docstring)."""
+    import torch.distributed as dist
+
+    S = len(sq)
+    backend = dist.get_backend(group)
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    t = torch.tensor([sq[s] for s in range(S)] + [float(bad[s]) for s in range(S)], dtype=torch.float64,
+                     device=device)
+    dist.all_reduce(t, group=group)
+    out = t.cpu().tolist()
+    for s in range(S):
+        sq[s] = out[s]
+        bad[s] = 1 if out[S + s] > 0 else 0
+
+
+def _stage_state(grads, S, counted=None):
     """Per stage: the sum of squares of its gradients (float64) and an inf/NaN flag, as ctypes arrays
     for zb_postval_begin. CPU tensors: each tensor's float64 sum, read at once (the original path);
     device tensors: the same per-tensor values computed on the device and read in one copy per
@@ -98,8 +127,8 @@ def _stage_state(grads, S):
     values = {}   # (stage, index) -> (sum of squares, nonfinite) as Python numbers
     pending = {}  # device -> [((stage, index), sq tensor, flag tensor)]
     for s, row in grads.items():
-        for k, (_, g) in enumerate(row):
-            if g is None:
+        for k, (master, g) in enumerate(row):
+            if g is None or (counted is not None and not counted(master)):
                 continue
             if g.device.type == "cpu":
                 values[(s, k)] = (float(g.double().pow(2).sum()), not bool(torch.isfinite(g).all()))
@@ -145,7 +174,7 @@ class PostValidatedOptimizer:
 
     def __init__(self, optimizer, stage_params, num_stages, *, rank=0, ranks=1, placement="loop",
                  transport=None, clip_grad=0.0, loss_scale=1.0, backoff=0.5, growth=2.0,
-                 growth_interval=0, post_validation=True, timeout=300.0):
+                 growth_interval=0, post_validation=True, timeout=300.0, tensor_parallel_group=None):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"zbpp.PostValidatedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if placement not in ("loop", "v"):
@@ -179,6 +208,12 @@ class PostValidatedOptimizer:
             raise ValueError(f"zbpp.PostValidatedOptimizer: {len(missing)} parameter(s) of the optimizer "
                              "belong to no stage in stage_params")
         self._transport = transport
+        self._tp_group = tensor_parallel_group
+        if tensor_parallel_group is not None:
+            # Which masters are shards (Megatron's tensor_model_parallel attribute of the parameter).
+            for pairs in self._stages.values():
+                for p, master in pairs:
+                    master._zbpp_tp_shard = bool(getattr(p, "tensor_model_parallel", False))
         cfg = _Config()
         cfg.struct_size, cfg.version = _c.sizeof(_Config), 1
         cfg.clip_grad, cfg.loss_scale, cfg.backoff, cfg.growth = clip_grad, loss_scale, backoff, growth
@@ -273,7 +308,14 @@ class PostValidatedOptimizer:
         state as they were before the call."""
         S = self.num_stages
         grads = self._grads()
-        sq, bad = _stage_state(grads, S)
+        counted = None
+        if self._tp_group is not None and torch.distributed.get_rank(self._tp_group) != 0:
+            # Copies of a parameter (not tensor-parallel shards) are counted on rank 0 only. Their
+            # inf/NaN is seen there too: the copies are equal.
+            counted = _is_tp_shard
+        sq, bad = _stage_state(grads, S, counted)
+        if self._tp_group is not None:
+            _tp_reduce(sq, bad, self._tp_group)
         d = _Decision()
         _lib.call("zb_postval_begin", [_P, _c.POINTER(_c.c_double), _c.POINTER(_c.c_int32), _c.POINTER(_Decision)],
                   self._handle(), sq, bad, _c.byref(d))
