@@ -11,18 +11,17 @@
  * sets the peak memory: V-Half at about half of 1F1B's activation memory and V-Min at about a third,
  * trading some bubble for it. Here the three are the same rules under three memory budgets:
  * ZB-V p, V-Half ceil(p/2)+1, V-Min ceil(p/3)+1 (never below the 1 microbatch any schedule needs),
- * applied by the list scheduler in greedy.c: F first while memory allows (the returning chunk
- * first), then B, then W in the holes.
+ * searched over the list scheduler's rule sets (greedy.c) and the round-based ones (rounds_v.c),
+ * the shortest kept.
  */
 #include "internal.h"
 
 static zb_status_t gen_v(zb_schedule_t *s, double limit) {
   if (limit < 1) limit = 1;
-  /* F before a ready B: in a V the forward has to travel down and back up before the first B
-   * exists, so keeping forwards flowing is what closes the bubble (measured: with B first, ZB-V
-   * leaves a 1-4% bubble at m >= 2p; with F first it leaves none). */
-  zb__greedy_policy_t pol = {.limit = limit, .f_before_b = 1};
-  return zb__greedy_schedule(s, &pol);
+  /* Every rule set under the budget, the shortest kept: the list scheduler's (F before a ready B
+   * keeps forwards flowing in a V, where the first B exists only after the forward has travelled
+   * down and back up) and the round-based ones of rounds_v.c, which win when F, B and W differ. */
+  return zb__gen_rules_best(s, limit);
 }
 
 zb_status_t zb__gen_zb_v(zb_schedule_t *s) { return gen_v(s, s->p); }

@@ -49,7 +49,13 @@ static int earlier(const state_t *g, int a, int b) {
 
 static void tree_update(state_t *g, int r) {
   int i = (g->leaves + r) / 2;
-  for (; i >= 1; i /= 2) g->tree[i] = earlier(g, g->tree[2 * i], g->tree[2 * i + 1]);
+  for (; i >= 1; i /= 2) {
+    int old = g->tree[i], now = earlier(g, g->tree[2 * i], g->tree[2 * i + 1]);
+    /* Nothing above changes when this node's winner is the same rank as before and not r (whose
+     * time changed): the nodes above compare the same ranks at the same times. */
+    if (now == old && old != r) return;
+    g->tree[i] = now;
+  }
 }
 
 static int rank_of(const zb_schedule_t *s, int st) { return zb__stage_rank(s, st); }

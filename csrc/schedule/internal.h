@@ -114,6 +114,9 @@ zb_status_t zb__gen_zb_v(zb_schedule_t *s);
 zb_status_t zb__gen_v_half(zb_schedule_t *s);
 zb_status_t zb__gen_v_min(zb_schedule_t *s);
 zb_status_t zb__gen_auto(zb_schedule_t *s, double limit);
+/* The best schedule of every rule set (list scheduler and round-based) under `limit`, for the
+ * placement s has: zb-v, v-half and v-min are this at their own limits. */
+zb_status_t zb__gen_rules_best(zb_schedule_t *s, double limit);
 
 /* The list scheduler behind the zero-bubble generators (greedy.c): simulates time and, whenever a
  * rank is free, picks its next op by a fixed priority under a memory limit. What it returns is an
@@ -132,6 +135,59 @@ typedef struct {
 /* Fills s->ops by the policy. ZB_ERR_INFEASIBLE if the limit is below 1 (no schedule can run in
  * less than one microbatch's activations through all of a rank's layers). */
 zb_status_t zb__greedy_schedule(zb_schedule_t *s, const zb__greedy_policy_t *pol);
+
+/* The placer (placer.c): round-based generators place ops one at a time, each timed from its
+ * dependencies as the simulator will time it. A request that cannot run (a dependency not placed,
+ * memory past `limit`) sets `failed`; zb__placer_finish then reports ZB_ERR_INFEASIBLE and the
+ * generator's result is not a candidate. */
+typedef struct {
+  const zb_schedule_t *s;
+  double limit;
+  double *endF, *endB; /* per stage x microbatch; NaN until placed */
+  int *nF, *nB, *nW;   /* per stage: ops of each type placed */
+  double *cur, *mem;   /* per rank: clock, memory */
+  double *bubble;      /* per rank: idle time since its first F */
+  int *started;
+  int *wq, *wq_head, *wq_tail; /* per rank: stages of B's whose W is pending, oldest first */
+  zb__oplists_t ops;
+  int failed, oom;
+} zb__placer_t;
+
+zb_status_t zb__placer_init(zb__placer_t *pl, const zb_schedule_t *s, double limit);
+void zb__placer_free(zb__placer_t *pl);
+/* When an op could start as far as its dependencies go (not the rank's clock); NaN if one is missing. */
+double zb__placer_ready(const zb__placer_t *pl, int type, int stage, int mb);
+/* When the cross-rank input of an op arrives; NaN if it has none or it is not placed. */
+double zb__placer_arrival(const zb__placer_t *pl, int type, int stage, int mb);
+/* Places the next F or B of a stage; 0 or -1 (failed). */
+int zb__placer_put(zb__placer_t *pl, int type, int stage);
+/* Places rank r's oldest pending W; 0 or -1. */
+int zb__placer_put_w(zb__placer_t *pl, int r);
+int zb__placer_pending_w(const zb__placer_t *pl, int r);
+double zb__placer_next_w_cost(const zb__placer_t *pl, int r);
+double zb__placer_max_bubble(const zb__placer_t *pl);
+/* Moves the op lists into s, or fails if the placer failed or did not place every op. */
+zb_status_t zb__placer_finish(zb__placer_t *pl, zb_schedule_t *s);
+
+/* Round-based generators (rounds_v.c, rounds_loop.c): fill s->ops or fail with ZB_ERR_INFEASIBLE
+ * when their rules cannot complete under `limit`. `allow` (NULL or p values) is each rank's idle
+ * time the previous run of the same rules ended with: a rank may leave a hole up to the largest
+ * allowance minus its own bubble so far instead of starting a W that would delay its next input's
+ * consumer. *max_bubble gets the largest per-rank bubble of the result, *bubble (p values, may be
+ * NULL) each rank's. */
+typedef struct {
+  double limit;
+  int fill_f, fill_b;   /* V: start a W in a hole longer than the allowance before an F / a B */
+  int early_f;          /* loop: warm-up forwards may overrun B0's arrival (reference's first rule) */
+  int prioritize_b;     /* loop: a rank well ahead of the next skips its F when it would delay a B */
+  int greedy_w;         /* loop: within the allowance, still start the W */
+  const double *allow;
+} zb__rounds_policy_t;
+
+zb_status_t zb__rounds_v(zb_schedule_t *s, const zb__rounds_policy_t *pol, double *max_bubble,
+                         double *bubble);
+zb_status_t zb__rounds_loop(zb_schedule_t *s, const zb__rounds_policy_t *pol, double *max_bubble,
+                            double *bubble);
 
 /* Export writers; each returns a malloc'd NUL-terminated string. The schedule is simulated. */
 zb_status_t zb__export_text(const zb_schedule_t *s, char **out, size_t *len);
