@@ -31,6 +31,7 @@ typedef struct {
   double *t_free;      /* per rank: when it is next free (or, if idle, when to look again) */
   int *idle;           /* per rank: t_free is a wake-up time, not the end of an op */
   double *idle_since;
+  double *idle_from; /* per rank: when its current idle stretch began */
   double *mem; /* per rank */
   int *n_b_done;          /* per rank: B's run so far */
   int *n_f_done;
@@ -229,6 +230,7 @@ zb_status_t zb__greedy_schedule(zb_schedule_t *s, const zb__greedy_policy_t *pol
   g.t_free = calloc((size_t)p, sizeof(double));
   g.idle = calloc((size_t)p, sizeof(int));
   g.idle_since = calloc((size_t)p, sizeof(double));
+  g.idle_from = calloc((size_t)p, sizeof(double));
   g.mem = calloc((size_t)p, sizeof(double));
   g.n_b_done = calloc((size_t)p, sizeof(int));
   g.n_f_done = calloc((size_t)p, sizeof(int));
@@ -239,7 +241,7 @@ zb_status_t zb__greedy_schedule(zb_schedule_t *s, const zb__greedy_policy_t *pol
   zb__oplists_t l;
   zb_status_t st = zb__oplists_init(&l, p);
   if (st != ZB_OK) goto fail;
-  if (!g.nf || !g.nb || !g.nw || !g.endF || !g.endB || !g.t_free || !g.idle || !g.idle_since ||
+  if (!g.nf || !g.nb || !g.nw || !g.endF || !g.endB || !g.t_free || !g.idle || !g.idle_since || !g.idle_from ||
       !g.mem || !g.n_b_done || !g.n_f_done || !g.stages || !g.tree) {
     st = ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory scheduling %d stages x %d microbatches", S, m);
     goto fail;
@@ -267,12 +269,18 @@ zb_status_t zb__greedy_schedule(zb_schedule_t *s, const zb__greedy_policy_t *pol
     int stg = -1;
     int type = pick(&g, r, t, &stg);
     if (type == PICK_NONE) {
+      if (!g.idle[r]) g.idle_from[r] = t;
       g.idle[r] = 1;
       g.idle_since[r] = t;
       g.t_free[r] = next_event(&g, r, t);
       tree_update(&g, r);
       continue;
     }
+    /* A W picked after the rank sat idle was pending all along (W's come only from this rank's
+     * B's): the rank chose to wait, for a held W or a B due soon, and then nothing better came.
+     * Replaying the op list starts that W as soon as the rank went idle, so start it there: the
+     * times decided on are then the times the schedule has. Nothing on other ranks waits for a W. */
+    if (type == ZB_OP_W && g.idle[r] && g.idle_from[r] < t) t = g.idle_from[r];
     g.idle[r] = 0;
     double end = t + zb__op_cost(s, type, stg);
     size_t key;
@@ -313,7 +321,7 @@ zb_status_t zb__greedy_schedule(zb_schedule_t *s, const zb__greedy_policy_t *pol
 fail:
   zb__oplists_free(&l);
   free(g.nf), free(g.nb), free(g.nw), free(g.endF), free(g.endB), free(g.t_free), free(g.idle);
-  free(g.idle_since), free(g.mem), free(g.n_b_done), free(g.n_f_done);
+  free(g.idle_since), free(g.idle_from), free(g.mem), free(g.n_b_done), free(g.n_f_done);
   free(g.stages), free(g.tree);
   return st;
 }
