@@ -3,6 +3,7 @@
  *
  *   zbpp schedule KIND -p P -m M [-v V] [cost options] [--format F] [-o FILE]
  *   zbpp simulate FILE.csv [cost options] [--format F] [-o FILE]
+ *   (cost options: --times F,B,W[,BW] or --stage-times FILE (costs.c), --comm, --w-share, --mem-limit)
  *
  *   zbpp verify KIND -p P -m M [...]   (verify.c)
  *   zbpp bench [...]                   (bench.c)
@@ -11,7 +12,8 @@
  * so everything they do, a C or Python caller can do too; verify and bench also drive the library's
  * internal reference model and trainer (linked statically), which are not part of the ABI. Exit
  * codes: 0 success, 1 a failure the library reported (invalid schedule, infeasible limit, unreadable
- * file, parameters not bit-for-bit equal), 2 a usage error.
+ * file, parameters not bit-for-bit equal) or a cost file that is malformed or does not fit the
+ * command, 2 a usage error.
  */
 #define _GNU_SOURCE /* RTLD_DEFAULT */
 #include <dlfcn.h>
@@ -55,6 +57,10 @@ static void usage(FILE *out) {
           "  --times F,B,W[,BW]   time of one microbatch through all of a rank's layers for the\n"
           "                       forward, input backward, weight backward (and fused backward;\n"
           "                       default B+W); each op of a v-chunk schedule takes 1/v. Default 1,1,1\n"
+          "  --stage-times FILE   per-stage costs from a JSON cost file (\"format\": \"zbpp-costs\"):\n"
+          "                       time_f, time_b, time_w[, time_bw] hold one absolute time per stage\n"
+          "                       (S = p*v values, not divided by v); instead of --times. The file's\n"
+          "                       time_comm and w_share apply unless --comm / --w-share are given\n"
           "  --comm C             time added to every dependency that crosses ranks (default 0)\n"
           "  --w-share W          share of activations only W needs, in [0,1] (default 0.5)\n"
           "  --mem-limit L        peak activation memory per rank in microbatches, or 'Np' for N*p\n"
@@ -65,15 +71,17 @@ static void usage(FILE *out) {
           "Examples:\n"
           "  zbpp schedule zb-v -p 4 -m 8\n"
           "  zbpp schedule zb-auto -p 8 -m 24 --times 18.5,18.1,9.3 --comm 0.6 --mem-limit 2p\n"
+          "  zbpp schedule zb-auto -p 4 -m 16 -v 2 --stage-times costs.json --format svg -o zbv.svg\n"
           "  zbpp schedule 1f1b -p 4 -m 8 --format csv -o 1f1b.csv && zbpp simulate 1f1b.csv\n");
 }
 
 typedef struct {
-  const char *command, *kind, *file, *format, *output, *mem_limit;
+  const char *command, *kind, *file, *format, *output, *mem_limit, *stage_times;
   int p, m, v;
   double times[4];
   int n_times;
   double comm, w_share;
+  int has_comm, has_w_share; /* given on the command line: they win over a cost file's values */
 } args_t;
 
 int zb__tool_bad_usage(const char *fmt, const char *what) {
@@ -146,10 +154,15 @@ static int parse_args(int argc, char **argv, args_t *a) {
     } else if (!strcmp(arg, "--comm")) {
       NEED_VALUE();
       if (!zb__tool_parse_double(val, &a->comm)) return zb__tool_bad_usage("--comm wants a number, got '%s'", val);
+      a->has_comm = 1;
     } else if (!strcmp(arg, "--w-share")) {
       NEED_VALUE();
       if (!zb__tool_parse_double(val, &a->w_share))
         return zb__tool_bad_usage("--w-share wants a number in [0,1], got '%s'", val);
+      a->has_w_share = 1;
+    } else if (!strcmp(arg, "--stage-times")) {
+      NEED_VALUE();
+      a->stage_times = val;
     } else if (!strcmp(arg, "--mem-limit")) {
       NEED_VALUE();
       a->mem_limit = val;
@@ -169,17 +182,29 @@ static int parse_args(int argc, char **argv, args_t *a) {
     }
 #undef NEED_VALUE
   }
+  if (a->stage_times && a->n_times)
+    return zb__tool_bad_usage("%s", "--times and --stage-times both give the costs; drop --times to use the "
+                                    "cost file's per-stage times, or drop --stage-times");
   return 0;
 }
 
-/* Fills the cost part of a spec from the options; p is needed for an 'Np' memory limit. */
-static int fill_costs(const args_t *a, zb_schedule_spec_t *spec, int p) {
+/* Fills the cost part of a spec from the options and, when given, a cost file (whose arrays the
+ * spec then points at); p is needed for an 'Np' memory limit. */
+static int fill_costs(const args_t *a, const zb__costs_t *costs, zb_schedule_spec_t *spec, int p) {
   spec->time_f = a->times[0];
   spec->time_b = a->times[1];
   spec->time_w = a->times[2];
   spec->time_bw = a->n_times == 4 ? a->times[3] : 0.0;
   spec->time_comm = a->comm;
   spec->w_share = a->w_share;
+  if (costs) {
+    spec->stage_time_f = costs->time_f;
+    spec->stage_time_b = costs->time_b;
+    spec->stage_time_w = costs->time_w;
+    spec->stage_time_bw = costs->time_bw; /* NULL: B + W per stage */
+    if (costs->has_time_comm && !a->has_comm) spec->time_comm = costs->time_comm;
+    if (costs->has_w_share && !a->has_w_share) spec->w_share = costs->w_share;
+  }
   if (a->mem_limit) {
     const char *s = a->mem_limit;
     size_t n = strlen(s);
@@ -277,6 +302,42 @@ static int emit(zb_schedule_t *s, const args_t *a) {
   return 0;
 }
 
+/* Reads and parses --stage-times FILE; prints what is wrong and returns 1 when it cannot. */
+static int read_costs(const char *path, zb__costs_t *out) {
+  size_t len = 0;
+  char *text = read_file(path, &len);
+  if (!text) {
+    fprintf(stderr, "zbpp: cannot read '%s': %s\n", path, strerror(errno));
+    return 1;
+  }
+  char err[512];
+  int ok = zb__costs_parse(text, len, path, out, err, sizeof err);
+  free(text);
+  if (!ok) {
+    fprintf(stderr, "zbpp: %s\n", err);
+    return 1;
+  }
+  return 0;
+}
+
+/* zb__costs_check_shape, printing its message; 0 when the cost file fits, else 1. */
+static int costs_fit(const zb__costs_t *c, const char *path, int p, int v, int placement,
+                     const char *source) {
+  char err[512];
+  if (zb__costs_check_shape(c, path, p, v, placement, source, err, sizeof err)) return 0;
+  fprintf(stderr, "zbpp: %s\n", err);
+  return 1;
+}
+
+/* The chunks zb_schedule_create picks when the spec says 0 (zbpp.h): with a cost file the tool
+ * must know v before the call, since the library reads p * v values from the file's arrays. */
+static int default_chunks(zb_kind_t kind) {
+  return kind == ZB_KIND_INTERLEAVED_1F1B || kind == ZB_KIND_ZB_V || kind == ZB_KIND_V_HALF ||
+                 kind == ZB_KIND_V_MIN
+             ? 2
+             : 1;
+}
+
 static int cmd_schedule(const args_t *a) {
   if (!a->kind) return zb__tool_bad_usage("%s", "schedule needs a KIND (see the list in --help)");
   zb_kind_t kind;
@@ -291,13 +352,29 @@ static int cmd_schedule(const args_t *a) {
   spec.ranks = a->p;
   spec.microbatches = a->m;
   spec.chunks = a->v;
-  int rc = fill_costs(a, &spec, a->p);
-  if (rc) return rc;
-  if (factor > 0 && !a->mem_limit) spec.mem_limit = factor * a->p;
+  zb__costs_t costs, *have = NULL;
+  char source[128];
+  if (a->stage_times) {
+    if (read_costs(a->stage_times, &costs)) return 1;
+    have = &costs;
+    spec.chunks = a->v ? a->v : default_chunks(kind);
+    snprintf(source, sizeof source, "the command (%s, p = %d, v = %d) asks for", zb_kind_name(kind),
+             a->p, spec.chunks);
+  }
   zb_schedule_t *s = NULL;
-  if (zb_schedule_create(&s, &spec) != ZB_OK) return zb__tool_fail("cannot generate the schedule");
-  rc = emit(s, a);
+  int rc = have ? costs_fit(have, a->stage_times, a->p, spec.chunks, -1, source) : 0;
+  if (!rc) rc = fill_costs(a, have, &spec, a->p);
+  if (!rc && factor > 0 && !a->mem_limit) spec.mem_limit = factor * a->p;
+  if (!rc && zb_schedule_create(&s, &spec) != ZB_OK) rc = zb__tool_fail("cannot generate the schedule");
+  if (!rc && have) {
+    /* The placement follows from the kind and v; the schedule itself says which it got. */
+    zb_schedule_info_t info;
+    zb_schedule_get_info(s, &info);
+    rc = costs_fit(have, a->stage_times, info.ranks, info.chunks, (int)info.placement, source);
+  }
+  if (!rc) rc = emit(s, a);
   zb_schedule_destroy(s);
+  if (have) zb__costs_free(have);
   return rc;
 }
 
@@ -309,28 +386,42 @@ static int cmd_simulate(const args_t *a) {
     fprintf(stderr, "zbpp: cannot read '%s': %s\n", a->file, strerror(errno));
     return 1;
   }
+  zb__costs_t costs, *have = NULL;
+  if (a->stage_times) {
+    if (read_costs(a->stage_times, &costs)) {
+      free(text);
+      return 1;
+    }
+    have = &costs;
+  }
   zb_schedule_spec_t spec = ZB_SCHEDULE_SPEC_INIT;
-  int rc = fill_costs(a, &spec, 1);
+  int rc = fill_costs(a, NULL, &spec, 1);
   zb_schedule_t *s = NULL;
-  if (!rc && a->mem_limit) {
-    /* 'Np' needs p, which the file decides: parse once to learn it. */
-    size_t n = strlen(a->mem_limit);
-    if (n > 1 && (a->mem_limit[n - 1] == 'p' || a->mem_limit[n - 1] == 'P')) {
-      if (zb_schedule_import(&s, ZB_FORMAT_CSV, text, len, &spec) != ZB_OK) {
-        free(text);
-        return zb__tool_fail(a->file);
-      }
+  size_t n = a->mem_limit ? strlen(a->mem_limit) : 0;
+  int per_rank_limit = n > 1 && (a->mem_limit[n - 1] == 'p' || a->mem_limit[n - 1] == 'P');
+  if (!rc && (per_rank_limit || have)) {
+    /* 'Np' needs p, and a cost file must match p, v and the placement, all of which the schedule
+     * file decides: parse it once without per-stage times to learn them. */
+    if (zb_schedule_import(&s, ZB_FORMAT_CSV, text, len, &spec) != ZB_OK) {
+      rc = zb__tool_fail(a->file);
+    } else {
       zb_schedule_info_t info;
       zb_schedule_get_info(s, &info);
       zb_schedule_destroy(s);
       s = NULL;
-      rc = fill_costs(a, &spec, info.ranks);
+      char source[1100];
+      snprintf(source, sizeof source, "%.1000s has", a->file);
+      if (have) rc = costs_fit(have, a->stage_times, info.ranks, info.chunks, (int)info.placement, source);
+      spec.ranks = info.ranks; /* the import checks the arrays' length against ranks * chunks */
+      spec.chunks = info.chunks;
+      if (!rc) rc = fill_costs(a, have, &spec, info.ranks);
     }
   }
   if (!rc && zb_schedule_import(&s, ZB_FORMAT_CSV, text, len, &spec) != ZB_OK) rc = zb__tool_fail(a->file);
   free(text);
   if (!rc) rc = emit(s, a);
   zb_schedule_destroy(s);
+  if (have) zb__costs_free(have);
   return rc;
 }
 
