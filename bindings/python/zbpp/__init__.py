@@ -11,6 +11,7 @@ happen on first use, so schedule-only code runs without torch installed.
 import os
 
 from ._lib import ZbError, lib, library_path
+from .costs import StageCosts
 from .schedule import Op, Schedule, SimResult, kinds
 
 __all__ = [
@@ -18,6 +19,7 @@ __all__ = [
     "Op",
     "Schedule",
     "SimResult",
+    "StageCosts",
     "ZbError",
     "kinds",
     "library_path",
@@ -90,6 +92,7 @@ _TORCH_EXPORTS = {
     "ScheduleZBAuto": "pipelining",
     "ScheduleInterleavedZeroBubble": "pipelining",
     "ScheduleFromCSV": "pipelining",
+    "PlanInfo": "pipelining",
     "get_schedule_class": "pipelining",
     "PostValidatedOptimizer": "optim",
 }

@@ -29,18 +29,36 @@ copies). With several ranks the activations travel over the library's NCCL trans
 unique id that rank 0 broadcasts; the optimizer's post-validation messages (host memory) keep using
 the torch.distributed callback transport over a group that takes CPU tensors (gloo). See cuda.py.
 
+Plans from measured costs: the zero-bubble kinds (zb-auto, zb-h1, zb-h2, zb-v, v-half, v-min) are
+first planned for equal F/B/W times, but real W costs a fraction of F and B. So by default the
+schedule times steps 2 and 3 (step 1 carries one-off costs), gathers every stage's measured F, B,
+W, transfer time and activation memory to every rank (zbpp.StageCosts, costs.py), plans its kind
+again for them under the same memory limit, checks that every rank got the same op lists, and
+runs the new plan from step 4 on. Only the order of the ops changes, never what they compute, so
+training stays bit for bit that of a sequential loop. `plan_from_measured=False` (or
+ZBPP_PLAN_FROM_MEASURED=0) turns it off; `profile_steps=(a, b)` times steps a..b and replans after
+b; `costs=` plans from saved costs at once; `save_plan_dir=` (or ZBPP_PLAN_DIR) writes the costs
+and the plan; `plan_info` says what happened. Fixed orders (gpipe, 1f1b, interleaved-1f1b) and
+schedules from CSV are never replanned.
+
 What this is not: a tracer or a model splitter. Each rank builds its own stage modules.
 """
 
 import contextlib
 import ctypes
+import hashlib
+import logging
+import os
+import statistics
+from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
 
 from . import _lib, cuda, distributed, runtime
+from .costs import ActivationMeter, StageCosts, parse_mem_limit
 from .distributed import TorchTransport, group_rank, group_size
-from .schedule import Schedule
+from .schedule import Schedule, SimResult
 from .split import default_store
 
 __all__ = [
@@ -58,10 +76,16 @@ __all__ = [
     "ScheduleZBAuto",
     "ScheduleInterleavedZeroBubble",
     "ScheduleFromCSV",
+    "PlanInfo",
     "get_schedule_class",
 ]
 
 _V_KINDS = ("zb-v", "v-half", "v-min")
+# Kinds whose plan depends on the costs: replanned from measured costs (fixed orders never are).
+PLANNED_KINDS = ("zb-auto", "zb-h1", "zb-h2", "zb-v", "v-half", "v-min")
+DEFAULT_PROFILE_STEPS = (2, 3)
+_log = logging.getLogger("zbpp")
+_KEEP = object()
 _META_TAG = 1 << 20  # shape inference messages; the runner's channels use small tags
 _META_LEN = 64
 _ALIGN = 16
@@ -207,19 +231,29 @@ class PipelineSchedule:
     """Base class: a zbpp schedule kind run by the C runner over this rank's stages.
 
     Subclasses fix `kind`. Extra keyword arguments beyond torch's: mem_limit (zb-auto's memory limit,
-    in microbatches of a rank's activations, or a string such as "2p"), times (per-rank F/B/W costs
-    for zb-auto, see zbpp.Schedule.generate), timeout (seconds one transfer may take before the step
-    fails naming the peer; default 300), csv (a schedule in torch's CSV grammar instead of a kind),
-    cpu_group (CUDA stages only: a gloo group over the pipeline's ranks for host-memory messages,
-    needed when `group` is a non-gloo subgroup of the world; by default the group itself when it
-    takes CPU tensors, else a gloo group made over the whole world).
+    in microbatches of a rank's activations, a string such as "2p", or bytes of activations per
+    rank such as "8GB", turned into microbatches by the measured activation memory), times
+    (per-rank F/B/W costs for zb-auto, see zbpp.Schedule.generate), timeout (seconds one transfer
+    may take before the step fails naming the peer; default 300), csv (a schedule in torch's CSV
+    grammar instead of a kind), cpu_group (CUDA stages only: a gloo group over the pipeline's ranks
+    for host-memory messages, needed when `group` is a non-gloo subgroup of the world; by default
+    the group itself when it takes CPU tensors, else a gloo group made over the whole world).
+
+    Plans from measured costs (the module docstring): plan_from_measured (None: on for the kinds in
+    PLANNED_KINDS unless times= or costs= is given, or ZBPP_PLAN_FROM_MEASURED=0; False: off; True:
+    on, an error for a fixed kind), profile_steps (the steps timed, counted from 1: (first, last),
+    or n for steps 2..n+1; default (2, 3); the plan changes after the last), costs (a
+    zbpp.StageCosts or the path of a zbpp-costs JSON file: plan from it at once, and do not
+    profile unless plan_from_measured=True), save_plan_dir (a directory where rank 0 writes
+    zbpp-costs.json and the plan as CSV and SVG when it replans; default $ZBPP_PLAN_DIR).
     """
 
     kind = None
 
     def __init__(self, stage_or_stages, n_microbatches, loss_fn=None, args_chunk_spec=None,
                  kwargs_chunk_spec=None, output_merge_spec=None, scale_grads=True, *, kind=None,
-                 csv=None, mem_limit=None, times=None, timeout=300.0, cpu_group=None):
+                 csv=None, mem_limit=None, times=None, timeout=300.0, cpu_group=None,
+                 plan_from_measured=None, profile_steps=None, costs=None, save_plan_dir=None):
         stages = list(stage_or_stages) if isinstance(stage_or_stages, (list, tuple)) else [stage_or_stages]
         if not stages or not all(isinstance(s, PipelineStage) for s in stages):
             raise TypeError(f"zbpp.{type(self).__name__}: expected a zbpp.PipelineStage or a list of them")
@@ -258,15 +292,49 @@ class PipelineSchedule:
                              f"stages (rank r holds stages r and 2p-1-r), but num_stages={S} over {p} "
                              f"rank(s) gives {v} stage(s) per rank; build 2 PipelineStages per rank with "
                              f"num_stages={2 * p}")
+        name = type(self).__name__
+        try:
+            limit_kind = parse_mem_limit(mem_limit)[0]
+        except ValueError as exc:
+            raise ValueError(f"zbpp.{name}: {exc}") from None
+        if isinstance(costs, (str, bytes, os.PathLike)):
+            costs = StageCosts.load(costs)
+        elif costs is not None and not isinstance(costs, StageCosts):
+            raise TypeError(f"zbpp.{name}: costs must be a zbpp.StageCosts or the path of a zbpp-costs JSON "
+                            f"file, got {type(costs).__name__}")
+        if costs is not None:
+            costs.check_shape(p, v, what=f"this pipeline ({name})")
+        self._kind_arg = kind
+        self._plan_kind = _kind_name(kind) if csv is None else None
+        if self._plan_kind not in PLANNED_KINDS:
+            self._plan_kind = None
+        self._profile = _profile_window(name, self._plan_kind, kind if csv is None else "a CSV schedule",
+                                        plan_from_measured, profile_steps, times, costs)
+        if limit_kind == "bytes" and self._profile is None and (costs is None or costs.mem_f_bytes is None):
+            raise ValueError(f"zbpp.{name}: mem_limit={mem_limit!r} is in bytes, which needs the activation memory "
+                             "of a microbatch: leave plan_from_measured on (a zero-bubble kind measures it in its "
+                             "first steps), pass costs= with mem_f_bytes, or give the limit in microbatches")
+        if limit_kind == "bytes":
+            # Until the memory is measured: the kind's own limit (zb-auto: p, 1F1B's memory).
+            limit = costs.mem_limit(mem_limit) if costs is not None and costs.mem_f_bytes is not None else None
+        else:
+            limit = mem_limit
+        self._mem_limit_arg = mem_limit
+        self._times_arg = times
+        self.costs = costs
+        self._save_dir = save_plan_dir if save_plan_dir is not None else (os.environ.get("ZBPP_PLAN_DIR") or None)
+        cost_times = dict(times=costs.times(), comm=costs.time_comm, w_share=costs.w_share) if costs else {}
         if csv is not None:
-            self.schedule = Schedule.from_csv(csv, times=times, mem_limit=mem_limit)
+            self.schedule = Schedule.from_csv(csv, mem_limit=limit, **(cost_times or {"times": times}))
             info = (self.schedule.ranks, self.schedule.stages, self.schedule.microbatches)
             if info != (p, S, m):
                 raise ValueError(f"zbpp: the CSV schedule has {info[0]} ranks, {info[1]} stages and {info[2]} "
                                  f"microbatches; this pipeline has {p}, {S} and n_microbatches={m}")
             self.schedule.validate()
+        elif costs is not None:
+            self.schedule = costs.plan(kind, m, mem_limit if limit_kind == "bytes" else limit)
         else:
-            self.schedule = Schedule.generate(kind, p=p, m=m, v=v, times=times, mem_limit=mem_limit)
+            self.schedule = Schedule.generate(kind, p=p, m=m, v=v, times=times, mem_limit=limit)
         mine = [s.stage_index for s in self.stages]
         want = self.schedule.rank_stages(self.rank)
         if mine != want:
@@ -290,6 +358,12 @@ class PipelineSchedule:
         self._dviews = cuda.DeviceViews(self.device) if self._cuda else None
         self._msg = None  # (group, device) of shape inference and the NCCL unique id; see _messages
         self._last_times = None
+        self._last_schedule = None  # the schedule the last step ran (timeline() draws it)
+        self._shapes_known = False
+        self._profiling = False
+        self._profile_runs = []  # (schedule CSV, starts, ends) of this rank in each profiled step
+        self._profile_mem = {}  # stage -> (saved bytes, W-only bytes, CUDA bytes) of one microbatch
+        self.plan_info = None
         self.steps = 0
 
     # ---- shape inference -------------------------------------------------------------------------
@@ -413,11 +487,17 @@ class PipelineSchedule:
                     t.requires_grad_(True)
                 inputs.append(t)
             inputs, kwargs = tuple(inputs), {}
-        with torch.enable_grad():
+        meter = self._meter(s) if self._profiling and i == 0 else None
+        with torch.enable_grad(), (meter or contextlib.nullcontext()):
             out = self._run_stage(s, i, inputs, kwargs)
             if s == self.loss_stage:
-                self._ctx[(s, i)] = (inputs, None, self._compute_loss(i, out))
+                loss = self._compute_loss(i, out)
+                self._ctx[(s, i)] = (inputs, None, loss)
+                if meter is not None:
+                    meter.roots = [loss]
                 return
+            if meter is not None:
+                meter.roots = [t for t in _as_tuple(out) if isinstance(t, torch.Tensor)]
         outs = _as_tuple(out)
         meta = self._meta[s]
         if _meta_of(outs, s) != meta:
@@ -427,6 +507,16 @@ class PipelineSchedule:
         for view, t in zip(self._views(out_addr, s), outs):
             view.copy_(t.detach())
         self._ctx[(s, i)] = (inputs, outs, None)
+
+    def _meter(self, s):
+        """Measures the activations one microbatch's forward of stage s keeps (microbatch 0 of a
+        profiled step; costs.ActivationMeter), keeping the largest figures of the profiled steps."""
+        def done(meter):
+            got = (meter.saved_bytes, meter.w_only_bytes, meter.cuda_bytes or 0)
+            old = self._profile_mem.get(s, (0, 0, 0))
+            self._profile_mem[s] = tuple(max(a, b) for a, b in zip(old, got))
+
+        return ActivationMeter(self._by_index[s].submod, self.device if self._cuda else None, done)
 
     def _views(self, addr, boundary):
         """Typed tensors over a runner buffer of `boundary` (host memory, or device memory wrapped
@@ -498,8 +588,11 @@ class PipelineSchedule:
         return None
 
     def _run_iteration(self):
-        """Runs this rank's op list once (the runner calls _forward/_backward)."""
+        """Runs this rank's op list once (the runner calls _forward/_backward); after the last
+        profiled step, plans again from the measured costs (a collective, see _plan_from_profile)."""
         m = self.n_microbatches
+        window = self._profile
+        profiling = window is not None and window[0] <= self.steps + 1 <= window[1]
         with self._device_scope():
             if self._runner is None:
                 self._start()
@@ -509,12 +602,21 @@ class PipelineSchedule:
                 # callbacks' torch work lands on, so one stream order covers all of it.
                 self._store.prepare_run()
             extra = self._transport.take_error if self._transport is not None and not self._cuda else None
+            self._profiling = profiling
             try:
                 self._runner.run(extra_error=extra)
             finally:
                 self._ctx = {}
-        self._last_times = self._runner.times()
-        self.steps += 1
+                self._profiling = False
+            self._last_times = self._runner.times()
+            old, self._last_schedule = self._last_schedule, self.schedule
+            if old is not None and old is not self.schedule:
+                old.close()  # the plan before a replan: its last step's timeline was drawn, if wanted
+            self.steps += 1
+            if profiling:
+                self._profile_runs.append((self.schedule.to_csv(), *self._last_times))
+                if self.steps == window[1]:
+                    self._plan_from_profile()
 
     def _scale_grads(self, divisor):
         """Divides the gradients by the number of microbatches, as torch's scale_grads does (a
@@ -548,8 +650,9 @@ class PipelineSchedule:
     def _start(self):
         if not self._cuda:
             self.transport  # noqa: B018 - created here at the latest: it is the runner's
-        if not self._meta_given:
+        if not self._meta_given and not self._shapes_known:
             self._infer_shapes()
+            self._shapes_known = True  # a replanned schedule's runner reuses them
         S = self.stages[0].num_stages
         sizes = [(_layout(self._meta[b])[1] if b in self._meta else 0) for b in range(S - 1)]
         if self._cuda:
@@ -595,7 +698,7 @@ class PipelineSchedule:
             dist.all_gather_object(gathered, mine, group=self.group)
         else:
             gathered = [mine]
-        copy = Schedule.from_csv(self.schedule.to_csv())
+        copy = Schedule.from_csv(self._last_schedule.to_csv())
         # .measured: span, busy and bubble rate of the measured times (the paper's definitions)
         copy.measured = copy.set_times([g[0] for g in gathered], [g[1] for g in gathered])
         return copy
@@ -612,7 +715,194 @@ class PipelineSchedule:
         if self._transport is not None:
             self._transport.close()
             self._transport = None
+        if self._last_schedule is not None and self._last_schedule is not self.schedule:
+            self._last_schedule.close()
         self.schedule.close()
+
+    # ---- plans from measured costs ---------------------------------------------------------------
+
+    def _all_gather(self, obj):
+        """obj of every rank of the pipeline, in rank order (a collective over the set-up group)."""
+        if self.ranks == 1:
+            return [obj]
+        out = [None] * self.ranks
+        dist.all_gather_object(out, obj, group=self._messages()[0])
+        return out
+
+    def _plan_from_profile(self):
+        """After the last profiled step: every rank's op times and activation memory go to every
+        rank, which turns them into the same StageCosts and plans again (replan)."""
+        runs, self._profile_runs = self._profile_runs, []
+        gathered = self._all_gather({"runs": [(a, b) for _, a, b in runs], "mem": dict(self._profile_mem)})
+        timelines, bubbles = [], []
+        try:
+            for k, (text, _, _) in enumerate(runs):
+                t = Schedule.from_csv(text)
+                timelines.append(t)
+                bubbles.append(t.set_times([g["runs"][k][0] for g in gathered],
+                                           [g["runs"][k][1] for g in gathered]).bubble_rate)
+            S = self.stages[0].num_stages
+            mem = {}
+            for g in gathered:
+                mem.update(g["mem"])
+            saved = [mem.get(s, (0, 0, 0)) for s in range(S)]
+            mem_f = [c if c > 0 else b for b, _, c in saved]
+            total = sum(b for b, _, _ in saved)
+            costs = StageCosts.from_timelines(
+                timelines, mem_f_bytes=mem_f if any(mem_f) else None,
+                w_share=(sum(w for _, w, _ in saved) / total) if total > 0 else None)
+        finally:
+            for t in timelines:
+                t.close()
+        self.replan(costs, _measured=statistics.median(bubbles) if bubbles else None)
+
+    def replan(self, costs=None, mem_limit=_KEEP, *, _measured=None):
+        """Plans this schedule's kind again and runs the new plan from the next step on.
+
+        costs: a zbpp.StageCosts (default: the last ones measured or given; without any, the
+        times= of the constructor); mem_limit: a new memory limit (microbatches, "2p", or bytes;
+        default: the one in force). A collective: every rank of the pipeline calls it between two
+        steps, with the same arguments. Every rank plans on its own and the ranks compare digests of
+        the op lists; a difference raises RuntimeError on every rank. Returns plan_info."""
+        name = type(self).__name__
+        if self._plan_kind is None:
+            raise ValueError(f"zbpp.{name}: {self.schedule.kind} is a fixed order; only "
+                             + ", ".join(PLANNED_KINDS) + " are planned from costs")
+        if mem_limit is not _KEEP:
+            try:
+                parse_mem_limit(mem_limit)
+            except ValueError as exc:
+                raise ValueError(f"zbpp.{name}: {exc}") from None
+            self._mem_limit_arg = mem_limit
+        costs = costs if costs is not None else self.costs
+        limit = self._mem_limit_arg
+        p, m = self.ranks, self.n_microbatches
+        v = self.stages[0].num_stages // p
+        if costs is not None:
+            costs.check_shape(p, v, self.schedule.placement, what=f"this pipeline ({name})")
+            new = costs.plan(self._kind_arg, m, limit)
+        else:
+            if parse_mem_limit(limit)[0] == "bytes":
+                raise ValueError(f"zbpp.{name}: mem_limit={limit!r} is in bytes, which needs measured costs "
+                                 "(mem_f_bytes) to plan")
+            new = Schedule.generate(self._kind_arg, p=p, m=m, v=v, times=self._times_arg, mem_limit=limit)
+        try:
+            text = new.to_csv()
+            digest = hashlib.sha256(text.encode()).hexdigest()
+            digests = self._all_gather(digest)
+            if len(set(digests)) != 1:
+                detail = ", ".join(f"rank {r}: {d[:12]}" for r, d in enumerate(digests))
+                raise RuntimeError(f"zbpp.{name}: the ranks planned different {new.kind} schedules from the same "
+                                   f"costs ({detail}); every rank must load the same zbpp library. Every rank "
+                                   "keeps its previous plan")
+            mine = [s.stage_index for s in self.stages]
+            if new.rank_stages(self.rank) != mine:
+                raise RuntimeError(f"zbpp.{name}: the new plan puts stages {new.rank_stages(self.rank)} on rank "
+                                   f"{self.rank}, which holds {mine}")
+            sim = new.simulate()
+            before = None
+            if costs is not None:
+                with Schedule.from_csv(self.schedule.to_csv(), times=costs.times(), comm=costs.time_comm,
+                                       w_share=costs.w_share) as old:
+                    before = old.simulate()
+        except BaseException:
+            new.close()
+            raise
+        # The switch: the runner is made again for the new op lists at the next step (the shapes,
+        # the transport, the W store and everything about training stay).
+        if self._runner is not None:
+            self._runner.close()
+            self._runner = None
+        if self._dviews is not None:
+            self._dviews.clear()
+        if self.schedule is not self._last_schedule:
+            self.schedule.close()
+        self.schedule = new
+        self.costs = costs
+        self.plan_info = PlanInfo(step=self.steps, kind=new.kind, mem_limit=new.mem_limit, costs=costs,
+                                  simulated=sim, before=before, measured_bubble=_measured,
+                                  profile_steps=self._profile if _measured is not None else None,
+                                  digest=digest, files=self._save_plan(costs, new))
+        if self.rank == 0:
+            _log.info("%s", self.plan_info.summary())
+        return self.plan_info
+
+    def _save_plan(self, costs, new):
+        if not self._save_dir or self.rank != 0:
+            return []
+        os.makedirs(self._save_dir, exist_ok=True)
+        files = []
+        if costs is not None:
+            files.append(costs.save(os.path.join(self._save_dir, "zbpp-costs.json")))
+        for ext in ("csv", "svg"):
+            path = os.path.join(self._save_dir, f"zbpp-plan-{new.kind}.{ext}")
+            new.save(path)
+            files.append(path)
+        return files
+
+
+class PlanInfo(NamedTuple):
+    """What the last replan did: after `step` steps, `kind` was planned under mem_limit (microbatches,
+    None for the kind's default) for `costs` (a StageCosts; None when planned without measured
+    costs); `simulated` is the new plan's SimResult on those costs, `before` the previous plan's on
+    the same costs, `measured_bubble` the median bubble rate measured over `profile_steps`; `digest`
+    the op lists' SHA-256 (equal on every rank), `files` what save_plan_dir received."""
+
+    step: int
+    kind: str
+    mem_limit: Optional[float]
+    costs: Optional[StageCosts]
+    simulated: SimResult
+    before: Optional[SimResult]
+    measured_bubble: Optional[float]
+    profile_steps: Optional[tuple]
+    digest: str
+    files: list
+
+    def summary(self):
+        text = f"zbpp: planned {self.kind} after step {self.step}"
+        if self.profile_steps:
+            a, b = self.profile_steps
+            text += f" from the costs measured in steps {a}-{b}" if a != b else f" from step {a}'s measured costs"
+        if self.mem_limit:
+            text += f" (memory limit {self.mem_limit:g} microbatches)"
+        text += f": simulated bubble {100 * self.simulated.bubble_rate:.1f}%"
+        if self.before is not None:
+            text += f" (the previous plan: {100 * self.before.bubble_rate:.1f}% on the same costs"
+            text += (f", measured {100 * self.measured_bubble:.1f}%)" if self.measured_bubble is not None else ")")
+        if self.costs is not None:
+            c = self.costs
+            text += (f"; F/B/W per stage (ms): " + ", ".join(
+                f"{c.time_f[s]:.2f}/{c.time_b[s]:.2f}/{c.time_w[s]:.2f}" for s in range(c.stages))
+                + f"; T_comm {c.time_comm:.3f} ms, w_share {c.w_share:.2f}")
+        return text
+
+
+def _profile_window(name, plan_kind, kind, plan_from_measured, profile_steps, times, costs):
+    """(first, last) profiled step, or None when the schedule is not planned from measured costs."""
+    if plan_from_measured is None:
+        env = os.environ.get("ZBPP_PLAN_FROM_MEASURED", "").strip().lower()
+        on = env not in ("0", "false", "no", "off") if env else (times is None and costs is None)
+        on = on and plan_kind is not None
+    else:
+        on = bool(plan_from_measured)
+        if on and plan_kind is None:
+            raise ValueError(f"zbpp.{name}: plan_from_measured=True, but {kind} is a fixed order that measured costs "
+                             "do not change; it applies to " + ", ".join(PLANNED_KINDS))
+    if profile_steps is None:
+        window = DEFAULT_PROFILE_STEPS
+    elif profile_steps is False or (isinstance(profile_steps, int) and profile_steps == 0):
+        return None
+    elif isinstance(profile_steps, int) and not isinstance(profile_steps, bool) and profile_steps > 0:
+        window = (2, 1 + profile_steps)
+    elif (isinstance(profile_steps, (tuple, list)) and len(profile_steps) == 2
+          and all(isinstance(x, int) and not isinstance(x, bool) for x in profile_steps)
+          and 1 <= profile_steps[0] <= profile_steps[1]):
+        window = tuple(profile_steps)
+    else:
+        raise ValueError(f"zbpp.{name}: profile_steps must be (first, last) steps counted from 1 with "
+                         f"1 <= first <= last, a number n of steps (2..n+1), or 0 for none; got {profile_steps!r}")
+    return window if on else None
 
 
 def _kind_name(name):

@@ -1,0 +1,547 @@
+"""Per-stage costs measured from a run, the zbpp-costs file that holds them, and plans made from them.
+
+What this is: `StageCosts`, the costs the schedule generators take (DESIGN.md section 3): for each
+stage s of S = ranks * chunks, the time of one microbatch's F, B, W (and fused BW) through that
+stage, the time a transfer between ranks adds (T_comm), the share of activations only W needs
+(w_share) and, when measured, the activation bytes one microbatch's forward leaves on that stage.
+It is saved and read as one JSON object, the "zbpp-costs" format version 1, which the `zbpp` tool
+reads too (`zbpp schedule KIND --stage-times FILE`):
+
+    {"format": "zbpp-costs", "version": 1, "unit": "ms", "ranks": 2, "chunks": 2, "placement": "v",
+     "time_f": [S], "time_b": [S], "time_w": [S], "time_bw": [S] or null,
+     "time_comm": 0.05, "w_share": 0.41, "mem_f_bytes": [S]}
+
+Times are absolute per stage, in milliseconds (zb_schedule_spec_t.stage_time_*, not a per-rank
+time divided by v). time_bw null means B + W. Reading follows the tool's rules: time_f, time_b and
+time_w are required, null is the same as a missing optional key, a key given twice is an error and
+keys this version does not know are skipped. This module also requires format, version, ranks,
+chunks and placement, which it needs to plan.
+
+Where the numbers come from (`StageCosts.from_timelines`): a run's measured timelines (a
+zbpp.Schedule after set_times, as PipelineSchedule.timeline() returns, one per step). Op durations
+are the runner's own timestamps, which start once an op's input has arrived, so waiting is not
+counted; each stage's cost is the median over every op of that type and stage in all the steps
+given (robust to a slow microbatch or a pause). T_comm is the median gap between a producer's end
+and its consumer's start over the cross-rank dependencies whose consumer was idle, waiting for that
+input: its rank's previous op had ended before the producer did (so the gap is transfer time, not
+queueing behind other work); 0 when there is no such dependency. Clocks must be comparable across
+ranks (one host, CLOCK_MONOTONIC), as for timeline().
+
+Activation memory (`ActivationMeter`): the bytes autograd has saved for the backward of a stage's
+forward of one microbatch, read from the graph (each storage once, parameters and buffers left
+out); the W-only part is what split layers save as their input and nothing else
+saves (zbpp.split_linear's layers keep x for W's dW = dY^T X; B needs dY and the weight only), so
+w_share = W-only bytes / saved bytes over all stages.
+
+`StageCosts.plan(kind, microbatches, mem_limit)` generates a schedule of a kind from the costs. A
+memory limit may be microbatches (a number, or "2p"), as everywhere, or bytes ("8GB", "512 MiB";
+kB/MB/GB/TB are powers of 1000, KiB/MiB/GiB/TiB of 1024): bytes are turned into microbatches of
+the heaviest rank, the one whose stages keep the most activation bytes per microbatch.
+
+What this is not: a profiler of its own. The torch integration (pipelining.py) records the
+timelines and the memory during its first steps and calls this; the C scheduler does the planning.
+Importing this module does not import torch.
+"""
+
+import json
+import math
+import numbers
+import os
+import re
+import statistics
+
+from .schedule import Schedule, _resolve_kind
+
+__all__ = ["StageCosts", "ActivationMeter", "FORMAT", "VERSION", "parse_mem_limit", "parse_bytes"]
+
+FORMAT = "zbpp-costs"
+VERSION = 1
+_PLACEMENTS = ("loop", "v")
+_V_KINDS = ("zb-v", "v-half", "v-min")
+
+_UNITS = {"b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12,
+          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+_BYTES_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?(?:e[+-]?[0-9]+)?)\s*([a-z]+)\s*$", re.IGNORECASE)
+
+
+def parse_bytes(text):
+    """Bytes from a size such as "8GB", "8 GiB", "512MB", "1e9B"; None when `text` is not one."""
+    if not isinstance(text, str):
+        return None
+    match = _BYTES_RE.match(text)
+    if not match or match.group(2).lower() not in _UNITS:
+        return None
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+_LIMIT_HELP = ("give microbatches of a rank's activations (a number such as 6, or a multiple of p: "
+               "'p', '2p', '1.5p') or bytes of activation memory per rank ('8GB', '512MiB'; kB/MB/GB are "
+               "powers of 1000, KiB/MiB/GiB of 1024)")
+
+
+def parse_mem_limit(mem_limit):
+    """What a memory limit means: (None, None) for none, ("microbatches", value) for a number or a
+    multiple of p (the value as given: Schedule.generate reads it), ("bytes", n) for a size.
+    Raises ValueError for anything else."""
+    if mem_limit is None:
+        return None, None
+    if isinstance(mem_limit, bool):
+        raise ValueError(f"mem_limit {mem_limit!r} is not understood; {_LIMIT_HELP}")
+    if isinstance(mem_limit, numbers.Real):
+        if not math.isfinite(mem_limit) or mem_limit <= 0:
+            raise ValueError(f"mem_limit must be > 0, got {mem_limit!r}; {_LIMIT_HELP}")
+        return "microbatches", mem_limit
+    if not isinstance(mem_limit, str):
+        raise ValueError(f"mem_limit {mem_limit!r} is not understood; {_LIMIT_HELP}")
+    n = parse_bytes(mem_limit)
+    if n is not None:
+        if n <= 0:
+            raise ValueError(f"mem_limit {mem_limit!r} is no memory at all; {_LIMIT_HELP}")
+        return "bytes", n
+    text = mem_limit.strip().lower().replace("*", "")
+    number = text[:-1].strip() if text.endswith("p") else text
+    try:
+        value = float(number) if number else 1.0
+    except ValueError:
+        value = None
+    if value is None or not math.isfinite(value) or value <= 0 or (not number and not text.endswith("p")):
+        raise ValueError(f"mem_limit {mem_limit!r} is not understood; {_LIMIT_HELP}")
+    return "microbatches", mem_limit
+
+
+def _format_bytes(n):
+    for unit, size in (("GB", 10 ** 9), ("MB", 10 ** 6), ("kB", 10 ** 3)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{int(n)} B"
+
+
+# ---- reading and checking values ------------------------------------------------------------------
+
+def _bad(where, what):
+    return ValueError(f"{where}: {what}")
+
+
+def _finite(x, where, key):
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        raise _bad(where, f"{key} must be a number, got {x!r}")
+    x = float(x)
+    if not math.isfinite(x) or x < 0:
+        raise _bad(where, f"{key} is {x!r}; it must be finite and >= 0")
+    return x
+
+
+def _count(x, where, key):
+    if isinstance(x, bool) or not isinstance(x, numbers.Real) or x != int(x) or x < 1:
+        raise _bad(where, f"{key} must be a whole number >= 1, got {x!r}")
+    return int(x)
+
+
+def _stage_list(values, S, where, key):
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
+        raise _bad(where, f"{key} must be a list of {S} numbers (one per stage), got {values!r}")
+    values = list(values)
+    if len(values) != S:
+        raise _bad(where, f"{key} has {len(values)} values; it needs one per stage, S = ranks * chunks = {S}")
+    return [_finite(x, where, f"{key}[{i}]") for i, x in enumerate(values)]
+
+
+class StageCosts:
+    """Measured (or given) costs of every stage of a pipeline; see the module docstring.
+
+    ranks, chunks, placement ('loop' or 'v'): the pipeline's shape, S = ranks * chunks stages.
+    time_f, time_b, time_w: S times in ms (one microbatch through that stage); time_bw: S times of
+    the fused backward or None (B + W); time_comm: ms a transfer between ranks adds; w_share: the
+    share of activations only W needs, in [0, 1]; mem_f_bytes: S activation sizes in bytes (what
+    one microbatch's forward keeps until its backward) or None.
+    """
+
+    def __init__(self, ranks, chunks, placement, time_f, time_b, time_w, time_bw=None, time_comm=0.0,
+                 w_share=0.5, mem_f_bytes=None, where="StageCosts"):
+        self.ranks = _count(ranks, where, "ranks")
+        self.chunks = _count(chunks, where, "chunks")
+        if placement not in _PLACEMENTS:
+            raise _bad(where, f"placement is {placement!r}; it is 'loop' or 'v'")
+        if placement == "v" and self.chunks != 2:
+            raise _bad(where, f"a 'v' placement has 2 chunks per rank, not {self.chunks}")
+        self.placement = placement
+        S = self.ranks * self.chunks
+        self.time_f = _stage_list(time_f, S, where, "time_f")
+        self.time_b = _stage_list(time_b, S, where, "time_b")
+        self.time_w = _stage_list(time_w, S, where, "time_w")
+        self.time_bw = None if time_bw is None else _stage_list(time_bw, S, where, "time_bw")
+        self.time_comm = _finite(time_comm, where, "time_comm")
+        self.w_share = _finite(w_share, where, "w_share")
+        if self.w_share > 1:
+            raise _bad(where, f"w_share is {self.w_share}; it is the share of activations only W needs, in [0, 1]")
+        self.mem_f_bytes = None if mem_f_bytes is None else _stage_list(mem_f_bytes, S, where, "mem_f_bytes")
+
+    @property
+    def stages(self):
+        return self.ranks * self.chunks
+
+    # ---- the file format -------------------------------------------------------------------------
+
+    def to_dict(self):
+        return {"format": FORMAT, "version": VERSION, "unit": "ms", "ranks": self.ranks, "chunks": self.chunks,
+                "placement": self.placement, "time_f": list(self.time_f), "time_b": list(self.time_b),
+                "time_w": list(self.time_w), "time_bw": None if self.time_bw is None else list(self.time_bw),
+                "time_comm": self.time_comm, "w_share": self.w_share,
+                "mem_f_bytes": None if self.mem_f_bytes is None else [int(round(x)) for x in self.mem_f_bytes]}
+
+    def to_json(self):
+        """The zbpp-costs JSON text (one object, a newline at the end)."""
+        return json.dumps(self.to_dict(), allow_nan=False) + "\n"
+
+    def save(self, path):
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(self.to_json())
+        return path
+
+    @classmethod
+    def from_dict(cls, obj, where="zbpp-costs"):
+        if not isinstance(obj, dict):
+            raise _bad(where, f"a cost file is one JSON object, got {type(obj).__name__}")
+        if "format" not in obj or obj["format"] is None:
+            raise _bad(where, f'"format" is missing; a cost file says "format": "{FORMAT}"')
+        if obj["format"] != FORMAT:
+            raise _bad(where, f'"format" is {obj["format"]!r}; a cost file says "{FORMAT}"')
+        version = obj.get("version")
+        if version is None:
+            raise _bad(where, '"version" is missing; this zbpp reads version 1 cost files')
+        if isinstance(version, bool) or version != VERSION:
+            raise _bad(where, f'"version" is {version!r}; this zbpp reads version {VERSION} cost files')
+        unit = obj.get("unit")
+        if unit is not None and unit != "ms":
+            raise _bad(where, f'"unit" is {unit!r}; version 1 cost files give times in "ms"')
+        for key in ("ranks", "chunks", "placement", "time_f", "time_b", "time_w"):
+            if obj.get(key) is None:
+                raise _bad(where, f'"{key}" is missing')
+
+        def opt(key, default):
+            value = obj.get(key)
+            return default if value is None else value
+
+        return cls(obj["ranks"], obj["chunks"], obj["placement"], obj["time_f"], obj["time_b"], obj["time_w"],
+                   time_bw=obj.get("time_bw"), time_comm=opt("time_comm", 0.0), w_share=opt("w_share", 0.5),
+                   mem_f_bytes=obj.get("mem_f_bytes"), where=where)
+
+    @classmethod
+    def from_json(cls, text, where="zbpp-costs"):
+        def pairs(items):
+            seen = {}
+            for key, value in items:
+                if key in seen:
+                    raise _bad(where, f'"{key}" appears twice')
+                seen[key] = value
+            return seen
+
+        def constant(name):
+            raise _bad(where, f"{name} is not a number JSON allows; times must be finite")
+
+        try:
+            obj = json.loads(text, object_pairs_hook=pairs, parse_constant=constant)
+        except json.JSONDecodeError as exc:
+            raise _bad(where, f"not JSON: {exc}") from None
+        return cls.from_dict(obj, where)
+
+    @classmethod
+    def load(cls, path):
+        with open(path, "r", encoding="utf-8") as f:
+            text = f.read()
+        return cls.from_json(text, where=os.fspath(path))
+
+    def __eq__(self, other):
+        return isinstance(other, StageCosts) and self.to_dict() == other.to_dict()
+
+    def __repr__(self):
+        return (f"<zbpp.StageCosts ranks={self.ranks} chunks={self.chunks} placement={self.placement} "
+                f"comm={self.time_comm:.3g} ms w_share={self.w_share:.3g}>")
+
+    # ---- measuring -------------------------------------------------------------------------------
+
+    @classmethod
+    def from_timelines(cls, timelines, mem_f_bytes=None, w_share=None):
+        """Costs from measured timelines: zbpp.Schedule objects after set_times (one per step, all
+        of one pipeline), as PipelineSchedule.timeline() returns them. Each stage's F/B/W/BW time is
+        the median of its ops' durations over all the timelines; T_comm the median wait-gap of the
+        cross-rank dependencies (see the module docstring). A stage that ran only fused BW gets B
+        and W of half its BW each; time_bw is None unless some timeline has BW ops.
+        mem_f_bytes (S values) and w_share are stored as given (w_share None: 0.5)."""
+        timelines = list(timelines)
+        if not timelines:
+            raise ValueError("StageCosts.from_timelines: no timelines given")
+        first = timelines[0]
+        p, S, placement = first.ranks, first.stages, first.placement
+        v = S // p
+        samples = {key: [[] for _ in range(S)] for key in ("F", "B", "W", "BW")}
+        gaps = []
+        for t in timelines:
+            if (t.ranks, t.stages, t.placement) != (p, S, placement):
+                raise ValueError(f"StageCosts.from_timelines: the timelines are of different pipelines "
+                                 f"({p} ranks, {S} stages, {placement} and {t.ranks}, {t.stages}, {t.placement})")
+            ops = [t.rank_ops(r) for r in range(p)]
+            times = [t.rank_times(r) for r in range(p)]
+            where = {}
+            for r in range(p):
+                for k, op in enumerate(ops[r]):
+                    where[(op.type, op.stage, op.mb)] = (r, k)
+                    samples[op.type][op.stage].append(times[r][1][k] - times[r][0][k])
+            gaps += _wait_gaps(ops, times, where, S)
+        medians = {key: [statistics.median(x) if x else None for x in per] for key, per in samples.items()}
+        time_f, time_b, time_w = [], [], []
+        for s in range(S):
+            f, b, w, bw = (medians[key][s] for key in ("F", "B", "W", "BW"))
+            if f is None:
+                raise ValueError(f"StageCosts.from_timelines: stage {s} ran no F in the timelines")
+            if b is None and w is None:
+                if bw is None:
+                    raise ValueError(f"StageCosts.from_timelines: stage {s} ran no backward in the timelines")
+                b = w = bw / 2
+            time_f.append(f)
+            time_b.append(b if b is not None else 0.0)
+            time_w.append(w if w is not None else 0.0)
+        has_bw = any(x is not None for x in medians["BW"])
+        time_bw = None
+        if has_bw:
+            time_bw = [medians["BW"][s] if medians["BW"][s] is not None else time_b[s] + time_w[s] for s in range(S)]
+        comm = max(0.0, statistics.median(gaps)) if gaps else 0.0
+        return cls(p, v, placement, time_f, time_b, time_w, time_bw=time_bw, time_comm=comm,
+                   w_share=0.5 if w_share is None else w_share, mem_f_bytes=mem_f_bytes)
+
+    # ---- planning --------------------------------------------------------------------------------
+
+    def times(self):
+        """The costs as Schedule.generate's per-stage `times` dict."""
+        out = {"f": list(self.time_f), "b": list(self.time_b), "w": list(self.time_w)}
+        if self.time_bw is not None:
+            out["bw"] = list(self.time_bw)
+        return out
+
+    def stage_rank(self, s):
+        p = self.ranks
+        if self.placement == "v":
+            return s if s < p else 2 * p - 1 - s
+        return s % p
+
+    def rank_bytes(self):
+        """Activation bytes one microbatch leaves on each rank (the sum over its stages); None when
+        no memory was measured."""
+        if self.mem_f_bytes is None:
+            return None
+        out = [0.0] * self.ranks
+        for s, b in enumerate(self.mem_f_bytes):
+            out[self.stage_rank(s)] += b
+        return out
+
+    def microbatches_for(self, limit_bytes):
+        """How many microbatches of the heaviest rank's activations fit in limit_bytes (a float)."""
+        per_rank = self.rank_bytes()
+        if per_rank is None or max(per_rank) <= 0:
+            raise ValueError(f"a memory limit in bytes ({_format_bytes(limit_bytes)}) needs the activation memory "
+                             "per microbatch, and these costs have none (mem_f_bytes); measure it "
+                             "(plan_from_measured) or give the limit in microbatches")
+        return limit_bytes / max(per_rank)
+
+    def mem_limit(self, mem_limit):
+        """A limit in the form Schedule.generate takes: bytes turned into microbatches of the
+        heaviest rank (see microbatches_for), anything else as given."""
+        what, value = parse_mem_limit(mem_limit)
+        return self.microbatches_for(value) if what == "bytes" else value
+
+    def check_shape(self, p, v, placement=None, what="this pipeline"):
+        if (self.ranks, self.chunks) != (p, v) or (placement is not None and placement != self.placement):
+            raise ValueError(f"the costs are for {self.ranks} ranks x {self.chunks} chunks ({self.placement}), but "
+                             f"{what} has {p} ranks x {v} chunks" + (f" ({placement})" if placement else ""))
+
+    def plan(self, kind, microbatches, mem_limit=None):
+        """A zbpp.Schedule of `kind` for these costs: Schedule.generate with the per-stage times,
+        T_comm and w_share, under mem_limit (microbatches, "2p", or bytes such as "8GB")."""
+        name = _kind_name_of(kind)
+        if name in _V_KINDS and self.placement != "v":
+            raise ValueError(f"{name} places stages in a V, but the costs are for a {self.placement} placement")
+        if name not in _V_KINDS and name != "zb-auto" and self.placement == "v":
+            raise ValueError(f"{name} places stages in a loop, but the costs are for a V placement")
+        limit = self.mem_limit(mem_limit)
+        try:
+            return Schedule.generate(kind, p=self.ranks, m=microbatches, v=self.chunks, times=self.times(),
+                                     comm=self.time_comm, w_share=self.w_share, mem_limit=limit)
+        except Exception as exc:
+            if parse_mem_limit(mem_limit)[0] == "bytes" and hasattr(exc, "message"):
+                per = max(self.rank_bytes())
+                exc.message += (f" (mem_limit {mem_limit!r} is {limit:.3g} microbatches of the heaviest rank's "
+                                f"{_format_bytes(per)} of activations each)")
+                exc.args = (exc.code, exc.message, exc.name)
+            raise
+
+    def table(self):
+        """A few lines for a log: the costs of every stage."""
+        lines = [f"stage  rank   F (ms)   B (ms)   W (ms)" + ("  BW (ms)" if self.time_bw else "")
+                 + ("  act./mb" if self.mem_f_bytes else "")]
+        for s in range(self.stages):
+            line = f"{s:5d} {self.stage_rank(s):5d} {self.time_f[s]:8.3f} {self.time_b[s]:8.3f} {self.time_w[s]:8.3f}"
+            if self.time_bw:
+                line += f" {self.time_bw[s]:8.3f}"
+            if self.mem_f_bytes:
+                line += f"  {_format_bytes(self.mem_f_bytes[s]):>8}"
+            lines.append(line)
+        lines.append(f"T_comm {self.time_comm:.3f} ms, w_share {self.w_share:.3f}")
+        return "\n".join(lines)
+
+
+def _kind_name_of(kind):
+    from .schedule import _kind_name
+    return _kind_name(_resolve_kind(kind)[0])
+
+
+def _wait_gaps(ops, times, where, S):
+    """T_comm samples of one timeline: for each cross-rank dependency whose consumer's rank was idle
+    when the producer ended, consumer start - producer end."""
+    gaps = []
+    for r, rank_ops in enumerate(ops):
+        starts, ends = times[r]
+        for k, op in enumerate(rank_ops):
+            if op.type == "F":
+                dep = None if op.stage == 0 else [("F", op.stage - 1, op.mb)]
+            elif op.type in ("B", "BW"):
+                dep = None if op.stage == S - 1 else [("B", op.stage + 1, op.mb), ("BW", op.stage + 1, op.mb)]
+            else:
+                dep = None
+            if dep is None:
+                continue
+            found = next((where[d] for d in dep if d in where), None)
+            if found is None or found[0] == r:
+                continue
+            pr, pk = found
+            produced = times[pr][1][pk]
+            previous_end = ends[k - 1] if k > 0 else -math.inf
+            if previous_end <= produced:
+                gaps.append(starts[k] - produced)
+    return gaps
+
+
+# ---- activation memory (torch) ---------------------------------------------------------------------
+
+class ActivationMeter:
+    """Measures what one stage's forward of one microbatch keeps for its backward.
+
+        with ActivationMeter(module, device) as meter:
+            out = module(x)
+            meter.roots = [out]          # the tensors backward will start from (the loss, or outputs)
+
+    Afterwards `saved_bytes` is what the autograd graph behind the roots has saved (each storage
+    once; the module's parameters and buffers, which are not per microbatch, left out) and
+    `w_only_bytes` the part saved only as the input of split layers of `module` (zbpp.split_linear
+    and Megatron's split linears keep x for W's dW = dY^T X; B reads dY and the weight only). On a
+    CUDA device also `cuda_bytes`, the growth of torch.cuda.memory_allocated over the block.
+    `done(meter)`, if given, is called at the end of the block.
+
+    The graph is walked after the forward (each node's saved tensors: a custom Function's
+    saved_tensors, a built-in node's _saved_* fields) rather than watched with
+    torch.autograd.graph.saved_tensors_hooks: with those hooks a saved parameter comes back from
+    ctx.saved_tensors as a new tensor object, so a split layer's W would write `.grad` to that
+    object instead of the parameter. Walking the graph changes nothing in it."""
+
+    def __init__(self, module=None, device=None, done=None):
+        self.module = module
+        self.device = device
+        self.done = done
+        self.roots = []
+        self.saved_bytes = 0
+        self.w_only_bytes = 0
+        self.cuda_bytes = None
+
+    def __enter__(self):
+        import torch
+
+        self._torch = torch
+        self._inputs = {}
+        self._handles = [m.register_forward_pre_hook(self._pre) for m in _split_modules(self.module)]
+        cuda = self.device is not None and torch.device(self.device).type == "cuda"
+        self._before = torch.cuda.memory_allocated(self.device) if cuda else None
+        return self
+
+    def _pre(self, _module, args):
+        if args and isinstance(args[0], self._torch.Tensor):
+            key = _storage(args[0])
+            if key is not None:
+                self._inputs[key[0]] = self._inputs.get(key[0], 0) + 1
+
+    def __exit__(self, exc_type, *exc):
+        for h in self._handles:
+            h.remove()
+        self._handles = None
+        if exc_type is None:
+            if self._before is not None:
+                self.cuda_bytes = max(0, self._torch.cuda.memory_allocated(self.device) - self._before)
+            skip = set()
+            if self.module is not None:
+                for t in list(self.module.parameters()) + list(self.module.buffers()):
+                    key = _storage(t)
+                    if key is not None:
+                        skip.add(key[0])
+            saves = _graph_saves(self.roots, skip, self._torch.Tensor)
+            self.saved_bytes = sum(n for n, _ in saves.values())
+            self.w_only_bytes = sum(n for key, (n, count) in saves.items() if self._inputs.get(key, 0) >= count)
+            if self.done is not None:
+                self.done(self)
+        self.roots, self._inputs = [], None
+        return False
+
+
+def _graph_saves(roots, skip, tensor_type):
+    """{storage pointer: [bytes, times saved]} over the autograd graph behind `roots`."""
+    saves, seen = {}, set()
+    stack = [getattr(r, "grad_fn", None) for r in roots]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        for t in _node_saved(node, tensor_type):
+            key = _storage(t)
+            if key is not None and key[0] not in skip:
+                entry = saves.setdefault(key[0], [key[1], 0])
+                entry[1] += 1
+        stack.extend(fn for fn, _ in node.next_functions)
+    return saves
+
+
+def _node_saved(node, tensor_type):
+    out = []
+    if hasattr(node, "saved_tensors"):  # a custom autograd.Function's node
+        try:
+            out += [t for t in node.saved_tensors if isinstance(t, tensor_type)]
+        except RuntimeError:  # already freed by a backward
+            pass
+    for name in dir(node):
+        if not name.startswith("_saved_"):
+            continue
+        try:
+            value = getattr(node, name)
+        except (RuntimeError, AttributeError):
+            continue
+        if isinstance(value, tensor_type):
+            out.append(value)
+        elif isinstance(value, (tuple, list)):
+            out += [t for t in value if isinstance(t, tensor_type)]
+    return out
+
+
+def _storage(t):
+    """(data pointer, bytes) of a tensor's storage, None where it has none."""
+    try:
+        st = t.untyped_storage()
+        ptr = st.data_ptr()
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return None
+    return (ptr, st.nbytes()) if ptr else None
+
+
+def _split_modules(module):
+    if module is None:
+        return []
+    from .split import split_report
+
+    names = {e.name for e in split_report(module).split}
+    return [m for name, m in module.named_modules() if name in names]
