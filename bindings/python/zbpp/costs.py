@@ -476,7 +476,9 @@ class ActivationMeter:
                 self.cuda_bytes = max(0, self._torch.cuda.memory_allocated(self.device) - self._before)
             skip = set()
             if self.module is not None:
-                for t in list(self.module.parameters()) + list(self.module.buffers()):
+                # nn.Module's own methods: a wrapper may shadow them (Megatron's DDP has a `buffers` list).
+                nn = self._torch.nn.Module
+                for t in list(nn.parameters(self.module)) + list(nn.buffers(self.module)):
                     key = _storage(t)
                     if key is not None:
                         skip.add(key[0])

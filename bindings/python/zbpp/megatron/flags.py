@@ -18,8 +18,12 @@ class Options(NamedTuple):
 
     enable_zero_bubble, zero_bubble_v_schedule, zero_bubble_v_schedule_mem_setup ('zb', 'half' or
     'min'), zero_bubble_max_pending_backward ('auto' or an int, in microbatches),
-    enable_optimizer_post_validation: the flags. kind, mem_limit: configure()'s override of the
-    schedule (None: from the flags). timeout: seconds one transfer may take.
+    enable_optimizer_post_validation, zero_bubble_pipeline_timers_start_iter /
+    zero_bubble_pipeline_timers_end_iter (the training calls, counted from 1, whose measured costs
+    the zero-bubble schedules are planned from; None: zbpp's default, calls 2-3): the flags. kind,
+    mem_limit: configure()'s override of the schedule (None: from the flags). plan_from_measured:
+    configure()'s switch for plans from measured costs (None: on for the zero-bubble kinds unless
+    ZBPP_PLAN_FROM_MEASURED=0). timeout: seconds one transfer may take.
     """
 
     enable_zero_bubble: bool = False
@@ -28,8 +32,11 @@ class Options(NamedTuple):
     zero_bubble_max_pending_backward: Union[str, int] = "auto"
     enable_optimizer_post_validation: bool = False
     zero_bubble_adaptive_memory_limit_percentile: int = 85
+    zero_bubble_pipeline_timers_start_iter: Optional[int] = None
+    zero_bubble_pipeline_timers_end_iter: Optional[int] = None
     kind: Optional[str] = None
     mem_limit: Union[None, float, str] = None
+    plan_from_measured: Optional[bool] = None
     timeout: float = 300.0
 
 
@@ -37,7 +44,7 @@ _config = {}
 
 
 def configure(args=None, *, pipeline_rank=None, pipeline_world_size=None, pipeline_group=None,
-              kind=None, mem_limit=None, timeout=None):
+              kind=None, mem_limit=None, timeout=None, plan_from_measured=None):
     """Settings for runs without Megatron's globals (tests, custom loops), or to override them.
 
     args: a namespace with the zero-bubble flags (what add_arguments' parser returns); used
@@ -46,6 +53,8 @@ def configure(args=None, *, pipeline_rank=None, pipeline_world_size=None, pipeli
     defaults to torch.distributed's default group; rank and size to the group's). kind: a zbpp
     schedule kind name that overrides the flags (e.g. "zb-h1"); mem_limit: its memory limit (for
     zb-auto). timeout: seconds a transfer may take before the step fails naming the peer.
+    plan_from_measured: False keeps the plan made for equal costs (the schedule is not planned again
+    from the costs measured in the timer iterations); None: the default (on for zero-bubble kinds).
 
     Each call replaces the previous configuration (configure() clears it) and drops the cached
     schedule.
@@ -58,7 +67,8 @@ def configure(args=None, *, pipeline_rank=None, pipeline_world_size=None, pipeli
     from .run import reset  # run imports this module
     reset()
     _config = {"args": args, "rank": pipeline_rank, "size": pipeline_world_size,
-               "group": pipeline_group, "kind": kind, "mem_limit": mem_limit, "timeout": timeout}
+               "group": pipeline_group, "kind": kind, "mem_limit": mem_limit, "timeout": timeout,
+               "plan_from_measured": plan_from_measured}
 
 
 def _megatron_args():
@@ -101,9 +111,9 @@ def _pending(value):
 
 # The reference fork's flags that select something zbpp does not run: (flag, attribute, its unset
 # value, why). Given with another value they are an error, never ignored. Its other flags
-# (--enable-zb-runtime: zbpp is the runtime; --zero-bubble-pipeline-timers-*: zbpp times every op;
-# --no-pre-communication-optimization, --enable-exactly-numeric-match: zbpp's runs are exact) are
-# accepted and change nothing.
+# (--enable-zb-runtime: zbpp is the runtime; --no-pre-communication-optimization,
+# --enable-exactly-numeric-match: zbpp's runs are exact) are accepted and change nothing;
+# --zero-bubble-pipeline-timers-start-iter/-end-iter choose the calls profiled (profile_steps()).
 _UNSUPPORTED = (
     ("--enable-1f1b-v", "enable_1f1b_v", False,
      "1F1B in a V placement; --zero-bubble-v-schedule runs ZB-V at 1F1B's memory with less bubble"),
@@ -131,8 +141,21 @@ def _read_args(args):
     percentile = getattr(args, "zero_bubble_adaptive_memory_limit_percentile", 85)
     if not isinstance(percentile, (int, float)) or not 0 < percentile <= 100:
         raise ValueError(f"--zero-bubble-adaptive-memory-limit-percentile must be in (0, 100], got {percentile!r}")
+    timers = []
+    for flag, attr in (("--zero-bubble-pipeline-timers-start-iter", "zero_bubble_pipeline_timers_start_iter"),
+                       ("--zero-bubble-pipeline-timers-end-iter", "zero_bubble_pipeline_timers_end_iter")):
+        value = getattr(args, attr, None)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{flag} must be an iteration number >= 1 (training calls counted from 1), got {value!r}")
+        timers.append(value)
+    if None not in timers and timers[0] > timers[1]:
+        raise ValueError(f"--zero-bubble-pipeline-timers-start-iter {timers[0]} is after "
+                         f"--zero-bubble-pipeline-timers-end-iter {timers[1]}; the costs are measured from the "
+                         "start iteration to the end iteration, both included")
     return dict(
         zero_bubble_adaptive_memory_limit_percentile=int(percentile),
+        zero_bubble_pipeline_timers_start_iter=timers[0],
+        zero_bubble_pipeline_timers_end_iter=timers[1],
         enable_zero_bubble=bool(getattr(args, "enable_zero_bubble", False)),
         zero_bubble_v_schedule=bool(getattr(args, "zero_bubble_v_schedule", False)),
         zero_bubble_v_schedule_mem_setup=setup,
@@ -154,7 +177,23 @@ def options():
         values["mem_limit"] = _config["mem_limit"]
     if _config.get("timeout") is not None:
         values["timeout"] = float(_config["timeout"])
+    if _config.get("plan_from_measured") is not None:
+        values["plan_from_measured"] = bool(_config["plan_from_measured"])
     return Options(**values)
+
+
+def profile_steps(opts=None):
+    """(first, last) training call whose measured costs the zero-bubble schedule is planned from,
+    both included and counted from 1, as the reference fork's timers: from
+    --zero-bubble-pipeline-timers-start-iter / -end-iter (one given alone: that call only), else
+    zbpp's default (2, 3): the first call carries one-off costs, and zbpp times every op anyway."""
+    from ..pipelining import DEFAULT_PROFILE_STEPS
+
+    opts = options() if opts is None else opts
+    start, end = opts.zero_bubble_pipeline_timers_start_iter, opts.zero_bubble_pipeline_timers_end_iter
+    if start is None and end is None:
+        return DEFAULT_PROFILE_STEPS
+    return (start if start is not None else end, end if end is not None else start)
 
 
 def schedule_for(num_chunks, p, opts=None):
@@ -264,10 +303,15 @@ def add_arguments(parser):
         add(flag, action="store_true", dest=dest, help="The reference fork's flag; accepted, changes nothing in zbpp.")
     add("--no-pre-communication-optimization", action="store_false", dest="pre_communication_optimization",
         help="The reference fork's flag; accepted, changes nothing in zbpp.")
-    for flag, dest in (("--zero-bubble-pipeline-timers-start-iter", "zero_bubble_pipeline_timers_start_iter"),
-                       ("--zero-bubble-pipeline-timers-end-iter", "zero_bubble_pipeline_timers_end_iter")):
-        add(flag, type=int, default=None, dest=dest,
-            help="The reference fork's flag; accepted, changes nothing (zbpp times every op of every step).")
+    add("--zero-bubble-pipeline-timers-start-iter", type=int, default=None,
+        dest="zero_bubble_pipeline_timers_start_iter",
+        help="First training iteration (counted from 1) whose measured op times, transfer times and "
+             "activation memory the zero-bubble schedule is planned from; the new plan runs from the "
+             "iteration after --zero-bubble-pipeline-timers-end-iter. Default: 2 (the reference fork's: 100).")
+    add("--zero-bubble-pipeline-timers-end-iter", type=int, default=None,
+        dest="zero_bubble_pipeline_timers_end_iter",
+        help="Last training iteration measured for the plan (see the start flag). Default: 3 (the "
+             "reference fork's: 110).")
     add("--offload-time", type=float, default=1.0, dest="offload_time",
         help="The reference fork's activation offloading; accepted, changes nothing.")
     for flag, dest, unset, why in _UNSUPPORTED:

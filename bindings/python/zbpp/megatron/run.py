@@ -7,9 +7,9 @@ from typing import NamedTuple
 import torch
 
 from .. import _lib
-from ..pipelining import PipelineSchedule, PipelineStage
+from ..pipelining import PLANNED_KINDS, PipelineSchedule, PipelineStage
 from .evaluate import _forward_only
-from .flags import options, schedule_for
+from .flags import options, profile_steps, schedule_for
 from .hooks import GradSync, finalize, forward_losses, optimizer_step, param_sync
 from .loss import _Call
 from .memory import Meter
@@ -26,8 +26,10 @@ _KNOWN_KWARGS = frozenset({"adjust_tensor_shapes_fn", "p2p_communicator", "pg_co
 class _MegatronSchedule(PipelineSchedule):
     """A zbpp schedule whose stages run Megatron's forward_step_func (the pipelining hooks)."""
 
-    def __init__(self, stages, m, kind, mem_limit, timeout, meta, chunk_of, cpu_group=None):
-        super().__init__(stages, m, kind=kind, mem_limit=mem_limit, timeout=timeout, cpu_group=cpu_group)
+    def __init__(self, stages, m, kind, mem_limit, timeout, meta, chunk_of, cpu_group=None, plan_from_measured=None,
+                 profile_steps=None):
+        super().__init__(stages, m, kind=kind, mem_limit=mem_limit, timeout=timeout, cpu_group=cpu_group,
+                         plan_from_measured=plan_from_measured, profile_steps=profile_steps)
         S = stages[0].num_stages
         # Megatron's activations are (seq, micro batch, hidden) everywhere; no inference pass, which
         # would read from the data iterators.
@@ -241,8 +243,12 @@ def forward_backward_func(*, forward_step_func, data_iterator, model, num_microb
         stages = [PipelineStage(chunks[c], stage_of[c], S, device, group=group) for c in range(v)]
         # CUDA: Megatron's pipeline group is NCCL and a subgroup; zbpp's host messages need gloo.
         cpu = pipeline_cpu_group(group) if device.type == "cuda" and p > 1 else None
+        # Zero-bubble kinds are planned again from the costs measured in the timer iterations
+        # (--zero-bubble-pipeline-timers-start-iter/-end-iter; PipelineSchedule does it).
         return _MegatronSchedule(stages, m, kind, mem_limit, opts.timeout, meta,
-                                 {s: c for c, s in enumerate(stage_of)}, cpu_group=cpu)
+                                 {s: c for c, s in enumerate(stage_of)}, cpu_group=cpu,
+                                 plan_from_measured=opts.plan_from_measured if kind in PLANNED_KINDS else None,
+                                 profile_steps=profile_steps(opts))
 
     device = _device_of(chunks)
     auto = (opts.kind is None and kind == "zb-auto" and opts.zero_bubble_max_pending_backward == "auto"
@@ -250,8 +256,10 @@ def forward_backward_func(*, forward_step_func, data_iterator, model, num_microb
     auto_key = (p, rank, tuple(id(c) for c in chunks), m)
     if auto and auto_key in _auto_limits:
         mem_limit = _auto_limits[auto_key]
-    key = (kind, mem_limit, p, rank, m, tuple(id(c) for c in chunks), id(group),
-           tuple((str(d), s) for d, s in meta), opts.timeout)
+    # Under "auto" the measured limit is not part of the key: the schedule that measured it plans
+    # again for it (replan below), keeping what it has profiled so far.
+    key = (kind, "auto" if auto else mem_limit, p, rank, m, tuple(id(c) for c in chunks), id(group),
+           tuple((str(d), s) for d, s in meta), opts.timeout, opts.plan_from_measured, profile_steps(opts))
     sched = _schedule(key, build)
     sched.call = call
     if auto and auto_key not in _auto_limits:
@@ -279,6 +287,9 @@ def forward_backward_func(*, forward_step_func, data_iterator, model, num_microb
     if sched.meter is not None:
         meter, sched.meter = sched.meter, None
         _auto_limits[auto_key] = meter.limit(opts.zero_bubble_adaptive_memory_limit_percentile, p, group)
+        # Every pipeline rank measured and got the same limit (the smallest): plan for it, from the
+        # measured costs once there are some (a collective over the pipeline, like the limit).
+        sched.replan(mem_limit=_auto_limits[auto_key])
     finalize(config, chunks, call, kwargs, layout)
     return forward_losses(call.store, layout)
 
