@@ -14,6 +14,8 @@
  * searched over the list scheduler's rule sets (greedy.c) and the round-based ones (rounds_v.c),
  * the shortest kept.
  */
+#include <stdlib.h>
+
 #include "internal.h"
 
 static zb_status_t gen_v(zb_schedule_t *s, double limit) {
@@ -26,6 +28,36 @@ static zb_status_t gen_v(zb_schedule_t *s, double limit) {
 
 zb_status_t zb__gen_zb_v(zb_schedule_t *s) { return gen_v(s, s->p); }
 
-zb_status_t zb__gen_v_half(zb_schedule_t *s) { return gen_v(s, (s->p + 1) / 2 + 1); }
+/* V-Half and V-Min: the paper's building block, squeezed (pattern_v.c), and the searched rule sets
+ * held to that block's peak memory, so the result is never longer than the block's schedule and
+ * never uses more memory. When the block cannot be built for this shape, the budget is the
+ * paper's memory target instead. */
+static zb_status_t gen_controlled(zb_schedule_t *s, int third, double fallback) {
+  zb_schedule_t *pat = NULL;
+  ZB_CHECK(zb__schedule_clone_empty(s, &pat));
+  zb_sim_result_t pr = {0, 0, 0, 0};
+  zb_status_t st = zb__pattern_v(pat, third);
+  int have = st == ZB_OK && zb_schedule_validate(pat) == ZB_OK &&
+             zb_schedule_simulate(pat, &pr) == ZB_OK;
+  if (st == ZB_ERR_OUT_OF_MEMORY) {
+    zb__schedule_free(pat);
+    return st;
+  }
+  st = gen_v(s, have ? pr.max_peak_memory : fallback);
+  zb_sim_result_t sr;
+  if (have && (st != ZB_OK || zb_schedule_simulate(s, &sr) != ZB_OK || pr.cost < sr.cost - ZB_EPS ||
+               (pr.cost <= sr.cost + ZB_EPS && pr.max_peak_memory < sr.max_peak_memory - ZB_EPS))) {
+    free(s->ops);
+    free(s->rank_off);
+    s->ops = pat->ops, s->rank_off = pat->rank_off, s->n_ops = pat->n_ops;
+    pat->ops = NULL, pat->rank_off = NULL;
+    zb__schedule_invalidate(s);
+    st = ZB_OK;
+  }
+  zb__schedule_free(pat);
+  return st;
+}
 
-zb_status_t zb__gen_v_min(zb_schedule_t *s) { return gen_v(s, (s->p + 2) / 3 + 1); }
+zb_status_t zb__gen_v_half(zb_schedule_t *s) { return gen_controlled(s, 0, (s->p + 1) / 2 + 1); }
+
+zb_status_t zb__gen_v_min(zb_schedule_t *s) { return gen_controlled(s, 1, (s->p + 2) / 3 + 1); }

@@ -117,6 +117,9 @@ zb_status_t zb__gen_auto(zb_schedule_t *s, double limit);
 /* The best schedule of every rule set (list scheduler and round-based) under `limit`, for the
  * placement s has: zb-v, v-half and v-min are this at their own limits. */
 zb_status_t zb__gen_rules_best(zb_schedule_t *s, double limit);
+/* V-Half (third = 0) and V-Min (third = 1) from the controllable-memory paper's building blocks,
+ * squeezed (pattern_v.c): fills s->ops; the costs play no part in the shape. */
+zb_status_t zb__pattern_v(zb_schedule_t *s, int third);
 
 /* The list scheduler behind the zero-bubble generators (greedy.c): simulates time and, whenever a
  * rank is free, picks its next op by a fixed priority under a memory limit. What it returns is an
