@@ -295,6 +295,12 @@ static zb_status_t search(zb_schedule_t *s, double limit, int with_kinds) {
     b->ops = NULL;
     b->rank_off = NULL;
     zb__schedule_invalidate(s);
+    if (b->simulated) { /* and its times: the generators time as they go */
+      double *t0 = s->start, *t1 = s->end;
+      s->start = b->start, s->end = b->end;
+      b->start = t0, b->end = t1;
+      zb__schedule_fill_stats(s);
+    }
   }
   for (int q = 0; q < n; q++) zb__schedule_free(jobs[which[q]].best);
   free(rules);

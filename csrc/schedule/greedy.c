@@ -289,7 +289,7 @@ zb_status_t zb__greedy_schedule(zb_schedule_t *s, const zb__greedy_policy_t *pol
       key = (size_t)stg * m + i;
       g.endF[key] = end;
       g.n_f_done[r]++;
-      st = zb__oplists_push(&l, r, ZB_OP_F, stg, i);
+      st = zb__oplists_push_timed(&l, r, ZB_OP_F, stg, i, t, end);
       /* Wake the consumer: the next stage (same rank: nothing to do). */
       if (stg + 1 < S) {
         int c = rank_of(s, stg + 1);
@@ -300,14 +300,14 @@ zb_status_t zb__greedy_schedule(zb_schedule_t *s, const zb__greedy_policy_t *pol
       key = (size_t)stg * m + i;
       g.endB[key] = end;
       g.n_b_done[r]++;
-      st = zb__oplists_push(&l, r, ZB_OP_B, stg, i);
+      st = zb__oplists_push_timed(&l, r, ZB_OP_B, stg, i, t, end);
       if (stg > 0) {
         int c = rank_of(s, stg - 1);
         if (c != r) wake(&g, c, end + s->t_comm);
       }
     } else {
       int i = g.nw[stg]++;
-      st = zb__oplists_push(&l, r, ZB_OP_W, stg, i);
+      st = zb__oplists_push_timed(&l, r, ZB_OP_W, stg, i, t, end);
     }
     if (st != ZB_OK) goto fail;
     g.mem[r] += zb__op_mem(s, type);

@@ -37,13 +37,20 @@ struct zb_schedule {
 typedef struct {
   int p;
   zb_op_t **list;
+  double **t0, **t1; /* per op: start and end, when the generator timed it */
   int *count, *cap;
+  int untimed; /* some op was pushed without its times */
 } zb__oplists_t;
 
 zb_status_t zb__oplists_init(zb__oplists_t *l, int p);
 zb_status_t zb__oplists_push(zb__oplists_t *l, int rank, int type, int stage, int mb);
+/* The same with the op's simulated start and end: when every op of the lists was pushed this way,
+ * zb__schedule_take_ops keeps the times as the schedule's simulation instead of running it again. */
+zb_status_t zb__oplists_push_timed(zb__oplists_t *l, int rank, int type, int stage, int mb,
+                                   double start, double end);
 void zb__oplists_free(zb__oplists_t *l);
-/* Moves the lists into s->ops/rank_off (the lists are left empty but still need zb__oplists_free). */
+/* Moves the lists into s->ops/rank_off (the lists are left empty but still need zb__oplists_free);
+ * with every op timed, also the times as s's simulation results. */
 zb_status_t zb__schedule_take_ops(zb_schedule_t *s, zb__oplists_t *l);
 
 /* Allocates a handle with p, v, m, placement and costs filled from spec (kind-independent parts).

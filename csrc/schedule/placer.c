@@ -115,7 +115,7 @@ static int place(zb__placer_t *pl, int type, int stage, int mb) {
   }
   pl->cur[r] = end;
   pl->mem[r] = mem;
-  if (zb__oplists_push(&pl->ops, r, type, stage, mb) != ZB_OK) {
+  if (zb__oplists_push_timed(&pl->ops, r, type, stage, mb, start, end) != ZB_OK) {
     pl->failed = pl->oom = 1;
     return -1;
   }

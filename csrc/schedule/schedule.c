@@ -112,31 +112,49 @@ zb_status_t zb__oplists_init(zb__oplists_t *l, int p) {
   memset(l, 0, sizeof *l);
   l->p = p;
   l->list = calloc((size_t)p, sizeof *l->list);
+  l->t0 = calloc((size_t)p, sizeof *l->t0);
+  l->t1 = calloc((size_t)p, sizeof *l->t1);
   l->count = calloc((size_t)p, sizeof *l->count);
   l->cap = calloc((size_t)p, sizeof *l->cap);
-  if (!l->list || !l->count || !l->cap) {
+  if (!l->list || !l->t0 || !l->t1 || !l->count || !l->cap) {
     zb__oplists_free(l);
     return ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory allocating op lists for %d ranks", p);
   }
   return ZB_OK;
 }
 
-zb_status_t zb__oplists_push(zb__oplists_t *l, int rank, int type, int stage, int mb) {
+zb_status_t zb__oplists_push_timed(zb__oplists_t *l, int rank, int type, int stage, int mb,
+                                   double start, double end) {
   if (l->count[rank] == l->cap[rank]) {
     int cap = l->cap[rank] ? 2 * l->cap[rank] : 64;
     zb_op_t *grown = realloc(l->list[rank], (size_t)cap * sizeof *grown);
-    if (!grown) return ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory growing rank %d's op list", rank);
-    l->list[rank] = grown;
+    if (grown) l->list[rank] = grown;
+    double *a = grown ? realloc(l->t0[rank], (size_t)cap * sizeof *a) : NULL;
+    if (a) l->t0[rank] = a;
+    double *b = a ? realloc(l->t1[rank], (size_t)cap * sizeof *b) : NULL;
+    if (b) l->t1[rank] = b;
+    if (!b) return ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory growing rank %d's op list", rank);
     l->cap[rank] = cap;
   }
-  l->list[rank][l->count[rank]++] = (zb_op_t){type, stage, mb};
+  int i = l->count[rank]++;
+  l->list[rank][i] = (zb_op_t){type, stage, mb};
+  l->t0[rank][i] = start;
+  l->t1[rank][i] = end;
   return ZB_OK;
 }
 
+zb_status_t zb__oplists_push(zb__oplists_t *l, int rank, int type, int stage, int mb) {
+  l->untimed = 1;
+  return zb__oplists_push_timed(l, rank, type, stage, mb, 0, 0);
+}
+
 void zb__oplists_free(zb__oplists_t *l) {
-  if (l->list)
-    for (int r = 0; r < l->p; r++) free(l->list[r]);
-  free(l->list);
+  for (int r = 0; r < l->p; r++) {
+    if (l->list) free(l->list[r]);
+    if (l->t0) free(l->t0[r]);
+    if (l->t1) free(l->t1[r]);
+  }
+  free(l->list), free(l->t0), free(l->t1);
   free(l->count);
   free(l->cap);
   memset(l, 0, sizeof *l);
@@ -145,7 +163,8 @@ void zb__oplists_free(zb__oplists_t *l) {
 zb_status_t zb__schedule_take_ops(zb_schedule_t *s, zb__oplists_t *l) {
   int total = 0;
   for (int r = 0; r < l->p; r++) total += l->count[r];
-  zb_op_t *ops = malloc((size_t)(total ? total : 1) * sizeof *ops);
+  size_t n = (size_t)(total ? total : 1);
+  zb_op_t *ops = malloc(n * sizeof *ops);
   if (!ops) return ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory for %d ops", total);
   int k = 0;
   for (int r = 0; r < l->p; r++) {
@@ -158,6 +177,17 @@ zb_status_t zb__schedule_take_ops(zb_schedule_t *s, zb__oplists_t *l) {
   s->ops = ops;
   s->n_ops = total;
   zb__schedule_invalidate(s);
+  if (!l->untimed) {
+    /* The generator timed every op as the simulator would (greedy.c, placer.c): keep those times
+     * instead of simulating again. test_generators checks they equal a fresh simulation. */
+    free(s->start), free(s->end);
+    s->start = malloc(n * sizeof(double));
+    s->end = malloc(n * sizeof(double));
+    if (!s->start || !s->end) return ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory for %d times", total);
+    for (int r = 0, j = 0; r < l->p; r++)
+      for (int i = 0; i < l->count[r]; i++, j++) s->start[j] = l->t0[r][i], s->end[j] = l->t1[r][i];
+    zb__schedule_fill_stats(s);
+  }
   return ZB_OK;
 }
 
@@ -389,6 +419,9 @@ zb_status_t zb_schedule_create(zb_schedule_t **out, const zb_schedule_spec_t *sp
     zb__schedule_free(s);
     return st;
   }
+  /* Generators that time as they go leave their times behind; the API promises a schedule that is
+   * simulated when the caller asks for it (zb_schedule_simulate), so start from that state. */
+  zb__schedule_invalidate(s);
   *out = s;
   return ZB_OK;
 }

@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "helpers.h"
+#include "schedule/internal.h"
 
 static const int P_LIST[] = {1, 2, 3, 4, 5, 6, 7, 8, 16};
 #define N_P (int)(sizeof P_LIST / sizeof P_LIST[0])
@@ -322,6 +323,82 @@ static void test_zb_auto_v(void **state) {
   }
 }
 
+/* The searched generators time each op as they place it and keep those times as the schedule's
+ * simulation. They must be the times a fresh simulation of the same op lists gives, or zb-auto
+ * would choose among candidates by times they do not have: every rule set of the list scheduler
+ * and of the round-based rules, on unequal per-stage costs with T_comm, loop and V. */
+static void check_times_are_replayed(zb_schedule_t *s, const char *what, int p, int m) {
+  assert_true(s->simulated);
+  zb_op_t **lists = malloc((size_t)p * sizeof *lists);
+  int32_t *counts = malloc((size_t)p * sizeof *counts);
+  for (int r = 0; r < p; r++) {
+    lists[r] = s->ops + s->rank_off[r];
+    counts[r] = s->rank_off[r + 1] - s->rank_off[r];
+  }
+  zb_schedule_spec_t spec = ZB_SCHEDULE_SPEC_INIT;
+  spec.ranks = p, spec.chunks = s->v, spec.microbatches = m;
+  spec.stage_time_f = s->tf, spec.stage_time_b = s->tb, spec.stage_time_w = s->tw;
+  spec.stage_time_bw = s->tbw, spec.time_comm = s->t_comm, spec.w_share = s->w_share;
+  zb_schedule_t *again = NULL;
+  ZB_ASSERT_OK(zb_schedule_create_from_ops(&again, &spec, s->placement,
+                                           (const zb_op_t *const *)lists, counts));
+  ZB_ASSERT_OK(zb_schedule_validate(again));
+  zb_sim_result_t r;
+  ZB_ASSERT_OK(zb_schedule_simulate(again, &r));
+  for (int k = 0; k < s->n_ops; k++)
+    if (fabs(again->start[k] - s->start[k]) > 1e-9 || fabs(again->end[k] - s->end[k]) > 1e-9)
+      fail_msg("%s p=%d m=%d: op %d (%s stage %d mb %d) decided at %.6g-%.6g, replays at %.6g-%.6g",
+               what, p, m, k, zb__op_name(s->ops[k].type), s->ops[k].stage, s->ops[k].mb,
+               s->start[k], s->end[k], again->start[k], again->end[k]);
+  assert_true(fabs(r.cost - s->sim.cost) < 1e-9);
+  zb_schedule_destroy(again);
+  free(lists);
+  free(counts);
+}
+
+static void test_generators_decide_on_replayed_times(void **state) {
+  (void)state;
+  for (int p = 2; p <= 6; p += 2)
+    for (int v = 1; v <= 2; v++)
+      for (int m = 2 * p; m <= 3 * p; m += p) {
+        int S = p * v;
+        double f[12], b[12], w[12];
+        for (int st = 0; st < S; st++) f[st] = 1.0 + 0.1 * st, b[st] = 1.2, w[st] = 0.4 + 0.05 * st;
+        f[0] = 1.7, b[S - 1] = 2.1;
+        zb_schedule_spec_t spec = zb_test_spec(ZB_KIND_ZB_AUTO, p, m, v);
+        spec.stage_time_f = f, spec.stage_time_b = b, spec.stage_time_w = w;
+        spec.time_comm = 0.15;
+        zb_schedule_t *shape = NULL;
+        ZB_ASSERT_OK(zb_schedule_create(&shape, &spec));
+        int caps[12], holds[12];
+        for (int r = 0; r < p; r++) caps[r] = p - r, holds[r] = 2 * r;
+        for (int variant = 0; variant < 32; variant++) {
+          for (int limit = p; limit <= 2 * p; limit += p) {
+            zb_schedule_t *c = NULL;
+            ZB_ASSERT_OK(zb__schedule_clone_empty(shape, &c));
+            zb__greedy_policy_t pol = {.limit = limit, .f_before_b = variant & 1,
+                                       .w_before_f = (variant >> 1) & 1,
+                                       .lookahead = (variant >> 2) & 1};
+            pol.warmup_cap = (variant >> 3) & 1 ? caps : NULL;
+            pol.hold_w = (variant >> 4) & 1 ? holds : NULL;
+            if (zb__greedy_schedule(c, &pol) == ZB_OK) check_times_are_replayed(c, "greedy", p, m);
+            zb__schedule_free(c);
+            if (variant >= 8) continue;
+            ZB_ASSERT_OK(zb__schedule_clone_empty(shape, &c));
+            zb__rounds_policy_t rp = {.limit = limit, .fill_f = variant & 1, .fill_b = (variant >> 1) & 1,
+                                      .early_f = variant & 1, .prioritize_b = (variant >> 1) & 1,
+                                      .greedy_w = (variant >> 2) & 1};
+            double maxb;
+            zb_status_t st = v == 2 ? zb__rounds_v(c, &rp, &maxb, NULL)
+                                    : zb__rounds_loop(c, &rp, &maxb, NULL);
+            if (st == ZB_OK) check_times_are_replayed(c, "rounds", p, m);
+            zb__schedule_free(c);
+          }
+        }
+        zb_schedule_destroy(shape);
+      }
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_1f1b),
@@ -337,6 +414,7 @@ int main(void) {
       cmocka_unit_test(test_zb_auto_unequal_stages_and_comm),
       cmocka_unit_test(test_comm_is_counted),
       cmocka_unit_test(test_zb_auto_v),
+      cmocka_unit_test(test_generators_decide_on_replayed_times),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
