@@ -84,6 +84,9 @@ _V_KINDS = ("zb-v", "v-half", "v-min")
 # Kinds whose plan depends on the costs: replanned from measured costs (fixed orders never are).
 PLANNED_KINDS = ("zb-auto", "zb-h1", "zb-h2", "zb-v", "v-half", "v-min")
 DEFAULT_PROFILE_STEPS = (2, 3)
+# A plan from measured costs replaces the one in force only if it is shorter by this share of its
+# simulated time on those costs: measured costs are noisy, and a swap that buys nothing is a risk.
+REPLAN_MIN_GAIN = 0.01
 _log = logging.getLogger("zbpp")
 _KEEP = object()
 _META_TAG = 1 << 20  # shape inference messages; the runner's channels use small tags
@@ -754,16 +757,20 @@ class PipelineSchedule:
         finally:
             for t in timelines:
                 t.close()
-        self.replan(costs, _measured=statistics.median(bubbles) if bubbles else None)
+        self.replan(costs, only_if_faster=True, _measured=statistics.median(bubbles) if bubbles else None)
 
-    def replan(self, costs=None, mem_limit=_KEEP, *, _measured=None):
+    def replan(self, costs=None, mem_limit=_KEEP, *, only_if_faster=False, _measured=None):
         """Plans this schedule's kind again and runs the new plan from the next step on.
 
         costs: a zbpp.StageCosts (default: the last ones measured or given; without any, the
         times= of the constructor); mem_limit: a new memory limit (microbatches, "2p", or bytes;
-        default: the one in force). A collective: every rank of the pipeline calls it between two
-        steps, with the same arguments. Every rank plans on its own and the ranks compare digests of
-        the op lists; a difference raises RuntimeError on every rank. Returns plan_info."""
+        default: the one in force). only_if_faster: keep the plan in force unless the new one is
+        shorter on `costs` by REPLAN_MIN_GAIN of its simulated time (and the plan in force needs no
+        more memory than the new one or the limit); what follows the profiled steps does this, so
+        that a plan is never swapped for one that measured costs say is no better. A collective:
+        every rank of the pipeline calls it between two steps, with the same arguments. Every rank
+        plans on its own and the ranks compare digests of the op lists; a difference raises
+        RuntimeError on every rank. Returns plan_info."""
         name = type(self).__name__
         if self._plan_kind is None:
             raise ValueError(f"zbpp.{name}: {self.schedule.kind} is a fixed order; only "
@@ -808,6 +815,21 @@ class PipelineSchedule:
         except BaseException:
             new.close()
             raise
+        if only_if_faster and before is not None:
+            room = max(sim.max_peak_memory, new.mem_limit or 0.0) + 1e-9
+            if before.cost <= sim.cost / (1.0 - REPLAN_MIN_GAIN) and before.max_peak_memory <= room:
+                # The plan in force is as good on the measured costs (within the margin): keep it.
+                self.costs = costs
+                self.plan_info = PlanInfo(step=self.steps, kind=new.kind, mem_limit=new.mem_limit, costs=costs,
+                                          simulated=before, before=before, measured_bubble=_measured,
+                                          profile_steps=self._profile if _measured is not None else None,
+                                          digest=hashlib.sha256(self.schedule.to_csv().encode()).hexdigest(),
+                                          files=self._save_plan(costs, self.schedule), switched=False,
+                                          candidate=sim)
+                new.close()
+                if self.rank == 0:
+                    _log.info("%s", self.plan_info.summary())
+                return self.plan_info
         # The switch: the runner is made again for the new op lists at the next step (the shapes,
         # the transport, the W store and everything about training stay).
         if self._runner is not None:
@@ -822,7 +844,7 @@ class PipelineSchedule:
         self.plan_info = PlanInfo(step=self.steps, kind=new.kind, mem_limit=new.mem_limit, costs=costs,
                                   simulated=sim, before=before, measured_bubble=_measured,
                                   profile_steps=self._profile if _measured is not None else None,
-                                  digest=digest, files=self._save_plan(costs, new))
+                                  digest=digest, files=self._save_plan(costs, new), switched=True, candidate=sim)
         if self.rank == 0:
             _log.info("%s", self.plan_info.summary())
         return self.plan_info
@@ -844,9 +866,12 @@ class PipelineSchedule:
 class PlanInfo(NamedTuple):
     """What the last replan did: after `step` steps, `kind` was planned under mem_limit (microbatches,
     None for the kind's default) for `costs` (a StageCosts; None when planned without measured
-    costs); `simulated` is the new plan's SimResult on those costs, `before` the previous plan's on
-    the same costs, `measured_bubble` the median bubble rate measured over `profile_steps`; `digest`
-    the op lists' SHA-256 (equal on every rank), `files` what save_plan_dir received."""
+    costs). `switched`: whether the schedule changed to the new plan (False: the plan in force was
+    as fast on the measured costs, see replan's only_if_faster, and stays). `simulated` is the
+    SimResult on those costs of the plan that runs from now on, `candidate` the new plan's,
+    `before` the previous plan's; `measured_bubble` the median bubble rate measured over
+    `profile_steps`; `digest` the SHA-256 of the op lists that run now (equal on every rank),
+    `files` what save_plan_dir received."""
 
     step: int
     kind: str
@@ -858,6 +883,8 @@ class PlanInfo(NamedTuple):
     profile_steps: Optional[tuple]
     digest: str
     files: list
+    switched: bool = True
+    candidate: Optional[SimResult] = None
 
     def summary(self):
         text = f"zbpp: planned {self.kind} after step {self.step}"
@@ -866,8 +893,12 @@ class PlanInfo(NamedTuple):
             text += f" from the costs measured in steps {a}-{b}" if a != b else f" from step {a}'s measured costs"
         if self.mem_limit:
             text += f" (memory limit {self.mem_limit:g} microbatches)"
-        text += f": simulated bubble {100 * self.simulated.bubble_rate:.1f}%"
-        if self.before is not None:
+        if not self.switched:
+            text += (f": kept the plan in force, simulated bubble {100 * self.simulated.bubble_rate:.1f}% on these "
+                     f"costs; the new plan would not be faster ({100 * self.candidate.bubble_rate:.1f}%)")
+        else:
+            text += f": simulated bubble {100 * self.simulated.bubble_rate:.1f}%"
+        if self.before is not None and self.switched:
             text += f" (the previous plan: {100 * self.before.bubble_rate:.1f}% on the same costs"
             text += (f", measured {100 * self.measured_bubble:.1f}%)" if self.measured_bubble is not None else ")")
         if self.costs is not None:
