@@ -3,9 +3,14 @@
 What this is: the main job. It starts one process per pipeline rank (torch.multiprocessing.spawn
 with gloo; under torchrun it uses the processes torchrun started), cuts the GPT of gpt.py into
 stages, splits the backward of every Linear (zbpp.split_linear), and trains it with a zbpp schedule
-(ZB-V by default, any kind with --schedule) on generated text. Each step prints the loss, tokens/s
-and the bubble rate measured from the runner's own timestamps; at the end the last step's measured
-timeline is written as SVG and as a Chrome trace (open in https://ui.perfetto.dev).
+(zb-auto, one stage per rank, by default; any kind with --schedule) on generated text.
+The zero-bubble kinds are planned from measured costs: steps 2-3 are timed, every stage's F, B, W,
+transfer time and activation memory are gathered, and the kind is planned again for them from
+step 4 on (--no-plan-from-measured keeps the equal-cost plan). Each step prints the loss, tokens/s
+and the bubble rate measured from the runner's own timestamps, next to the plan's simulated one
+once there is a plan from measured costs; at the end the last step's measured timeline is written
+as SVG and as a Chrome trace (open in https://ui.perfetto.dev), and the measured costs as
+zbpp-costs JSON (`zbpp schedule KIND --stage-times FILE` reads it).
 
 What this is not: a GPU run yet (the CUDA backend is its own issue); the model is small enough for
 a 2-core machine to finish the defaults in about a minute.
@@ -15,6 +20,7 @@ import argparse
 import datetime
 import os
 import socket
+import statistics
 import sys
 import time
 
@@ -27,12 +33,19 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(
         prog="python3 -m zbpp.examples.train_gpt",
         description="Train a small GPT on CPU with a zero-bubble pipeline (one process per rank).")
-    ap.add_argument("--schedule", default="zb-v",
-                    help="schedule kind: zb-v (default), zb-h1, zb-h2, v-half, v-min, zb-auto, 1f1b, "
+    ap.add_argument("--schedule", default="zb-auto",
+                    help="schedule kind: zb-auto (default), zb-v, zb-h1, zb-h2, v-half, v-min, 1f1b, "
                          "interleaved-1f1b, gpipe, or torch's names (ZBVZeroBubble, 1F1B, ...)")
     ap.add_argument("--ranks", type=int, default=2, help="pipeline ranks = processes (default 2)")
     ap.add_argument("--chunks", type=int, default=None,
-                    help="stages per rank (default: 2 for V kinds and interleaved-1f1b, else 1)")
+                    help="stages per rank (default: 2 for V kinds and interleaved-1f1b, else 1; zb-auto takes "
+                         "1 or 2, in a V)")
+    ap.add_argument("--no-plan-from-measured", dest="plan_from_measured", action="store_false",
+                    help="keep the plan made for equal F/B/W costs (default: the zero-bubble kinds are "
+                         "planned again from the costs measured in --profile-steps)")
+    ap.add_argument("--profile-steps", default="2-3",
+                    help="the steps whose measured costs the plan is made from, FIRST-LAST (default 2-3; "
+                         "the new plan runs from the step after LAST)")
     ap.add_argument("--microbatches", type=int, default=8, help="microbatches per step (default 8)")
     ap.add_argument("--batch", type=int, default=32, help="sequences per step (default 32)")
     ap.add_argument("--steps", type=int, default=60, help="training steps (default 60)")
@@ -41,7 +54,8 @@ def parse_args(argv=None):
     ap.add_argument("--layers", type=int, default=8, help="transformer blocks (default 8)")
     ap.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
     ap.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
-    ap.add_argument("--mem-limit", default=None, help="zb-auto's memory limit, e.g. 2p")
+    ap.add_argument("--mem-limit", default=None,
+                    help="zb-auto's memory limit: microbatches (6, 2p) or activation bytes per rank (8MB)")
     ap.add_argument("--no-post-validation", dest="post_validation", action="store_false",
                     help="step the optimizer after a global sync instead of with post-validation "
                          "(the default: speculative step, exact rollback)")
@@ -57,6 +71,13 @@ def parse_args(argv=None):
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.batch % args.microbatches:
         ap.error(f"--batch {args.batch} must be a multiple of --microbatches {args.microbatches}")
+    first, _, last = args.profile_steps.partition("-")
+    try:
+        args.profile_steps = (int(first), int(last or first))
+    except ValueError:
+        ap.error(f"--profile-steps wants FIRST-LAST such as 2-3, got {args.profile_steps!r}")
+    if not 1 <= args.profile_steps[0] <= args.profile_steps[1]:
+        ap.error(f"--profile-steps {first}-{last}: steps count from 1 and FIRST <= LAST")
     return args
 
 
@@ -72,7 +93,9 @@ def stage_layout(kind, chunks=None):
 
 def train(rank, ranks, args, group=None, report=print):
     """Trains on this rank; returns a dict with the losses (on the loss stage's rank), this rank's
-    parameters by name (stage index prefixed) and the measured bubble rates."""
+    parameters by name (stage index prefixed), the measured bubble rates and, when the schedule
+    was planned from measured costs, "plan" (the step after which it was, its simulated bubble
+    rate, the previous plan's measured one, the costs as a dict)."""
     import torch
 
     import zbpp
@@ -83,13 +106,15 @@ def train(rank, ranks, args, group=None, report=print):
     S = ranks * chunks
     config = gpt.GPTConfig(seq=args.seq, d_model=args.d_model, n_head=args.heads, n_layer=args.layers)
     modules = gpt.build_stages(config, S, seed=args.seed)
-    probe = zbpp.Schedule.generate(cls.kind, p=ranks, m=args.microbatches, v=chunks,
-                                   mem_limit=args.mem_limit)
+    probe = zbpp.Schedule.generate(cls.kind, p=ranks, m=args.microbatches, v=chunks)
     mine = probe.rank_stages(rank)
     probe.close()
     stages = [zbpp.PipelineStage(zbpp.split_linear(modules[s]), s, S, "cpu", group=group) for s in mine]
     kwargs = {"mem_limit": args.mem_limit} if args.mem_limit else {}
-    sched = cls(stages, args.microbatches, loss_fn=gpt.loss_fn, timeout=args.timeout, **kwargs)
+    if not args.plan_from_measured:
+        kwargs["plan_from_measured"] = False
+    sched = cls(stages, args.microbatches, loss_fn=gpt.loss_fn, timeout=args.timeout,
+                profile_steps=args.profile_steps, **kwargs)
     params = [p for st in stages for p in st.submod.parameters()]
     opt = torch.optim.AdamW(params, lr=args.lr, foreach=False)
     # The optimizer steps through the post-validation protocol either way (it also does the global
@@ -120,27 +145,60 @@ def train(rank, ranks, args, group=None, report=print):
         timeline.close()
         out["bubbles"].append(bubble)
         out["step_seconds"].append(dt)
+        info = sched.plan_info
+        # The plan made after this step runs from the next one on.
+        planned = "" if info is None or info.step > step else f" | plan {100 * info.simulated.bubble_rate:4.1f}%"
         if losses:
             loss = float(torch.stack(losses).mean())
             out["losses"].append([float(v) for v in losses])
             if not args.quiet:
                 report(f"step {step + 1:3d}/{args.steps} | loss {loss:.4f} | {tokens / dt:7,.0f} tokens/s "
-                       f"| bubble {100 * bubble:5.1f}% (measured) | grad norm {res.grad_norm:6.3f}"
+                       f"| bubble {100 * bubble:5.1f}% (measured){planned} | grad norm {res.grad_norm:6.3f}"
                        f"{' clipped' if res.clipped else ''}{' rolled back' if res.rolled_back else ''}",
                        flush=True)
+                if info is not None and info.step == step + 1:
+                    report(_plan_lines(info), flush=True)
     final = sched.timeline()
+    info = sched.plan_info
+    if info is not None:
+        out["plan"] = {"step": info.step, "simulated": info.simulated.bubble_rate, "measured": info.measured_bubble,
+                       "switched": info.switched,
+                       "before": None if info.before is None else info.before.bubble_rate,
+                       "costs": None if info.costs is None else info.costs.to_dict()}
     if rank == 0 and args.out:
         os.makedirs(args.out, exist_ok=True)
         base = os.path.join(args.out, f"train_gpt-{sched.schedule.kind}")
         final.save(base + ".svg", "svg")
         final.save(base + "-trace.json", "chrome")
         out["files"] = [base + ".svg", base + "-trace.json"]
+        if info is not None and info.costs is not None:
+            out["files"].append(info.costs.save(base + "-costs.json"))
     final.close()
     out["params"] = {f"{st.stage_index}.{n}": p.detach().clone() for st in stages
                      for n, p in st.submod.named_parameters()}
     out["kind"] = sched.schedule.kind
     sched.close()
     return out
+
+
+def _plan_lines(info):
+    """What the replan found, for the log: the measured costs and the plan's simulated bubble."""
+    a, b = info.profile_steps or (None, None)
+    head = (f"planned {info.kind} from the costs measured in steps {a}-{b}" if a is not None
+            else f"planned {info.kind} again")
+    lines = [f"{head} (runs from step {info.step + 1}):"]
+    if info.costs is not None:
+        lines += ["  " + line for line in info.costs.table().splitlines()]
+    if info.switched:
+        sim = f"  the new plan's simulated bubble {100 * info.simulated.bubble_rate:.1f}%"
+        if info.before is not None:
+            sim += f"; the plan it replaces: {100 * info.before.bubble_rate:.1f}% on these costs"
+    else:
+        sim = (f"  kept the plan in force: {100 * info.simulated.bubble_rate:.1f}% simulated on these costs; the "
+               f"new plan would not be faster ({100 * info.candidate.bubble_rate:.1f}%)")
+    if info.measured_bubble is not None:
+        sim += f", {100 * info.measured_bubble:.1f}% measured"
+    return "\n".join(lines + [sim])
 
 
 def _free_port():
@@ -165,6 +223,10 @@ def _spawned(rank, ranks, port, args, queue):
 
 def main(argv=None):
     args = parse_args(argv)
+    # The ranks share the cores: one BLAS thread per rank for the W GEMMs (as torch.set_num_threads(1)
+    # for torch's), set before any process loads the library. Otherwise OpenBLAS's threads of the
+    # ranks compete, and the measured W (what the plan is made from) is mostly that contention.
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     import torch  # noqa: F401 - before zbpp loads its library (DESIGN.md section 5)
     import torch.distributed as dist
     import torch.multiprocessing as mp
@@ -176,7 +238,12 @@ def main(argv=None):
         dist.destroy_process_group()
         return 0
     cls, chunks = stage_layout(args.schedule, args.chunks)
-    print(f"zbpp {cls.kind}: {args.ranks} processes x {chunks} stage(s), {args.layers} layers, d_model "
+    from zbpp.pipelining import PLANNED_KINDS
+
+    a, b = args.profile_steps
+    how = (f", planned from the costs measured in steps {a}-{b}" if args.plan_from_measured and cls.kind in PLANNED_KINDS
+           else ", planned for equal F/B/W costs" if cls.kind in PLANNED_KINDS else "")
+    print(f"zbpp {cls.kind}{how}: {args.ranks} processes x {chunks} stage(s), {args.layers} layers, d_model "
           f"{args.d_model}, {args.microbatches} microbatches of {args.batch // args.microbatches} x "
           f"{args.seq} tokens, {args.steps} steps, AdamW with "
           f"{'post-validation' if args.post_validation else 'a global sync'} (clip {args.clip_grad})", flush=True)
@@ -188,11 +255,22 @@ def main(argv=None):
     losses = [r["losses"] for r in results.values() if r["losses"]][0]
     first, last = sum(losses[0]) / len(losses[0]), sum(losses[-1]) / len(losses[-1])
     bubbles = results[0]["bubbles"]
-    steady = sorted(bubbles[1:] or bubbles)
+    seconds = results[0]["step_seconds"]
+    plan = results[0].get("plan")
+    # The steady state: after the first step, or after the replan when there is one.
+    start = plan["step"] if plan else 1
+    steady = sorted(bubbles[start:] or bubbles)
+    rate = args.batch * args.seq * len(seconds[start:]) / max(sum(seconds[start:]), 1e-9) if seconds[start:] else 0.0
     rolled = sum(r["rolled_back"] for r in results.values())
     print(f"done in {time.time() - t0:.1f} s: loss {first:.3f} -> {last:.3f}, measured bubble "
-          f"{100 * steady[len(steady) // 2]:.1f}% (median after the first step), "
+          f"{100 * statistics.median(steady):.1f}% (median of steps {start + 1}-{len(bubbles)}), "
+          f"{rate:,.0f} tokens/s over those steps, "
           f"{rolled} speculative step(s) rolled back by post-validation")
+    if plan:
+        before = "" if plan["measured"] is None else f"; the steps profiled measured {100 * plan['measured']:.1f}%"
+        what = "plan from measured costs" if plan["switched"] else "equal-cost plan kept after measuring"
+        print(f"  {what}: simulated bubble {100 * plan['simulated']:.1f}% on the measured costs, measured "
+              f"{100 * statistics.median(steady):.1f}% in steps {start + 1}-{len(bubbles)}{before}")
     for f in results[0].get("files", []):
         print(f"  wrote {f}")
     return 0
