@@ -44,11 +44,15 @@ Schedule from the flags (read from `megatron.training.get_args()`, or from `conf
     --enable-zero-bubble                      zb-auto (the automatic scheduler) with memory limit
                                               --zero-bubble-max-pending-backward N microbatches
                                               ("auto": measured on GPUs by the first step, between
-                                              p and 2p; p on CPUs)
+                                              p and 2p, and planned for in place; p on CPUs)
     none                                      1f1b (one chunk per rank) or interleaved-1f1b
-`configure(kind=...)` overrides the choice with any zbpp kind name. The reference fork's other
-flags are accepted where they change nothing and refused by name where they select something
-zbpp does not run (1F1B-V, seq1F1B, grouped interleaving, offloading).
+`configure(kind=...)` overrides the choice with any zbpp kind name. The zero-bubble kinds are
+planned again from the costs measured in the training iterations
+--zero-bubble-pipeline-timers-start-iter to -end-iter (default 2 to 3; the reference fork's 100 to
+110) and run the new plan from the next one (zbpp.pipelining's plans from measured costs;
+`configure(plan_from_measured=False)` or ZBPP_PLAN_FROM_MEASURED=0 turns it off). The reference
+fork's other flags are accepted where they change nothing and refused by name where they select
+something zbpp does not run (1F1B-V, seq1F1B, grouped interleaving, offloading).
 
 The reference fork's train_step calls `forward_backward_func(..., optimizer=optimizer)` after the
 pass with --enable-optimizer-post-validation: zbpp finishes the fork's post-validation protocol

@@ -8,7 +8,9 @@ activations kept for its backward) and the peak allocation of the step. What is 
 the peak. The limit is then the number of microbatches whose activations fit in
 --zero-bubble-adaptive-memory-limit-percentile percent of the device's memory beside that, the
 smallest over the pipeline's ranks (one schedule for all), between p and 2p (2p already gives
-zb-auto ZB-H2's freedom; more buys nothing). From the second call on, the schedule is made for it.
+zb-auto ZB-H2's freedom; more buys nothing). After the first call the schedule plans again for it
+in place (PipelineSchedule.replan, with the measured costs once the timer iterations have given
+some), so the profiling of --zero-bubble-pipeline-timers-* goes on undisturbed.
 
 Without CUDA there is no device memory to measure: the limit stays p.
 """
