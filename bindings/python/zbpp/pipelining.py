@@ -33,9 +33,10 @@ Plans from measured costs: the zero-bubble kinds (zb-auto, zb-h1, zb-h2, zb-v, v
 first planned for equal F/B/W times, but real W costs a fraction of F and B. So by default the
 schedule times steps 2 and 3 (step 1 carries one-off costs), gathers every stage's measured F, B,
 W, transfer time and activation memory to every rank (zbpp.StageCosts, costs.py), plans its kind
-again for them under the same memory limit, checks that every rank got the same op lists, and
-runs the new plan from step 4 on. Only the order of the ops changes, never what they compute, so
-training stays bit for bit that of a sequential loop. `plan_from_measured=False` (or
+again for them under the same memory limit, checks that every rank got the same op lists, and,
+if the new plan simulates at least REPLAN_MIN_GAIN shorter on the measured costs than the plan in
+force, runs it from step 4 on (else the plan in force stays). Only the order of the ops changes,
+never what they compute, so training stays bit for bit that of a sequential loop. `plan_from_measured=False` (or
 ZBPP_PLAN_FROM_MEASURED=0) turns it off; `profile_steps=(a, b)` times steps a..b and replans after
 b; `costs=` plans from saved costs at once; `save_plan_dir=` (or ZBPP_PLAN_DIR) writes the costs
 and the plan; `plan_info` says what happened. Fixed orders (gpipe, 1f1b, interleaved-1f1b) and
