@@ -112,6 +112,24 @@ def test_costs_file_rejects_bad_files(tmp_path, text, expect):
     assert expect in str(err.value) and str(path) in str(err.value), str(err.value)
 
 
+@pytest.mark.parametrize("kind, over", [
+    ("zb-auto", dict(mem_f_bytes=[4000, 2000])),
+    ("zb-v", dict(chunks=2, placement="v", time_f=[1, 2, 3, 4], time_b=[2, 2, 3, 3], time_w=[0.5, 1, 0.25, 1],
+                  time_bw=[2.5, 2.5, 3.25, 3.5], mem_f_bytes=None)),
+])
+def test_the_tool_reads_the_file_and_plans_the_same_schedule(tmp_path, build_dir, kind, over):
+    import subprocess
+
+    c = _costs(**over)
+    path = c.save(tmp_path / "costs.json")
+    mem = ["--mem-limit", "2p"] if kind == "zb-auto" else []
+    proc = subprocess.run([str(build_dir / "zbpp"), "schedule", kind, "-p", "2", "-m", "8", "--stage-times", str(path),
+                           "--format", "csv", *mem], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    with c.plan(kind, 8, "2p" if mem else None) as s:
+        assert proc.stdout == s.to_csv()
+
+
 # ---- costs from measured timelines -----------------------------------------------------------------
 
 def _measured(kind, p, m, times, comm, scale=1.0):
