@@ -176,8 +176,11 @@ int zb__placer_put_w(zb__placer_t *pl, int r);
 int zb__placer_pending_w(const zb__placer_t *pl, int r);
 double zb__placer_next_w_cost(const zb__placer_t *pl, int r);
 double zb__placer_max_bubble(const zb__placer_t *pl);
-/* Moves the op lists into s, or fails if the placer failed or did not place every op. */
-zb_status_t zb__placer_finish(zb__placer_t *pl, zb_schedule_t *s);
+/* Runs every pending W, reports the per-rank bubbles (*max_bubble, bubble[p]; either may be NULL),
+ * moves the op lists into s (or fails if the placer failed or did not place every op), and frees
+ * the placer. */
+zb_status_t zb__placer_finish(zb__placer_t *pl, zb_schedule_t *s, double *max_bubble,
+                              double *bubble);
 
 /* Round-based generators (rounds_v.c, rounds_loop.c): fill s->ops or fail with ZB_ERR_INFEASIBLE
  * when their rules cannot complete under `limit`. `allow` (NULL or p values) is each rank's idle

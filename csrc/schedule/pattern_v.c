@@ -131,6 +131,21 @@ static int earliest(pat_t *t, int r, int type, int mb) {
   return d + 1;
 }
 
+/* The next op in slot order over all ranks (ties: the lower rank, then the lower type), advancing
+ * the per-rank, per-type positions in ptr; returns its microbatch. */
+static int next_global(pat_t *t, int *ptr, int *rank, int *type) {
+  int br = -1, bt = -1, bs = 0;
+  for (int r = 0; r < t->p; r++)
+    for (int k = 0; k < t->nt; k++) {
+      int i = ptr[r * NT + k];
+      if (i >= len(t, k)) continue;
+      int s = at(t, r, k)[i];
+      if (br < 0 || s < bs) br = r, bt = k, bs = s;
+    }
+  *rank = br, *type = bt;
+  return ptr[br * NT + bt]++;
+}
+
 /* One squeeze pass over all ranks in slot order (ties: lower rank, then type, then microbatch). */
 static void squeeze(pat_t *t, int with_w) {
   int p = t->p, m = t->m;
@@ -148,15 +163,7 @@ static void squeeze(pat_t *t, int with_w) {
   int phase = 0;
   long long total = (long long)p * per_rank(t);
   for (long long e = 0; e < total; e++) {
-    int br = -1, bt = -1, bs = 0;
-    for (int r = 0; r < p; r++)
-      for (int k = 0; k < t->nt; k++) {
-        int i = ptr[r * NT + k];
-        if (i >= len(t, k)) continue;
-        int s = at(t, r, k)[i];
-        if (br < 0 || s < bs) br = r, bt = k, bs = s;
-      }
-    int mb = ptr[br * NT + bt]++;
+    int br, bt, mb = next_global(t, ptr, &br, &bt);
     if (bt == 3 && br == 0 && phase == 0) phase = 1;
     int fixed = phase == 1 || (phase == 0 && !with_w);
     if (phase == 1 && bt == 0 && mb == m - 1) phase = 2;
@@ -194,15 +201,7 @@ static void compact(pat_t *t) {
   memcpy(fresh, t->slot, (size_t)p * NT * m * sizeof(int));
   long long total = (long long)p * per_rank(t);
   for (long long e = 0; e < total; e++) {
-    int br = -1, bt = -1, bs = 0;
-    for (int r = 0; r < p; r++)
-      for (int k = 0; k < t->nt; k++) {
-        int i = ptr[r * NT + k];
-        if (i >= len(t, k)) continue;
-        int s = at(t, r, k)[i];
-        if (br < 0 || s < bs) br = r, bt = k, bs = s;
-      }
-    int mb = ptr[br * NT + bt]++;
+    int br, bt, mb = next_global(t, ptr, &br, &bt);
     /* Dependencies on ops already re-timed (they come earlier in slot order). */
     int d = free_at[br];
     int *F = fresh;

@@ -155,11 +155,20 @@ double zb__placer_max_bubble(const zb__placer_t *pl) {
   return b;
 }
 
-zb_status_t zb__placer_finish(zb__placer_t *pl, zb_schedule_t *s) {
-  if (pl->oom) return ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory growing op lists");
-  int want = 0;
-  for (int r = 0; r < s->p; r++) want += pl->ops.count[r];
-  if (pl->failed || want != 3 * s->S * s->m)
-    return ZB_FAIL(ZB_ERR_INFEASIBLE, "a round-based rule set could not place every op here");
-  return zb__schedule_take_ops(s, &pl->ops);
+zb_status_t zb__placer_finish(zb__placer_t *pl, zb_schedule_t *s, double *max_bubble,
+                              double *bubble) {
+  for (int r = 0; r < s->p && !pl->failed; r++) /* the W's still pending run at the end */
+    while (!pl->failed && zb__placer_pending_w(pl, r) > 0) zb__placer_put_w(pl, r);
+  if (max_bubble) *max_bubble = zb__placer_max_bubble(pl);
+  if (bubble)
+    for (int r = 0; r < s->p; r++) bubble[r] = pl->bubble[r];
+  int placed = 0;
+  for (int r = 0; r < s->p; r++) placed += pl->ops.count[r];
+  zb_status_t st;
+  if (pl->oom) st = ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory growing op lists");
+  else if (pl->failed || placed != 3 * s->S * s->m)
+    st = ZB_FAIL(ZB_ERR_INFEASIBLE, "a round-based rule set could not place every op here");
+  else st = zb__schedule_take_ops(s, &pl->ops);
+  zb__placer_free(pl);
+  return st;
 }

@@ -111,14 +111,6 @@ zb_status_t zb__rounds_loop(zb_schedule_t *s, const zb__rounds_policy_t *pol, do
       zb__placer_put(&pl, ZB_OP_B, j);
     }
   }
-  for (int j = 0; j < p && !pl.failed; j++)
-    while (!pl.failed && zb__placer_pending_w(&pl, j) > 0) zb__placer_put_w(&pl, j);
   free(need);
-
-  if (max_bubble) *max_bubble = zb__placer_max_bubble(&pl);
-  if (bubble)
-    for (int r = 0; r < p; r++) bubble[r] = pl.bubble[r];
-  zb_status_t st = zb__placer_finish(&pl, s);
-  zb__placer_free(&pl);
-  return st;
+  return zb__placer_finish(&pl, s, max_bubble, bubble);
 }

@@ -136,13 +136,5 @@ zb_status_t zb__rounds_v(zb_schedule_t *s, const zb__rounds_policy_t *pol, doubl
     }
   }
   free(order);
-  for (int r = 0; r < p && !pl.failed; r++)
-    while (!pl.failed && zb__placer_pending_w(&pl, r) > 0) zb__placer_put_w(&pl, r);
-
-  if (max_bubble) *max_bubble = zb__placer_max_bubble(&pl);
-  if (bubble)
-    for (int r = 0; r < p; r++) bubble[r] = pl.bubble[r];
-  zb_status_t st = zb__placer_finish(&pl, s);
-  zb__placer_free(&pl);
-  return st;
+  return zb__placer_finish(&pl, s, max_bubble, bubble);
 }
