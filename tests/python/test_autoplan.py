@@ -45,7 +45,7 @@ def test_costs_json_round_trip(tmp_path):
     c = _costs()
     obj = json.loads(c.to_json())
     assert list(obj) == ["format", "version", "unit", "ranks", "chunks", "placement", "time_f", "time_b", "time_w",
-                         "time_bw", "time_comm", "w_share", "mem_f_bytes"]
+                         "time_bw", "time_comm", "w_share", "mem_f_bytes", "op_overhead"]
     assert obj["format"] == "zbpp-costs" and obj["version"] == 1 and obj["unit"] == "ms"
     assert obj["time_bw"] is None and obj["mem_f_bytes"] == [4000, 2000]
     assert StageCosts.from_json(c.to_json()) == c
@@ -161,6 +161,40 @@ def test_from_timelines_recovers_stage_costs_and_comm():
     assert (c.ranks, c.chunks, c.placement, c.mem_f_bytes, c.w_share) == (3, 1, "loop", [10, 20, 30], 0.25)
     for t in timelines:
         t.close()
+
+
+def test_runtime_overhead_is_measured_and_a_plans_bubble_predicted_as_the_runner_measures_it():
+    # A run where the runtime spends `gap` ms before every op: simulated with each op `gap` longer,
+    # measured with each op starting `gap` into its slot (the runner's timestamps see only compute).
+    times = {"f": [1.0, 1.5, 2.0], "b": [2.0, 2.5, 3.0], "w": [0.25, 0.5, 1.0]}
+    gap, comm = 0.125, 0.375
+    slotted = {k: [x + gap for x in v] for k, v in times.items()}
+    planned = zbpp.Schedule.generate("zb-h1", p=3, m=6, times=slotted, comm=comm)
+    planned.simulate()
+    starts, ends = [], []
+    for r in range(3):
+        s, e = planned.rank_times(r)
+        starts.append([(x + gap) / 1000 for x in s])
+        ends.append([x / 1000 for x in e])
+    with zbpp.Schedule.from_csv(planned.to_csv()) as t:
+        measured = t.set_times(starts, ends)
+        c = StageCosts.from_timelines([t])
+    assert c.op_overhead == pytest.approx(gap, rel=1e-9)
+    # The times a plan uses include the overhead (so the plan is made for the real slots); T_comm
+    # does not (the overhead after an arrival is the op's, not the transfer's).
+    for key, got in (("f", c.time_f), ("b", c.time_b), ("w", c.time_w)):
+        assert got == pytest.approx(slotted[key], rel=1e-9), (key, got)
+    assert c.time_comm == pytest.approx(comm, rel=1e-9)
+    assert StageCosts.from_json(c.to_json()).op_overhead == pytest.approx(gap)
+    # What the runner measured for this very plan is what expected_bubble predicts (up to the
+    # first op's overhead, which falls outside the measured span), while the plain simulated bubble
+    # counts the overhead as work and is lower.
+    with c.plan("zb-h1", 6) as again:
+        assert again.to_csv() == planned.to_csv()
+        expected = c.expected_bubble(again)
+        assert expected == pytest.approx(measured.bubble_rate, abs=0.005)
+        assert again.simulate().bubble_rate < measured.bubble_rate - 0.02
+    planned.close()
 
 
 def test_from_timelines_of_a_v_schedule_and_of_fused_backwards():

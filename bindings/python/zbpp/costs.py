@@ -9,7 +9,7 @@ reads too (`zbpp schedule KIND --stage-times FILE`):
 
     {"format": "zbpp-costs", "version": 1, "unit": "ms", "ranks": 2, "chunks": 2, "placement": "v",
      "time_f": [S], "time_b": [S], "time_w": [S], "time_bw": [S] or null,
-     "time_comm": 0.05, "w_share": 0.41, "mem_f_bytes": [S]}
+     "time_comm": 0.05, "w_share": 0.41, "mem_f_bytes": [S], "op_overhead": 0.2}
 
 Times are absolute per stage, in milliseconds (zb_schedule_spec_t.stage_time_*, not a per-rank
 time divided by v). time_bw null means B + W. Reading follows the tool's rules: time_f, time_b and
@@ -24,8 +24,13 @@ counted; each stage's cost is the median over every op of that type and stage in
 given (robust to a slow microbatch or a pause). T_comm is the median gap between a producer's end
 and its consumer's start over the cross-rank dependencies whose consumer was idle, waiting for that
 input: its rank's previous op had ended before the producer did (so the gap is transfer time, not
-queueing behind other work); 0 when there is no such dependency. Clocks must be comparable across
-ranks (one host, CLOCK_MONOTONIC), as for timeline().
+queueing behind other work), less the runtime's per-op overhead; 0 when there is no such
+dependency. That overhead (op_overhead) is the median gap between two consecutive ops of a rank
+where the second's inputs had all arrived when the first ended: only the runtime (callbacks,
+posting transfers) kept the rank from starting it. It is added to every op's time, so plans are
+made for the slots ops really take, and kept apart so expected_bubble can predict the bubble as the
+runner's timestamps measure it (the overhead idle). Clocks must be comparable across ranks (one
+host, CLOCK_MONOTONIC), as for timeline().
 
 Activation memory (`ActivationMeter`): the bytes autograd has saved for the backward of a stage's
 forward of one microbatch, read from the graph (each storage once, parameters and buffers left
@@ -157,7 +162,7 @@ class StageCosts:
     """
 
     def __init__(self, ranks, chunks, placement, time_f, time_b, time_w, time_bw=None, time_comm=0.0,
-                 w_share=0.5, mem_f_bytes=None, where="StageCosts"):
+                 w_share=0.5, mem_f_bytes=None, op_overhead=0.0, where="StageCosts"):
         self.ranks = _count(ranks, where, "ranks")
         self.chunks = _count(chunks, where, "chunks")
         if placement not in _PLACEMENTS:
@@ -175,6 +180,11 @@ class StageCosts:
         if self.w_share > 1:
             raise _bad(where, f"w_share is {self.w_share}; it is the share of activations only W needs, in [0, 1]")
         self.mem_f_bytes = None if mem_f_bytes is None else _stage_list(mem_f_bytes, S, where, "mem_f_bytes")
+        # The part of every op's time that is the runtime's own (the gap between two ops of a rank
+        # when the second could have started at once): already in time_f/b/w/bw, so plans account
+        # for it; kept apart so a plan's bubble can be predicted as the runner measures it, where
+        # that gap is idle time.
+        self.op_overhead = _finite(op_overhead, where, "op_overhead")
 
     @property
     def stages(self):
@@ -187,7 +197,8 @@ class StageCosts:
                 "placement": self.placement, "time_f": list(self.time_f), "time_b": list(self.time_b),
                 "time_w": list(self.time_w), "time_bw": None if self.time_bw is None else list(self.time_bw),
                 "time_comm": self.time_comm, "w_share": self.w_share,
-                "mem_f_bytes": None if self.mem_f_bytes is None else [int(round(x)) for x in self.mem_f_bytes]}
+                "mem_f_bytes": None if self.mem_f_bytes is None else [int(round(x)) for x in self.mem_f_bytes],
+                "op_overhead": self.op_overhead}
 
     def to_json(self):
         """The zbpp-costs JSON text (one object, a newline at the end)."""
@@ -224,7 +235,7 @@ class StageCosts:
 
         return cls(obj["ranks"], obj["chunks"], obj["placement"], obj["time_f"], obj["time_b"], obj["time_w"],
                    time_bw=obj.get("time_bw"), time_comm=opt("time_comm", 0.0), w_share=opt("w_share", 0.5),
-                   mem_f_bytes=obj.get("mem_f_bytes"), where=where)
+                   mem_f_bytes=obj.get("mem_f_bytes"), op_overhead=opt("op_overhead", 0.0), where=where)
 
     @classmethod
     def from_json(cls, text, where="zbpp-costs"):
@@ -275,7 +286,7 @@ class StageCosts:
         p, S, placement = first.ranks, first.stages, first.placement
         v = S // p
         samples = {key: [[] for _ in range(S)] for key in ("F", "B", "W", "BW")}
-        gaps = []
+        gaps, overheads = [], []
         for t in timelines:
             if (t.ranks, t.stages, t.placement) != (p, S, placement):
                 raise ValueError(f"StageCosts.from_timelines: the timelines are of different pipelines "
@@ -288,6 +299,7 @@ class StageCosts:
                     where[(op.type, op.stage, op.mb)] = (r, k)
                     samples[op.type][op.stage].append(times[r][1][k] - times[r][0][k])
             gaps += _wait_gaps(ops, times, where, S)
+            overheads += _ready_gaps(ops, times, where, S)
         medians = {key: [statistics.median(x) if x else None for x in per] for key, per in samples.items()}
         time_f, time_b, time_w = [], [], []
         for s in range(S):
@@ -305,9 +317,31 @@ class StageCosts:
         time_bw = None
         if has_bw:
             time_bw = [medians["BW"][s] if medians["BW"][s] is not None else time_b[s] + time_w[s] for s in range(S)]
-        comm = max(0.0, statistics.median(gaps)) if gaps else 0.0
+        # Every op costs the runtime's own gap as well; in the times, so plans count it. A wait for
+        # another rank ends with that gap too, which is the op's, not the transfer's.
+        over = max(0.0, statistics.median(overheads)) if overheads else 0.0
+        comm = max(0.0, statistics.median(gaps) - over) if gaps else 0.0
+        time_f = [x + over for x in time_f]
+        time_b = [x + over for x in time_b]
+        time_w = [x + over for x in time_w]
+        if time_bw is not None:
+            time_bw = [x + over for x in time_bw]
         return cls(p, v, placement, time_f, time_b, time_w, time_bw=time_bw, time_comm=comm,
-                   w_share=0.5 if w_share is None else w_share, mem_f_bytes=mem_f_bytes)
+                   w_share=0.5 if w_share is None else w_share, mem_f_bytes=mem_f_bytes, op_overhead=over)
+
+    def expected_bubble(self, schedule):
+        """The bubble rate the runner should measure for `schedule` (simulated on these costs): the
+        simulator counts each op's overhead as work, the runner's timestamps count it as idle, so
+        busy time loses op_overhead per op (the paper's definition: span minus the busiest rank's
+        work, over the span)."""
+        sim = schedule.simulate()
+        if sim.cost <= 0:
+            return 0.0
+        busy = 0.0
+        for r in range(schedule.ranks):
+            _span, rank_busy, _peak = schedule.rank_stats(r)
+            busy = max(busy, rank_busy - self.op_overhead * len(schedule.rank_ops(r)))
+        return max(0.0, (sim.cost - busy) / sim.cost)
 
     # ---- planning --------------------------------------------------------------------------------
 
@@ -417,6 +451,28 @@ def _wait_gaps(ops, times, where, S):
             previous_end = ends[k - 1] if k > 0 else -math.inf
             if previous_end <= produced:
                 gaps.append(starts[k] - produced)
+    return gaps
+
+
+def _ready_gaps(ops, times, where, S):
+    """Per-op overhead samples of one timeline: for each op (not a rank's first) whose inputs from
+    other ranks had all arrived by the time the rank's previous op ended, the gap between the two:
+    nothing but the runtime kept the rank from starting it at once."""
+    gaps = []
+    for r, rank_ops in enumerate(ops):
+        starts, ends = times[r]
+        for k in range(1, len(rank_ops)):
+            op = rank_ops[k]
+            if op.type == "F":
+                deps = [] if op.stage == 0 else [("F", op.stage - 1, op.mb)]
+            elif op.type in ("B", "BW"):
+                deps = [] if op.stage == S - 1 else [("B", op.stage + 1, op.mb), ("BW", op.stage + 1, op.mb)]
+            else:
+                deps = []
+            found = next((where[d] for d in deps if d in where), None)
+            if found is not None and found[0] != r and times[found[0]][1][found[1]] > ends[k - 1]:
+                continue  # it waited for another rank: that gap is T_comm or bubble, not overhead
+            gaps.append(starts[k] - ends[k - 1])
     return gaps
 
 

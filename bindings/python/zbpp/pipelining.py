@@ -808,11 +808,13 @@ class PipelineSchedule:
                 raise RuntimeError(f"zbpp.{name}: the new plan puts stages {new.rank_stages(self.rank)} on rank "
                                    f"{self.rank}, which holds {mine}")
             sim = new.simulate()
-            before = None
+            before = expected_new = expected_old = None
             if costs is not None:
+                expected_new = costs.expected_bubble(new)
                 with Schedule.from_csv(self.schedule.to_csv(), times=costs.times(), comm=costs.time_comm,
                                        w_share=costs.w_share) as old:
                     before = old.simulate()
+                    expected_old = costs.expected_bubble(old)
         except BaseException:
             new.close()
             raise
@@ -826,7 +828,7 @@ class PipelineSchedule:
                                           profile_steps=self._profile if _measured is not None else None,
                                           digest=hashlib.sha256(self.schedule.to_csv().encode()).hexdigest(),
                                           files=self._save_plan(costs, self.schedule), switched=False,
-                                          candidate=sim)
+                                          candidate=sim, expected_bubble=expected_old)
                 new.close()
                 if self.rank == 0:
                     _log.info("%s", self.plan_info.summary())
@@ -845,7 +847,8 @@ class PipelineSchedule:
         self.plan_info = PlanInfo(step=self.steps, kind=new.kind, mem_limit=new.mem_limit, costs=costs,
                                   simulated=sim, before=before, measured_bubble=_measured,
                                   profile_steps=self._profile if _measured is not None else None,
-                                  digest=digest, files=self._save_plan(costs, new), switched=True, candidate=sim)
+                                  digest=digest, files=self._save_plan(costs, new), switched=True, candidate=sim,
+                                  expected_bubble=expected_new)
         if self.rank == 0:
             _log.info("%s", self.plan_info.summary())
         return self.plan_info
@@ -872,7 +875,10 @@ class PlanInfo(NamedTuple):
     SimResult on those costs of the plan that runs from now on, `candidate` the new plan's,
     `before` the previous plan's; `measured_bubble` the median bubble rate measured over
     `profile_steps`; `digest` the SHA-256 of the op lists that run now (equal on every rank),
-    `files` what save_plan_dir received."""
+    `files` what save_plan_dir received. `expected_bubble`: the bubble the runner should measure
+    for the plan that runs now (StageCosts.expected_bubble: the simulation with each op's measured
+    runtime overhead counted as idle, as the runner's timestamps count it); None without measured
+    costs."""
 
     step: int
     kind: str
@@ -886,6 +892,7 @@ class PlanInfo(NamedTuple):
     files: list
     switched: bool = True
     candidate: Optional[SimResult] = None
+    expected_bubble: Optional[float] = None
 
     def summary(self):
         text = f"zbpp: planned {self.kind} after step {self.step}"
@@ -899,6 +906,8 @@ class PlanInfo(NamedTuple):
                      f"costs; the new plan would not be faster ({100 * self.candidate.bubble_rate:.1f}%)")
         else:
             text += f": simulated bubble {100 * self.simulated.bubble_rate:.1f}%"
+        if self.expected_bubble is not None:
+            text += f", {100 * self.expected_bubble:.1f}% expected as measured (runtime overhead idle)"
         if self.before is not None and self.switched:
             text += f" (the previous plan: {100 * self.before.bubble_rate:.1f}% on the same costs"
             text += (f", measured {100 * self.measured_bubble:.1f}%)" if self.measured_bubble is not None else ")")

@@ -147,7 +147,7 @@ def train(rank, ranks, args, group=None, report=print):
         out["step_seconds"].append(dt)
         info = sched.plan_info
         # The plan made after this step runs from the next one on.
-        planned = "" if info is None or info.step > step else f" | plan {100 * info.simulated.bubble_rate:4.1f}%"
+        planned = "" if info is None or info.step > step else f" | plan {100 * _plan_bubble(info):4.1f}%"
         if losses:
             loss = float(torch.stack(losses).mean())
             out["losses"].append([float(v) for v in losses])
@@ -162,6 +162,7 @@ def train(rank, ranks, args, group=None, report=print):
     info = sched.plan_info
     if info is not None:
         out["plan"] = {"step": info.step, "simulated": info.simulated.bubble_rate, "measured": info.measured_bubble,
+                       "expected": info.expected_bubble,
                        "switched": info.switched,
                        "before": None if info.before is None else info.before.bubble_rate,
                        "costs": None if info.costs is None else info.costs.to_dict()}
@@ -181,6 +182,12 @@ def train(rank, ranks, args, group=None, report=print):
     return out
 
 
+def _plan_bubble(info):
+    """The plan's bubble as the runner measures it (each op's runtime overhead idle), or its
+    simulated bubble when it was not planned from measured costs."""
+    return info.simulated.bubble_rate if info.expected_bubble is None else info.expected_bubble
+
+
 def _plan_lines(info):
     """What the replan found, for the log: the measured costs and the plan's simulated bubble."""
     a, b = info.profile_steps or (None, None)
@@ -198,6 +205,9 @@ def _plan_lines(info):
                f"new plan would not be faster ({100 * info.candidate.bubble_rate:.1f}%)")
     if info.measured_bubble is not None:
         sim += f", {100 * info.measured_bubble:.1f}% measured"
+    if info.expected_bubble is not None and info.costs is not None:
+        sim += (f"\n  expected as measured: {100 * info.expected_bubble:.1f}% (the runtime's "
+                f"{info.costs.op_overhead:.3f} ms per op counted as idle, as the runner's timestamps count it)")
     return "\n".join(lines + [sim])
 
 
@@ -269,7 +279,8 @@ def main(argv=None):
     if plan:
         before = "" if plan["measured"] is None else f"; the steps profiled measured {100 * plan['measured']:.1f}%"
         what = "plan from measured costs" if plan["switched"] else "equal-cost plan kept after measuring"
-        print(f"  {what}: simulated bubble {100 * plan['simulated']:.1f}% on the measured costs, measured "
+        expected = "" if plan.get("expected") is None else f" ({100 * plan['expected']:.1f}% expected as measured)"
+        print(f"  {what}: simulated bubble {100 * plan['simulated']:.1f}%{expected} on the measured costs, measured "
               f"{100 * statistics.median(steady):.1f}% in steps {start + 1}-{len(bubbles)}{before}")
     for f in results[0].get("files", []):
         print(f"  wrote {f}")
