@@ -17,7 +17,7 @@ import pytest
 
 from conftest import PYTHON_SRC
 from zbpp import ZbError
-from zbpp.schedule import Op, Schedule, SimResult, kinds
+from zbpp.schedule import Op, Schedule, SimResult, kinds, stack_svgs
 
 P = 4
 ZB_ERR_INVALID_ARGUMENT = 1
@@ -595,3 +595,21 @@ def test_schedules_work_without_torch():
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     assert float(proc.stdout.strip()) == pytest.approx(0.0, abs=1e-9)
+
+
+def test_stack_svgs_draws_pictures_one_above_the_other_under_their_captions():
+    with Schedule.generate("zb-h1", 4, 8) as a, Schedule.generate("1f1b", 2, 3) as b:
+        parts = [("plan <zb-h1> & co", a.to_svg()), ("measured", b.to_svg())]
+    root = ET.fromstring(stack_svgs(parts))
+    ns = "{http://www.w3.org/2000/svg}"
+    inner = [c for c in root if c.tag == ns + "svg"]
+    captions = [c.text for c in root if c.tag == ns + "text"]
+    assert captions == ["plan <zb-h1> & co", "measured"]  # escaped in the file, the same text read back
+    assert len(inner) == 2
+    heights = [float(ET.fromstring(svg).attrib["height"]) for _, svg in parts]
+    y0, y1 = float(inner[0].attrib["y"]), float(inner[1].attrib["y"])
+    assert y1 >= y0 + heights[0]  # the second picture starts below the first
+    assert float(root.attrib["height"]) >= y1 + heights[1]
+    assert float(root.attrib["width"]) == max(float(ET.fromstring(svg).attrib["width"]) for _, svg in parts)
+    with pytest.raises(ValueError, match="width and height"):
+        stack_svgs([("x", "<g/>")])

@@ -12,7 +12,7 @@ import os
 
 from ._lib import ZbError, lib, library_path
 from .costs import StageCosts
-from .schedule import Op, Schedule, SimResult, kinds
+from .schedule import Op, Schedule, SimResult, kinds, stack_svgs
 
 __all__ = [
     "__version__",
@@ -23,6 +23,7 @@ __all__ = [
     "ZbError",
     "kinds",
     "library_path",
+    "stack_svgs",
     "tool_path",
     "version",
     "version_code",

@@ -23,11 +23,13 @@ import math
 import numbers
 import operator
 import os
+import re
 from typing import NamedTuple
+from xml.sax.saxutils import escape
 
 from . import _lib
 
-__all__ = ["Op", "Schedule", "SimResult", "kinds"]
+__all__ = ["Op", "Schedule", "SimResult", "kinds", "stack_svgs"]
 
 # ---- constants mirrored from include/zbpp.h ------------------------------------------------------
 
@@ -751,3 +753,27 @@ class Schedule:
         with open(path, "w", encoding="utf-8") as f:
             f.write(text)
 
+
+
+def stack_svgs(parts):
+    """One SVG picture of several schedule pictures one above the other, each under its caption:
+    `parts` is a list of (caption, svg text) such as Schedule.to_svg() gives. Used to draw a
+    run's measured timeline under the plan it ran (examples/train_gpt.py), where a person compares
+    them at a glance. Each picture keeps its own time scale (its width is its span)."""
+    pieces, y, width = [], 0, 0
+    for caption, svg in parts:
+        head = re.match(r"\s*<svg\b[^>]*>", svg)
+        w = re.search(r'\bwidth="([0-9.]+)"', head.group(0)) if head else None
+        h = re.search(r'\bheight="([0-9.]+)"', head.group(0)) if head else None
+        if not (head and w and h):
+            raise ValueError("stack_svgs: each part must be an <svg> element with width and height, "
+                             "as Schedule.to_svg() writes")
+        w, h = float(w.group(1)), float(h.group(1))
+        pieces.append(f'<text x="10" y="{y + 20:g}" font-size="16" font-weight="bold">{escape(caption)}</text>')
+        inner = head.group(0).replace("<svg", f'<svg x="0" y="{y + 28:g}"', 1) + svg[head.end():]
+        pieces.append(inner.strip())
+        y += 28 + h + 12
+        width = max(width, w)
+    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:g}" height="{y:g}" '
+            f'viewBox="0 0 {width:g} {y:g}" font-family="Helvetica, Arial, sans-serif">\n'
+            + "\n".join(pieces) + "\n</svg>\n")

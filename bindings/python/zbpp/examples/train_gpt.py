@@ -174,6 +174,20 @@ def train(rank, ranks, args, group=None, report=print):
         out["files"] = [base + ".svg", base + "-trace.json"]
         if info is not None and info.costs is not None:
             out["files"].append(info.costs.save(base + "-costs.json"))
+            # The plan (simulated on the measured costs) above what the last step measured.
+            r = sched.schedule.simulate()
+            m = final.measured
+            picture = zbpp.stack_svgs([
+                (f"plan: {sched.schedule.kind} on the "
+                 + (f"costs measured in steps {info.profile_steps[0]}-{info.profile_steps[1]}"
+                    if info.profile_steps else "given costs")
+                 + f", simulated bubble {100 * r.bubble_rate:.1f}%"
+                 + ("" if info.expected_bubble is None else f" ({100 * info.expected_bubble:.1f}% expected as measured)"),
+                 sched.schedule.to_svg()),
+                (f"measured: step {args.steps}, bubble {100 * m.bubble_rate:.1f}%", final.to_svg())])
+            with open(base + "-plan-vs-measured.svg", "w", encoding="utf-8") as f:
+                f.write(picture)
+            out["files"].append(base + "-plan-vs-measured.svg")
     final.close()
     out["params"] = {f"{st.stage_index}.{n}": p.detach().clone() for st in stages
                      for n, p in st.submod.named_parameters()}
