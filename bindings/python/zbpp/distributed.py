@@ -17,11 +17,25 @@ What this is not: NCCL. Device buffers between GPUs go over the library's own NC
 (runtime.Transport.nccl); this transport carries host memory only (the optimizer's post-validation
 state, and everything on CPU pipelines). After a failure the gloo pairs involved are closed; the
 process group cannot be used for further point-to-point traffic.
+
+Shutdown: gloo's worker threads drop their last reference to a finished request's tensors a moment
+after the request completes, and dropping a tensor that has a Python object needs the GIL. A script
+that ends right after its last step (or right after destroy_process_group, with zbpp still holding
+its groups) can start interpreter finalization in that moment; a gloo thread that then asks for the
+GIL is ended by Python inside C++ code that must not unwind, and the process dies with
+"terminate called without an active exception" (SIGABRT; seen 1 run in 16 with torch's own
+pipelining test script on a 2-core machine). So the transport keeps its finished requests (tensor
+views, no copies) until it is closed or collected by the main thread, and the first transport made
+registers an exit hook that gives gloo's threads a short while, with the GIL free, to finish
+releasing what the last collectives used before finalization begins.
 """
 
+import atexit
+import collections
 import ctypes
 import datetime
 import itertools
+import time
 
 import torch
 import torch.distributed as dist
@@ -97,6 +111,25 @@ def _view(addr, nbytes):
     return torch.frombuffer((ctypes.c_char * nbytes).from_address(addr), dtype=torch.uint8)
 
 
+# Finished requests a transport keeps (about a large step's transfers of one rank).
+_KEEP_DONE = 16384
+# How long the exit hook leaves gloo's threads to finish: they need microseconds, more on a loaded
+# machine; this is paid once, at exit, by processes that used a transport.
+_EXIT_GRACE_S = 0.2
+_exit_grace_registered = False
+
+
+def _exit_grace():
+    time.sleep(_EXIT_GRACE_S)  # sleeping releases the GIL for gloo's threads
+
+
+def _register_exit_grace():
+    global _exit_grace_registered
+    if not _exit_grace_registered:
+        _exit_grace_registered = True
+        atexit.register(_exit_grace)
+
+
 class TorchTransport:
     """Point-to-point over a torch.distributed group, for the C runner and optimizer."""
 
@@ -109,7 +142,11 @@ class TorchTransport:
         self.ranks = dist.get_world_size(group)
         self.timeout = timeout
         self._requests = {}
+        # Finished requests, kept so that gloo's threads never drop the last reference to their
+        # tensors (see the module docstring); the oldest go first, long after gloo is done with them.
+        self._done = collections.deque(maxlen=_KEEP_DONE)
         self._ids = itertools.count(1)
+        _register_exit_grace()
         self.last_error = None
         self.transport = runtime.Transport.callbacks(self, self.rank, self.ranks)
 
@@ -140,9 +177,9 @@ class TorchTransport:
             # yet"; the runner then waits properly at the end of the iteration.
             if not work.is_completed():
                 return runtime.ZB_ERR_TIMEOUT
-            del self._requests[rid]
+            self._done.append(self._requests.pop(rid))
             return runtime.ZB_OK
-        del self._requests[rid]
+        self._done.append(self._requests.pop(rid))
         try:
             work.wait(timeout=datetime.timedelta(seconds=timeout_s))
         except RuntimeError as exc:
@@ -156,7 +193,8 @@ class TorchTransport:
     def cancel(self, rid):
         # gloo cannot withdraw a posted request; dropping it is all we can do. The pairs are
         # closed after the failure that led here anyway.
-        self._requests.pop(rid, None)
+        if rid in self._requests:
+            self._done.append(self._requests.pop(rid))
 
     def abort(self, reason):
         # There is no side channel to the peers over gloo: a peer learns of this failure when this
