@@ -169,7 +169,7 @@ static int better(const job_t *a, const job_t *b) {
 }
 
 /* The rule sets for the placement; `with_kinds` adds zb-auto's handcrafted candidates. Returns
- * the count, or -1 out of memory. `rules` gets per-rank warm-up caps and W holds (4p ints). */
+ * the count (at most MAX_JOBS). `rules` gets per-rank warm-up caps and W holds (4p ints). */
 static int make_jobs(const zb_schedule_t *s, int with_kinds, job_t *jobs, int *rules) {
   int p = s->p, n = 0;
   for (int r = 0; r < p; r++) {
@@ -243,12 +243,7 @@ static zb_status_t search(zb_schedule_t *s, double limit, int with_kinds) {
   if (cells > FULL_SEARCH_CELLS && m_small >= 2 * s->p) {
     /* Rank every rule set on a shorter copy, then run the best few at full size. */
     zb_schedule_t *small = NULL;
-    zb_schedule_spec_t spec = ZB_SCHEDULE_SPEC_INIT;
-    spec.kind = s->kind;
-    spec.stage_time_f = s->tf, spec.stage_time_b = s->tb, spec.stage_time_w = s->tw;
-    spec.stage_time_bw = s->tbw;
-    spec.time_comm = s->t_comm, spec.w_share = s->w_share, spec.mem_limit = s->mem_limit;
-    st = zb__schedule_alloc(&small, &spec, s->p, s->v, m_small, s->placement);
+    st = zb__schedule_clone_shape(s, m_small, &small);
     if (st == ZB_OK) {
       run_jobs(jobs, which, n, small, limit);
       zb__schedule_free(small);
@@ -285,23 +280,7 @@ static zb_status_t search(zb_schedule_t *s, double limit, int with_kinds) {
   else if (st == ZB_ERR_OUT_OF_MEMORY)
     st = ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory searching schedules for p=%d m=%d", s->p,
                  s->m);
-  if (st == ZB_OK) { /* move the winner's ops into s */
-    zb_schedule_t *b = jobs[win].best;
-    free(s->ops);
-    free(s->rank_off);
-    s->ops = b->ops;
-    s->rank_off = b->rank_off;
-    s->n_ops = b->n_ops;
-    b->ops = NULL;
-    b->rank_off = NULL;
-    zb__schedule_invalidate(s);
-    if (b->simulated) { /* and its times: the generators time as they go */
-      double *t0 = s->start, *t1 = s->end;
-      s->start = b->start, s->end = b->end;
-      b->start = t0, b->end = t1;
-      zb__schedule_fill_stats(s);
-    }
-  }
+  if (st == ZB_OK) zb__schedule_take(s, jobs[win].best);
   for (int q = 0; q < n; q++) zb__schedule_free(jobs[which[q]].best);
   free(rules);
   return st;

@@ -14,8 +14,6 @@
  * searched over the list scheduler's rule sets (greedy.c) and the round-based ones (rounds_v.c),
  * the shortest kept.
  */
-#include <stdlib.h>
-
 #include "internal.h"
 
 static zb_status_t gen_v(zb_schedule_t *s, double limit) {
@@ -47,11 +45,7 @@ static zb_status_t gen_controlled(zb_schedule_t *s, int third, double fallback) 
   zb_sim_result_t sr;
   if (have && (st != ZB_OK || zb_schedule_simulate(s, &sr) != ZB_OK || pr.cost < sr.cost - ZB_EPS ||
                (pr.cost <= sr.cost + ZB_EPS && pr.max_peak_memory < sr.max_peak_memory - ZB_EPS))) {
-    free(s->ops);
-    free(s->rank_off);
-    s->ops = pat->ops, s->rank_off = pat->rank_off, s->n_ops = pat->n_ops;
-    pat->ops = NULL, pat->rank_off = NULL;
-    zb__schedule_invalidate(s);
+    zb__schedule_take(s, pat);
     st = ZB_OK;
   }
   zb__schedule_free(pat);

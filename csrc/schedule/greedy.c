@@ -241,8 +241,8 @@ zb_status_t zb__greedy_schedule(zb_schedule_t *s, const zb__greedy_policy_t *pol
   zb__oplists_t l;
   zb_status_t st = zb__oplists_init(&l, p);
   if (st != ZB_OK) goto fail;
-  if (!g.nf || !g.nb || !g.nw || !g.endF || !g.endB || !g.t_free || !g.idle || !g.idle_since || !g.idle_from ||
-      !g.mem || !g.n_b_done || !g.n_f_done || !g.stages || !g.tree) {
+  if (!g.nf || !g.nb || !g.nw || !g.endF || !g.endB || !g.t_free || !g.idle || !g.idle_since ||
+      !g.idle_from || !g.mem || !g.n_b_done || !g.n_f_done || !g.stages || !g.tree) {
     st = ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory scheduling %d stages x %d microbatches", S, m);
     goto fail;
   }

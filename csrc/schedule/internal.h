@@ -59,6 +59,11 @@ zb_status_t zb__schedule_alloc(zb_schedule_t **out, const zb_schedule_spec_t *sp
                                int m, zb_placement_t placement);
 /* A new handle with the same shape, costs and limit as s but no ops (for trying candidates). */
 zb_status_t zb__schedule_clone_empty(const zb_schedule_t *s, zb_schedule_t **out);
+/* The same with m microbatches instead of s->m (zb-auto ranks its rule sets on a shorter copy). */
+zb_status_t zb__schedule_clone_shape(const zb_schedule_t *s, int m, zb_schedule_t **out);
+/* Moves `from`'s op lists (and its simulated times, if it has them) into s, which must have the
+ * same shape; `from` is left without ops, to be freed. */
+void zb__schedule_take(zb_schedule_t *s, zb_schedule_t *from);
 /* Frees everything; the same as zb_schedule_destroy without the public checks. */
 void zb__schedule_free(zb_schedule_t *s);
 /* Drops cached simulation results (after the ops changed). */

@@ -31,8 +31,6 @@ enum { NT = 6 };
 typedef struct {
   int p, m, nt;  /* nt: types in use (4 without W, 5 with pooled W, 6 with W per chunk) */
   int *slot;     /* [rank][type][mb] */
-  int *occupied; /* scratch: [slot] for one rank */
-  int cap;       /* slots a rank may use */
 } pat_t;
 
 static int *at(pat_t *t, int r, int type) { return t->slot + ((size_t)r * NT + type) * t->m; }
@@ -155,7 +153,11 @@ static void squeeze(pat_t *t, int with_w) {
     if (x > peak) peak = x;
   }
   int *ptr = calloc((size_t)p * NT, sizeof(int));
-  unsigned char *occ = calloc((size_t)p * t->cap, 1);
+  /* Ops only move to earlier slots, so the last slot in use now bounds every rank's slots. */
+  int cap = 1;
+  for (int r = 0; r < p; r++)
+    if (last_slot(t, r) + 1 > cap) cap = last_slot(t, r) + 1;
+  unsigned char *occ = calloc((size_t)p * cap, 1);
   if (!ptr || !occ) {
     free(ptr), free(occ);
     return; /* the caller's validation of the result catches an unsqueezed shape as well */
@@ -171,7 +173,7 @@ static void squeeze(pat_t *t, int with_w) {
     if (!fixed) {
       int to = *slot;
       for (int s = earliest(t, br, bt, mb); s < *slot; s++) {
-        if (occ[(size_t)br * t->cap + s]) continue;
+        if (occ[(size_t)br * cap + s]) continue;
         int was = *slot;
         *slot = s;
         int ok = peak_of(t, br) <= peak;
@@ -183,7 +185,7 @@ static void squeeze(pat_t *t, int with_w) {
       }
       *slot = to;
     }
-    if (*slot < t->cap) occ[(size_t)br * t->cap + *slot] = 1;
+    occ[(size_t)br * cap + *slot] = 1;
   }
   free(ptr), free(occ);
 }
@@ -222,7 +224,7 @@ zb_status_t zb__pattern_v(zb_schedule_t *s, int third) {
   int p = s->p, m = s->m;
   if (s->placement != ZB_PLACEMENT_V || s->v != 2)
     return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "the V building blocks need the V placement");
-  pat_t t = {p, m, 4, NULL, NULL, 6 * (m + 2 * p) + 64};
+  pat_t t = {p, m, 4, NULL};
   t.slot = malloc((size_t)p * NT * m * sizeof(int));
   if (!t.slot) return ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory for %d x %d slots", p, m);
   /* One microbatch's block: the slot of each of its four F/B ops on rank r; microbatch k's are

@@ -31,7 +31,9 @@
 static int down_of(int r) { return r; }
 static int up_of(const zb_schedule_t *s, int r) { return 2 * s->p - 1 - r; }
 
-/* How long rank r may idle before an op whose input arrives at `arrive` instead of starting a W. */
+/* How much longer rank r may idle, waiting for an op's input, instead of starting a W that would
+ * overrun the arrival: the largest bubble of any rank (or of the previous run, through its
+ * allowance) minus r's own bubble so far. */
 static double slack(const zb__placer_t *pl, const zb__rounds_policy_t *pol, double max_allow, int r) {
   double b = zb__placer_max_bubble(pl);
   if (pol->allow && max_allow - pol->allow[r] > b) b = max_allow - pol->allow[r];

@@ -306,7 +306,7 @@ zb_status_t zb__schedule_alloc(zb_schedule_t **out, const zb_schedule_spec_t *sp
   return ZB_OK;
 }
 
-zb_status_t zb__schedule_clone_empty(const zb_schedule_t *s, zb_schedule_t **out) {
+zb_status_t zb__schedule_clone_shape(const zb_schedule_t *s, int m, zb_schedule_t **out) {
   zb_schedule_spec_t spec = ZB_SCHEDULE_SPEC_INIT;
   spec.kind = s->kind;
   spec.stage_time_f = s->tf;
@@ -316,7 +316,26 @@ zb_status_t zb__schedule_clone_empty(const zb_schedule_t *s, zb_schedule_t **out
   spec.time_comm = s->t_comm;
   spec.w_share = s->w_share;
   spec.mem_limit = s->mem_limit;
-  return zb__schedule_alloc(out, &spec, s->p, s->v, s->m, s->placement);
+  return zb__schedule_alloc(out, &spec, s->p, s->v, m, s->placement);
+}
+
+zb_status_t zb__schedule_clone_empty(const zb_schedule_t *s, zb_schedule_t **out) {
+  return zb__schedule_clone_shape(s, s->m, out);
+}
+
+void zb__schedule_take(zb_schedule_t *s, zb_schedule_t *from) {
+  free(s->ops);
+  free(s->rank_off);
+  s->ops = from->ops, s->rank_off = from->rank_off, s->n_ops = from->n_ops;
+  from->ops = NULL, from->rank_off = NULL, from->n_ops = 0;
+  zb__schedule_invalidate(s);
+  if (from->simulated) { /* its times too: the searched generators time as they go */
+    double *t0 = s->start, *t1 = s->end;
+    s->start = from->start, s->end = from->end;
+    from->start = t0, from->end = t1;
+    zb__schedule_fill_stats(s);
+  }
+  zb__schedule_invalidate(from);
 }
 
 /* The chunks a kind uses when the spec says 0, and whether it accepts a given v. */
