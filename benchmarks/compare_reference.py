@@ -385,6 +385,13 @@ def _figures(schedule):
     return {"cost": r.cost, "bubble": r.bubble_rate, "busy": r.busy, "peak": r.max_peak_memory}
 
 
+def _bound_figures(schedule):
+    """zbpp's lower bound for the schedule's shape, costs and memory limit (zb_schedule_cost_bound):
+    no order, the reference's included, can be shorter."""
+    bound = schedule.cost_bound()
+    return {"bound": bound, "bubble_bound": schedule.bubble_bound()}
+
+
 def evaluate_ops(rank_ops, case):
     """Builds, validates (under the case's limit) and simulates op lists; returns figures or error."""
     try:
@@ -407,6 +414,7 @@ def run_zbpp(case, kind, v, limit):
                 return {"error": f"zbpp's {kind} gave placement {s.placement}, expected {case['placement']}"}
             s.validate()
             out = _figures(s)
+            out.update(_bound_figures(s))
             out["gen_ms"] = gen_ms
             return out
     except (zbpp.ZbError, ValueError) as exc:
@@ -481,11 +489,17 @@ def summarize(rows):
         losses = [r for r in cmp_rows if r["outcome"] == "loss"]
         worst = max(losses, key=lambda r: r["rel_diff"]) if losses else None
         est_rows = [r for r in rs if "estimate_matches" in r]
+        bound_rows = [r for r in cmp_rows if "bound" in r["zbpp"]]
         out.append({
             "group": group, "cases": len(rs), **count,
             "mean_bubble_zbpp": _mean(r["zbpp"]["bubble"] for r in cmp_rows),
             "mean_bubble_reference": _mean(r["reference"]["bubble"] for r in cmp_rows),
             "mean_rel_diff": _mean(r["rel_diff"] for r in cmp_rows),
+            "mean_bubble_bound": _mean(r["zbpp"]["bubble_bound"] for r in bound_rows),
+            "zbpp_at_bound": sum(r["zbpp"]["cost"] <= r["zbpp"]["bound"] * (1 + TIE_RTOL) for r in bound_rows),
+            "reference_at_bound": sum(r["reference"]["cost"] <= r["zbpp"]["bound"] * (1 + TIE_RTOL) for r in bound_rows),
+            "reference_below_bound": [r["case"] for r in bound_rows
+                                      if r["reference"]["cost"] < r["zbpp"]["bound"] * (1 - 1e-9)],
             "worst_loss": None if worst is None else {"rel_diff": worst["rel_diff"], "case": worst["case"]},
             "best_win": _best_win(cmp_rows),
             "zbpp_more_memory": [r["case"] for r in cmp_rows if r.get("zbpp_more_memory")],
@@ -523,7 +537,8 @@ def _pct(x, signed=False):
 
 
 def format_table(summary):
-    header = ["family", "cases", "zbpp wins / ties / losses", "mean bubble zbpp vs reference", "worst loss"]
+    header = ["family", "cases", "zbpp wins / ties / losses", "mean bubble zbpp vs reference", "worst loss",
+              "lower bound: mean bubble, zbpp / reference at it"]
     lines = []
     for s in summary:
         wtl = f"{s['win']} / {s['tie']} / {s['loss']}"
@@ -533,7 +548,9 @@ def format_table(summary):
         bubble = f"{_pct(s['mean_bubble_zbpp'])} vs {_pct(s['mean_bubble_reference'])}"
         worst = s["worst_loss"]
         worst = "none" if worst is None else f"{_pct(worst['rel_diff'], True)} ({worst['case']})"
-        lines.append([s["group"], str(s["cases"]), wtl, bubble, worst])
+        bound = (f"{_pct(s['mean_bubble_bound'])}, {s['zbpp_at_bound']} / {s['reference_at_bound']}"
+                 if s["mean_bubble_bound"] is not None else "n/a")
+        lines.append([s["group"], str(s["cases"]), wtl, bubble, worst, bound])
     widths = [max(len(r[i]) for r in lines + [header]) for i in range(len(header))]
 
     def fmt(r):
@@ -553,6 +570,14 @@ def format_notes(summary):
         if s["mean_rel_diff"] is not None:
             parts.append(f"mean zbpp-vs-reference {_pct(s['mean_rel_diff'], True)}")
             parts.append(f"mean peak zbpp {s['mean_peak_zbpp']:.3g} vs reference {s['mean_peak_reference']:.3g}")
+        if s["mean_bubble_bound"] is not None and s["mean_bubble_reference"]:
+            target = 0.9 * s["mean_bubble_reference"]
+            parts.append(f"10% below the reference would be a mean bubble of {_pct(target)}; the lower bound's mean is "
+                         f"{_pct(s['mean_bubble_bound'])}"
+                         + (" (out of reach for any scheduler)" if s["mean_bubble_bound"] > target else ""))
+        if s["reference_below_bound"]:
+            parts.append(f"BOUND BROKEN: the reference is shorter than the lower bound in {len(s['reference_below_bound'])} "
+                         f"cases ({', '.join(s['reference_below_bound'][:4])})")
         if s["zbpp_more_memory"]:
             shown = ", ".join(s["zbpp_more_memory"][:4]) + (", ..." if len(s["zbpp_more_memory"]) > 4 else "")
             parts.append(f"ZBPP PEAKS HIGHER in {len(s['zbpp_more_memory'])} cases ({shown})")
@@ -674,6 +699,11 @@ def main(argv=None):
         with open(args.json, "w", encoding="utf-8") as fh:
             json.dump(doc, fh, indent=1, default=float)
         log(f"wrote {args.json}")
+    broken = [c for s in summary for c in s["reference_below_bound"]]
+    if broken:
+        print(f"compare_reference: the reference is shorter than zbpp's lower bound in {len(broken)} case(s): "
+              "zb_schedule_cost_bound is wrong", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -222,6 +222,14 @@ typedef struct {
  * read them. */
 ZB_API zb_status_t zb_schedule_simulate(zb_schedule_t *schedule, zb_sim_result_t *out);
 
+/* A cost (largest rank span) that no schedule with this one's ranks, stages, placement, microbatches,
+ * costs and memory limit can go below, whatever its op order: the busiest rank's work, one
+ * microbatch's round trip and, for loop placement with one stage per rank, each rank's warm-up and
+ * drain under the memory limit (csrc/schedule/bound.c says why each holds). A schedule whose
+ * simulated cost equals it is shortest; the gap is the most any scheduler could still win. Needs no
+ * simulation and does not read the op lists. */
+ZB_API zb_status_t zb_schedule_cost_bound(const zb_schedule_t *schedule, double *out_cost);
+
 /* After zb_schedule_simulate: start/end of rank r's ops (aligned with zb_schedule_rank_ops). */
 ZB_API zb_status_t zb_schedule_rank_times(const zb_schedule_t *schedule, int32_t rank,
                                           const double **start, const double **end);

@@ -152,3 +152,17 @@ def test_zbpp_v_half_and_v_min_never_use_more_memory(results):
                     higher.append(f"{case_id} [{row['zbpp_generator']}]: peak {row['zbpp']['peak']:.4g} vs "
                                   f"{row['reference']['peak']:.4g}")
     assert not higher, "zbpp's v-half/v-min use more memory than the reference in:\n" + "\n".join(higher)
+
+
+def test_reference_never_beats_the_lower_bound(results):
+    """zb_schedule_cost_bound claims no order can be shorter; the reference's orders, written by
+    others, are an outside check of that claim."""
+    below = []
+    for case_id, rows in results.items():
+        for row in rows:
+            z, r = row["zbpp"], row["reference"]
+            if "bound" in z and "error" not in r and r["cost"] < z["bound"] * (1 - 1e-9):
+                below.append(f"{case_id} [{row['zbpp_generator']}]: reference {r['cost']:.9g} < bound {z['bound']:.9g}")
+            if "bound" in z:
+                assert z["cost"] >= z["bound"] * (1 - 1e-9), f"{case_id}: zbpp below its own bound"
+    assert not below, "the reference beat the lower bound (the bound is wrong) in:\n" + "\n".join(below)

@@ -255,6 +255,23 @@ def test_zero_bubble_kinds_meet_their_claims():
         assert r.max_peak_memory <= P + 1e-9
 
 
+def test_cost_bound_says_when_a_schedule_is_shortest():
+    # zb-auto at 1F1B's memory on the paper's 1.5B costs: the bound is met, so no order can do
+    # better; 1F1B on the same costs and memory is well above it, and the gap is its lost time.
+    times = {"f": 18.522, "b": 18.086, "w": 9.337}
+    with Schedule.generate("zb-auto", 8, 24, times=times, comm=0.601, mem_limit="p") as s:
+        cost, bound = s.simulate().cost, s.cost_bound()
+        assert bound == pytest.approx(cost, rel=1e-12)
+        assert s.bubble_bound() == pytest.approx(s.simulate().bubble_rate, abs=1e-12)
+    with Schedule.generate("1f1b", 8, 24, times=times, comm=0.601) as s:
+        r = s.simulate()
+        assert s.cost_bound() < r.cost - 5 * times["w"]  # 1F1B idles about (p-1) W more per rank
+        assert 0 <= s.bubble_bound() < r.bubble_rate
+    # A V schedule: still a bound, never above its cost.
+    with Schedule.generate("zb-v", 4, 8, times={"f": 1.3, "b": 0.9, "w": 0.6}, comm=0.1) as s:
+        assert 0 < s.cost_bound() <= s.simulate().cost + 1e-9
+
+
 def memory_peak(ops, v, w_share):
     """A rank's activation peak by the design's accounting: F adds 1/v, B frees (1-w)/v, W frees
     w/v, BW frees 1/v."""

@@ -634,6 +634,21 @@ class Schedule:
                   self.handle, ctypes.byref(raw))
         return _sim_result(raw)
 
+    def cost_bound(self):
+        """A cost no schedule of this shape, costs and memory limit can go below, whatever its op
+        order (zb_schedule_cost_bound): simulate().cost equal to it means shortest, proven; the gap
+        is the most any scheduler could still win. bubble_bound() is the same as a bubble rate."""
+        out = ctypes.c_double()
+        _lib.call("zb_schedule_cost_bound", [ctypes.c_void_p, ctypes.POINTER(ctypes.c_double)],
+                  self.handle, ctypes.byref(out))
+        return out.value
+
+    def bubble_bound(self):
+        """The lowest bubble rate any schedule of this shape, costs and limit could show: the
+        bubble of a schedule that met cost_bound() (over the simulated busiest rank's work)."""
+        bound, busy = self.cost_bound(), self.simulate().busy
+        return max(0.0, (bound - busy) / bound) if bound > 0 else 0.0
+
     def rank_times(self, rank):
         """(starts, ends) of rank `rank`'s ops, aligned with rank_ops(rank); simulates first if
         needed. Measured times (after set_times) are in milliseconds from the earliest start."""
