@@ -7,12 +7,14 @@ set_times, e.g. the main job's `train_gpt-<kind>-trace.json`: one event per op, 
 args = stage and microbatch), and prints:
   - the bubble the runner measured in that step;
   - that step's own per-stage costs (StageCosts.from_timelines: median op times, T_comm from the
-    waits, the runtime's per-op overhead) and the spread of each op type's times;
+    waits, the runtime's own time after each op by stage and type) and the spread of each op
+    type's times;
   - the same op order simulated on those costs: the bubble a plan would promise if it knew the
-    step's costs exactly (simulated, and as the runner measures it, overhead idle).
-If the last figure is far below the measured one, the difference is not in the costs a plan sees
-but in how much op times vary within the step (on a shared machine), which no plan made from
-medians can follow.
+    step's costs exactly (simulated; as the runner measures it, overhead idle, on the medians and
+    with op times drawn from the step's own, as StageCosts.expected_bubble does).
+If the last figure is still far below the measured one, the rest is in how op times vary within
+the step beyond what independent draws show (on a shared machine, ops slow down together when
+the other ranks compute), which no plan made from measured costs can follow.
 """
 
 import argparse
@@ -58,7 +60,8 @@ def main(argv=None):
           f"({len(rank_ops)} ranks, {S} stages, {m} microbatches)")
     print("this step's own costs (medians):")
     print("  " + costs.table().replace("\n", "\n  "))
-    print(f"  runtime overhead per op {costs.op_overhead:.3f} ms")
+    print(f"  the runtime's own time after each op (ms; median {costs.op_overhead:.3f}): " + ", ".join(
+        f"{k.upper()} " + " / ".join(f"{x:.3f}" for x in costs.overheads[k]) for k in ("f", "b", "w")) + " by stage")
     for r, ops in enumerate(rank_ops):
         spread = {}
         for (kind, _, _), a, b in zip(ops, starts[r], ends[r]):
@@ -68,8 +71,9 @@ def main(argv=None):
     with zbpp.Schedule.from_ops(rank_ops, m, placement=placement, times=costs.times(), comm=costs.time_comm,
                                 w_share=costs.w_share) as again:
         sim = again.simulate()
-        print(f"the same op order simulated on these costs: bubble {100 * sim.bubble_rate:.1f}%, "
-              f"{100 * costs.expected_bubble(again):.1f}% as the runner would measure it")
+        print(f"the same op order simulated on these costs: bubble {100 * sim.bubble_rate:.1f}%; as the runner "
+              f"would measure it {100 * costs.expected_bubble(again, draws=0):.1f}% on the medians, "
+              f"{100 * costs.expected_bubble(again):.1f}% with op times drawn from this step's")
     return 0
 
 

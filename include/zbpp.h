@@ -230,6 +230,14 @@ ZB_API zb_status_t zb_schedule_simulate(zb_schedule_t *schedule, zb_sim_result_t
  * simulation and does not read the op lists. */
 ZB_API zb_status_t zb_schedule_cost_bound(const zb_schedule_t *schedule, double *out_cost);
 
+/* Simulates the schedule's op order with the given durations instead of its per-stage costs:
+ * durations[r] points at rank r's op durations, aligned with zb_schedule_rank_ops (T_comm, memory and
+ * the rules as zb_schedule_simulate). *out gets the figures, busy from these durations; the handle's
+ * own simulation is left as it was, so this can be called many times (e.g. with op times drawn from
+ * a measured spread, to see what noise does to a plan). */
+ZB_API zb_status_t zb_schedule_simulate_durations(const zb_schedule_t *schedule,
+                                                  const double *const *durations, zb_sim_result_t *out);
+
 /* After zb_schedule_simulate: start/end of rank r's ops (aligned with zb_schedule_rank_ops). */
 ZB_API zb_status_t zb_schedule_rank_times(const zb_schedule_t *schedule, int32_t rank,
                                           const double **start, const double **end);

@@ -106,6 +106,8 @@ const char *zb__op_name(int type);
  * first stuck position of each rank. Used by zb_schedule_simulate and by the validator's deadlock
  * rule. Returns ZB_ERR_INVALID_SCHEDULE with a message when the ops cannot all run. */
 zb_status_t zb__simulate_times(const zb_schedule_t *s, double *start, double *end);
+/* The same with each op's duration from dur (aligned with s->ops) instead of the stage costs. */
+zb_status_t zb__simulate_durations(const zb_schedule_t *s, const double *dur, double *start, double *end);
 
 /* Span, busy and peak per rank and the overall figures from s->start/end (simulated or measured);
  * sets s->simulated. Spans run from a rank's earliest start to its latest end. */

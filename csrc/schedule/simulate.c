@@ -62,6 +62,10 @@ static int pending_dep(const zb_schedule_t *s, const zb_op_t *op, const double *
 }
 
 zb_status_t zb__simulate_times(const zb_schedule_t *s, double *start, double *end) {
+  return zb__simulate_durations(s, NULL, start, end);
+}
+
+zb_status_t zb__simulate_durations(const zb_schedule_t *s, const double *dur, double *start, double *end) {
   size_t n = (size_t)s->S * (size_t)s->m;
   double *endF = malloc(n * sizeof(double));
   double *endB = malloc(n * sizeof(double));     /* B or BW: what the stage below waits for */
@@ -87,7 +91,7 @@ zb_status_t zb__simulate_times(const zb_schedule_t *s, double *start, double *en
         zb_op_t dep;
         if (pending_dep(s, op, endF, endB, endBonly, r, &ready, &dep)) break;
         double t0 = ready > free_at[r] ? ready : free_at[r];
-        double t1 = t0 + zb__op_cost(s, op->type, op->stage);
+        double t1 = t0 + (dur ? dur[base + pos[r]] : zb__op_cost(s, op->type, op->stage));
         start[base + pos[r]] = t0;
         end[base + pos[r]] = t1;
         free_at[r] = t1;
@@ -127,6 +131,56 @@ zb_status_t zb__simulate_times(const zb_schedule_t *s, double *start, double *en
     st = ZB_FAIL(ZB_ERR_INVALID_SCHEDULE, "%s", msg);
   }
   free(endF), free(endB), free(endBonly), free(pos), free(free_at);
+  return st;
+}
+
+zb_status_t zb_schedule_simulate_durations(const zb_schedule_t *s, const double *const *durations,
+                                          zb_sim_result_t *out) {
+  ZB_ARG_NOT_NULL(s);
+  ZB_ARG_NOT_NULL(durations);
+  ZB_ARG_NOT_NULL(out);
+  ZB_CHECK(zb__validate_structure(s));
+  size_t n = (size_t)(s->n_ops ? s->n_ops : 1);
+  double *dur = malloc(n * sizeof(double)), *start = malloc(n * sizeof(double)), *end = malloc(n * sizeof(double));
+  if (!dur || !start || !end) {
+    free(dur), free(start), free(end);
+    return ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory simulating %d ops", s->n_ops);
+  }
+  zb_status_t st = ZB_OK;
+  for (int r = 0; r < s->p && st == ZB_OK; r++) {
+    int a = s->rank_off[r], b = s->rank_off[r + 1];
+    if (b > a && !durations[r]) {
+      st = ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "durations[%d] is NULL; rank %d has %d ops", r, r, b - a);
+      break;
+    }
+    for (int k = a; k < b && st == ZB_OK; k++) {
+      dur[k] = durations[r][k - a];
+      if (!(dur[k] >= 0) || isinf(dur[k]))
+        st = ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
+                     "durations[%d][%d] is %g; op durations must be finite and >= 0", r, k - a, dur[k]);
+    }
+  }
+  if (st == ZB_OK) st = zb__simulate_durations(s, dur, start, end);
+  if (st == ZB_OK) {
+    zb_sim_result_t res = {0, 0, 0, 0};
+    for (int r = 0; r < s->p; r++) {
+      int a = s->rank_off[r], b = s->rank_off[r + 1];
+      double busy = 0, mem = 0, peak = 0, first = 0, last = 0;
+      for (int k = a; k < b; k++) {
+        busy += dur[k];
+        mem += zb__op_mem(s, s->ops[k].type);
+        peak = fmax(peak, mem);
+        first = k == a ? start[k] : fmin(first, start[k]);
+        last = k == a ? end[k] : fmax(last, end[k]);
+      }
+      res.cost = fmax(res.cost, b > a ? last - first : 0);
+      res.busy = fmax(res.busy, busy);
+      res.max_peak_memory = fmax(res.max_peak_memory, peak);
+    }
+    res.bubble_rate = res.cost > 0 ? (res.cost - res.busy) / res.cost : 0;
+    *out = res;
+  }
+  free(dur), free(start), free(end);
   return st;
 }
 

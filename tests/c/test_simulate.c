@@ -48,6 +48,42 @@ static void test_two_ranks_by_hand(void **state) {
 
 /* Memory with a split backward, w = 0.25 on one rank: F +1, F +1, B -0.75, W -0.25, B, W.
  * Prefix: 1, 2, 1.25, 1, 0.25, 0 -> peak 2. */
+/* The same pipeline run with given op durations: the default ones reproduce the simulation, and
+ * rank 1's BW taking 7 instead of 5 moves rank 0's BW to [10, 15]: cost 15, busy 8 (rank 1),
+ * bubble 7/15. The handle's own simulation is left as it was. */
+static void test_simulate_durations_by_hand(void **state) {
+  (void)state;
+  const zb_op_t r0[] = {F(0, 0), X(0, 0)};
+  const zb_op_t r1[] = {F(1, 0), X(1, 0)};
+  const zb_op_t *ops[] = {r0, r1};
+  const int32_t counts[] = {2, 2};
+  zb_schedule_spec_t spec = zb_test_spec(ZB_KIND_CUSTOM, 2, 1, 1);
+  spec.time_f = 1, spec.time_b = 2, spec.time_w = 3, spec.time_comm = 0.5;
+  zb_schedule_t *s = NULL;
+  ZB_ASSERT_OK(zb_schedule_create_from_ops(&s, &spec, ZB_PLACEMENT_LOOP, ops, counts));
+  const double d0[] = {1, 5}, d1[] = {1, 5}, d1_slow[] = {1, 7};
+  const double *same[] = {d0, d1}, *slow[] = {d0, d1_slow};
+  zb_sim_result_t r, plain;
+  ZB_ASSERT_OK(zb_schedule_simulate_durations(s, same, &r));
+  ZB_ASSERT_OK(zb_schedule_simulate(s, &plain));
+  assert_near(r.cost, plain.cost), assert_near(r.busy, plain.busy), assert_near(r.bubble_rate, plain.bubble_rate);
+  ZB_ASSERT_OK(zb_schedule_simulate_durations(s, slow, &r));
+  assert_near(r.cost, 15), assert_near(r.busy, 8), assert_near(r.bubble_rate, 7.0 / 15);
+  assert_near(r.max_peak_memory, 1);
+  const double *st, *en;
+  ZB_ASSERT_OK(zb_schedule_rank_times(s, 0, &st, &en));
+  assert_near(st[1], 8); /* still the schedule's own simulation */
+
+  const double bad[] = {1, -1};
+  const double *negative[] = {d0, bad}, *missing[] = {d0, NULL};
+  ASSERT_STATUS(zb_schedule_simulate_durations(s, negative, &r), ZB_ERR_INVALID_ARGUMENT);
+  ASSERT_CONTAINS(zb_last_error(), "durations[1][1]");
+  ASSERT_STATUS(zb_schedule_simulate_durations(s, missing, &r), ZB_ERR_INVALID_ARGUMENT);
+  ASSERT_CONTAINS(zb_last_error(), "durations[1] is NULL");
+  ASSERT_STATUS(zb_schedule_simulate_durations(s, NULL, &r), ZB_ERR_INVALID_ARGUMENT);
+  zb_schedule_destroy(s);
+}
+
 static void test_memory_split_backward(void **state) {
   (void)state;
   const zb_op_t r0[] = {F(0, 0), F(0, 1), B(0, 0), W(0, 0), B(0, 1), W(0, 1)};
@@ -123,6 +159,7 @@ static void test_bubble_uses_busiest_rank(void **state) {
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_two_ranks_by_hand),
+      cmocka_unit_test(test_simulate_durations_by_hand),
       cmocka_unit_test(test_memory_split_backward),
       cmocka_unit_test(test_stage_times),
       cmocka_unit_test(test_bubble_uses_busiest_rank),

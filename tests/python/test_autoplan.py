@@ -45,7 +45,9 @@ def test_costs_json_round_trip(tmp_path):
     c = _costs()
     obj = json.loads(c.to_json())
     assert list(obj) == ["format", "version", "unit", "ranks", "chunks", "placement", "time_f", "time_b", "time_w",
-                         "time_bw", "time_comm", "w_share", "mem_f_bytes", "op_overhead"]
+                         "time_bw", "time_comm", "w_share", "mem_f_bytes", "op_overhead",
+                         "overhead_f", "overhead_b", "overhead_w", "overhead_bw"]
+    assert obj["overhead_f"] == [c.op_overhead] * 2 and obj["overhead_bw"] is None
     assert obj["format"] == "zbpp-costs" and obj["version"] == 1 and obj["unit"] == "ms"
     assert obj["time_bw"] is None and obj["mem_f_bytes"] == [4000, 2000]
     assert StageCosts.from_json(c.to_json()) == c
@@ -160,6 +162,61 @@ def test_from_timelines_recovers_stage_costs_and_comm():
     assert c.time_comm == pytest.approx(0.375, rel=1e-9)
     assert (c.ranks, c.chunks, c.placement, c.mem_f_bytes, c.w_share) == (3, 1, "loop", [10, 20, 30], 0.25)
     for t in timelines:
+        t.close()
+
+
+def test_overhead_after_sending_ops_is_theirs_and_predicted():
+    # The runtime's gap after an op depends on the op: posting a send to another rank takes time,
+    # an op whose output stays on its rank is followed by almost nothing. A run where every F and B
+    # that sends is followed by `send` ms and every other op by `local` ms: each stage and type gets
+    # its own overhead, T_comm is the transfer alone, and the plan's bubble as the runner measures
+    # it is predicted (a single overhead for all ops would not: it is off by about a point here).
+    times = {"f": [1.0, 1.5, 2.0], "b": [2.0, 2.5, 3.0], "w": [0.25, 0.5, 1.0]}
+    send, local, comm = 0.5, 0.03125, 0.375
+    over = {"f": [send, send, local], "b": [local, send, send], "w": [local] * 3}
+    slotted = {k: [x + over[k][s] for s, x in enumerate(v)] for k, v in times.items()}
+    planned = zbpp.Schedule.generate("zb-h1", p=3, m=6, times=slotted, comm=comm)
+    planned.simulate()
+    starts, ends = [], []
+    for r in range(3):
+        s, e = planned.rank_times(r)
+        ops = planned.rank_ops(r)
+        starts.append([x / 1000 for x in s])
+        ends.append([(e[k] - over[op.type.lower()][op.stage]) / 1000 for k, op in enumerate(ops)])
+    with zbpp.Schedule.from_csv(planned.to_csv()) as t:
+        measured = t.set_times(starts, ends)
+        c = StageCosts.from_timelines([t])
+    for key in ("f", "b", "w"):
+        assert c.overheads[key] == pytest.approx(over[key], rel=1e-9), key
+        assert getattr(c, "time_" + key) == pytest.approx(slotted[key], rel=1e-9), key
+    assert c.time_comm == pytest.approx(comm, rel=1e-9)
+    assert StageCosts.from_json(c.to_json()) == c
+    with c.plan("zb-h1", 6) as again:
+        assert again.to_csv() == planned.to_csv()
+        assert c.expected_bubble(again) == pytest.approx(measured.bubble_rate, abs=0.002)
+        one = StageCosts(3, 1, "loop", c.time_f, c.time_b, c.time_w, time_comm=c.time_comm, op_overhead=c.op_overhead)
+        assert abs(one.expected_bubble(again) - measured.bubble_rate) > 0.005
+
+
+def test_expected_bubble_counts_the_measured_spread_of_op_times():
+    # Steps whose ops take their time or 1.5 times it: the medians alone plan for a steady pipeline,
+    # but an op that runs long delays the rank waiting for it. Drawn from the measured durations,
+    # the expected bubble is higher, the same every time, and equal to the plain figure when the
+    # steps did not vary.
+    times = {"f": [1.0, 1.5, 2.0], "b": [2.0, 2.5, 3.0], "w": [0.5, 0.5, 1.0]}
+    steady = [_measured("zb-h1", 3, 6, times, 0.25) for _ in range(2)]
+    noisy = steady + [_measured("zb-h1", 3, 6, times, 0.25, scale=1.5)]
+    c_steady, c_noisy = StageCosts.from_timelines(steady), StageCosts.from_timelines(noisy)
+    with c_steady.plan("zb-h1", 6) as plan:
+        plain = c_steady.expected_bubble(plan, draws=0)
+        assert c_steady.expected_bubble(plan) == pytest.approx(plain, abs=1e-12)
+    with c_noisy.plan("zb-h1", 6) as plan:
+        plain, spread = c_noisy.expected_bubble(plan, draws=0), c_noisy.expected_bubble(plan)
+        assert spread > plain + 0.005, (spread, plain)
+        assert c_noisy.expected_bubble(plan) == spread
+        # Costs read back from a file carry no durations: the plain figure.
+        assert StageCosts.from_json(c_noisy.to_json()).expected_bubble(plan) == pytest.approx(plain)
+    for t in noisy:
         t.close()
 
 

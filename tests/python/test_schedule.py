@@ -272,6 +272,27 @@ def test_cost_bound_says_when_a_schedule_is_shortest():
         assert 0 < s.cost_bound() <= s.simulate().cost + 1e-9
 
 
+def test_simulate_durations_runs_the_order_with_given_op_times():
+    times = {"f": [1.0, 1.5], "b": [2.0, 2.5], "w": [0.5, 0.75]}
+    with Schedule.generate("zb-h1", 2, 4, times=times, comm=0.25) as s:
+        plain = s.simulate()
+        ops = [s.rank_ops(r) for r in range(2)]
+        own = [[times[op.type.lower()][op.stage] for op in rank] for rank in ops]
+        same = s.simulate_durations(own)
+        assert same.cost == pytest.approx(plain.cost) and same.bubble_rate == pytest.approx(plain.bubble_rate)
+        # Rank 1's last op (a W, nothing waits on it) one unit longer: the cost grows by as much.
+        longer = [list(own[0]), own[1][:-1] + [own[1][-1] + 1.0]]
+        assert ops[1][-1].type == "W"
+        got = s.simulate_durations(longer)
+        assert got.cost == pytest.approx(max(plain.cost, s.rank_stats(1)[0] + 1.0))
+        assert got.busy == pytest.approx(max(sum(longer[0]), sum(longer[1])))
+        assert s.simulate().cost == plain.cost  # the handle's own simulation is kept
+        with pytest.raises(ValueError, match="rank 1 has"):
+            s.simulate_durations([own[0], own[1][:-1]])
+        with pytest.raises(ZbError, match="finite and >= 0"):
+            s.simulate_durations([own[0], own[1][:-1] + [-1.0]])
+
+
 def memory_peak(ops, v, w_share):
     """A rank's activation peak by the design's accounting: F adds 1/v, B frees (1-w)/v, W frees
     w/v, BW frees 1/v."""

@@ -9,7 +9,8 @@ reads too (`zbpp schedule KIND --stage-times FILE`):
 
     {"format": "zbpp-costs", "version": 1, "unit": "ms", "ranks": 2, "chunks": 2, "placement": "v",
      "time_f": [S], "time_b": [S], "time_w": [S], "time_bw": [S] or null,
-     "time_comm": 0.05, "w_share": 0.41, "mem_f_bytes": [S], "op_overhead": 0.2}
+     "time_comm": 0.05, "w_share": 0.41, "mem_f_bytes": [S], "op_overhead": 0.2,
+     "overhead_f": [S], "overhead_b": [S], "overhead_w": [S], "overhead_bw": [S] or null}
 
 Times are absolute per stage, in milliseconds (zb_schedule_spec_t.stage_time_*, not a per-rank
 time divided by v). time_bw null means B + W. Reading follows the tool's rules: time_f, time_b and
@@ -27,9 +28,14 @@ input: its rank's previous op had ended before the producer did (so the gap is t
 queueing behind other work), less the runtime's per-op overhead; 0 when there is no such
 dependency. That overhead (op_overhead) is the median gap between two consecutive ops of a rank
 where the second's inputs had all arrived when the first ended: only the runtime (callbacks,
-posting transfers) kept the rank from starting it. It is added to every op's time, so plans are
-made for the slots ops really take, and kept apart so expected_bubble can predict the bubble as the
-runner's timestamps measure it (the overhead idle). Clocks must be comparable across ranks (one
+posting transfers) kept the rank from starting it. That gap belongs to the first op, and it is not
+the same for all: an op whose output goes to another rank is followed by posting the send (a few
+tenths of a millisecond over gloo), one that stays on its rank by almost nothing. So each stage and
+op type gets its own overhead (overhead_f/b/w/bw: the median gap after its ops; op_overhead, the
+median over all, where a type has no sample), T_comm is the wait-gap less the producer's overhead,
+and each overhead is added to its op's time, so plans are made for the slots ops really take. They
+are kept apart so expected_bubble can predict the bubble as the runner's timestamps measure it (the
+overhead idle). Clocks must be comparable across ranks (one
 host, CLOCK_MONOTONIC), as for timeline().
 
 Activation memory (`ActivationMeter`): the bytes autograd has saved for the backward of a stage's
@@ -52,6 +58,7 @@ import json
 import math
 import numbers
 import os
+import random
 import re
 import statistics
 
@@ -62,6 +69,7 @@ __all__ = ["StageCosts", "ActivationMeter", "FORMAT", "VERSION", "parse_mem_limi
 FORMAT = "zbpp-costs"
 VERSION = 1
 _PLACEMENTS = ("loop", "v")
+_OP_KEYS = ("f", "b", "w", "bw")
 _V_KINDS = ("zb-v", "v-half", "v-min")
 
 _UNITS = {"b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12,
@@ -162,7 +170,7 @@ class StageCosts:
     """
 
     def __init__(self, ranks, chunks, placement, time_f, time_b, time_w, time_bw=None, time_comm=0.0,
-                 w_share=0.5, mem_f_bytes=None, op_overhead=0.0, where="StageCosts"):
+                 w_share=0.5, mem_f_bytes=None, op_overhead=0.0, overheads=None, where="StageCosts"):
         self.ranks = _count(ranks, where, "ranks")
         self.chunks = _count(chunks, where, "chunks")
         if placement not in _PLACEMENTS:
@@ -185,6 +193,14 @@ class StageCosts:
         # for it; kept apart so a plan's bubble can be predicted as the runner measures it, where
         # that gap is idle time.
         self.op_overhead = _finite(op_overhead, where, "op_overhead")
+        self.samples = None  # from_timelines: the measured op durations per type and stage
+        # Per stage and op type (a dict of "f", "b", "w", "bw" lists; missing or None: op_overhead).
+        given = overheads or {}
+        self.overheads = {}
+        for key in _OP_KEYS:
+            values = given.get(key)
+            self.overheads[key] = ([self.op_overhead] * S if values is None
+                                   else _stage_list(values, S, where, "overhead_" + key))
 
     @property
     def stages(self):
@@ -198,7 +214,9 @@ class StageCosts:
                 "time_w": list(self.time_w), "time_bw": None if self.time_bw is None else list(self.time_bw),
                 "time_comm": self.time_comm, "w_share": self.w_share,
                 "mem_f_bytes": None if self.mem_f_bytes is None else [int(round(x)) for x in self.mem_f_bytes],
-                "op_overhead": self.op_overhead}
+                "op_overhead": self.op_overhead,
+                **{"overhead_" + k: list(self.overheads[k]) for k in ("f", "b", "w")},
+                "overhead_bw": None if self.time_bw is None else list(self.overheads["bw"])}
 
     def to_json(self):
         """The zbpp-costs JSON text (one object, a newline at the end)."""
@@ -235,7 +253,8 @@ class StageCosts:
 
         return cls(obj["ranks"], obj["chunks"], obj["placement"], obj["time_f"], obj["time_b"], obj["time_w"],
                    time_bw=obj.get("time_bw"), time_comm=opt("time_comm", 0.0), w_share=opt("w_share", 0.5),
-                   mem_f_bytes=obj.get("mem_f_bytes"), op_overhead=opt("op_overhead", 0.0), where=where)
+                   mem_f_bytes=obj.get("mem_f_bytes"), op_overhead=opt("op_overhead", 0.0),
+                   overheads={k: obj.get("overhead_" + k) for k in _OP_KEYS}, where=where)
 
     @classmethod
     def from_json(cls, text, where="zbpp-costs"):
@@ -286,7 +305,7 @@ class StageCosts:
         p, S, placement = first.ranks, first.stages, first.placement
         v = S // p
         samples = {key: [[] for _ in range(S)] for key in ("F", "B", "W", "BW")}
-        gaps, overheads = [], []
+        gaps, runs = [], []
         for t in timelines:
             if (t.ranks, t.stages, t.placement) != (p, S, placement):
                 raise ValueError(f"StageCosts.from_timelines: the timelines are of different pipelines "
@@ -299,7 +318,7 @@ class StageCosts:
                     where[(op.type, op.stage, op.mb)] = (r, k)
                     samples[op.type][op.stage].append(times[r][1][k] - times[r][0][k])
             gaps += _wait_gaps(ops, times, where, S)
-            overheads += _ready_gaps(ops, times, where, S)
+            runs.append((ops, times, where))
         medians = {key: [statistics.median(x) if x else None for x in per] for key, per in samples.items()}
         time_f, time_b, time_w = [], [], []
         for s in range(S):
@@ -317,31 +336,71 @@ class StageCosts:
         time_bw = None
         if has_bw:
             time_bw = [medians["BW"][s] if medians["BW"][s] is not None else time_b[s] + time_w[s] for s in range(S)]
-        # Every op costs the runtime's own gap as well; in the times, so plans count it. A wait for
-        # another rank ends with that gap too, which is the op's, not the transfer's.
-        over = max(0.0, statistics.median(overheads)) if overheads else 0.0
-        comm = max(0.0, statistics.median(gaps) - over) if gaps else 0.0
-        time_f = [x + over for x in time_f]
-        time_b = [x + over for x in time_b]
-        time_w = [x + over for x in time_w]
+        # The runtime's own gap after each op (see the module docstring): per stage and type where
+        # there are samples, else the median over all. It is in the op's time, so plans count it;
+        # a wait for another rank includes the producer's gap, which is the producer's, not the
+        # transfer's.
+        # Which gaps are the runtime's depends on T_comm (an input still in flight is not
+        # overhead), and T_comm on the producers' overheads: two rounds settle both.
+        comm = 0.0
+        for _ in range(2):
+            after = {key: [[] for _ in range(S)] for key in ("f", "b", "w", "bw")}
+            for ops, times, where in runs:
+                for op, gap in _ready_gaps(ops, times, where, S, comm):
+                    after[op.type.lower()][op.stage].append(gap)
+            everything = [g for per in after.values() for x in per for g in x]
+            over = max(0.0, statistics.median(everything)) if everything else 0.0
+            overheads = {key: [max(0.0, statistics.median(x)) if x else over for x in per]
+                         for key, per in after.items()}
+            comm_samples = [gap - overheads[producer.type.lower()][producer.stage] for producer, gap in gaps]
+            comm = max(0.0, statistics.median(comm_samples)) if comm_samples else 0.0
+        time_f = [x + overheads["f"][s] for s, x in enumerate(time_f)]
+        time_b = [x + overheads["b"][s] for s, x in enumerate(time_b)]
+        time_w = [x + overheads["w"][s] for s, x in enumerate(time_w)]
         if time_bw is not None:
-            time_bw = [x + over for x in time_bw]
-        return cls(p, v, placement, time_f, time_b, time_w, time_bw=time_bw, time_comm=comm,
-                   w_share=0.5 if w_share is None else w_share, mem_f_bytes=mem_f_bytes, op_overhead=over)
+            time_bw = [x + overheads["bw"][s] for s, x in enumerate(time_bw)]
+        out = cls(p, v, placement, time_f, time_b, time_w, time_bw=time_bw, time_comm=comm,
+                  w_share=0.5 if w_share is None else w_share, mem_f_bytes=mem_f_bytes, op_overhead=over,
+                  overheads=overheads)
+        # Every measured duration (without the overhead), for expected_bubble's spread; not saved.
+        out.samples = {key.lower(): [list(x) for x in per] for key, per in samples.items()}
+        return out
 
-    def expected_bubble(self, schedule):
-        """The bubble rate the runner should measure for `schedule` (simulated on these costs): the
-        simulator counts each op's overhead as work, the runner's timestamps count it as idle, so
-        busy time loses op_overhead per op (the paper's definition: span minus the busiest rank's
-        work, over the span)."""
+    def expected_bubble(self, schedule, draws=64):
+        """The bubble rate the runner should measure for `schedule` on these costs (the paper's
+        definition: span minus the busiest rank's work, over the span). Two things the plain
+        simulation misses: the runner's timestamps count each op's overhead as idle, where the
+        simulator counts it as work; and op times vary (on a shared CPU by tens of percent within a
+        step), which only ever adds bubble, since an op late on one rank delays the ranks waiting on
+        it. With the measured durations at hand (costs from from_timelines), the op order is
+        simulated `draws` times with every op's duration drawn from those measured for its stage and
+        type, and the median bubble is returned (the main job reports the median over steps too;
+        fewer draws on pipelines of more than 30,000 ops); without them (costs loaded from a file), the simulation on the medians."""
         sim = schedule.simulate()
         if sim.cost <= 0:
             return 0.0
-        busy = 0.0
-        for r in range(schedule.ranks):
-            _span, rank_busy, _peak = schedule.rank_stats(r)
-            busy = max(busy, rank_busy - self.op_overhead * len(schedule.rank_ops(r)))
-        return max(0.0, (sim.cost - busy) / sim.cost)
+        ops = [schedule.rank_ops(r) for r in range(schedule.ranks)]
+        over = [[self.overheads[op.type.lower()][op.stage] for op in rank] for rank in ops]
+        pools = None
+        if self.samples is not None and draws > 0 and (schedule.ranks, schedule.stages) == (self.ranks, self.stages):
+            pools = [[self.samples[op.type.lower()][op.stage] for op in rank] for rank in ops]
+            if any(not pool for rank in pools for pool in rank):
+                pools = None
+        if pools is None:
+            busy = 0.0
+            for r in range(schedule.ranks):
+                _span, rank_busy, _peak = schedule.rank_stats(r)
+                busy = max(busy, rank_busy - sum(over[r]))
+            return max(0.0, (sim.cost - busy) / sim.cost)
+        rng = random.Random(0)  # the same plan gets the same figure
+        results = []
+        n_ops = sum(len(rank) for rank in ops)
+        for _ in range(max(4, min(draws, 2_000_000 // max(n_ops, 1)))):  # a second or two on big pipelines
+            work = [[rng.choice(pool) for pool in rank] for rank in pools]
+            res = schedule.simulate_durations([[w + o for w, o in zip(wr, orr)] for wr, orr in zip(work, over)])
+            busy = max(sum(wr) for wr in work)
+            results.append(max(0.0, (res.cost - busy) / res.cost) if res.cost > 0 else 0.0)
+        return statistics.median(results)
 
     # ---- planning --------------------------------------------------------------------------------
 
@@ -429,8 +488,8 @@ def _kind_name_of(kind):
 
 
 def _wait_gaps(ops, times, where, S):
-    """T_comm samples of one timeline: for each cross-rank dependency whose consumer's rank was idle
-    when the producer ended, consumer start - producer end."""
+    """T_comm samples of one timeline, as (producer op, gap): for each cross-rank dependency whose
+    consumer's rank was idle when the producer ended, consumer start - producer end."""
     gaps = []
     for r, rank_ops in enumerate(ops):
         starts, ends = times[r]
@@ -450,14 +509,16 @@ def _wait_gaps(ops, times, where, S):
             produced = times[pr][1][pk]
             previous_end = ends[k - 1] if k > 0 else -math.inf
             if previous_end <= produced:
-                gaps.append(starts[k] - produced)
+                gaps.append((ops[pr][pk], starts[k] - produced))
     return gaps
 
 
-def _ready_gaps(ops, times, where, S):
-    """Per-op overhead samples of one timeline: for each op (not a rank's first) whose inputs from
-    other ranks had all arrived by the time the rank's previous op ended, the gap between the two:
-    nothing but the runtime kept the rank from starting it at once."""
+def _ready_gaps(ops, times, where, S, comm=0.0):
+    """Per-op overhead samples of one timeline, as (op, gap): for each op (not a rank's first) whose
+    inputs from other ranks had all arrived (producer end + comm) by the time the rank's previous
+    op ended, the gap
+    between the two, which belongs to the previous op: nothing but the runtime (its callbacks,
+    posting the previous op's sends) kept the rank from starting at once."""
     gaps = []
     for r, rank_ops in enumerate(ops):
         starts, ends = times[r]
@@ -470,9 +531,9 @@ def _ready_gaps(ops, times, where, S):
             else:
                 deps = []
             found = next((where[d] for d in deps if d in where), None)
-            if found is not None and found[0] != r and times[found[0]][1][found[1]] > ends[k - 1]:
+            if found is not None and found[0] != r and times[found[0]][1][found[1]] + comm > ends[k - 1]:
                 continue  # it waited for another rank: that gap is T_comm or bubble, not overhead
-            gaps.append(starts[k] - ends[k - 1])
+            gaps.append((rank_ops[k - 1], starts[k] - ends[k - 1]))
     return gaps
 
 

@@ -877,8 +877,8 @@ class PlanInfo(NamedTuple):
     `profile_steps`; `digest` the SHA-256 of the op lists that run now (equal on every rank),
     `files` what save_plan_dir received. `expected_bubble`: the bubble the runner should measure
     for the plan that runs now (StageCosts.expected_bubble: the simulation with each op's measured
-    runtime overhead counted as idle, as the runner's timestamps count it); None without measured
-    costs."""
+    runtime overhead counted as idle, as the runner's timestamps count it, and op times drawn from
+    the measured ones); None without measured costs."""
 
     step: int
     kind: str
@@ -907,7 +907,7 @@ class PlanInfo(NamedTuple):
         else:
             text += f": simulated bubble {100 * self.simulated.bubble_rate:.1f}%"
         if self.expected_bubble is not None:
-            text += f", {100 * self.expected_bubble:.1f}% expected as measured (runtime overhead idle)"
+            text += f", {100 * self.expected_bubble:.1f}% expected as measured (runtime overhead idle, measured op-time spread)"
         if self.before is not None and self.switched:
             text += f" (the previous plan: {100 * self.before.bubble_rate:.1f}% on the same costs"
             text += (f", measured {100 * self.measured_bubble:.1f}%)" if self.measured_bubble is not None else ")")

@@ -704,6 +704,33 @@ class Schedule:
         del keep  # copied during the call
         return _sim_result(raw)
 
+    def simulate_durations(self, durations):
+        """The figures of this op order run with the given op durations instead of the per-stage
+        costs (zb_schedule_simulate_durations): durations holds one list per rank, aligned with
+        rank_ops(r). The schedule's own simulation is left as it was, so this can be called many
+        times, e.g. with op times drawn from a measured spread."""
+        p = self.ranks
+        if isinstance(durations, (str, bytes)) or not hasattr(durations, "__len__") or len(durations) != p:
+            raise ValueError(f"simulate_durations: durations must hold one list per rank ({p} lists), "
+                             f"got {durations!r:.80}")
+        keep = []
+        ptrs = (_c_double_p * p)()
+        for r in range(p):
+            n, values = len(self.rank_ops(r)), durations[r]
+            if isinstance(values, (str, bytes)) or not hasattr(values, "__len__") or len(values) != n:
+                got = len(values) if hasattr(values, "__len__") else repr(values)
+                raise ValueError(f"simulate_durations: durations[{r}] has {got} values; rank {r} has {n} ops "
+                                 "and needs one duration per op")
+            buf = (ctypes.c_double * max(n, 1))(*(_number(t, f"simulate_durations: durations[{r}]") for t in values))
+            keep.append(buf)
+            ptrs[r] = ctypes.cast(buf, _c_double_p)
+        raw = _SimResult()
+        _lib.call("zb_schedule_simulate_durations",
+                  [ctypes.c_void_p, ctypes.POINTER(_c_double_p), ctypes.POINTER(_SimResult)],
+                  self.handle, ptrs, ctypes.byref(raw))
+        del keep
+        return _sim_result(raw)
+
     def stage_costs(self):
         """Per-stage mean op durations of the current times: {'f': [S], 'b': [S], 'w': [S],
         'bw': [S]} (simulated: the spec's units; after set_times: milliseconds). A stage with no op

@@ -220,8 +220,8 @@ def _plan_lines(info):
     if info.measured_bubble is not None:
         sim += f", {100 * info.measured_bubble:.1f}% measured"
     if info.expected_bubble is not None and info.costs is not None:
-        sim += (f"\n  expected as measured: {100 * info.expected_bubble:.1f}% (the runtime's "
-                f"{info.costs.op_overhead:.3f} ms per op counted as idle, as the runner's timestamps count it)")
+        sim += (f"\n  expected as measured: {100 * info.expected_bubble:.1f}% (the runtime's own time after each op "
+                f"counted as idle, as the runner's timestamps count it, and op times drawn from those measured)")
     return "\n".join(lines + [sim])
 
 
