@@ -16,12 +16,8 @@ static void assert_near(double got, double want) {
   if (fabs(got - want) > 1e-12) fail_msg("got %.15g, want %.15g", got, want);
 }
 
-/* One microbatch through two ranks, fused backward, T_F=1, T_B=2, T_W=3 (BW = 5), T_comm = 0.5:
- *   rank 0: F [0,1]            ...                BW [8,13]
- *   rank 1:        F [1.5,2.5]  BW [2.5,7.5]
- * spans 13 and 6, busy 6 each, cost 13, bubble (13-6)/13. */
-static void test_two_ranks_by_hand(void **state) {
-  (void)state;
+/* One microbatch through two ranks, fused backward, T_F=1, T_B=2, T_W=3 (BW = 5), T_comm = 0.5. */
+static zb_schedule_t *two_ranks_one_microbatch(void) {
   const zb_op_t r0[] = {F(0, 0), X(0, 0)};
   const zb_op_t r1[] = {F(1, 0), X(1, 0)};
   const zb_op_t *ops[] = {r0, r1};
@@ -30,6 +26,16 @@ static void test_two_ranks_by_hand(void **state) {
   spec.time_f = 1, spec.time_b = 2, spec.time_w = 3, spec.time_comm = 0.5;
   zb_schedule_t *s = NULL;
   ZB_ASSERT_OK(zb_schedule_create_from_ops(&s, &spec, ZB_PLACEMENT_LOOP, ops, counts));
+  return s;
+}
+
+/* That pipeline by hand:
+ *   rank 0: F [0,1]            ...                BW [8,13]
+ *   rank 1:        F [1.5,2.5]  BW [2.5,7.5]
+ * spans 13 and 6, busy 6 each, cost 13, bubble (13-6)/13. */
+static void test_two_ranks_by_hand(void **state) {
+  (void)state;
+  zb_schedule_t *s = two_ranks_one_microbatch();
   zb_sim_result_t r;
   ZB_ASSERT_OK(zb_schedule_simulate(s, &r));
   const double *st, *en;
@@ -46,21 +52,12 @@ static void test_two_ranks_by_hand(void **state) {
   zb_schedule_destroy(s);
 }
 
-/* Memory with a split backward, w = 0.25 on one rank: F +1, F +1, B -0.75, W -0.25, B, W.
- * Prefix: 1, 2, 1.25, 1, 0.25, 0 -> peak 2. */
 /* The same pipeline run with given op durations: the default ones reproduce the simulation, and
  * rank 1's BW taking 7 instead of 5 moves rank 0's BW to [10, 15]: cost 15, busy 8 (rank 1),
  * bubble 7/15. The handle's own simulation is left as it was. */
 static void test_simulate_durations_by_hand(void **state) {
   (void)state;
-  const zb_op_t r0[] = {F(0, 0), X(0, 0)};
-  const zb_op_t r1[] = {F(1, 0), X(1, 0)};
-  const zb_op_t *ops[] = {r0, r1};
-  const int32_t counts[] = {2, 2};
-  zb_schedule_spec_t spec = zb_test_spec(ZB_KIND_CUSTOM, 2, 1, 1);
-  spec.time_f = 1, spec.time_b = 2, spec.time_w = 3, spec.time_comm = 0.5;
-  zb_schedule_t *s = NULL;
-  ZB_ASSERT_OK(zb_schedule_create_from_ops(&s, &spec, ZB_PLACEMENT_LOOP, ops, counts));
+  zb_schedule_t *s = two_ranks_one_microbatch();
   const double d0[] = {1, 5}, d1[] = {1, 5}, d1_slow[] = {1, 7};
   const double *same[] = {d0, d1}, *slow[] = {d0, d1_slow};
   zb_sim_result_t r, plain;
@@ -84,6 +81,8 @@ static void test_simulate_durations_by_hand(void **state) {
   zb_schedule_destroy(s);
 }
 
+/* Memory with a split backward, w = 0.25 on one rank: F +1, F +1, B -0.75, W -0.25, B, W.
+ * Prefix: 1, 2, 1.25, 1, 0.25, 0 -> peak 2. */
 static void test_memory_split_backward(void **state) {
   (void)state;
   const zb_op_t r0[] = {F(0, 0), F(0, 1), B(0, 0), W(0, 0), B(0, 1), W(0, 1)};
