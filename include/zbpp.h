@@ -439,21 +439,26 @@ ZB_API zb_status_t zb_optim_undo(zb_backend_t *backend, const zb_optim_step_t *s
  *   dw[out, in] += dy[rows, out]^T * x[rows, in]     (fp32 accumulation, beta = 1)
  *   db[out]     += sum over rows of dy                (when db is not NULL)
  *
- * x and dy are row-major with leading dimensions ldx/ldy (0: dense). Who frees them: the caller
+ * x and dy are row-major: ldx/ldy is the distance between rows in elements, at least the row's
+ * length (in_features, out_features), or ZB_LD_DENSE for rows stored back to back; anything else
+ * fails the push. A broadcast row (a tensor stride of 0) is not a leading dimension: copy such
+ * an input first, never pass its stride. Who frees them: the caller
  * keeps x and dy alive until the store hands back the entry's token through release_cb, which it
  * does exactly once per entry: after the GEMM has run (ran = 1) or when the entry is dropped
  * without running (ran = 0: zb_wstore_clear, zb_wstore_destroy, or a failed iteration). On the CUDA
  * backend "has run" means enqueued on the compute stream: memory freed then is safe to reuse in
  * that stream's order (cudaFree, or torch's caching allocator when x and dy were used on that
  * stream; otherwise record_stream them on it first). */
+#define ZB_LD_DENSE 0 /* zb_wgrad_t.ldx/ldy: rows stored back to back */
+
 typedef struct {
   uint32_t struct_size; /* sizeof(zb_wgrad_t) */
   zb_dtype_t dtype;     /* of x and dy */
   int64_t rows, in_features, out_features;
   const void *x;
-  int64_t ldx;
+  int64_t ldx; /* >= in_features, or ZB_LD_DENSE */
   const void *dy;
-  int64_t ldy;
+  int64_t ldy; /* >= out_features, or ZB_LD_DENSE */
   void *dw; /* [out_features, in_features], row-major, dense, in dw_dtype */
   void *db; /* [out_features] or NULL, in dw_dtype */
   uint64_t token; /* handed back to release_cb */
@@ -466,7 +471,11 @@ typedef struct {
   int32_t overwrite;
 } zb_wgrad_t;
 
-typedef void (*zb_wgrad_release_cb)(void *user, uint64_t token, int32_t ran);
+/* Returns ZB_OK, or a status that fails the call that released the entry (pop_run, and so the W
+ * op and the runner's iteration; clear; destroy) with the callback's status, naming the token. What
+ * the caller does after a GEMM ran (adding a half-precision product into a gradient, say) is part
+ * of that W, so its failure must not pass unseen. Every entry is still released exactly once. */
+typedef zb_status_t (*zb_wgrad_release_cb)(void *user, uint64_t token, int32_t ran);
 
 typedef struct zb_wstore zb_wstore_t;
 
@@ -474,7 +483,8 @@ typedef struct zb_wstore zb_wstore_t;
  * when the caller does not track lifetimes. */
 ZB_API zb_status_t zb_wstore_create(zb_wstore_t **out, zb_backend_t *backend,
                                     zb_wgrad_release_cb release_cb, void *release_user);
-/* Drops what is still pending (release_cb with ran = 0) and frees the store. NULL is a no-op. */
+/* Drops what is still pending (release_cb with ran = 0) and frees the store, even when a release
+ * callback failed (then its status is returned). NULL is a no-op. */
 ZB_API zb_status_t zb_wstore_destroy(zb_wstore_t *store);
 /* Opens the group that pushes go to: the W work of B(stage, mb). The runner does this around each
  * backward callback; call it yourself only when you drive the store without a runner. */

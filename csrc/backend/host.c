@@ -68,10 +68,11 @@ zb_status_t zb__wgrad_check(const zb_wgrad_t *e) {
     return ZB_FAIL(ZB_ERR_UNSUPPORTED, "zb_wgrad_t dimensions above 2^31-1 are not supported");
   if (!e->dw || (e->rows > 0 && (!e->x || !e->dy)))
     return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "zb_wgrad_t: x, dy and dw must not be NULL");
-  if ((e->ldx != 0 && e->ldx < e->in_features) || (e->ldy != 0 && e->ldy < e->out_features))
+  if ((e->ldx != ZB_LD_DENSE && e->ldx < e->in_features) || (e->ldy != ZB_LD_DENSE && e->ldy < e->out_features))
     return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
                    "zb_wgrad_t leading dimensions ldx=%lld ldy=%lld are below the row lengths "
-                   "(%lld, %lld); use 0 for dense rows",
+                   "(%lld, %lld); pass the distance between rows (at least a row), or ZB_LD_DENSE "
+                   "for rows back to back (a broadcast input must be copied first)",
                    (long long)e->ldx, (long long)e->ldy, (long long)e->in_features,
                    (long long)e->out_features);
   return ZB_OK;
@@ -164,7 +165,7 @@ static void narrow(void *dst, zb_dtype_t dtype, const float *src, int64_t n) {
  * by row in a fixed order, so it is as deterministic as the GEMM. */
 static zb_status_t host_wgrad(zb_backend_t *be, const zb_wgrad_t *e) {
   int64_t rows = e->rows, in = e->in_features, out = e->out_features;
-  int64_t ldx = e->ldx ? e->ldx : in, ldy = e->ldy ? e->ldy : out;
+  int64_t ldx = e->ldx != ZB_LD_DENSE ? e->ldx : in, ldy = e->ldy != ZB_LD_DENSE ? e->ldy : out;
   zb_dtype_t dw_dtype = entry_dw_dtype(e);
   int overwrite = entry_overwrite(e);
   if (rows == 0) {

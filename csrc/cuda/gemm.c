@@ -235,7 +235,7 @@ zb_status_t zb__wgemm_run(zb__cuda_t *cu, const zb_wgrad_t *e) {
   int overwrite;
   entry_target(e, &dw_dtype, &overwrite);
   plan_key_t k = {e->dtype, dw_dtype, e->rows, e->in_features, e->out_features,
-                  e->ldx ? e->ldx : e->in_features, e->ldy ? e->ldy : e->out_features, overwrite,
+                  e->ldx != ZB_LD_DENSE ? e->ldx : e->in_features, e->ldy != ZB_LD_DENSE ? e->ldy : e->out_features, overwrite,
                   alignment(e->x), alignment(e->dy), alignment(e->dw)};
   const size_t out_size = zb__dtype_size(dw_dtype);
   char d[256];

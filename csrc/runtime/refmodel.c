@@ -572,26 +572,31 @@ zb_status_t zb__refmodel_backward(void *model, int32_t stage, int32_t mb, const 
   return st;
 }
 
-void zb__refmodel_release(void *model, uint64_t token, int32_t ran) {
+zb_status_t zb__refmodel_release(void *model, uint64_t token, int32_t ran) {
   zb__refmodel_t *m = model;
-  if (!m) return;
+  if (!m) return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "%s", "zb__refmodel_release: no model");
   const zb__refmodel_config_t *c = &m->cfg;
-  /* A token this model did not make is ignored: the store's callback cannot report an error, and
-   * touching a slot for it would corrupt the bookkeeping of a real one. */
+  /* A token this model did not make, or one released twice, is a bug in whoever pushed it: say so
+   * and touch nothing (changing a slot for it would corrupt the bookkeeping of a real one). */
   uint64_t t = token, which = t % 2u;
   t /= 2u;
   uint64_t j = t % (uint64_t)c->layers;
   t /= (uint64_t)c->layers;
   uint64_t mb = t % (uint64_t)c->microbatches, stage = t / (uint64_t)c->microbatches;
-  if (stage >= (uint64_t)c->stages || m->local[stage] < 0) return;
+  if (stage >= (uint64_t)c->stages || m->local[stage] < 0)
+    return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "W-store token %llu is not one of this model's (stage %llu)",
+                   (unsigned long long)token, (unsigned long long)stage);
   slot_t *sl = &m->slots[(int64_t)m->local[stage] * c->microbatches + (int64_t)mb];
   uint8_t *held = &sl->held[2 * j + which];
-  if (!*held) return; /* released twice: the first release already counted */
+  if (!*held)
+    return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "W-store token %llu was released twice", (unsigned long long)token);
   *held = 0;
   sl->pending--;
   m->pending--;
   /* ran = 0 frees the slot as well: the entry is gone from the store either way. */
   if (sl->pending == 0 && sl->state == SLOT_BACKWARD) slot_to_pool(m, sl);
+  (void)ran;
+  return ZB_OK;
 }
 
 /* ---- queries --------------------------------------------------------------------------------- */

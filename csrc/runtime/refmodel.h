@@ -68,7 +68,7 @@ zb_status_t zb__refmodel_forward(void *model, int32_t stage, int32_t mb, const v
 zb_status_t zb__refmodel_backward(void *model, int32_t stage, int32_t mb, const void *grad_output,
                                   void *grad_input);
 /* zb_wgrad_release_cb with the model as user. */
-void zb__refmodel_release(void *model, uint64_t token, int32_t ran);
+zb_status_t zb__refmodel_release(void *model, uint64_t token, int32_t ran);
 
 /* The mean loss of the current step, (1/m) sum_i L_i summed in microbatch order; valid on the
  * instance owning the last stage after all its forwards ran (NaN elsewhere). */

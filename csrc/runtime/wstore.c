@@ -11,6 +11,7 @@
  * no closures; the caller learns through one release callback when an entry's tensors may go.
  * Groups and entry arrays are recycled, so pushing and popping allocate nothing once warm.
  */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -53,9 +54,23 @@ zb_status_t zb_wstore_create(zb_wstore_t **out, zb_backend_t *backend, zb_wgrad_
   return ZB_OK;
 }
 
-static void drop_group(zb_wstore_t *w, group_t *g) {
-  for (int k = 0; k < g->n; k++)
-    if (w->release) w->release(w->release_user, g->entries[k].token, 0);
+/* Hands one entry back. A failing callback fails the call that released it, with the callback's
+ * status and message; *first keeps the first failure when several entries go at once, and every
+ * entry is still handed back (the caller must learn about all its tensors). */
+static void release_one(zb_wstore_t *w, const zb_wgrad_t *e, int32_t ran, zb_status_t *first) {
+  if (!w->release) return;
+  zb_status_t st = w->release(w->release_user, e->token, ran);
+  if (st != ZB_OK && *first == ZB_OK) {
+    char inner[512];
+    snprintf(inner, sizeof inner, "%s", zb_last_error());
+    *first = ZB_FAIL(st, "the W store's release callback returned %s for token %llu (%s)%s%s",
+                     zb_status_string(st), (unsigned long long)e->token,
+                     ran ? "after its GEMM ran" : "dropped unrun", inner[0] ? ": " : "", inner);
+  }
+}
+
+static void drop_group(zb_wstore_t *w, group_t *g, zb_status_t *first) {
+  for (int k = 0; k < g->n; k++) release_one(w, &g->entries[k], 0, first);
   g->n = 0;
   g->next = w->spare;
   w->spare = g;
@@ -63,25 +78,26 @@ static void drop_group(zb_wstore_t *w, group_t *g) {
 
 zb_status_t zb_wstore_clear(zb_wstore_t *w) {
   ZB_ARG_NOT_NULL(w);
+  zb_status_t first = ZB_OK;
   if (w->open) {
-    drop_group(w, w->open);
+    drop_group(w, w->open, &first);
     w->open = NULL;
   }
   for (int32_t s = 0; s < w->n_stages; s++) {
     group_t *g = w->fifo[s].head;
     while (g) {
       group_t *next = g->next;
-      drop_group(w, g);
+      drop_group(w, g, &first);
       g = next;
     }
     w->fifo[s] = (fifo_t){NULL, NULL, 0};
   }
-  return ZB_OK;
+  return first;
 }
 
 zb_status_t zb_wstore_destroy(zb_wstore_t *w) {
   if (!w) return ZB_OK;
-  zb_wstore_clear(w);
+  zb_status_t st = zb_wstore_clear(w); /* freed even so: every entry was handed back */
   while (w->spare) {
     group_t *g = w->spare;
     w->spare = g->next;
@@ -91,7 +107,7 @@ zb_status_t zb_wstore_destroy(zb_wstore_t *w) {
   zb__backend_unref(w->backend);
   free(w->fifo);
   free(w);
-  return ZB_OK;
+  return st;
 }
 
 zb_status_t zb_wstore_begin(zb_wstore_t *w, int32_t stage, int32_t mb) {
@@ -175,27 +191,22 @@ zb_status_t zb_wstore_pop_run(zb_wstore_t *w, int32_t stage, int32_t *out_mb) {
   if (out_mb) *out_mb = g->mb;
   zb_status_t st = ZB_OK;
   int k = 0;
-  for (; k < g->n; k++) {
+  for (; k < g->n && st == ZB_OK; k++) {
     st = w->backend->ops->wgrad(w->backend, &g->entries[k]);
     if (st != ZB_OK) break;
     /* The host backend has finished the GEMM when wgrad returns; a device backend would hand the
-     * token back only once its stream passed the GEMM. */
-    if (w->release) w->release(w->release_user, g->entries[k].token, 1);
+     * token back only once its stream passed the GEMM. What the caller does then (adding a
+     * half-precision product into .grad, say) is part of the W: if it fails, so does the W. */
+    release_one(w, &g->entries[k], 1, &st);
   }
-  if (st != ZB_OK) {
-    /* The entries that did not run are still released, so the caller can free their tensors. */
-    zb_status_t keep = st;
-    for (int j = k; j < g->n; j++)
-      if (w->release) w->release(w->release_user, g->entries[j].token, 0);
-    g->n = 0;
-    g->next = w->spare;
-    w->spare = g;
-    return keep;
-  }
+  /* The entries that did not run are still released, so the caller can free their tensors; the
+   * first failure is what the call reports. */
+  zb_status_t ignore = ZB_OK;
+  for (; k < g->n; k++) release_one(w, &g->entries[k], 0, st == ZB_OK ? &st : &ignore);
   g->n = 0;
   g->next = w->spare;
   w->spare = g;
-  return ZB_OK;
+  return st;
 }
 
 zb_status_t zb_wstore_pending(const zb_wstore_t *w, int32_t stage, int32_t *out_groups) {

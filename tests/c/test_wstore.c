@@ -18,16 +18,63 @@ typedef struct {
   int n;
 } releases_t;
 
-static void on_release(void *user, uint64_t token, int32_t ran) {
+static zb_status_t on_release(void *user, uint64_t token, int32_t ran) {
   releases_t *r = user;
   if (r->n < 64) r->tokens[r->n] = token, r->ran[r->n] = ran;
   r->n++;
+  return ZB_OK;
 }
 
 /* A one-row entry whose GEMM adds x*dy to dw[0]: lets the test see the order entries ran in. */
 static zb_wgrad_t tiny(float *x, float *dy, float *dw, uint64_t token) {
   zb_wgrad_t e = {sizeof(zb_wgrad_t), ZB_DTYPE_F32, 1, 1, 1, x, 0, dy, 0, dw, NULL, token, ZB_DTYPE_F32, 0};
   return e;
+}
+
+/* Records like on_release, and fails for token 2 (what a caller's post-GEMM work failing looks like). */
+static zb_status_t failing_release(void *user, uint64_t token, int32_t ran) {
+  on_release(user, token, ran);
+  return token == 2 ? ZB_ERR_INVALID_ARGUMENT : ZB_OK;
+}
+
+/* A release callback that fails fails the pop (the W) with its status and the token; the entries
+ * after it are dropped unrun, every entry is handed back once, and clear/destroy report it too. */
+static void test_failing_release_fails_the_w(void **state) {
+  (void)state;
+  zb_backend_t *be;
+  zb_wstore_t *ws;
+  releases_t rel = {0};
+  ZB_ASSERT_OK(zb_backend_create_host(&be));
+  ZB_ASSERT_OK(zb_wstore_create(&ws, be, failing_release, &rel));
+  float one = 1, dw[3] = {0, 0, 0};
+  ZB_ASSERT_OK(zb_wstore_begin(ws, 0, 0));
+  for (int k = 0; k < 3; k++) {
+    zb_wgrad_t e = tiny(&one, &one, &dw[k], (uint64_t)k + 1);
+    ZB_ASSERT_OK(zb_wstore_push(ws, &e));
+  }
+  ZB_ASSERT_OK(zb_wstore_end(ws));
+  ASSERT_STATUS(zb_wstore_pop_run(ws, 0, NULL), ZB_ERR_INVALID_ARGUMENT);
+  ASSERT_CONTAINS(zb_last_error(), "release callback");
+  ASSERT_CONTAINS(zb_last_error(), "token 2");
+  assert_int_equal(rel.n, 3);
+  assert_int_equal(rel.ran[0], 1), assert_int_equal(rel.ran[1], 1), assert_int_equal(rel.ran[2], 0);
+  assert_true(dw[0] == 1 && dw[1] == 1 && dw[2] == 0); /* the third never ran */
+
+  /* Dropped entries: clear reports the failure after handing every entry back. */
+  ZB_ASSERT_OK(zb_wstore_begin(ws, 0, 1));
+  for (int k = 0; k < 3; k++) {
+    zb_wgrad_t e = tiny(&one, &one, &dw[k], (uint64_t)k + 1);
+    ZB_ASSERT_OK(zb_wstore_push(ws, &e));
+  }
+  ZB_ASSERT_OK(zb_wstore_end(ws));
+  ASSERT_STATUS(zb_wstore_clear(ws), ZB_ERR_INVALID_ARGUMENT);
+  ASSERT_CONTAINS(zb_last_error(), "dropped unrun");
+  assert_int_equal(rel.n, 6);
+  int32_t pending = -1;
+  ZB_ASSERT_OK(zb_wstore_pending(ws, -1, &pending));
+  assert_int_equal(pending, 0);
+  ZB_ASSERT_OK(zb_wstore_destroy(ws));
+  ZB_ASSERT_OK(zb_backend_destroy(be));
 }
 
 static void test_fifo_per_stage_and_releases(void **state) {
@@ -429,6 +476,7 @@ static void test_misuse(void **state) {
 
 int main(void) {
   const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_failing_release_fails_the_w),
       cmocka_unit_test(test_fifo_per_stage_and_releases),
       cmocka_unit_test(test_destroy_releases_pending),
       cmocka_unit_test(test_gemm_against_naive),

@@ -158,3 +158,101 @@ def test_half_precision_parameters_get_gradients_in_their_dtype(dtype, bound):
     assert lin.weight.grad.dtype == dtype
     assert _rel(lin.weight.grad.float(), ref32.weight.grad) < bound
     assert _rel(lin.bias.grad.float(), ref32.bias.grad) < bound
+
+
+def _max_rel(a, b):
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.randn(1, 8).expand(4096, 8),                  # a broadcast row: stride 0
+    lambda: torch.randn(8, 300).t(),                             # transposed: row stride 1
+    lambda: torch.randn(64, 16)[:, ::2],                         # every other column
+    lambda: torch.randn(2, 64, 8).transpose(0, 1),               # batch-major view of a 3-d input
+], ids=["expanded", "transposed", "strided-columns", "transposed-3d"])
+def test_any_input_strides_give_nn_linears_gradients(make):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 5)
+    ref = copy.deepcopy(lin)
+    zbpp.split_linear(lin)
+    x = make()
+    lin(x).square().sum().backward()
+    ref(x).square().sum().backward()
+    assert torch.isfinite(lin.weight.grad).all()
+    assert _max_rel(lin.weight.grad, ref.weight.grad) < 1e-4
+    assert _max_rel(lin.bias.grad, ref.bias.grad) < 1e-4
+    # And a non-contiguous output gradient (a transpose after the layer hands back a transposed one).
+    lin.weight.grad = ref.weight.grad = None
+    c = torch.randn(ref(x).transpose(-1, -2).shape)
+    (lin(x).transpose(-1, -2) * c).sum().backward()
+    (ref(x).transpose(-1, -2) * c).sum().backward()
+    assert _max_rel(lin.weight.grad, ref.weight.grad) < 1e-4
+
+
+def test_autocast_bf16_on_cpu_matches_nn_linear():
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 8))
+    ref = copy.deepcopy(net)
+    zbpp.split_linear(net)
+    x = torch.randn(64, 16, requires_grad=True)
+    xr = x.detach().clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, yr = net(x), ref(xr)
+    assert y.dtype == yr.dtype == torch.bfloat16
+    assert torch.equal(y, yr)  # the same bf16 ops in the forward
+    y.float().square().sum().backward()
+    yr.float().square().sum().backward()
+    assert x.grad.dtype == torch.float32 and torch.equal(x.grad, xr.grad)
+    for p, q in zip(net.parameters(), ref.parameters()):
+        assert p.grad.dtype == q.grad.dtype == torch.float32
+        # nn.Linear rounds dW to bf16 before it reaches the fp32 gradient; zbpp sums in fp32.
+        assert _max_rel(p.grad, q.grad) < 1e-2, p.shape
+
+
+def test_frozen_weight_trainable_bias_runs_no_gemm(monkeypatch):
+    lin = torch.nn.Linear(8, 4)
+    lin.weight.requires_grad_(False)
+    ref = copy.deepcopy(lin)
+    zbpp.split_linear(lin)
+    rows = []
+    real_push = zbpp.runtime.WStore.push
+
+    def spy(self, dtype, n_rows, *args, **kwargs):
+        rows.append(n_rows)
+        return real_push(self, dtype, n_rows, *args, **kwargs)
+
+    monkeypatch.setattr(zbpp.runtime.WStore, "push", spy)
+    x = torch.randn(10, 8)
+    lin(x).square().sum().backward()
+    ref(x).square().sum().backward()
+    assert rows == [0]  # one entry, and it is no GEMM: only the bias's sums, as Python W work
+    assert lin.weight.grad is None
+    assert _max_rel(lin.bias.grad, ref.bias.grad) < 1e-6
+
+
+def test_a_failing_w_action_fails_the_w_with_its_exception():
+    st = default_store()
+    st.store.begin(0, 7)
+
+    def boom():
+        raise RuntimeError("the gradient could not be added")
+
+    st.push_action(boom)
+    st.store.end()
+    with pytest.raises(RuntimeError, match="could not be added") as info:
+        st.store.pop_run(0)
+    assert isinstance(info.value.__cause__, zbpp.ZbError)
+    assert "release callback" in info.value.__cause__.message
+    assert st.live_entries() == 0 and st.store.pending() == 0
+
+
+def test_closing_a_busy_backend_keeps_it_until_it_can_go():
+    backend = zbpp.runtime.Backend("host")
+    store = zbpp.runtime.WStore(backend, lambda token, ran: None)
+    with pytest.raises(zbpp.ZbError) as info:
+        backend.close()
+    assert info.value.code == zbpp.runtime.ZB_ERR_BUSY
+    assert backend._h  # not dropped: closing again once the store is gone frees it
+    store.close()
+    backend.close()
+    assert not backend._h

@@ -52,6 +52,7 @@ __all__ = [
 
 ZB_OK = 0
 ZB_ERR_INVALID_ARGUMENT = 1
+ZB_ERR_BUSY = 8
 ZB_ERR_UNSUPPORTED = 6
 ZB_ERR_TIMEOUT = 9
 ZB_ERR_REMOTE = 10
@@ -93,7 +94,7 @@ class _WGrad(_c.Structure):
     ]
 
 
-ReleaseFn = _c.CFUNCTYPE(None, _P, _c.c_uint64, _c.c_int32)
+ReleaseFn = _c.CFUNCTYPE(_c.c_int32, _P, _c.c_uint64, _c.c_int32)
 ForwardFn = _c.CFUNCTYPE(_c.c_int, _P, _c.c_int32, _c.c_int32, _P, _P)
 BackwardFn = _c.CFUNCTYPE(_c.c_int, _P, _c.c_int32, _c.c_int32, _P, _P)
 
@@ -170,10 +171,19 @@ class _Handle:
         return self._h
 
     def close(self):
-        h, self._h = self._h, _P()
-        if h:
-            name = self._destroy
-            _lib.call(name, [_P], h)
+        """Frees the handle. A handle the library reports busy (ZB_ERR_BUSY: a backend still used
+        by a store or runner) stays open, so closing it again once those are gone frees it; any
+        other failure still frees it (the library frees what it can) and is raised."""
+        h = self._h
+        if not h:
+            return
+        try:
+            _lib.call(self._destroy, [_P], h)
+        except _lib.ZbError as err:
+            if err.code != ZB_ERR_BUSY:
+                self._h = _P()
+            raise
+        self._h = _P()
 
     def __del__(self):
         try:
@@ -473,8 +483,13 @@ class WStore(_Handle):
     def _on_release(self, _user, token, ran):
         try:
             self._release_py(int(token), bool(ran))
+            return ZB_OK
         except BaseException as exc:  # noqa: BLE001 - must not unwind into C
-            self.release_error = exc
+            # The C call that released it fails (pop_run: the W op and the runner's iteration);
+            # whoever made that call raises this exception, chained to the library's message.
+            if self.release_error is None:
+                self.release_error = exc
+            return ZB_ERR_INVALID_ARGUMENT
 
     release_error = None
 
@@ -498,9 +513,8 @@ class WStore(_Handle):
         if self._before_run is not None:
             self._before_run()
         mb = _c.c_int32()
-        _lib.call("zb_wstore_pop_run", [_P, _c.c_int32, _c.POINTER(_c.c_int32)], self.handle, stage,
-                  _c.byref(mb))
-        self._raise_release_error()
+        self._call_releasing("zb_wstore_pop_run", [_P, _c.c_int32, _c.POINTER(_c.c_int32)], self.handle, stage,
+                             _c.byref(mb))
         return mb.value
 
     def pending(self, stage=-1):
@@ -510,13 +524,25 @@ class WStore(_Handle):
         return n.value
 
     def clear(self):
-        _lib.call("zb_wstore_clear", [_P], self.handle)
-        self._raise_release_error()
+        self._call_releasing("zb_wstore_clear", [_P], self.handle)
 
-    def _raise_release_error(self):
+    def _call_releasing(self, name, argtypes, *args):
+        """A call that may release entries: a release callback that raised makes it fail, and its
+        exception is what the caller sees (chained to the library's message)."""
+        self.release_error = None
+        try:
+            _lib.call(name, argtypes, *args)
+        except _lib.ZbError as err:
+            exc, self.release_error = self.release_error, None
+            if exc is not None:
+                raise exc from err
+            raise
+        self.release_error = None
+
+    def take_release_error(self):
+        """The exception a release callback raised during a call made in C (the runner's W ops), once."""
         exc, self.release_error = self.release_error, None
-        if exc is not None:
-            raise exc
+        return exc
 
     def close(self):
         super().close()
@@ -695,9 +721,13 @@ class Runner(_Handle):
     def run(self, extra_error=None):
         """One iteration. extra_error(): more text for a failure (e.g. the transport's last error)."""
         self._error = None
+        wstore = self._keep[2]
+        wstore.release_error = None
         status = _lib.function("zb_runner_run", [_P])(self.handle)
         if status != ZB_OK:
             cause, self._error = self._error, None
+            released = wstore.take_release_error()
+            cause = cause if cause is not None else released
             try:
                 _lib.check(status)
             except _lib.ZbError as err:

@@ -138,6 +138,7 @@ class WGradStore:
 
     def push_linear(self, x2, dy2, weight, bias, store=None):
         """Queues dW += dy2^T x2 (and db += sum(dy2)) for a Linear; x2 [rows, in], dy2 [rows, out]."""
+        x2, dy2 = _rows(x2), _rows(dy2)
         dtype = _DTYPE.get(x2.dtype)
         if dtype is None or dy2.dtype != x2.dtype:
             raise TypeError(f"zbpp: split Linear supports float32, float16 and bfloat16 inputs, got "
@@ -145,14 +146,16 @@ class WGradStore:
         if x2.device != self.device or dy2.device != self.device:
             raise ValueError(f"zbpp: the W store of {self.device} got tensors on {x2.device} and {dy2.device}; "
                              "use default_store(device) of the tensors' device")
+        if not weight.requires_grad:
+            if bias is not None and bias.requires_grad:
+                self._push_bias_only(dy2, bias, store)
+            return
         if self.is_cuda:
             return self._push_cuda(x2, dy2, weight, bias, dtype, store)
         keep = [x2, dy2]
         after = []
         dw = _target(weight, keep, after)
         db = _target(bias, keep, after) if bias is not None and bias.requires_grad else None
-        if dw is None:
-            dw = _scratch(weight, keep)
         token = next(self._tokens)
         self._live[token] = (keep, _chain(after), None)
         try:
@@ -186,6 +189,20 @@ class WGradStore:
                 self._forget_push_stream(pushed)
             raise
 
+    def _push_bias_only(self, dy2, bias, store):
+        """A frozen weight with a trainable bias: no GEMM, only the bias's column sums, as W work
+        in the same place in the group (what nn.Linear computes for it: dy summed over rows)."""
+        keep, after = [dy2], []
+        db = _target(bias, keep, after)
+        then = _chain(after)
+
+        def add_sums():
+            db.add_(dy2.sum(0, dtype=torch.float32))
+            if then is not None:
+                then()
+
+        self.push_action(add_sums, keep=keep, store=store)
+
     def _push_cuda(self, x2, dy2, weight, bias, dtype, store):
         has_db = bias is not None and bias.requires_grad
         # The entry's dw and db share one dw_dtype. The input dtype (bf16/fp16) written with
@@ -207,10 +224,6 @@ class WGradStore:
         else:
             dw = _target(weight, keep, after)
             db = _target(bias, keep, after) if has_db else None
-        if dw is None and db is None:
-            return
-        if dw is None:
-            dw = _scratch(weight, keep)
         token = next(self._tokens)
         self._live[token] = (keep, _chain(after), stream)
         entry = self._push_streams.setdefault(stream.cuda_stream, [stream, 0])
@@ -237,14 +250,6 @@ class WGradStore:
         self._push_streams.clear()
         if not self.is_cuda:
             self.backend.close()  # the CUDA backend is the device's, shared (cuda.backend_for)
-
-
-def _scratch(weight, keep):
-    """A frozen weight with a trainable bias: the entry still needs a dw, so it gets a scratch one
-    whose product is thrown away (the bias sum is what is wanted)."""
-    dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-    keep.append(dw)
-    return dw
 
 
 def _fresh_half(param, keep, after, zeros):
@@ -366,22 +371,60 @@ class capture:
         st.store.end()
 
 
+def _autocast_dtype(device_type):
+    """The dtype torch.autocast casts a linear's inputs to on this device, or None when it is off."""
+    try:
+        on = torch.is_autocast_enabled(device_type)
+    except TypeError:  # torch before 2.4 takes no device type
+        on = torch.is_autocast_cpu_enabled() if device_type == "cpu" else torch.is_autocast_enabled()
+    if not on:
+        return None
+    if hasattr(torch, "get_autocast_dtype"):
+        return torch.get_autocast_dtype(device_type)
+    return torch.get_autocast_cpu_dtype() if device_type == "cpu" else torch.get_autocast_gpu_dtype()
+
+
 class _SplitLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias):
-        ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
+        # Under torch.autocast, nn.Linear computes in the autocast dtype with its inputs cast; so
+        # does this, and its backward then works with the same cast tensors (dx in that dtype,
+        # which autograd turns into x's; dW = dy^T x summed in fp32 into the fp32 parameter's
+        # gradient). The parameters themselves (not the casts) are where the gradients go.
+        cast = _autocast_dtype(x.device.type) if x.is_floating_point() else None
+        wc, bc = weight, bias
+        if cast is not None:
+            x, wc = x.to(cast), weight.to(cast)
+            bc = bias.to(cast) if bias is not None else None
+            with torch.autocast(x.device.type, enabled=False):
+                out = F.linear(x, wc, bc)
+        else:
+            out = F.linear(x, weight, bias)
+        ctx.save_for_backward(x, wc)
+        ctx.weight = weight
         ctx.bias = bias
-        return F.linear(x, weight, bias)
+        return out
 
     @staticmethod
     def backward(ctx, dy):
-        x, weight = ctx.saved_tensors
-        bias = ctx.bias
-        dx = dy.matmul(weight) if ctx.needs_input_grad[0] else None
+        x, wc = ctx.saved_tensors
+        weight, bias = ctx.weight, ctx.bias
+        if dy.dtype != x.dtype:
+            dy = dy.to(x.dtype)
+        dx = dy.matmul(wc) if ctx.needs_input_grad[0] else None
         if weight.requires_grad or (bias is not None and bias.requires_grad):
             defer_weight_grad(x, dy, weight, bias)
         return dx, None, None
+
+
+def _rows(t):
+    """t [rows, cols] as the W store reads it: row-major, a row's elements next to each other and
+    rows at least a row apart (the leading dimension the store is given is stride(0)). Anything
+    else is copied: a broadcast input (x.expand(...), stride 0) would otherwise make the GEMM read
+    rows that are not there."""
+    if t.shape[0] > 1 and t.stride(-1) == 1 and t.stride(0) >= t.shape[1]:
+        return t
+    return t.contiguous()
 
 
 def defer_weight_grad(x, dy, weight, bias=None):
@@ -391,8 +434,6 @@ def defer_weight_grad(x, dy, weight, bias=None):
     the tensors' device, run at once otherwise. x and dy are kept alive until W has run."""
     x2 = x.reshape(-1, x.shape[-1])
     dy2 = dy.reshape(-1, dy.shape[-1])
-    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
-    dy2 = dy2 if dy2.stride(-1) == 1 else dy2.contiguous()
     st = default_store(None if x2.device.type == "cpu" else x2.device)
     if st.capturing:
         st.push_linear(x2, dy2, weight, bias)
