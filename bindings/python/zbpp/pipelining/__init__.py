@@ -56,11 +56,11 @@ from typing import NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
-from . import _lib, cuda, distributed, runtime
-from .costs import ActivationMeter, StageCosts, parse_mem_limit
-from .distributed import TorchTransport, group_rank, group_size
-from .schedule import Schedule, SimResult
-from .split import default_store
+from .. import _lib, cuda, distributed, runtime
+from ..costs import ActivationMeter, StageCosts, parse_mem_limit
+from ..distributed import TorchTransport, group_rank, group_size
+from ..schedule import Schedule, SimResult
+from ..split import default_store
 
 __all__ = [
     "PipelineStage",
@@ -955,7 +955,7 @@ def _kind_name(name):
 
 
 def _global(group, rank):
-    from .distributed import global_rank
+    from ..distributed import global_rank
     return global_rank(group, rank)
 
 
@@ -1021,3 +1021,30 @@ def get_schedule_class(name):
         raise ValueError(f"zbpp.get_schedule_class: {name!r} ({kind}) has no generator; use "
                          "ScheduleFromCSV for a schedule from a file")
     return cls
+
+
+# ---- torch.distributed.pipelining's other names -----------------------------------------------------
+# The tracer frontend is torch's own (zbpp/pipelining/stage.py says why); build_stage makes zbpp
+# stages from what it produces. The submodules schedules, stage and microbatch hold the rest.
+
+def __getattr__(name):
+    """The tracer's names (torch's Pipe, pipe_split, SplitPoint, pipeline) and the submodules'
+    torch-compatible names, loaded on first use (importing zbpp.pipelining stays cheap)."""
+    if name in ("Pipe", "pipe_split", "SplitPoint", "pipeline"):
+        from ._torch import need
+
+        return getattr(need("_IR"), name)
+    if name == "build_stage":
+        from .stage import build_stage
+
+        return build_stage
+    if name in ("TensorChunkSpec", "split_args_kwargs_into_chunks", "merge_chunks"):
+        from . import microbatch
+
+        return getattr(microbatch, name)
+    if name in ("PipeliningMetadataError", "generate_stage_to_rank_mapping"):
+        from . import _utils
+
+        return getattr(_utils, name)
+    raise AttributeError(f"module 'zbpp.pipelining' has no attribute {name!r}")
+

@@ -1,0 +1,13 @@
+"""torch.distributed.pipelining._utils's names that scripts and tests use, for imports from zbpp:
+torch's own (see zbpp/pipelining/_torch.py): the error type a stage raises for mismatched
+metadata, and the stage-to-rank maps."""
+
+from ._torch import need
+
+_u = need("_utils")
+
+PipeliningMetadataError = _u.PipeliningMetadataError
+generate_stage_to_rank_mapping = _u.generate_stage_to_rank_mapping
+generate_rank_to_stage_mapping = _u.generate_rank_to_stage_mapping
+PipeInfo = _u.PipeInfo
+flatten_args = _u.flatten_args
