@@ -227,3 +227,45 @@ def test_dead_or_silent_peer_fails_with_its_rank(tmp_path, mode, expect):
 
     assert re.search(expect, text), text
     assert float(seconds) < 30.0, f"rank 0 needed {seconds} s to notice"
+
+
+# ---- torch's step() semantics ---------------------------------------------------------------------
+
+class _Scaled(torch.nn.Module):
+    """Takes features along dim 0 and the batch along dim 1, and a scale keyword: needs chunk specs."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 3)
+
+    def forward(self, x, scale=1.0):
+        return self.lin(x.t()).t() * scale  # [3, batch]
+
+
+def test_step_keywords_as_torchs():
+    from zbpp.pipelining.microbatch import TensorChunkSpec, _Replicate
+
+    torch.manual_seed(0)
+    mod = _Scaled()
+    seen = []
+
+    def loss_fn(out, y, weight=1.0):
+        seen.append(weight)
+        return (out.t() - y).square().mean() * weight  # the target splits along dim 0, as torch's
+
+    sched = zbpp.Schedule1F1B(zbpp.PipelineStage(mod, 0, 1, "cpu"), 4, loss_fn=loss_fn,
+                              args_chunk_spec=(TensorChunkSpec(1),),
+                              kwargs_chunk_spec={"scale": _Replicate()},
+                              output_merge_spec=TensorChunkSpec(1))
+    x, y = torch.randn(4, 8), torch.randn(8, 3)
+    losses = [123.0]
+    out = sched.step(x, scale=2.0, target=y, losses=losses, loss_kwargs={"weight": 0.5})
+    # The batch went through along dim 1, whole, in the same order; losses were cleared, then filled.
+    assert out.shape == (3, 8) and torch.allclose(out, mod(x, scale=2.0))
+    assert len(losses) == 4 and 123.0 not in losses and seen == [0.5] * 4
+    assert sched.step(x, scale=2.0, target=y, return_outputs=False) is None
+    with torch.no_grad(), pytest.raises(RuntimeError, match="eval"):
+        sched.step(x, scale=2.0, target=y)
+    with pytest.raises(ValueError, match="different sizes"):
+        sched.step(torch.randn(4, 10), scale=2.0, target=torch.randn(10, 3))
+    sched.close()

@@ -263,9 +263,12 @@ class PipelineSchedule:
             raise TypeError(f"zbpp.{type(self).__name__}: expected a zbpp.PipelineStage or a list of them")
         if not isinstance(n_microbatches, int) or n_microbatches < 1:
             raise ValueError(f"zbpp.{type(self).__name__}: n_microbatches must be an int >= 1, got {n_microbatches!r}")
-        if args_chunk_spec or kwargs_chunk_spec or output_merge_spec:
-            raise NotImplementedError("zbpp: chunk and merge specs are not supported; batches split "
-                                      "along dim 0, as torch's default does")
+        # torch's chunk and merge specs (TensorChunkSpec, _Replicate, reducers): split and merged
+        # by torch's own functions, so they mean what they mean there (zbpp.pipelining.microbatch).
+        self._args_chunk_spec = args_chunk_spec
+        self._kwargs_chunk_spec = kwargs_chunk_spec
+        self._output_merge_spec = output_merge_spec
+        self._loss_kwargs = {}
         first = stages[0]
         S, group = first.num_stages, first.group
         for s in stages:
@@ -470,7 +473,7 @@ class PipelineSchedule:
         if self._loss_fn is None:
             raise ValueError("zbpp: the loss stage has no loss_fn; pass loss_fn=... to the "
                              "schedule on the rank holding the last stage")
-        loss = self._loss_fn(out, self._mb_target[i])
+        loss = self._loss_fn(out, self._mb_target[i], **self._loss_kwargs)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError("zbpp: loss_fn must return a tensor with one element")
         self._outputs[i] = out.detach() if isinstance(out, torch.Tensor) else out
@@ -555,19 +558,24 @@ class PipelineSchedule:
 
     # ---- step --------------------------------------------------------------------------------------
 
-    def step(self, *args, target=None, losses=None, **kwargs):
-        """One iteration of the pipeline: every rank calls it (inputs on the first stage's rank,
-        target and losses on the loss stage's rank). Returns the merged output of the last stage
-        on its rank, None elsewhere. Gradients accumulate into .grad (or main_grad)."""
+    def step(self, *args, target=None, losses=None, return_outputs=True, loss_kwargs=None, **kwargs):
+        """One iteration of the pipeline, as torch's step: every rank calls it; the batch (args and
+        kwargs, split into n_microbatches by the schedule's chunk specs, dim 0 by default) is read
+        on the rank holding stage 0 and ignored elsewhere; target and losses on the loss stage's
+        rank (losses is cleared, then gets each microbatch's loss; loss_kwargs go to loss_fn).
+        Returns the merged output of the last stage on its rank (output_merge_spec, dim 0 by
+        default) unless return_outputs is False, None elsewhere. Gradients accumulate into .grad
+        (or main_grad)."""
+        if not torch.is_grad_enabled():
+            raise RuntimeError("step() requires gradients to be enabled for backward computation; it should "
+                               "not be used under torch.no_grad() context. Please call eval() instead.")
+        if losses is not None and not isinstance(losses, list):
+            raise TypeError(f"zbpp: losses must be a list, got {type(losses).__name__}")
         m = self.n_microbatches
         if self.holds_first:
             if not args and not kwargs:
                 raise ValueError("zbpp: step() on the rank holding stage 0 needs the batch as arguments")
-            self._mb_args = [tuple(a) for a in _split(tuple(args), m, "the input")]
-            self._mb_kwargs = _split(dict(kwargs), m, "the keyword input")
-        elif args or kwargs:
-            raise ValueError(f"zbpp: rank {self.rank} does not hold stage 0; call step() without inputs "
-                             "there (targets go to the loss stage's rank)")
+            self._mb_args, self._mb_kwargs = self._split_inputs(args, kwargs)
         if self.holds_loss:
             if self._loss_fn is None:
                 raise ValueError(f"zbpp: rank {self.rank} holds the loss stage ({self.loss_stage}) but the "
@@ -575,21 +583,53 @@ class PipelineSchedule:
             if target is None:
                 raise ValueError(f"zbpp: rank {self.rank} holds the loss stage; pass target=... to step()")
             self._mb_target = _split(target, m, "the target")
+        self._loss_kwargs = dict(loss_kwargs or {})
         try:
             self._run_iteration()
         finally:
             self._mb_args = self._mb_kwargs = self._mb_target = None
+            self._loss_kwargs = {}
         if self.scale_grads:
             self._scale_grads(m)
         if self.holds_loss:
             if losses is not None:
+                losses.clear()
                 losses.extend(self._losses)
             outs = self._outputs
             self._outputs = self._losses = None
+            if not return_outputs:
+                return None
+            if self._output_merge_spec is not None:
+                from .microbatch import merge_chunks
+
+                return merge_chunks(outs, self._output_merge_spec)
             if all(isinstance(o, torch.Tensor) for o in outs):
                 return torch.cat([o if o.dim() else o.reshape(1) for o in outs])
             return outs
         return None
+
+    def _split_inputs(self, args, kwargs):
+        """The batch as n_microbatches (args, kwargs) pairs. Without chunk specs, tensors split
+        along dim 0 into equal parts (an error says what to change otherwise); with them, torch's
+        split_args_kwargs_into_chunks, and then every microbatch must come out the same size (the
+        runner's buffers are sized once)."""
+        m = self.n_microbatches
+        if self._args_chunk_spec is None and self._kwargs_chunk_spec is None:
+            return [tuple(a) for a in _split(tuple(args), m, "the input")], _split(dict(kwargs), m, "the keyword input")
+        from .microbatch import split_args_kwargs_into_chunks
+
+        mb_args, mb_kwargs = split_args_kwargs_into_chunks(tuple(args), dict(kwargs), m, self._args_chunk_spec,
+                                                           self._kwargs_chunk_spec)
+        if len(mb_args) != m:
+            raise ValueError(f"zbpp: the batch splits into {len(mb_args)} microbatches along the chunk specs, "
+                             f"not n_microbatches={m}; give each split dimension at least {m} entries")
+        shapes = [[tuple(t.shape) for t in torch.utils._pytree.tree_leaves((a, k)) if isinstance(t, torch.Tensor)]
+                  for a, k in zip(mb_args, mb_kwargs)]
+        if any(sh != shapes[0] for sh in shapes):
+            raise ValueError(f"zbpp: the chunk specs split the batch into microbatches of different sizes "
+                             f"({shapes[0]} and {next(sh for sh in shapes if sh != shapes[0])}); zbpp needs equal "
+                             f"microbatches: make each split dimension a multiple of n_microbatches={m}")
+        return [tuple(a) for a in mb_args], [dict(k) for k in mb_kwargs]
 
     def _run_iteration(self):
         """Runs this rank's op list once (the runner calls _forward/_backward); after the last
