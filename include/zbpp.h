@@ -156,12 +156,18 @@ typedef struct {
   double time_comm; /* added to every dependency that crosses ranks */
   double w_share;   /* w = M_W/M_B in [0, 1]: the share of activations only W needs */
   double mem_limit; /* <= 0: none */
+  /* Where stages go. placement_set = 0 (the default): the kind's own placement (V for zb-v,
+   * v-half, v-min and zb-auto with v = 2; loop otherwise). placement_set = 1: `placement`, which
+   * zb-auto takes as loop placement with any v >= 1 (stage s on rank s mod p, as torch's
+   * interleaved schedules place them) or V with v = 2; other kinds must get their own. */
+  int32_t placement_set;
+  zb_placement_t placement;
 } zb_schedule_spec_t;
 
 #define ZB_SCHEDULE_SPEC_INIT                                                                      \
   {                                                                                                \
     sizeof(zb_schedule_spec_t), ZB_SCHEDULE_SPEC_VERSION, ZB_KIND_1F1B, 1, 0, 1, 1.0, 1.0, 1.0,    \
-        0.0, NULL, NULL, NULL, NULL, 0.0, 0.5, 0.0                                                 \
+        0.0, NULL, NULL, NULL, NULL, 0.0, 0.5, 0.0, 0, ZB_PLACEMENT_LOOP                           \
   }
 
 typedef struct zb_schedule zb_schedule_t; /* opaque */

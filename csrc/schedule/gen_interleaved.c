@@ -8,6 +8,14 @@
  * a factor of v compared with 1F1B, at the price of v times more communication and a little more
  * memory. Like Megatron (and torch's ScheduleInterleaved1F1B), m must be a multiple of p; when m == p
  * every rank runs all forwards first, as Megatron does, because the steady phase would be empty.
+ *
+ * The zero-bubble variant (zb__gen_interleaved_zb, one of zb-auto's candidates for loop placement
+ * with v >= 2) is the same order with each backward split into B and W and rank r's W's held back
+ * r backwards, as ZB-H1 holds them back in 1F1B: a W then fills the wait for the next gradient
+ * instead of delaying it. Its warm-up is (v-1)p + factor (p-1-r) forwards, factor 1 (the memory of
+ * torch's ScheduleInterleavedZeroBubble, which is built this way) or 2 (Megatron's warm-up). It
+ * takes any m: microbatches go round in m / p groups of equal size (torch's rounds), when that
+ * divides m.
  */
 #include "internal.h"
 
@@ -51,3 +59,61 @@ zb_status_t zb__gen_interleaved(zb_schedule_t *s) {
   zb__oplists_free(&l);
   return st;
 }
+
+/* The k-th forward (or backward) of a rank when microbatches go round in groups of g. */
+static void virtual_mb_g(const zb_schedule_t *s, int g, int k, int backward, int *chunk, int *mb) {
+  int v = s->v;
+  int c = (k / g) % v;
+  *chunk = backward ? v - 1 - c : c;
+  *mb = (k / (g * v)) * g + k % g;
+}
+
+static zb_status_t gen_interleaved_zb(zb_schedule_t *s, int factor) {
+  int p = s->p, v = s->v, m = s->m, total = m * v;
+  /* Groups ("rounds") of about p microbatches, as torch's interleaved schedules form them for any
+   * m: m / p rounds (at least one) of equal size. */
+  int rounds = m / p > 1 ? m / p : 1;
+  if (m % rounds != 0)
+    return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
+                   "interleaved zero bubble splits m = %d into %d rounds, which does not divide it", m, rounds);
+  int g = m / rounds;
+  zb__oplists_t l;
+  ZB_CHECK(zb__oplists_init(&l, p));
+  zb_status_t st = ZB_OK;
+  for (int r = 0; r < p && st == ZB_OK; r++) {
+    int warmup = (v - 1) * g + factor * (p - 1 - r);
+    if (warmup > total) warmup = total;
+    int f = 0, b = 0, w = 0, c, i;
+    /* W of backward number w may run once backward w + r has: r backwards of slack on rank r. */
+#define PUSH_W_UPTO(limit)                                                                         \
+  while (w < (limit) && st == ZB_OK) {                                                              \
+    virtual_mb_g(s, g, w++, 1, &c, &i);                                                             \
+    st = zb__oplists_push(&l, r, ZB_OP_W, c * p + r, i);                                            \
+  }
+    while (f < warmup && st == ZB_OK) {
+      virtual_mb_g(s, g, f++, 0, &c, &i);
+      st = zb__oplists_push(&l, r, ZB_OP_F, c * p + r, i);
+    }
+    while (f < total && st == ZB_OK) {
+      virtual_mb_g(s, g, f++, 0, &c, &i);
+      st = zb__oplists_push(&l, r, ZB_OP_F, c * p + r, i);
+      if (st != ZB_OK) break;
+      virtual_mb_g(s, g, b++, 1, &c, &i);
+      st = zb__oplists_push(&l, r, ZB_OP_B, c * p + r, i);
+      PUSH_W_UPTO(b - r)
+    }
+    while (b < total && st == ZB_OK) {
+      virtual_mb_g(s, g, b++, 1, &c, &i);
+      st = zb__oplists_push(&l, r, ZB_OP_B, c * p + r, i);
+      PUSH_W_UPTO(b - r)
+    }
+    PUSH_W_UPTO(total)
+#undef PUSH_W_UPTO
+  }
+  if (st == ZB_OK) st = zb__schedule_take_ops(s, &l);
+  zb__oplists_free(&l);
+  return st;
+}
+
+zb_status_t zb__gen_interleaved_zb1(zb_schedule_t *s) { return gen_interleaved_zb(s, 1); }
+zb_status_t zb__gen_interleaved_zb2(zb_schedule_t *s) { return gen_interleaved_zb(s, 2); }

@@ -122,6 +122,9 @@ zb_status_t zb__validate_structure(const zb_schedule_t *s);
 zb_status_t zb__gen_gpipe(zb_schedule_t *s);
 zb_status_t zb__gen_1f1b(zb_schedule_t *s);
 zb_status_t zb__gen_interleaved(zb_schedule_t *s);
+/* Interleaved 1F1B with B and W split, rank r's W's held back r backwards; warm-up factor 1 or 2. */
+zb_status_t zb__gen_interleaved_zb1(zb_schedule_t *s);
+zb_status_t zb__gen_interleaved_zb2(zb_schedule_t *s);
 zb_status_t zb__gen_zb_h1(zb_schedule_t *s);
 zb_status_t zb__gen_zb_h2(zb_schedule_t *s);
 zb_status_t zb__gen_zb_v(zb_schedule_t *s);

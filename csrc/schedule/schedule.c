@@ -394,10 +394,14 @@ static zb_status_t check_shape(const zb_schedule_spec_t *spec, int v) {
                        "%s places two chunks per rank in a V (v = 2), got v = %d", name, v);
       break;
     case ZB_KIND_ZB_AUTO:
+      if (spec->placement_set && spec->placement == ZB_PLACEMENT_LOOP) break; /* any v >= 1 */
+      if (spec->placement_set && spec->placement == ZB_PLACEMENT_V && v != 2)
+        return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "zb-auto in a V places v = 2 chunks per rank, got v = %d", v);
       if (v != 1 && v != 2)
         return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
-                       "zb-auto schedules v = 1 (loop placement) or v = 2 (V placement), got v = %d",
-                       v);
+                       "zb-auto schedules v = 1 (loop placement) or v = 2 (V placement) by default, got "
+                       "v = %d; set placement to loop (placement_set = 1) for %d loop-placed stages per rank",
+                       v, v);
       break;
     default:
       return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
@@ -419,6 +423,15 @@ zb_status_t zb_schedule_create(zb_schedule_t **out, const zb_schedule_spec_t *sp
   if (spec->kind == ZB_KIND_ZB_V || spec->kind == ZB_KIND_V_HALF || spec->kind == ZB_KIND_V_MIN ||
       (spec->kind == ZB_KIND_ZB_AUTO && v == 2))
     placement = ZB_PLACEMENT_V;
+  if (spec->placement_set) {
+    if (spec->placement != ZB_PLACEMENT_LOOP && spec->placement != ZB_PLACEMENT_V)
+      return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "spec placement is %d; it is ZB_PLACEMENT_LOOP (0) or ZB_PLACEMENT_V (1)",
+                     (int)spec->placement);
+    if (spec->kind != ZB_KIND_ZB_AUTO && spec->placement != placement)
+      return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "%s places stages in a %s; only zb-auto takes either placement",
+                     zb_kind_name(spec->kind), placement == ZB_PLACEMENT_V ? "V" : "loop");
+    placement = spec->placement;
+  }
   zb_schedule_t *s = NULL;
   ZB_CHECK(zb__schedule_alloc(&s, spec, spec->ranks, v, spec->microbatches, placement));
   zb_status_t st = ZB_OK;

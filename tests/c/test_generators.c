@@ -400,6 +400,57 @@ static void test_generators_decide_on_replayed_times(void **state) {
       }
 }
 
+/* zb-auto over loop-placed stages with several per rank (torch's interleaved placement): valid, on
+ * the loop placement it was asked for, never longer than interleaved 1F1B within that schedule's
+ * memory, with fewer bubbles on unequal costs; and the placement field is checked. */
+static void test_zb_auto_loop_chunks(void **state) {
+  (void)state;
+  const int shapes[][3] = {{2, 2, 4}, {2, 3, 4}, {4, 2, 8}, {4, 3, 12}, {4, 4, 8}, {3, 2, 6}, {4, 2, 6}, {3, 2, 9}};
+  for (size_t k = 0; k < sizeof shapes / sizeof shapes[0]; k++) {
+    int p = shapes[k][0], v = shapes[k][1], m = shapes[k][2];
+    zb_schedule_spec_t spec = zb_test_spec(ZB_KIND_INTERLEAVED_1F1B, p, m, v);
+    spec.time_f = 1.3, spec.time_b = 1.1, spec.time_w = 0.6, spec.time_comm = 0.1;
+    zb_schedule_t *ref = NULL;
+    zb_sim_result_t rr = {0};
+    double limit = p; /* 1F1B's memory where interleaved 1F1B does not apply (m not a multiple of p) */
+    if (m % p == 0) {
+      ZB_ASSERT_OK(zb_schedule_create(&ref, &spec));
+      ZB_ASSERT_OK(zb_schedule_simulate(ref, &rr));
+      limit = rr.max_peak_memory;
+    }
+    spec.kind = ZB_KIND_ZB_AUTO, spec.mem_limit = limit;
+    spec.placement_set = 1, spec.placement = ZB_PLACEMENT_LOOP;
+    zb_schedule_t *s = NULL;
+    ZB_ASSERT_OK(zb_schedule_create(&s, &spec));
+    ZB_ASSERT_OK(zb_schedule_validate(s));
+    zb_schedule_info_t info;
+    ZB_ASSERT_OK(zb_schedule_get_info(s, &info));
+    assert_int_equal(info.placement, ZB_PLACEMENT_LOOP);
+    assert_int_equal(info.chunks, v);
+    zb_sim_result_t r;
+    ZB_ASSERT_OK(zb_schedule_simulate(s, &r));
+    if (r.max_peak_memory > limit + 1e-9) fail_msg("p=%d v=%d m=%d: peak %g over the limit %g", p, v, m, r.max_peak_memory, limit);
+    if (ref && r.cost > rr.cost + 1e-9)
+      fail_msg("p=%d v=%d m=%d: zb-auto %.6g longer than interleaved 1F1B %.6g", p, v, m, r.cost, rr.cost);
+    if (ref && !(r.cost < rr.cost - 1e-9))
+      fail_msg("p=%d v=%d m=%d: zb-auto %.6g no shorter than interleaved 1F1B %.6g on unequal costs", p, v, m,
+               r.cost, rr.cost);
+    zb_schedule_destroy(s);
+    zb_schedule_destroy(ref);
+  }
+  zb_schedule_spec_t spec = zb_test_spec(ZB_KIND_ZB_H1, 2, 4, 1);
+  spec.placement_set = 1, spec.placement = ZB_PLACEMENT_V;
+  zb_schedule_t *s = NULL;
+  ASSERT_STATUS(zb_schedule_create(&s, &spec), ZB_ERR_INVALID_ARGUMENT);
+  ASSERT_CONTAINS(zb_last_error(), "only zb-auto takes either placement");
+  spec = zb_test_spec(ZB_KIND_ZB_AUTO, 2, 4, 3);
+  ASSERT_STATUS(zb_schedule_create(&s, &spec), ZB_ERR_INVALID_ARGUMENT);
+  ASSERT_CONTAINS(zb_last_error(), "set placement to loop");
+  spec.placement_set = 1, spec.placement = ZB_PLACEMENT_V;
+  ASSERT_STATUS(zb_schedule_create(&s, &spec), ZB_ERR_INVALID_ARGUMENT);
+  ASSERT_CONTAINS(zb_last_error(), "v = 2 chunks per rank");
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_1f1b),
@@ -415,6 +466,7 @@ int main(void) {
       cmocka_unit_test(test_zb_auto_unequal_stages_and_comm),
       cmocka_unit_test(test_comm_is_counted),
       cmocka_unit_test(test_zb_auto_v),
+      cmocka_unit_test(test_zb_auto_loop_chunks),
       cmocka_unit_test(test_generators_decide_on_replayed_times),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

@@ -38,7 +38,7 @@ def model_config(layers=4):
     return gpt.GPTConfig(vocab=32, seq=8, d_model=16, n_head=2, n_layer=layers, ffn=2)
 
 
-def train_kind(rank, world, kind, chunks, m, batch, steps, seed, csv=None, lr=1e-2, layers=4):
+def train_kind(rank, world, kind, chunks, m, batch, steps, seed, csv=None, lr=1e-2, layers=4, placement=None):
     import zbpp
     from zbpp.examples import gpt
     from zbpp.split import default_store
@@ -46,9 +46,12 @@ def train_kind(rank, world, kind, chunks, m, batch, steps, seed, csv=None, lr=1e
     S = world * chunks
     modules = gpt.build_stages(model_config(layers), S, seed=seed)
     cls = zbpp.get_schedule_class(kind) if csv is None else zbpp.ScheduleFromCSV
-    probe = zbpp.Schedule.generate(kind, p=world, m=m, v=chunks) if csv is None else zbpp.Schedule.from_csv(csv)
-    mine = probe.rank_stages(rank)
-    probe.close()
+    if placement == "loop":  # as torch users build interleaved stages: stage s on rank s mod p
+        mine = [c * world + rank for c in range(chunks)]
+    else:
+        probe = zbpp.Schedule.generate(kind, p=world, m=m, v=chunks) if csv is None else zbpp.Schedule.from_csv(csv)
+        mine = probe.rank_stages(rank)
+        probe.close()
     stages = [zbpp.PipelineStage(zbpp.split_linear(modules[s]), s, S, "cpu") for s in mine]
     extra = {"csv": csv} if csv is not None else {}
     sched = cls(stages, m, loss_fn=gpt.loss_fn, timeout=60.0, **extra)

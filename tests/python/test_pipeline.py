@@ -74,6 +74,9 @@ CASES = [
     dict(kind="v-min", chunks=2),
     dict(kind="zb-auto", chunks=1),
     dict(kind="InterleavedZeroBubble", chunks=2),
+    # torch's ScheduleInterleavedZeroBubble as its users place stages: in a loop, 2 and 3 per rank.
+    dict(kind="InterleavedZeroBubble", chunks=2, placement="loop"),
+    dict(kind="InterleavedZeroBubble", chunks=3, placement="loop", layers=6),
 ]
 
 
@@ -91,10 +94,10 @@ def kind_results(tmp_path_factory):
     return cases, ranks
 
 
-@pytest.mark.parametrize("index", range(len(CASES) + 1), ids=[c["kind"] for c in CASES] + ["csv"])
+@pytest.mark.parametrize("index", range(len(CASES) + 1), ids=[c["kind"] + (f"-loop{c['chunks']}" if c.get("placement") else "") for c in CASES] + ["csv"])
 def test_every_kind_trains_bit_for_bit_like_one_process(kind_results, index):
     cases, ranks = kind_results
-    ref_losses, ref_params = reference()
+    ref_losses, ref_params = reference(layers=cases[index].get("layers", 4))
     per_stage = {}
     for r in ranks:
         per_stage.update(r[index]["params"])

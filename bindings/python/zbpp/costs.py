@@ -457,8 +457,11 @@ class StageCosts:
             raise ValueError(f"{name} places stages in a loop, but the costs are for a V placement")
         limit = self.mem_limit(mem_limit)
         try:
+            # zb-auto plans for the placement the costs were measured on (loop with any v, or V).
+            placement = self.placement if name == "zb-auto" else None
             return Schedule.generate(kind, p=self.ranks, m=microbatches, v=self.chunks, times=self.times(),
-                                     comm=self.time_comm, w_share=self.w_share, mem_limit=limit)
+                                     comm=self.time_comm, w_share=self.w_share, mem_limit=limit,
+                                     placement=placement)
         except Exception as exc:
             if parse_mem_limit(mem_limit)[0] == "bytes" and hasattr(exc, "message"):
                 per = max(self.rank_bytes())

@@ -68,6 +68,9 @@ _EXTENSION_FORMATS = (
 _c_double_p = ctypes.POINTER(ctypes.c_double)
 
 
+_PLACEMENT_VALUES = {"loop": 0, "v": 1}  # zb_placement_t
+
+
 class _Spec(ctypes.Structure):
     """zb_schedule_spec_t. Build it with _Spec.init(), the equivalent of ZB_SCHEDULE_SPEC_INIT."""
 
@@ -89,6 +92,8 @@ class _Spec(ctypes.Structure):
         ("time_comm", ctypes.c_double),
         ("w_share", ctypes.c_double),
         ("mem_limit", ctypes.c_double),
+        ("placement_set", ctypes.c_int32),
+        ("placement", ctypes.c_int),  # zb_placement_t
     ]
 
     @classmethod
@@ -96,7 +101,7 @@ class _Spec(ctypes.Structure):
         # The same values as ZB_SCHEDULE_SPEC_INIT: kind 1F1B, p = 1, v = 0 (the kind's default),
         # m = 1, times 1/1/1 with bw = b + w, no comm, w_share 0.5, no memory limit.
         return cls(ctypes.sizeof(cls), ZB_SCHEDULE_SPEC_VERSION, 1, 1, 0, 1,
-                   1.0, 1.0, 1.0, 0.0, None, None, None, None, 0.0, 0.5, 0.0)
+                   1.0, 1.0, 1.0, 0.0, None, None, None, None, 0.0, 0.5, 0.0, 0, 0)
 
 
 class _Info(ctypes.Structure):
@@ -362,7 +367,7 @@ class Schedule:
     # -- construction --
 
     @classmethod
-    def generate(cls, kind, p, m, v=None, times=None, comm=0.0, w_share=0.5, mem_limit=None):
+    def generate(cls, kind, p, m, v=None, times=None, comm=0.0, w_share=0.5, mem_limit=None, placement=None):
         """Generates a schedule of a kind for p ranks and m microbatches.
 
         kind: any name the library accepts (see kinds()), any case, '-' or '_', torch's class
@@ -376,6 +381,9 @@ class Schedule:
         comm: time added to every dependency that crosses ranks.
         w_share: the share of activations only W needs, in [0, 1].
         mem_limit: None (no limit), a number of microbatches, or a multiple of p: "p", "2p", "1.5p".
+        placement: None (the kind's own: V for zb-v, v-half, v-min and zb-auto with v = 2, loop
+        otherwise), "loop" or "v". zb-auto takes "loop" with any v (stage s on rank s mod p, as
+        torch's interleaved schedules place stages) and "v" with v = 2.
 
         Raises TypeError/ValueError for malformed arguments and ZbError for what the library
         rejects (its message says what is allowed, e.g. the smallest m for a kind).
@@ -397,6 +405,10 @@ class Schedule:
         else:
             limit = _mem_limit(mem_limit, p)
         spec, keep = _build_spec(kind_value, p, v_spec, m, parts, comm, w_share, limit)
+        if placement is not None:
+            if placement not in _PLACEMENT_VALUES:
+                raise ValueError(f"placement is {placement!r}; it is None (the kind's own), 'loop' or 'v'")
+            spec.placement_set, spec.placement = 1, _PLACEMENT_VALUES[placement]
         handle = ctypes.c_void_p()
         _lib.call("zb_schedule_create", [ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(_Spec)],
                   ctypes.byref(handle), ctypes.byref(spec))

@@ -309,6 +309,14 @@ class PipelineSchedule:
         elif costs is not None and not isinstance(costs, StageCosts):
             raise TypeError(f"zbpp.{name}: costs must be a zbpp.StageCosts or the path of a zbpp-costs JSON "
                             f"file, got {type(costs).__name__}")
+        # zb-auto plans loop- or V-placed stages, whichever the rank was given: torch's interleaved
+        # schedules (ScheduleInterleavedZeroBubble) place stage s on rank s mod p, any number per rank.
+        mine = sorted(st.stage_index for st in stages)
+        self._placement_arg = None
+        if csv is None and _kind_name(kind) == "zb-auto" and v >= 2:
+            r = first.group_rank
+            loop = [c * p + r for c in range(v)]
+            self._placement_arg = "loop" if (mine == loop and (v > 2 or p > 1)) else None
         if costs is not None:
             costs.check_shape(p, v, what=f"this pipeline ({name})")
         self._kind_arg = kind
@@ -341,7 +349,8 @@ class PipelineSchedule:
         elif costs is not None:
             self.schedule = costs.plan(kind, m, mem_limit if limit_kind == "bytes" else limit)
         else:
-            self.schedule = Schedule.generate(kind, p=p, m=m, v=v, times=times, mem_limit=limit)
+            self.schedule = Schedule.generate(kind, p=p, m=m, v=v, times=times, mem_limit=limit,
+                                              placement=self._placement_arg)
         mine = [s.stage_index for s in self.stages]
         want = self.schedule.rank_stages(self.rank)
         if mine != want:
@@ -833,7 +842,8 @@ class PipelineSchedule:
             if parse_mem_limit(limit)[0] == "bytes":
                 raise ValueError(f"zbpp.{name}: mem_limit={limit!r} is in bytes, which needs measured costs "
                                  "(mem_f_bytes) to plan")
-            new = Schedule.generate(self._kind_arg, p=p, m=m, v=v, times=self._times_arg, mem_limit=limit)
+            new = Schedule.generate(self._kind_arg, p=p, m=m, v=v, times=self._times_arg, mem_limit=limit,
+                                    placement=self._placement_arg)
         try:
             text = new.to_csv()
             digest = hashlib.sha256(text.encode()).hexdigest()
