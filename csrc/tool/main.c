@@ -65,6 +65,9 @@ static void usage(FILE *out) {
           "  --w-share W          share of activations only W needs, in [0,1] (default 0.5)\n"
           "  --mem-limit L        peak activation memory per rank in microbatches, or 'Np' for N*p\n"
           "                       (zb-auto's target; a limit for validation otherwise)\n"
+          "  --placement P        loop or v: where zb-auto puts the stages (default: v for v = 2, else\n"
+          "                       loop; loop with any v is torch's interleaved placement). With\n"
+          "                       --stage-times, zb-auto takes the file's placement unless this is given\n"
           "  --format F           text (default), csv, json, chrome or svg\n"
           "  -o, --output FILE    write there instead of standard output\n"
           "\n"
@@ -78,6 +81,7 @@ static void usage(FILE *out) {
 typedef struct {
   const char *command, *kind, *file, *format, *output, *mem_limit, *stage_times;
   int p, m, v;
+  int placement; /* -1: not given; else a zb_placement_t */
   double times[4];
   int n_times;
   double comm, w_share;
@@ -126,6 +130,7 @@ static int parse_times(const char *s, double *t, int *n) {
 static int parse_args(int argc, char **argv, args_t *a) {
   memset(a, 0, sizeof *a);
   a->p = a->m = INT_MIN; /* "not given": any number the user gives goes to the library to judge */
+  a->placement = -1;
   a->times[0] = a->times[1] = a->times[2] = 1.0;
   a->w_share = 0.5;
   a->command = argv[1];
@@ -166,6 +171,11 @@ static int parse_args(int argc, char **argv, args_t *a) {
     } else if (!strcmp(arg, "--mem-limit")) {
       NEED_VALUE();
       a->mem_limit = val;
+    } else if (!strcmp(arg, "--placement")) {
+      NEED_VALUE();
+      if (!strcmp(val, "loop")) a->placement = ZB_PLACEMENT_LOOP;
+      else if (!strcmp(val, "v")) a->placement = ZB_PLACEMENT_V;
+      else return zb__tool_bad_usage("--placement is loop or v, got '%s'", val);
     } else if (!strcmp(arg, "--format")) {
       NEED_VALUE();
       a->format = val;
@@ -360,6 +370,12 @@ static int cmd_schedule(const args_t *a) {
     spec.chunks = a->v ? a->v : default_chunks(kind);
     snprintf(source, sizeof source, "the command (%s, p = %d, v = %d) asks for", zb_kind_name(kind),
              a->p, spec.chunks);
+  }
+  if (a->placement >= 0) {
+    spec.placement_set = 1, spec.placement = (zb_placement_t)a->placement;
+  } else if (have && kind == ZB_KIND_ZB_AUTO && costs.placement >= 0) {
+    /* zb-auto plans for the placement the costs were measured on. */
+    spec.placement_set = 1, spec.placement = (zb_placement_t)costs.placement;
   }
   zb_schedule_t *s = NULL;
   int rc = have ? costs_fit(have, a->stage_times, a->p, spec.chunks, -1, source) : 0;

@@ -556,7 +556,7 @@ static void test_tool_errors(void **state) {
       {"{\"ranks\": 2, %s}", "zb-auto", "4", "1", "\"ranks\": 2", "p = 4"},
       {"{\"chunks\": 2, %s}", "zb-auto", "4", "1", "\"chunks\": 2", "v = 1"},
       {"{\"placement\": \"v\", %s}", "zb-h1", "4", "1", "\"placement\": \"v\"", "\"loop\""},
-      {"{\"placement\": \"loop\", %s}", "zb-auto", "2", "2", "\"placement\": \"loop\"", "\"v\""},
+      {"{\"placement\": \"loop\", %s}", "zb-v", "2", "2", "\"placement\": \"loop\"", "\"v\""},
       {"{%s}", "zb-auto", "2", "1", "4 stages", "2 * 1 = 2"},
       {"{%s}", "zb-v", "4", "2", "4 stages", "4 * 2 = 8"},
       {"{\"time_f\": [1, 1, 1, 1],\n \"time_b\": [1 1, 1, 1]}", "zb-auto", "4", "1", ":2:15:", "after time_b[0], got a number"},

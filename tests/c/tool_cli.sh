@@ -238,6 +238,16 @@ expect_error "unknown kind" 2 "zb-v" schedule nope -p 4 -m 8
 check_grep "unknown kind: message names the kind given" "$T/err" "nope"
 check_grep "unknown kind: message lists 1f1b" "$T/err" "1f1b"
 expect_error "-v 3 for zb-v" any "v = 3" schedule zb-v -p 4 -m 8 -v 3
+run schedule zb-auto -p 2 -m 4 -v 3 --placement loop --format csv
+check_rc "zb-auto with 3 loop-placed stages per rank" 0
+check_eq "rank 0 holds stage 4 (loop placement: s mod p)" 1 "$(head -1 "$T/out" | grep -c 4F0)"
+expect_error "zb-auto -v 3 without a placement" 1 "set placement to loop" schedule zb-auto -p 2 -m 4 -v 3
+expect_error "--placement for a fixed kind" 1 "only zb-auto" schedule zb-h1 -p 2 -m 4 --placement v
+expect_error "a bad --placement" 2 "loop or v" schedule zb-h1 -p 2 -m 4 --placement ring
+printf '{"format": "zbpp-costs", "version": 1, "ranks": 2, "chunks": 2, "placement": "loop", "time_f": [1, 1, 1, 1], "time_b": [1, 1, 1, 1], "time_w": [0.5, 0.5, 0.5, 0.5]}\n' > "$T/loop2.json"
+run schedule zb-auto -p 2 -m 4 -v 2 --stage-times "$T/loop2.json" --format csv
+check_rc "zb-auto plans for the cost file's loop placement" 0
+check_eq "stage 2 on rank 0 (loop, not V)" 1 "$(head -1 "$T/out" | grep -c 2F0)"
 expect_error "interleaved-1f1b -p 4 -m 6" any "multiple" schedule interleaved-1f1b -p 4 -m 6
 expect_error "--times with two values" 2 "--times" schedule 1f1b -p 4 -m 8 --times 1,2
 expect_error "--times with a non-number" any "--times" schedule 1f1b -p 4 -m 8 --times 1,x,3
