@@ -19,12 +19,13 @@
  */
 #include "internal.h"
 
-/* The k-th forward (or backward) "virtual microbatch" of a rank: which chunk and microbatch. */
-static void virtual_mb(const zb_schedule_t *s, int k, int backward, int *chunk, int *mb) {
-  int p = s->p, v = s->v;
-  int c = (k / p) % v;
+/* The k-th forward (or backward) "virtual microbatch" of a rank when microbatches go round the
+ * chunks in groups of g (p for Megatron's order): which chunk and microbatch. */
+static void virtual_mb(const zb_schedule_t *s, int g, int k, int backward, int *chunk, int *mb) {
+  int v = s->v;
+  int c = (k / g) % v;
   *chunk = backward ? v - 1 - c : c;
-  *mb = (k / (p * v)) * p + k % p;
+  *mb = (k / (g * v)) * g + k % g;
 }
 
 zb_status_t zb__gen_interleaved(zb_schedule_t *s) {
@@ -38,34 +39,26 @@ zb_status_t zb__gen_interleaved(zb_schedule_t *s) {
     int f = 0, b = 0, c, i;
     /* Phase 1: warm-up forwards across the chunks. */
     while (f < warmup && st == ZB_OK) {
-      virtual_mb(s, f++, 0, &c, &i);
+      virtual_mb(s, p, f++, 0, &c, &i);
       st = zb__oplists_push(&l, r, ZB_OP_F, c * p + r, i);
     }
     /* Phase 2: steady one forward, one backward. */
     while (f < total && st == ZB_OK) {
-      virtual_mb(s, f++, 0, &c, &i);
+      virtual_mb(s, p, f++, 0, &c, &i);
       st = zb__oplists_push(&l, r, ZB_OP_F, c * p + r, i);
       if (st != ZB_OK) break;
-      virtual_mb(s, b++, 1, &c, &i);
+      virtual_mb(s, p, b++, 1, &c, &i);
       st = zb__oplists_push(&l, r, ZB_OP_BW, c * p + r, i);
     }
     /* Phase 3: drain. */
     while (b < total && st == ZB_OK) {
-      virtual_mb(s, b++, 1, &c, &i);
+      virtual_mb(s, p, b++, 1, &c, &i);
       st = zb__oplists_push(&l, r, ZB_OP_BW, c * p + r, i);
     }
   }
   if (st == ZB_OK) st = zb__schedule_take_ops(s, &l);
   zb__oplists_free(&l);
   return st;
-}
-
-/* The k-th forward (or backward) of a rank when microbatches go round in groups of g. */
-static void virtual_mb_g(const zb_schedule_t *s, int g, int k, int backward, int *chunk, int *mb) {
-  int v = s->v;
-  int c = (k / g) % v;
-  *chunk = backward ? v - 1 - c : c;
-  *mb = (k / (g * v)) * g + k % g;
 }
 
 static zb_status_t gen_interleaved_zb(zb_schedule_t *s, int factor) {
@@ -87,23 +80,23 @@ static zb_status_t gen_interleaved_zb(zb_schedule_t *s, int factor) {
     /* W of backward number w may run once backward w + r has: r backwards of slack on rank r. */
 #define PUSH_W_UPTO(limit)                                                                         \
   while (w < (limit) && st == ZB_OK) {                                                              \
-    virtual_mb_g(s, g, w++, 1, &c, &i);                                                             \
+    virtual_mb(s, g, w++, 1, &c, &i);                                                             \
     st = zb__oplists_push(&l, r, ZB_OP_W, c * p + r, i);                                            \
   }
     while (f < warmup && st == ZB_OK) {
-      virtual_mb_g(s, g, f++, 0, &c, &i);
+      virtual_mb(s, g, f++, 0, &c, &i);
       st = zb__oplists_push(&l, r, ZB_OP_F, c * p + r, i);
     }
     while (f < total && st == ZB_OK) {
-      virtual_mb_g(s, g, f++, 0, &c, &i);
+      virtual_mb(s, g, f++, 0, &c, &i);
       st = zb__oplists_push(&l, r, ZB_OP_F, c * p + r, i);
       if (st != ZB_OK) break;
-      virtual_mb_g(s, g, b++, 1, &c, &i);
+      virtual_mb(s, g, b++, 1, &c, &i);
       st = zb__oplists_push(&l, r, ZB_OP_B, c * p + r, i);
       PUSH_W_UPTO(b - r)
     }
     while (b < total && st == ZB_OK) {
-      virtual_mb_g(s, g, b++, 1, &c, &i);
+      virtual_mb(s, g, b++, 1, &c, &i);
       st = zb__oplists_push(&l, r, ZB_OP_B, c * p + r, i);
       PUSH_W_UPTO(b - r)
     }

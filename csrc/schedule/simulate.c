@@ -134,6 +134,9 @@ zb_status_t zb__simulate_durations(const zb_schedule_t *s, const double *dur, do
   return st;
 }
 
+static zb_sim_result_t stats_of(const zb_schedule_t *s, const double *start, const double *end, double *span_out,
+                                double *busy_out, double *peak_out);
+
 zb_status_t zb_schedule_simulate_durations(const zb_schedule_t *s, const double *const *durations,
                                           zb_sim_result_t *out) {
   ZB_ARG_NOT_NULL(s);
@@ -161,25 +164,7 @@ zb_status_t zb_schedule_simulate_durations(const zb_schedule_t *s, const double 
     }
   }
   if (st == ZB_OK) st = zb__simulate_durations(s, dur, start, end);
-  if (st == ZB_OK) {
-    zb_sim_result_t res = {0, 0, 0, 0};
-    for (int r = 0; r < s->p; r++) {
-      int a = s->rank_off[r], b = s->rank_off[r + 1];
-      double busy = 0, mem = 0, peak = 0, first = 0, last = 0;
-      for (int k = a; k < b; k++) {
-        busy += dur[k];
-        mem += zb__op_mem(s, s->ops[k].type);
-        peak = fmax(peak, mem);
-        first = k == a ? start[k] : fmin(first, start[k]);
-        last = k == a ? end[k] : fmax(last, end[k]);
-      }
-      res.cost = fmax(res.cost, b > a ? last - first : 0);
-      res.busy = fmax(res.busy, busy);
-      res.max_peak_memory = fmax(res.max_peak_memory, peak);
-    }
-    res.bubble_rate = res.cost > 0 ? (res.cost - res.busy) / res.cost : 0;
-    *out = res;
-  }
+  if (st == ZB_OK) *out = stats_of(s, start, end, NULL, NULL, NULL);
   free(dur), free(start), free(end);
   return st;
 }
@@ -203,29 +188,35 @@ zb_status_t zb_schedule_simulate(zb_schedule_t *s, zb_sim_result_t *out) {
   return ZB_OK;
 }
 
-void zb__schedule_fill_stats(zb_schedule_t *s) {
+/* Span, busy and peak of each rank (into the arrays when not NULL) and the overall figures, from
+ * op times aligned with s->ops (simulated or measured; busy is the sum of op durations). */
+static zb_sim_result_t stats_of(const zb_schedule_t *s, const double *start, const double *end, double *span_out,
+                                double *busy_out, double *peak_out) {
   zb_sim_result_t res = {0, 0, 0, 0};
   for (int r = 0; r < s->p; r++) {
     int a = s->rank_off[r], b = s->rank_off[r + 1];
     double busy = 0, mem = 0, peak = 0, first = 0, last = 0;
     for (int k = a; k < b; k++) {
-      busy += s->end[k] - s->start[k];
+      busy += end[k] - start[k];
       mem += zb__op_mem(s, s->ops[k].type);
       if (mem > peak) peak = mem;
-      if (k == a || s->start[k] < first) first = s->start[k];
-      if (k == a || s->end[k] > last) last = s->end[k];
+      if (k == a || start[k] < first) first = start[k];
+      if (k == a || end[k] > last) last = end[k];
     }
-    s->span[r] = b > a ? last - first : 0;
-    s->busy[r] = busy;
-    s->peak[r] = peak;
-    if (s->span[r] > res.cost) res.cost = s->span[r];
+    double span = b > a ? last - first : 0;
+    if (span_out) span_out[r] = span, busy_out[r] = busy, peak_out[r] = peak;
+    if (span > res.cost) res.cost = span;
     if (busy > res.busy) res.busy = busy;
     if (peak > res.max_peak_memory) res.max_peak_memory = peak;
   }
   res.bubble_rate = res.cost > 0 ? (res.cost - res.busy) / res.cost : 0;
   /* Rounding in long sums can leave -1e-17; a bubble is never negative. */
   if (res.bubble_rate < 0 && res.bubble_rate > -ZB_EPS) res.bubble_rate = 0;
-  s->sim = res;
+  return res;
+}
+
+void zb__schedule_fill_stats(zb_schedule_t *s) {
+  s->sim = stats_of(s, s->start, s->end, s->span, s->busy, s->peak);
   s->simulated = 1;
 }
 

@@ -35,8 +35,8 @@ op type gets its own overhead (overhead_f/b/w/bw: the median gap after its ops; 
 median over all, where a type has no sample), T_comm is the wait-gap less the producer's overhead,
 and each overhead is added to its op's time, so plans are made for the slots ops really take. They
 are kept apart so expected_bubble can predict the bubble as the runner's timestamps measure it (the
-overhead idle). Clocks must be comparable across ranks (one
-host, CLOCK_MONOTONIC), as for timeline().
+overhead idle). Clocks must be comparable across ranks (one host, CLOCK_MONOTONIC), as for
+timeline().
 
 Activation memory (`ActivationMeter`): the bytes autograd has saved for the backward of a stage's
 forward of one microbatch, read from the graph (each storage once, parameters and buffers left
@@ -339,9 +339,8 @@ class StageCosts:
         # The runtime's own gap after each op (see the module docstring): per stage and type where
         # there are samples, else the median over all. It is in the op's time, so plans count it;
         # a wait for another rank includes the producer's gap, which is the producer's, not the
-        # transfer's.
-        # Which gaps are the runtime's depends on T_comm (an input still in flight is not
-        # overhead), and T_comm on the producers' overheads: two rounds settle both.
+        # transfer's. Which gaps are the runtime's depends on T_comm (an input still in flight is
+        # not overhead), and T_comm on the producers' overheads: two rounds settle both.
         comm = 0.0
         for _ in range(2):
             after = {key: [[] for _ in range(S)] for key in ("f", "b", "w", "bw")}
@@ -371,11 +370,12 @@ class StageCosts:
         definition: span minus the busiest rank's work, over the span). Two things the plain
         simulation misses: the runner's timestamps count each op's overhead as idle, where the
         simulator counts it as work; and op times vary (on a shared CPU by tens of percent within a
-        step), which only ever adds bubble, since an op late on one rank delays the ranks waiting on
-        it. With the measured durations at hand (costs from from_timelines), the op order is
-        simulated `draws` times with every op's duration drawn from those measured for its stage and
-        type, and the median bubble is returned (the main job reports the median over steps too;
-        fewer draws on pipelines of more than 30,000 ops); without them (costs loaded from a file), the simulation on the medians."""
+        step), which mostly adds bubble: an op late on one rank delays the ranks waiting on it. With
+        the measured durations at hand (costs from from_timelines), the op order is simulated
+        `draws` times with every op's duration drawn from those measured for its stage and type,
+        and the median bubble is returned (the main job reports the median over steps too; fewer
+        draws on pipelines of more than 30,000 ops); without them (costs loaded from a file), the
+        simulation on the medians."""
         sim = schedule.simulate()
         if sim.cost <= 0:
             return 0.0
@@ -519,9 +519,8 @@ def _wait_gaps(ops, times, where, S):
 def _ready_gaps(ops, times, where, S, comm=0.0):
     """Per-op overhead samples of one timeline, as (op, gap): for each op (not a rank's first) whose
     inputs from other ranks had all arrived (producer end + comm) by the time the rank's previous
-    op ended, the gap
-    between the two, which belongs to the previous op: nothing but the runtime (its callbacks,
-    posting the previous op's sends) kept the rank from starting at once."""
+    op ended, the gap between the two, which belongs to the previous op: nothing but the runtime
+    (its callbacks, posting the previous op's sends) kept the rank from starting at once."""
     gaps = []
     for r, rank_ops in enumerate(ops):
         starts, ends = times[r]

@@ -689,25 +689,9 @@ class Schedule:
         The library shifts them so the earliest start is 0 and stores milliseconds, so cost,
         rank_times, stage_costs and the exports read in milliseconds afterwards.
         """
-        p = self.ranks
-        for name, lists in (("starts", starts), ("ends", ends)):
-            if isinstance(lists, (str, bytes)) or not hasattr(lists, "__len__") or len(lists) != p:
-                raise ValueError(
-                    f"set_times: {name} must hold one list of times per rank ({p} lists), got {lists!r:.80}")
         keep = []
-        start_ptrs = (_c_double_p * p)()
-        end_ptrs = (_c_double_p * p)()
-        for r in range(p):
-            n = len(self.rank_ops(r))
-            for name, lists, ptrs in (("starts", starts, start_ptrs), ("ends", ends, end_ptrs)):
-                values = lists[r]
-                if isinstance(values, (str, bytes)) or not hasattr(values, "__len__") or len(values) != n:
-                    got = len(values) if hasattr(values, "__len__") else repr(values)
-                    raise ValueError(
-                        f"set_times: {name}[{r}] has {got} values; rank {r} has {n} ops and needs one time per op")
-                buf = (ctypes.c_double * max(n, 1))(*(_number(t, f"set_times: {name}[{r}]") for t in values))
-                keep.append(buf)
-                ptrs[r] = ctypes.cast(buf, _c_double_p)
+        start_ptrs = self._per_rank(starts, "set_times: starts", "time", keep)
+        end_ptrs = self._per_rank(ends, "set_times: ends", "time", keep)
         raw = _SimResult()
         _lib.call("zb_schedule_set_times",
                   [ctypes.c_void_p, ctypes.POINTER(_c_double_p), ctypes.POINTER(_c_double_p),
@@ -716,26 +700,31 @@ class Schedule:
         del keep  # copied during the call
         return _sim_result(raw)
 
+    def _per_rank(self, lists, what, per_op, keep):
+        """One C array of numbers per rank, each aligned with rank_ops(r), from a list of lists:
+        a pointer array for the C calls that take `const double *const *`. The buffers go into
+        `keep`, which the caller holds until the call returns."""
+        p = self.ranks
+        if isinstance(lists, (str, bytes)) or not hasattr(lists, "__len__") or len(lists) != p:
+            raise ValueError(f"{what} must hold one list of {per_op}s per rank ({p} lists), got {lists!r:.80}")
+        ptrs = (_c_double_p * p)()
+        for r in range(p):
+            n, values = len(self.rank_ops(r)), lists[r]
+            if isinstance(values, (str, bytes)) or not hasattr(values, "__len__") or len(values) != n:
+                got = len(values) if hasattr(values, "__len__") else repr(values)
+                raise ValueError(f"{what}[{r}] has {got} values; rank {r} has {n} ops and needs one {per_op} per op")
+            buf = (ctypes.c_double * max(n, 1))(*(_number(t, f"{what}[{r}]") for t in values))
+            keep.append(buf)
+            ptrs[r] = ctypes.cast(buf, _c_double_p)
+        return ptrs
+
     def simulate_durations(self, durations):
         """The figures of this op order run with the given op durations instead of the per-stage
         costs (zb_schedule_simulate_durations): durations holds one list per rank, aligned with
         rank_ops(r). The schedule's own simulation is left as it was, so this can be called many
         times, e.g. with op times drawn from a measured spread."""
-        p = self.ranks
-        if isinstance(durations, (str, bytes)) or not hasattr(durations, "__len__") or len(durations) != p:
-            raise ValueError(f"simulate_durations: durations must hold one list per rank ({p} lists), "
-                             f"got {durations!r:.80}")
         keep = []
-        ptrs = (_c_double_p * p)()
-        for r in range(p):
-            n, values = len(self.rank_ops(r)), durations[r]
-            if isinstance(values, (str, bytes)) or not hasattr(values, "__len__") or len(values) != n:
-                got = len(values) if hasattr(values, "__len__") else repr(values)
-                raise ValueError(f"simulate_durations: durations[{r}] has {got} values; rank {r} has {n} ops "
-                                 "and needs one duration per op")
-            buf = (ctypes.c_double * max(n, 1))(*(_number(t, f"simulate_durations: durations[{r}]") for t in values))
-            keep.append(buf)
-            ptrs[r] = ctypes.cast(buf, _c_double_p)
+        ptrs = self._per_rank(durations, "simulate_durations: durations", "duration", keep)
         raw = _SimResult()
         _lib.call("zb_schedule_simulate_durations",
                   [ctypes.c_void_p, ctypes.POINTER(_c_double_p), ctypes.POINTER(_SimResult)],

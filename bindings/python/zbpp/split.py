@@ -138,7 +138,7 @@ class WGradStore:
 
     def push_linear(self, x2, dy2, weight, bias, store=None):
         """Queues dW += dy2^T x2 (and db += sum(dy2)) for a Linear; x2 [rows, in], dy2 [rows, out]."""
-        x2, dy2 = _rows(x2), _rows(dy2)
+        dy2 = _rows(dy2)
         dtype = _DTYPE.get(x2.dtype)
         if dtype is None or dy2.dtype != x2.dtype:
             raise TypeError(f"zbpp: split Linear supports float32, float16 and bfloat16 inputs, got "
@@ -150,6 +150,7 @@ class WGradStore:
             if bias is not None and bias.requires_grad:
                 self._push_bias_only(dy2, bias, store)
             return
+        x2 = _rows(x2)  # only the weight's GEMM reads x
         if self.is_cuda:
             return self._push_cuda(x2, dy2, weight, bias, dtype, store)
         keep = [x2, dy2]
