@@ -104,7 +104,7 @@ typedef enum {
   X(ZB_KIND_GPIPE, 0, "gpipe", "all forwards, then all fused backwards (peak memory m)")           \
   X(ZB_KIND_1F1B, 1, "1f1b", "one forward one backward, fused backward (PipeDream-flush, peak p)") \
   X(ZB_KIND_INTERLEAVED_1F1B, 2, "interleaved-1f1b",                                               \
-    "Megatron's interleaved 1F1B, v >= 2 chunks in a loop, m a multiple of p")                     \
+    "Megatron's interleaved 1F1B, v chunks in a loop, m in rounds of ~p (torch's rule)")           \
   X(ZB_KIND_ZB_H1, 3, "zb-h1", "handcrafted zero bubble, 1F1B's memory (p), about 1/3 the bubble") \
   X(ZB_KIND_ZB_H2, 4, "zb-h2", "handcrafted zero bubble, memory 2p-1, no bubble once m is large") \
   X(ZB_KIND_ZB_V, 5, "zb-v", "two chunks in a V, memory p, no bubble once m >= 2p")                \
@@ -269,7 +269,9 @@ ZB_API zb_status_t zb_schedule_export(zb_schedule_t *schedule, zb_format_t forma
 
 /* Reads a schedule from text. Only ZB_FORMAT_CSV is accepted: one row per rank, cells like "0F3"
  * (stage, type, microbatch) where the type is F, I (our B), W, or B (our BW, torch's full backward);
- * empty cells (torch's idle steps) are skipped. p is the number of rows, S the largest stage + 1,
+ * empty cells (torch's idle steps) and torch's transfer cells (SEND_F, RECV_F, SEND_B, RECV_B) are
+ * skipped, and a pair "(0F1;3B0)OVERLAP_F_B" gives its ops in order; UNSHARD, RESHARD and REDUCE_GRAD
+ * fail with ZB_ERR_PARSE. p is the number of rows, S the largest stage + 1,
  * v = S / p, m the largest microbatch + 1, and the placement is inferred (V when stage p sits on rank
  * p-1). Costs, w-share and memory limit come from spec (its ranks/chunks/microbatches/kind are
  * ignored, except that per-stage time arrays need ranks * chunks to equal the file's stage count;

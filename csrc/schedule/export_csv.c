@@ -6,11 +6,12 @@
  *   F -> F (forward),  I -> B (input-gradient backward),  W -> W,  B -> BW (torch's full backward).
  * torch writes an empty cell for an idle step; we skip those on import and never write them.
  *
- * What this is not: a reader for torch's other CSV flavours. Communication actions (SEND_F, RECV_B,
- * UNSHARD, ...) appear only in the lowered "compute_comms" schedules; they are rejected with an
- * error that says so, because the runtime posts its own sends and receives from the channel rules.
- * Import does not validate either: zb_schedule_validate is the caller's next step and gives the
- * better message for a schedule that parses but breaks a rule.
+ * Import also reads torch's lowered "compute_comms" form: transfer cells (SEND_F, RECV_F, SEND_B,
+ * RECV_B) are skipped, because the runtime posts its own sends and receives from the channel rules,
+ * and an overlapped pair "(0F1;3B0)OVERLAP_F_B" (DualPipeV's) becomes its ops one after the other.
+ * UNSHARD, RESHARD and REDUCE_GRAD manage FSDP/DDP stages, which zbpp does not run: an error says
+ * so. Export writes the compute-only form. Import does not validate either: zb_schedule_validate is
+ * the caller's next step and gives the better message for a schedule that parses but breaks a rule.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -82,11 +83,15 @@ static int read_number(const char *t, size_t n, size_t *pos, int *value) {
   return digits;
 }
 
-/* Parses one trimmed, non-empty cell. `row`/`col` are 1-based for the message; rank = row - 1. */
-static zb_status_t parse_cell(const char *cell, size_t n, int row, int col, zb_op_t *op) {
+/* Parses one trimmed, non-empty action "<stage><type><microbatch>". `row`/`col` are 1-based for the
+ * message; rank = row - 1. *count gets 1 for a compute op, 0 for a transfer (skipped); transfers
+ * are refused where `in_pair` (inside an OVERLAP_F_B). */
+static zb_status_t parse_one(const char *cell, size_t n, int row, int col, int in_pair, zb_op_t *op,
+                             int *count) {
   char ex[32];
   size_t pos = 0;
   int stage = 0, mb = 0;
+  *count = 0;
   int d = read_number(cell, n, &pos, &stage);
   if (d < 0)
     return ZB_FAIL(ZB_ERR_PARSE,
@@ -99,26 +104,37 @@ static zb_status_t parse_cell(const char *cell, size_t n, int row, int col, zb_o
   if (d == 0 || type_len == 0)
     return ZB_FAIL(ZB_ERR_PARSE,
                    "row %d (rank %d), column %d: cell '%s' is not <stage><type><microbatch>, e.g. "
-                   "0F3; types are F, I, B and W (torch's compute_only CSV)",
+                   "0F3; types are F, I, B and W (and torch's SEND_F, RECV_F, SEND_B, RECV_B)",
                    row, row - 1, col, cell_excerpt(cell, n, ex));
   char letter = cell[type_at];
   int is_compute = type_len == 1 && (letter == 'F' || letter == 'I' || letter == 'B' || letter == 'W');
+  int is_comm = 0;
   if (!is_compute) {
-    /* torch's other action types; named so the user knows which CSV flavour they handed us. */
-    static const char *const comm[] = {"SEND_F", "RECV_F", "SEND_B", "RECV_B", "UNSHARD", "RESHARD"};
+    static const char *const comm[] = {"SEND_F", "RECV_F", "SEND_B", "RECV_B"};
+    static const char *const sharding[] = {"UNSHARD", "RESHARD", "REDUCE_GRAD"};
     for (size_t k = 0; k < sizeof comm / sizeof comm[0]; k++)
-      if (strlen(comm[k]) == type_len && memcmp(comm[k], cell + type_at, type_len) == 0)
+      if (strlen(comm[k]) == type_len && memcmp(comm[k], cell + type_at, type_len) == 0) is_comm = 1;
+    if (is_comm && in_pair)
+      return ZB_FAIL(ZB_ERR_PARSE,
+                     "row %d (rank %d), column %d: cell '%s' is a transfer inside an OVERLAP_F_B pair; "
+                     "a pair holds compute actions only, e.g. (0F1;3B0)OVERLAP_F_B",
+                     row, row - 1, col, cell_excerpt(cell, n, ex));
+    for (size_t k = 0; k < sizeof sharding / sizeof sharding[0]; k++)
+      if (strlen(sharding[k]) == type_len && memcmp(sharding[k], cell + type_at, type_len) == 0)
         return ZB_FAIL(ZB_ERR_PARSE,
-                       "row %d (rank %d), column %d: cell '%s' is a communication action (%s); "
-                       "only torch's compute_only CSV is read, whose types are F, I, B and W",
-                       row, row - 1, col, cell_excerpt(cell, n, ex), comm[k]);
-    char ty[32];
-    return ZB_FAIL(ZB_ERR_PARSE,
-                   "row %d (rank %d), column %d: cell '%s' has type '%s'; only torch's "
-                   "compute_only CSV is read, whose types are F (forward), I (input-gradient "
-                   "backward), B (full backward) and W (weight-gradient backward)",
-                   row, row - 1, col, cell_excerpt(cell, n, ex),
-                   cell_excerpt(cell + type_at, type_len, ty));
+                       "row %d (rank %d), column %d: cell '%s' is %s, which manages FSDP-sharded or DDP "
+                       "stages; zbpp does not run those: drop UNSHARD, RESHARD and REDUCE_GRAD cells "
+                       "(the compute actions F, I, B, W and the transfers are read)",
+                       row, row - 1, col, cell_excerpt(cell, n, ex), sharding[k]);
+    if (!is_comm) {
+      char ty[32];
+      return ZB_FAIL(ZB_ERR_PARSE,
+                     "row %d (rank %d), column %d: cell '%s' has type '%s'; torch's CSV types are F "
+                     "(forward), I (input-gradient backward), B (full backward), W (weight-gradient "
+                     "backward), the transfers SEND_F, RECV_F, SEND_B, RECV_B and (a;b)OVERLAP_F_B pairs",
+                     row, row - 1, col, cell_excerpt(cell, n, ex),
+                     cell_excerpt(cell + type_at, type_len, ty));
+    }
   }
   d = read_number(cell, n, &pos, &mb);
   if (d < 0)
@@ -129,11 +145,51 @@ static zb_status_t parse_cell(const char *cell, size_t n, int row, int col, zb_o
   if (d == 0 || pos != n)
     return ZB_FAIL(ZB_ERR_PARSE,
                    "row %d (rank %d), column %d: cell '%s' is not <stage><type><microbatch>, e.g. "
-                   "0F3; types are F, I, B and W (torch's compute_only CSV)",
+                   "0F3; types are F, I, B and W (and torch's SEND_F, RECV_F, SEND_B, RECV_B)",
                    row, row - 1, col, cell_excerpt(cell, n, ex));
+  if (is_comm) return ZB_OK; /* the runner makes its own transfers */
   op->type = letter == 'F' ? ZB_OP_F : letter == 'I' ? ZB_OP_B : letter == 'W' ? ZB_OP_W : ZB_OP_BW;
   op->stage = stage;
   op->mb = mb;
+  *count = 1;
+  return ZB_OK;
+}
+
+#define MAX_PAIR 4 /* sub-actions of one OVERLAP_F_B cell (DualPipeV writes 2) */
+
+/* Parses one trimmed, non-empty cell into ops[0..*count): one action, or "(a;b)OVERLAP_F_B". */
+static zb_status_t parse_cell(const char *cell, size_t n, int row, int col, zb_op_t ops[MAX_PAIR],
+                              int *count) {
+  char ex[32];
+  *count = 0;
+  if (cell[0] != '(') return parse_one(cell, n, row, col, 0, &ops[0], count);
+  static const char pair[] = "OVERLAP_F_B";
+  size_t close = 0;
+  while (close < n && cell[close] != ')') close++;
+  if (close == n || n - close - 1 != sizeof pair - 1 || memcmp(cell + close + 1, pair, sizeof pair - 1) != 0)
+    return ZB_FAIL(ZB_ERR_PARSE,
+                   "row %d (rank %d), column %d: cell '%s' starts with '(' but is not a pair like "
+                   "(0F1;3B0)OVERLAP_F_B",
+                   row, row - 1, col, cell_excerpt(cell, n, ex));
+  for (size_t a = 1; a < close;) {
+    size_t b = a;
+    while (b < close && cell[b] != ';') b++;
+    size_t x = a, y = b;
+    while (x < y && is_space(cell[x])) x++;
+    while (y > x && is_space(cell[y - 1])) y--;
+    if (y > x) {
+      if (*count == MAX_PAIR)
+        return ZB_FAIL(ZB_ERR_PARSE, "row %d (rank %d), column %d: cell '%s' has more than %d actions in a pair",
+                       row, row - 1, col, cell_excerpt(cell, n, ex), MAX_PAIR);
+      int got = 0;
+      ZB_CHECK(parse_one(cell + x, y - x, row, col, 1, &ops[*count], &got));
+      *count += got;
+    }
+    a = b + 1;
+  }
+  if (*count == 0)
+    return ZB_FAIL(ZB_ERR_PARSE, "row %d (rank %d), column %d: cell '%s' is an empty OVERLAP_F_B pair", row,
+                   row - 1, col, cell_excerpt(cell, n, ex));
   return ZB_OK;
 }
 
@@ -196,16 +252,19 @@ zb_status_t zb__import_csv(zb_schedule_t **out, const char *text, size_t len,
       while (x < y && is_space(text[x])) x++;
       while (y > x && is_space(text[y - 1])) y--;
       if (y > x) { /* an empty cell is an idle step in torch's CSV */
-        zb_op_t op = {0, 0, 0};
-        ZB_CHECK_GOTO(parse_cell(text + x, y - x, r + 1, col, &op), st, fail);
-        if (++total > MAX_OPS) {
-          st = ZB_FAIL(ZB_ERR_PARSE, "row %d (rank %d): more than %lld ops in the CSV", r + 1, r,
-                       MAX_OPS);
-          goto fail;
+        zb_op_t ops[MAX_PAIR];
+        int got = 0;
+        ZB_CHECK_GOTO(parse_cell(text + x, y - x, r + 1, col, ops, &got), st, fail);
+        for (int k = 0; k < got; k++) {
+          if (++total > MAX_OPS) {
+            st = ZB_FAIL(ZB_ERR_PARSE, "row %d (rank %d): more than %lld ops in the CSV", r + 1, r,
+                         MAX_OPS);
+            goto fail;
+          }
+          ZB_CHECK_GOTO(zb__oplists_push(&l, r, ops[k].type, ops[k].stage, ops[k].mb), st, fail);
+          if (ops[k].stage > max_stage) max_stage = ops[k].stage;
+          if (ops[k].mb > max_mb) max_mb = ops[k].mb;
         }
-        ZB_CHECK_GOTO(zb__oplists_push(&l, r, op.type, op.stage, op.mb), st, fail);
-        if (op.stage > max_stage) max_stage = op.stage;
-        if (op.mb > max_mb) max_mb = op.mb;
       }
       c = e + 1;
     }

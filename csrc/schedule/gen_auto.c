@@ -221,11 +221,12 @@ static int make_jobs(const zb_schedule_t *s, int with_kinds, job_t *jobs, int *r
     zb_status_t (*const v_kinds[])(zb_schedule_t *) = {zb__gen_v_half, zb__gen_v_min};
     if (s->placement == ZB_PLACEMENT_LOOP && s->v == 1)
       for (int i = 0; i < 4; i++) jobs[n++] = (job_t){.kind = JOB_KIND, .gen = loop_kinds[i]};
-    /* Several loop-placed chunks per rank: Megatron's interleaved 1F1B where it applies (m a
-     * multiple of p) and its zero-bubble variants (warm-up factor 1 is the order of torch's
+    /* Several loop-placed chunks per rank: interleaved 1F1B where it applies (torch's rounds
+     * divide m) and its zero-bubble variants (warm-up factor 1 is the order of torch's
      * ScheduleInterleavedZeroBubble), so zb-auto is never worse than either within the same memory. */
     if (s->placement == ZB_PLACEMENT_LOOP && s->v > 1) {
-      if (s->m % s->p == 0) jobs[n++] = (job_t){.kind = JOB_KIND, .gen = zb__gen_interleaved};
+      if (s->m % (s->m / s->p > 1 ? s->m / s->p : 1) == 0)
+        jobs[n++] = (job_t){.kind = JOB_KIND, .gen = zb__gen_interleaved};
       jobs[n++] = (job_t){.kind = JOB_KIND, .gen = zb__gen_interleaved_zb1};
       jobs[n++] = (job_t){.kind = JOB_KIND, .gen = zb__gen_interleaved_zb2};
     }

@@ -6,8 +6,11 @@
  * chunk 1, and so on, then the next group. Backwards visit the chunks in reverse. Warm-up is
  * (p-1-r)*2 + (v-1)*p forwards, then one forward one backward, then the drain. The bubble shrinks by
  * a factor of v compared with 1F1B, at the price of v times more communication and a little more
- * memory. Like Megatron (and torch's ScheduleInterleaved1F1B), m must be a multiple of p; when m == p
- * every rank runs all forwards first, as Megatron does, because the steady phase would be empty.
+ * memory. m need not be a multiple of p: microbatches go round in max(1, m / p) groups ("rounds") of
+ * equal size, and the warm-up is (p-1-r)*2 + (v-1)*g for groups of g, as torch's
+ * ScheduleInterleaved1F1B does (with m a multiple of p that is Megatron's order). When m == p and
+ * v >= 2 every rank runs all forwards first, as Megatron does. v = 1 gives 1F1B with torch's warm-up
+ * of 2(p-1-r) forwards.
  *
  * The zero-bubble variant (zb__gen_interleaved_zb, one of zb-auto's candidates for loop placement
  * with v >= 2) is the same order with each backward split into B and W and rank r's W's held back
@@ -28,31 +31,38 @@ static void virtual_mb(const zb_schedule_t *s, int g, int k, int backward, int *
   *mb = (k / (g * v)) * g + k % g;
 }
 
+/* Groups ("rounds") of about p microbatches, as torch's interleaved schedules form them for any m:
+ * max(1, m / p) rounds of equal size (check_shape has made sure they divide m). */
+static int round_size(const zb_schedule_t *s) {
+  int rounds = s->m / s->p > 1 ? s->m / s->p : 1;
+  return s->m / rounds;
+}
+
 zb_status_t zb__gen_interleaved(zb_schedule_t *s) {
-  int p = s->p, v = s->v, total = s->m * v;
+  int p = s->p, v = s->v, total = s->m * v, g = round_size(s);
   zb__oplists_t l;
   ZB_CHECK(zb__oplists_init(&l, p));
   zb_status_t st = ZB_OK;
   for (int r = 0; r < p && st == ZB_OK; r++) {
-    int warmup = s->m == p ? total : (p - 1 - r) * 2 + (v - 1) * p;
+    int warmup = s->m == p && v > 1 ? total : (p - 1 - r) * 2 + (v - 1) * g;
     if (warmup > total) warmup = total;
     int f = 0, b = 0, c, i;
     /* Phase 1: warm-up forwards across the chunks. */
     while (f < warmup && st == ZB_OK) {
-      virtual_mb(s, p, f++, 0, &c, &i);
+      virtual_mb(s, g, f++, 0, &c, &i);
       st = zb__oplists_push(&l, r, ZB_OP_F, c * p + r, i);
     }
     /* Phase 2: steady one forward, one backward. */
     while (f < total && st == ZB_OK) {
-      virtual_mb(s, p, f++, 0, &c, &i);
+      virtual_mb(s, g, f++, 0, &c, &i);
       st = zb__oplists_push(&l, r, ZB_OP_F, c * p + r, i);
       if (st != ZB_OK) break;
-      virtual_mb(s, p, b++, 1, &c, &i);
+      virtual_mb(s, g, b++, 1, &c, &i);
       st = zb__oplists_push(&l, r, ZB_OP_BW, c * p + r, i);
     }
     /* Phase 3: drain. */
     while (b < total && st == ZB_OK) {
-      virtual_mb(s, p, b++, 1, &c, &i);
+      virtual_mb(s, g, b++, 1, &c, &i);
       st = zb__oplists_push(&l, r, ZB_OP_BW, c * p + r, i);
     }
   }
@@ -63,13 +73,11 @@ zb_status_t zb__gen_interleaved(zb_schedule_t *s) {
 
 static zb_status_t gen_interleaved_zb(zb_schedule_t *s, int factor) {
   int p = s->p, v = s->v, m = s->m, total = m * v;
-  /* Groups ("rounds") of about p microbatches, as torch's interleaved schedules form them for any
-   * m: m / p rounds (at least one) of equal size. */
   int rounds = m / p > 1 ? m / p : 1;
   if (m % rounds != 0)
     return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
                    "interleaved zero bubble splits m = %d into %d rounds, which does not divide it", m, rounds);
-  int g = m / rounds;
+  int g = round_size(s);
   zb__oplists_t l;
   ZB_CHECK(zb__oplists_init(&l, p));
   zb_status_t st = ZB_OK;

@@ -370,22 +370,25 @@ static zb_status_t check_shape(const zb_schedule_spec_t *spec, int v) {
                        "V kind for more chunks",
                        name, v);
       break;
-    case ZB_KIND_INTERLEAVED_1F1B:
-      if (v < 2)
-        return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
-                       "interleaved-1f1b needs v >= 2 chunks per rank, got v = %d", v);
-      if (m < p || m % p != 0) {
-        int lo = (m / p) * p, hi = lo + p;
+    case ZB_KIND_INTERLEAVED_1F1B: {
+      /* torch's rule (ScheduleInterleaved1F1B): max(1, m / p) rounds of equal size, so m must be a
+       * multiple of the round count; any v >= 1 (v = 1 is 1F1B with torch's deeper warm-up). */
+      int rounds = m / p > 1 ? m / p : 1;
+      if (m % rounds != 0) {
+        int lo = m - 1, hi = m + 1;
+        while (lo > 0 && lo % (lo / p > 1 ? lo / p : 1) != 0) lo--;
+        while (hi % (hi / p > 1 ? hi / p : 1) != 0) hi++;
         char near[64];
-        if (lo < p || hi - m < m - lo) snprintf(near, sizeof near, "%d", hi);
+        if (lo < 1 || hi - m < m - lo) snprintf(near, sizeof near, "%d", hi);
         else if (m - lo < hi - m) snprintf(near, sizeof near, "%d", lo);
         else snprintf(near, sizeof near, "%d or %d", lo, hi);
         return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
-                       "interleaved-1f1b needs m to be a positive multiple of p = %d, got m = %d "
-                       "(nearest valid: %s)",
-                       p, m, near);
+                       "interleaved-1f1b splits m = %d into max(1, m / p) = %d rounds of equal size, as "
+                       "torch does, so m must be a multiple of %d with p = %d (nearest valid: %s)",
+                       m, rounds, rounds, p, near);
       }
       break;
+    }
     case ZB_KIND_ZB_V:
     case ZB_KIND_V_HALF:
     case ZB_KIND_V_MIN:

@@ -319,6 +319,23 @@ static void test_csv_import_torch_style(void **state) {
   assert_int_equal(info.placement, ZB_PLACEMENT_LOOP);
   ZB_ASSERT_OK(zb_schedule_validate(s));
   zb_schedule_destroy(s);
+
+  /* torch's compute_comms form (what its _add_send_recv writes): the transfers are skipped and the
+   * compute ops are those of the compute-only form, in order. An OVERLAP_F_B pair gives its actions
+   * one after the other. */
+  s = import_text("0F0,0SEND_F0,0F1,0SEND_F1,0RECV_B0,0B0,0RECV_B1,0B1\n"
+                  "1RECV_F0,1RECV_F1,1F0,1B0,1SEND_B0,(1F1;1B1)OVERLAP_F_B,1SEND_B1\n");
+  ZB_ASSERT_OK(zb_schedule_rank_ops(s, 0, &ops, &count));
+  assert_int_equal(count, 4);
+  assert_int_equal(ops[2].type, ZB_OP_BW);
+  ZB_ASSERT_OK(zb_schedule_rank_ops(s, 1, &ops, &count));
+  assert_int_equal(count, 4);
+  assert_int_equal(ops[2].type, ZB_OP_F);
+  assert_int_equal(ops[2].mb, 1);
+  assert_int_equal(ops[3].type, ZB_OP_BW);
+  assert_int_equal(ops[3].mb, 1);
+  ZB_ASSERT_OK(zb_schedule_validate(s));
+  zb_schedule_destroy(s);
 }
 
 static void test_csv_import_takes_costs_from_spec(void **state) {
@@ -363,9 +380,11 @@ static void test_csv_import_rejects_bad_input(void **state) {
       {"0F0,0F1 2\n", "row 1", "column 2"},
       {"99999999999999999999999999F0\n", "row 1", "1000000"},
       {"0F0\n0F1000001\n", "row 2", "1000000"},
-      {"0F0,0SEND_F0\n", "row 1", "SEND_F"},
-      {"0F0\n1RECV_B0\n", "row 2", "RECV_B"},
+      {"0F0,(0F1;0SEND_F0)OVERLAP_F_B\n", "row 1", "inside an OVERLAP_F_B"},
+      {"0F0,(0F1;0B0)OVERLAP\n", "column 2", "not a pair"},
+      {"0F0,()OVERLAP_F_B\n", "column 2", "empty OVERLAP_F_B"},
       {"0UNSHARD,0F0\n", "row 1", "UNSHARD"},
+      {"0F0,0B0,0REDUCE_GRAD\n", "column 3", "FSDP"},
       {"0F0,2F0\n1F0\n", "3 stages", "one row per rank"},
       {"\"0F0\"\n", "row 1", "F, I, B and W"},
       {"", "empty schedule", NULL},

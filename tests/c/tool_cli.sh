@@ -248,7 +248,7 @@ printf '{"format": "zbpp-costs", "version": 1, "ranks": 2, "chunks": 2, "placeme
 run schedule zb-auto -p 2 -m 4 -v 2 --stage-times "$T/loop2.json" --format csv
 check_rc "zb-auto plans for the cost file's loop placement" 0
 check_eq "stage 2 on rank 0 (loop, not V)" 1 "$(head -1 "$T/out" | grep -c 2F0)"
-expect_error "interleaved-1f1b -p 4 -m 6" any "multiple" schedule interleaved-1f1b -p 4 -m 6
+expect_error "interleaved-1f1b -p 4 -m 9 (2 rounds do not divide 9)" any "multiple" schedule interleaved-1f1b -p 4 -m 9
 expect_error "--times with two values" 2 "--times" schedule 1f1b -p 4 -m 8 --times 1,2
 expect_error "--times with a non-number" any "--times" schedule 1f1b -p 4 -m 8 --times 1,x,3
 expect_error "--comm nan" any "comm" schedule 1f1b -p 4 -m 8 --comm nan
@@ -299,7 +299,7 @@ check_grep "injected NaN: still equal" "$T/last" '"bitwise_equal": true'
 expect_error "verify without -m" 2 "-m" verify zb-v -p 2
 expect_error "verify with a bad optimizer" 2 "sgd or adamw" verify 1f1b -p 2 -m 2 --optimizer lamb
 expect_error "verify --inject-nan past the last step" 2 "--inject-nan" verify 1f1b -p 2 -m 2 --steps 2 --inject-nan 2
-expect_error "verify with m not a multiple of p for interleaved" 1 "multiple" verify interleaved-1f1b -p 4 -m 3
+expect_error "verify with m that torch's rounds do not divide, for interleaved" 1 "multiple" verify interleaved-1f1b -p 4 -m 9
 run bench --help
 check_rc "bench --help exits 0" 0
 check_grep "bench --help lists --kinds" "$T/out" "--kinds"

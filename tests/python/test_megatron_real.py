@@ -320,7 +320,8 @@ MISUSE = [
     ("zbpp-1f1b", "v-one-chunk", "ValueError",
      r"zb-v \(--zero-bubble-v-schedule\) needs 2 model chunks per pipeline rank.*has 1 chunk", [0]),
     ("zbpp-1f1b", "collect-training", "ValueError", r"collect_non_loss_data needs forward_only=True", [0]),
-    ("zbpp-interleaved-1f1b", "few-microbatches", "ZbError", r"multiple of p", [0, 0]),
+    ("zbpp-interleaved-1f1b", "few-microbatches", "RuntimeError", r"multiple of the pipeline-parallel size",
+     [0, 0]),
     ("zbpp-pp1", "no-loss-func", "ValueError",
      r"forward_step_func returned no loss_func \(None\) for microbatch 0 on the loss stage", [1]),
 ]

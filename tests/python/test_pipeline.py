@@ -173,10 +173,13 @@ def test_v_schedule_with_one_stage_per_rank():
         zbpp.ScheduleZBVZeroBubble(_stage(), 4, loss_fn=lambda o, y: o.sum())
 
 
-def test_loss_fn_missing_on_the_loss_stage():
-    sched = zbpp.Schedule1F1B(_stage(), 2)
-    with pytest.raises(ValueError, match="loss_fn"):
-        sched.step(torch.randn(4, 4), target=torch.randn(4, 4))
+def test_no_loss_fn_anywhere_means_forward_only_as_in_torch():
+    stage = _stage()
+    sched = zbpp.Schedule1F1B(stage, 2)
+    x = torch.randn(4, 4)
+    out = sched.step(x, target=torch.randn(4, 4))
+    torch.testing.assert_close(out, stage.submod(x).detach())
+    assert all(p.grad is None for p in stage.submod.parameters())
 
 
 def test_unknown_schedule_name_lists_valid_names():

@@ -136,11 +136,11 @@ def test_unknown_kind_is_a_zb_error_listing_valid_names():
 
 
 def test_library_rejections_carry_the_library_message():
-    # interleaved-1f1b needs m a multiple of p (the kind's own help says so).
+    # interleaved-1f1b takes m in torch's rounds: max(1, m // p) of equal size.
     with pytest.raises(ZbError) as info:
-        Schedule.generate("interleaved-1f1b", P, 6)
+        Schedule.generate("interleaved-1f1b", 4, 9)
     assert info.value.code == ZB_ERR_INVALID_ARGUMENT
-    assert "multiple of p" in str(info.value), str(info.value)
+    assert "multiple of 2" in str(info.value), str(info.value)
     with pytest.raises(ZbError) as info:
         Schedule.generate("1f1b", P, 8, times=(1, -1, 1))
     assert "time_b" in str(info.value), str(info.value)
@@ -440,7 +440,9 @@ def test_csv_infers_v_placement():
 
 @pytest.mark.parametrize("text, says", [
     ("0F0,0X1\n1F0\n", "type 'X'"),
-    ("0F0,0SEND_F0\n", "communication action"),
+    ("0UNSHARD,0F0,0B0\n", "FSDP"),
+    ("(0F0;0SEND_F0)OVERLAP_F_B,0B0\n", "inside an OVERLAP_F_B"),
+    ("(0F0;1B0)OVERLAP\n", "not a pair"),
     ("0F0,F1\n", "<stage><type><microbatch>"),
     ("\n\n", "empty schedule"),
 ])
@@ -449,6 +451,21 @@ def test_broken_csv_is_a_zb_error_naming_the_problem(text, says):
         Schedule.from_csv(text)
     assert info.value.code == ZB_ERR_PARSE
     assert says in str(info.value), str(info.value)
+
+
+def test_csv_reads_torchs_compute_comms_form_and_overlapped_pairs():
+    # torch's lowered form: transfers skipped (the runner makes its own); DualPipeV's pair cell runs
+    # its forward, then its backward.
+    comms = ("0F0,0SEND_F0,0F1,0SEND_F1,0RECV_B0,0B0,0RECV_B1,0B1\n"
+             "1RECV_F0,1RECV_F1,1F0,1B0,1SEND_B0,1F1,1B1,1SEND_B1\n")
+    with Schedule.from_csv(comms) as s, Schedule.from_csv("0F0,0F1,0B0,0B1\n1F0,1B0,1F1,1B1\n") as plain:
+        assert all_ops(s) == all_ops(plain)
+        s.validate()
+    pair = "0F0,0F1,(0F2;0B0)OVERLAP_F_B,0B1,0B2\n"
+    with Schedule.from_csv(pair) as s:
+        assert [(o.type, o.stage, o.mb) for o in s.rank_ops(0)] == [
+            ("F", 0, 0), ("F", 0, 1), ("F", 0, 2), ("BW", 0, 0), ("BW", 0, 1), ("BW", 0, 2)]
+        s.validate()
 
 
 def test_csv_that_parses_but_breaks_a_rule_fails_validate_not_import():

@@ -2,11 +2,14 @@
 
 The script below is what torch's documentation shows (a PipelineStage per stage, a schedule class
 built from the stages, step() with the batch on the first rank and target/losses on the loss
-rank). The test writes it twice, once importing from torch.distributed.pipelining and once from
-zbpp, and runs the zbpp copy (and torch's copy where this torch has the package, 2.4 and later).
-Losses are compared with a plain-torch sequential loop written here. The model's Linear layers
-keep autograd's backward in torch's run and go through the C W GEMM in zbpp's only where split,
-and this script does not split them, so both use torch's GEMMs: the bound is float32 rounding.
+rank), with the schedule classes torch users pick: GPipe and 1F1B (one stage per rank),
+Interleaved1F1B, LoopedBFS and InterleavedZeroBubble (two stages per rank in a loop, as torch
+places them), ZBVZeroBubble and DualPipeV (two per rank in a V). The test writes it twice, once importing
+from torch.distributed.pipelining and once from zbpp, and runs the zbpp copy (and torch's copy
+where this torch has the package, 2.4 and later). The model is float64; losses of three SGD steps
+(so the gradients of each step too) are compared with a one-process sequential loop written
+here. The script does not split its Linear layers, so both runs use torch's GEMMs and only the
+order of the additions differs.
 """
 
 import json
@@ -26,6 +29,7 @@ import torch.multiprocessing as mp
 {IMPORT}
 
 WORLD, N_MB, STEPS = 2, 4, 3
+torch.set_default_dtype(torch.float64)
 
 
 def build_layers():
@@ -38,20 +42,24 @@ def main(rank, port, kind, out):
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     layers = build_layers()
     loss_fn = torch.nn.MSELoss()
-    if kind == "ZBVZeroBubble":
+    if kind in ("ZBVZeroBubble", "DualPipeV"):
         ids, n = [rank, 2 * WORLD - 1 - rank], 2 * WORLD
+    elif kind in ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble"):
+        ids, n = [rank, rank + WORLD], 2 * WORLD
     else:
         ids, n = [rank], WORLD
         layers = [torch.nn.Sequential(layers[2 * r], layers[2 * r + 1]) for r in range(WORLD)]
     stages = [PipelineStage(layers[i], i, n, torch.device("cpu")) for i in ids]
-    cls = {"1F1B": Schedule1F1B, "ZBVZeroBubble": ScheduleZBVZeroBubble}[kind]
+    cls = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B,
+           "LoopedBFS": ScheduleLoopedBFS, "InterleavedZeroBubble": ScheduleInterleavedZeroBubble,
+           "ZBVZeroBubble": ScheduleZBVZeroBubble, "DualPipeV": ScheduleDualPipeV}[kind]
     schedule = cls(stages if len(stages) > 1 else stages[0], n_microbatches=N_MB, loss_fn=loss_fn)
     params = [p for s in stages for p in s.submod.parameters()]
     opt = torch.optim.SGD(params, lr=0.1)
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
     first = 0
-    last = 0 if kind == "ZBVZeroBubble" else WORLD - 1
+    last = 0 if kind in ("ZBVZeroBubble", "DualPipeV") else WORLD - 1
     all_losses = []
     for _ in range(STEPS):
         losses = []
@@ -77,18 +85,22 @@ if __name__ == "__main__":
     mp.spawn(main, args=(int(sys.argv[1]), sys.argv[2], sys.argv[3]), nprocs=WORLD)
 '''
 
-TORCH_IMPORT = "from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleZBVZeroBubble"
-ZBPP_IMPORT = "from zbpp import PipelineStage, Schedule1F1B, ScheduleZBVZeroBubble"
+NAMES = ("PipelineStage, ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B, ScheduleLoopedBFS, "
+         "ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble, ScheduleDualPipeV")
+TORCH_IMPORT = f"from torch.distributed.pipelining import ({NAMES})"
+ZBPP_IMPORT = f"from zbpp.pipelining import ({NAMES})"
+KINDS = ["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
 
 
 def reference(kind):
-    """The same model and data trained sequentially: per-step per-microbatch losses."""
+    """The same model and data trained sequentially in float64: per-step per-microbatch losses."""
     torch.manual_seed(0)
-    layers = [torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()) for _ in range(4)]
+    layers = [torch.nn.Sequential(torch.nn.Linear(8, 8, dtype=torch.float64), torch.nn.Tanh()) for _ in range(4)]
     model = torch.nn.Sequential(*layers)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(1)
-    x, y = torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
+    x = torch.randn(8, 8, generator=g, dtype=torch.float64)
+    y = torch.randn(8, 8, generator=g, dtype=torch.float64)
     out = []
     for _ in range(3):
         step = []
@@ -117,7 +129,7 @@ def run_script(tmp_path, import_line, kind, repo_root):
     return json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("kind", ["1F1B", "ZBVZeroBubble"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_torch_pipelining_script_runs_with_the_import_changed(tmp_path, repo_root, kind):
     script = SCRIPT.replace("{IMPORT}", ZBPP_IMPORT)
     assert script.replace(ZBPP_IMPORT, TORCH_IMPORT) == SCRIPT.replace("{IMPORT}", TORCH_IMPORT)
@@ -125,11 +137,11 @@ def test_torch_pipelining_script_runs_with_the_import_changed(tmp_path, repo_roo
     want = reference(kind)
     assert len(got) == len(want) == 3 and all(len(s) == 4 for s in got)
     for step, (a, b) in enumerate(zip(got, want)):
-        assert a == pytest.approx(b, rel=1e-5), f"step {step}: {a} vs {b}"
+        assert a == pytest.approx(b, rel=1e-12), f"step {step}: {a} vs {b}"
     try:
         import torch.distributed.pipelining  # noqa: F401
     except ImportError:
         return  # torch < 2.4 (Debian's 1.13): no torch run to compare with
     theirs = run_script(tmp_path, TORCH_IMPORT, kind, repo_root)
     for a, b in zip(got, theirs):
-        assert a == pytest.approx(b, rel=1e-5)
+        assert a == pytest.approx(b, rel=1e-12)

@@ -224,9 +224,16 @@ def forward_backward_func(*, forward_step_func, data_iterator, model, num_microb
     if v > 1 and not _is_v(kind, v) and group_size_vp not in (None, p):
         raise NotImplementedError(f"zbpp.megatron: config.microbatch_group_size_per_vp_stage = {group_size_vp} is "
                                   f"not supported; zbpp's interleaved schedule groups p = {p} microbatches per chunk")
+    m = num_microbatches
+    if v > 1 and not _is_v(kind, v) and m % p:
+        # Megatron's interleaved schedule groups p microbatches per chunk and refuses the rest (a
+        # ValueError below p, a RuntimeError for a remainder); zbpp's kind would take torch's rounds.
+        error = ValueError if m < p else RuntimeError
+        raise error(f"zbpp.megatron: interleaved 1F1B needs num_microbatches ({m}) to be a multiple of the "
+                    f"pipeline-parallel size ({p}), as Megatron's interleaved schedule does (p microbatches per "
+                    f"virtual stage group)")
     S = p * v
     meta = _pipeline_meta(config, seq_length, micro_batch_size, ps, kwargs)
-    m = num_microbatches
     stage_of = [_stage_of(kind, v, p, rank, c) for c in range(v)]
     # Under V, chunk 1 is stage 2p-1-rank: Megatron is told the loop rank of that stage while it runs.
     loop_ranks = [(_loop_rank(s, p) if _is_v(kind, v) and _loop_rank(s, p) != rank else None) for s in stage_of]

@@ -77,11 +77,24 @@ __all__ = [
     "ScheduleZBAuto",
     "ScheduleInterleavedZeroBubble",
     "ScheduleFromCSV",
+    "ScheduleLoopedBFS",
+    "ScheduleDualPipeV",
+    "PipelineScheduleSingle",
+    "PipelineScheduleMulti",
     "PlanInfo",
     "get_schedule_class",
+    # torch's, resolved on first use (module __getattr__ below)
+    "pipeline",
+    "pipe_split",
+    "SplitPoint",
+    "Pipe",
+    "build_stage",
+    "TensorChunkSpec",
+    "split_args_kwargs_into_chunks",
+    "merge_chunks",
 ]
 
-_V_KINDS = ("zb-v", "v-half", "v-min")
+_V_KINDS = ("zb-v", "v-half", "v-min", "dualpipe-v")
 # Kinds whose plan depends on the costs: replanned from measured costs (fixed orders never are).
 PLANNED_KINDS = ("zb-auto", "zb-h1", "zb-h2", "zb-v", "v-half", "v-min")
 DEFAULT_PROFILE_STEPS = (2, 3)
@@ -105,6 +118,13 @@ class PipelineStage:
     pipeline's process group (None: the default group, or a single process when torch.distributed
     is not initialised).
     input_args/output_args are accepted for compatibility; shapes are inferred at the first step.
+    dw_builder: as torch's, a function that returns a function computing the stage's weight
+    gradients: the stage's backward then runs autograd's full backward (the module's own hooks
+    decide what it leaves for later), and each W (BACKWARD_WEIGHT) runs the function dw_builder()
+    returned at that microbatch's B; a fused backward runs it at once. Without it, W is what
+    zbpp.split_linear's layers deferred.
+    After a step the last stage holds its microbatches' outputs in `output_chunks` (as torch's);
+    clear_runtime_states() empties it, and every step starts with it.
     """
 
     def __init__(self, submodule, stage_index, num_stages, device=None, input_args=None, output_args=None,
@@ -116,9 +136,9 @@ class PipelineStage:
         if not isinstance(stage_index, int) or not 0 <= stage_index < num_stages:
             raise ValueError(f"zbpp.PipelineStage: stage_index {stage_index!r} is out of range; "
                              f"it must be in [0, {num_stages - 1}] for num_stages={num_stages}")
-        if dw_builder is not None:
-            raise ValueError("zbpp.PipelineStage: dw_builder is not used; call zbpp.split_linear(module) "
-                             "to split the backward of its Linear layers")
+        if dw_builder is not None and not callable(dw_builder):
+            raise TypeError(f"zbpp.PipelineStage: dw_builder must be a function that returns the weight-gradient "
+                            f"function, got {type(dw_builder).__name__}")
         self.submod = submodule
         self.stage_index = stage_index
         self.num_stages = num_stages
@@ -131,9 +151,39 @@ class PipelineStage:
         self.group_size = group_size(group)
         self.is_first = stage_index == 0
         self.is_last = stage_index == num_stages - 1
+        self.dw_builder = dw_builder
+        self.has_backward = True
+        self.output_chunks = []
+        self.fwd_cache = {}
+        self.stage_index_to_group_rank = {}
+
+    def clear_runtime_states(self):
+        """Forgets the last step's outputs (output_chunks) and cached forwards, as torch's does."""
+        self.output_chunks.clear()
+        self.fwd_cache.clear()
 
     def __repr__(self):
         return f"<zbpp.PipelineStage {self.stage_index}/{self.num_stages} on rank {self.group_rank}>"
+
+
+def _adopt(stage, who):
+    """zbpp's stage for a stage object: itself, or for a stage torch made (torch's PipelineStage,
+    or what torch's Pipe.build_stage returns) a zbpp PipelineStage over the same module, index,
+    device and group, so scripts that build their stages with torch's classes run on zbpp too."""
+    if isinstance(stage, PipelineStage):
+        return stage
+    try:
+        from ._torch import need
+
+        base = need("stage")._PipelineStageBase
+    except ImportError:  # a torch without torch.distributed.pipelining made no stages
+        base = None
+    if base is not None and isinstance(stage, base):
+        from .stage import from_torch_stage
+
+        return from_torch_stage(stage)
+    raise TypeError(f"zbpp.{who}: expected a zbpp.PipelineStage (or a stage torch.distributed.pipelining made), "
+                    f"or a list of them; got {type(stage).__name__}")
 
 
 # ---- packing activations into the runner's boundary buffers ----------------------------------------
@@ -257,12 +307,17 @@ class PipelineSchedule:
     def __init__(self, stage_or_stages, n_microbatches, loss_fn=None, args_chunk_spec=None,
                  kwargs_chunk_spec=None, output_merge_spec=None, scale_grads=True, *, kind=None,
                  csv=None, mem_limit=None, times=None, timeout=300.0, cpu_group=None,
-                 plan_from_measured=None, profile_steps=None, costs=None, save_plan_dir=None):
-        stages = list(stage_or_stages) if isinstance(stage_or_stages, (list, tuple)) else [stage_or_stages]
-        if not stages or not all(isinstance(s, PipelineStage) for s in stages):
-            raise TypeError(f"zbpp.{type(self).__name__}: expected a zbpp.PipelineStage or a list of them")
+                 plan_from_measured=None, profile_steps=None, costs=None, save_plan_dir=None,
+                 use_full_backward=None, backward_requires_autograd=True, defer_pp_recv=False):
+        name = type(self).__name__
+        raw = list(stage_or_stages) if isinstance(stage_or_stages, (list, tuple)) else [stage_or_stages]
+        if not raw:
+            raise TypeError(f"zbpp.{name}: expected a zbpp.PipelineStage or a list of them, got an empty list")
+        stages = [_adopt(s, name) for s in raw]
         if not isinstance(n_microbatches, int) or n_microbatches < 1:
-            raise ValueError(f"zbpp.{type(self).__name__}: n_microbatches must be an int >= 1, got {n_microbatches!r}")
+            raise ValueError(f"zbpp.{name}: n_microbatches must be an int >= 1, got {n_microbatches!r}")
+        if use_full_backward is not None:
+            _log.warning("zbpp.%s: use_full_backward is no longer used (as in torch); drop it", name)
         # torch's chunk and merge specs (TensorChunkSpec, _Replicate, reducers): split and merged
         # by torch's own functions, so they mean what they mean there (zbpp.pipelining.microbatch).
         self._args_chunk_spec = args_chunk_spec
@@ -270,36 +325,41 @@ class PipelineSchedule:
         self._output_merge_spec = output_merge_spec
         self._loss_kwargs = {}
         first = stages[0]
-        S, group = first.num_stages, first.group
+        S, group = first.num_stages, getattr(first, "group", None)
+        # Stages that carry only the pipeline's shape (num_stages, group_size, group_rank: torch's
+        # tests build such mocks to look at a schedule's pipeline_order) are planned, not run.
+        self._runnable = all(hasattr(s, "stage_index") and hasattr(s, "submod") and s.submod is not None
+                             for s in stages)
         for s in stages:
-            if s.num_stages != S or s.group is not group:
-                raise ValueError(f"zbpp.{type(self).__name__}: all stages of a rank must share num_stages "
-                                 "and group")
-            if s.device != first.device:
-                raise ValueError(f"zbpp.{type(self).__name__}: all stages of a rank must be on one device (one "
+            if s.num_stages != S or getattr(s, "group", None) is not group:
+                raise ValueError(f"zbpp.{name}: all stages of a rank must share num_stages and group")
+            if self._runnable and s.device != first.device:
+                raise ValueError(f"zbpp.{name}: all stages of a rank must be on one device (one "
                                  f"runner, one stream); got {first.device} and {s.device}")
-        self.device = first.device
+        self.device = first.device if self._runnable else torch.device("cpu")
         self._cuda = self.device.type == "cuda"
         self._cpu_group_given = cpu_group
-        self.stages = sorted(stages, key=lambda s: s.stage_index)
-        self.n_microbatches = m = n_microbatches
+        self.stages = sorted(stages, key=lambda s: s.stage_index) if self._runnable else stages
+        self.n_microbatches = self._n_microbatches = m = n_microbatches
         self._loss_fn = loss_fn
+        self._backward_agreed = None  # whether the pipeline trains: agreed at the first step (_trains)
+        self._backward_requires_autograd = backward_requires_autograd
         self.scale_grads = scale_grads
         self.group = group
         self.rank = first.group_rank
-        self.ranks = p = first.group_size
+        self.ranks = self.pp_group_size = p = first.group_size
+        self._num_stages = S
         self.timeout = float(timeout)
         if S % p:
-            raise ValueError(f"zbpp.{type(self).__name__}: num_stages={S} is not a multiple of the "
+            raise ValueError(f"zbpp.{name}: num_stages={S} is not a multiple of the "
                              f"pipeline's {p} ranks")
         v = S // p
         kind = kind or self.kind
-        if csv is None and _kind_name(kind) in _V_KINDS and v != 2:
-            raise ValueError(f"zbpp.{type(self).__name__}: {_kind_name(kind)} is a V schedule: each rank holds 2 "
+        if csv is None and kind is not None and _kind_name(kind) in _V_KINDS and v != 2:
+            raise ValueError(f"zbpp.{name}: {_kind_name(kind)} is a V schedule: each rank holds 2 "
                              f"stages (rank r holds stages r and 2p-1-r), but num_stages={S} over {p} "
                              f"rank(s) gives {v} stage(s) per rank; build 2 PipelineStages per rank with "
                              f"num_stages={2 * p}")
-        name = type(self).__name__
         try:
             limit_kind = parse_mem_limit(mem_limit)[0]
         except ValueError as exc:
@@ -311,16 +371,18 @@ class PipelineSchedule:
                             f"file, got {type(costs).__name__}")
         # zb-auto plans loop- or V-placed stages, whichever the rank was given: torch's interleaved
         # schedules (ScheduleInterleavedZeroBubble) place stage s on rank s mod p, any number per rank.
-        mine = sorted(st.stage_index for st in stages)
         self._placement_arg = None
-        if csv is None and _kind_name(kind) == "zb-auto" and v >= 2:
-            r = first.group_rank
-            loop = [c * p + r for c in range(v)]
-            self._placement_arg = "loop" if (mine == loop and (v > 2 or p > 1)) else None
+        if csv is None and kind is not None and _kind_name(kind) == "zb-auto" and v >= 2:
+            mine = sorted(st.stage_index for st in stages) if self._runnable else None
+            loop = [c * p + self.rank for c in range(v)]
+            # Without real stages (torch's mocks): the class's own placement (torch's interleaved
+            # classes place in a loop); with them, what the rank was given.
+            loop_class = mine is None and getattr(self, "_loop_placement", False)
+            self._placement_arg = "loop" if (loop_class or mine == loop) and (v > 2 or p > 1) else None
         if costs is not None:
             costs.check_shape(p, v, what=f"this pipeline ({name})")
         self._kind_arg = kind
-        self._plan_kind = _kind_name(kind) if csv is None else None
+        self._plan_kind = _kind_name(kind) if csv is None and kind is not None else None
         if self._plan_kind not in PLANNED_KINDS:
             self._plan_kind = None
         self._profile = _profile_window(name, self._plan_kind, kind if csv is None else "a CSV schedule",
@@ -339,6 +401,11 @@ class PipelineSchedule:
         self.costs = costs
         self._save_dir = save_plan_dir if save_plan_dir is not None else (os.environ.get("ZBPP_PLAN_DIR") or None)
         cost_times = dict(times=costs.times(), comm=costs.time_comm, w_share=costs.w_share) if costs else {}
+        self._cost_args = dict(cost_times or {"times": times}, mem_limit=None if limit_kind == "bytes" else limit)
+        self._order = None  # torch's pipeline_order (see the pipeline_order property)
+        self._order_user = False  # set by the user (else made from the plan)
+        self._order_seen = None
+        self._order_schedule = None
         if csv is not None:
             self.schedule = Schedule.from_csv(csv, mem_limit=limit, **(cost_times or {"times": times}))
             info = (self.schedule.ranks, self.schedule.stages, self.schedule.microbatches)
@@ -346,31 +413,25 @@ class PipelineSchedule:
                 raise ValueError(f"zbpp: the CSV schedule has {info[0]} ranks, {info[1]} stages and {info[2]} "
                                  f"microbatches; this pipeline has {p}, {S} and n_microbatches={m}")
             self.schedule.validate()
-        elif costs is not None:
+        elif kind is None:
+            # PipelineScheduleMulti and _PipelineScheduleRuntime themselves: the order comes from the
+            # user (pipeline_order, _load_csv, _prepare_schedule_with_comms) before the first step.
+            self.schedule = None
+        elif costs is not None and kind not in _PY_KINDS:
             self.schedule = costs.plan(kind, m, mem_limit if limit_kind == "bytes" else limit)
         else:
-            self.schedule = Schedule.generate(kind, p=p, m=m, v=v, times=times, mem_limit=limit,
-                                              placement=self._placement_arg)
-        mine = [s.stage_index for s in self.stages]
-        want = self.schedule.rank_stages(self.rank)
-        if mine != want:
-            placement = self.schedule.placement
-            hint = (f"a V schedule needs 2 stages per rank: rank r holds stages r and {2 * p - 1}-r"
-                    if placement == "v" else
-                    f"a loop schedule puts stage s on rank s mod {p}")
-            raise ValueError(f"zbpp.{type(self).__name__} ({self.schedule.kind}): rank {self.rank} was given "
-                             f"stage(s) {mine} but the schedule puts {want} on it; {hint} "
-                             f"(num_stages={S}, {p} ranks, {v} stage(s) per rank)")
+            self.schedule = self._generate(kind, p, m, v, times, limit)
         self.loss_stage = S - 1
-        self.holds_loss = self.loss_stage in mine
-        self.holds_first = 0 in mine
-        self._by_index = {s.stage_index: s for s in self.stages}
+        self.holds_loss = self.holds_first = False
+        self._by_index = {}
+        if self.schedule is not None:
+            self._check_stages()
         self._meta = {}       # boundary b -> [(dtype, shape)] of the activation from stage b to b+1
         self._meta_given = False  # a subclass that knows the shapes fills _meta and sets this
         self._runner = None
         self._transport = None
         self._nccl = None
-        self._store = default_store(self.device if self._cuda else None)
+        self._store = default_store(self.device if self._cuda else None) if self._runnable else None
         self._dviews = cuda.DeviceViews(self.device) if self._cuda else None
         self._msg = None  # (group, device) of shape inference and the NCCL unique id; see _messages
         self._last_times = None
@@ -381,6 +442,35 @@ class PipelineSchedule:
         self._profile_mem = {}  # stage -> (saved bytes, W-only bytes, CUDA bytes) of one microbatch
         self.plan_info = None
         self.steps = 0
+
+    def _generate(self, kind, p, m, v, times, limit):
+        """The schedule of a kind for this pipeline (a subclass with its own order overrides it)."""
+        return Schedule.generate(kind, p=p, m=m, v=v, times=times, mem_limit=limit, placement=self._placement_arg)
+
+    def _check_stages(self):
+        """Checks that this rank was given the stages the schedule puts on it, and notes which of
+        them hold the first and the loss stage."""
+        if not self._runnable:
+            return
+        p, S = self.ranks, self._num_stages
+        v = S // p
+        mine = [s.stage_index for s in self.stages]
+        want = self.schedule.rank_stages(self.rank)
+        if mine != want:
+            placement = self.schedule.placement
+            hint = (f"a V schedule needs 2 stages per rank: rank r holds stages r and {2 * p - 1}-r"
+                    if placement == "v" else
+                    f"a loop schedule puts stage s on rank s mod {p}")
+            raise ValueError(f"zbpp.{type(self).__name__} ({self.schedule.kind}): rank {self.rank} was given "
+                             f"stage(s) {mine} but the schedule puts {want} on it; {hint} "
+                             f"(num_stages={S}, {p} ranks, {v} stage(s) per rank)")
+        self.holds_loss = self.loss_stage in mine
+        self.holds_first = 0 in mine
+        self._by_index = {s.stage_index: s for s in self.stages}
+        mapping = {s: self.schedule.stage_rank(s) for s in range(S)}
+        self.stage_index_to_group_rank = mapping
+        for s in self.stages:
+            s.stage_index_to_group_rank = mapping
 
     # ---- shape inference -------------------------------------------------------------------------
 
@@ -395,12 +485,18 @@ class PipelineSchedule:
         # the same numbers as a run without inference would.
         rng = torch.get_rng_state()
         cuda_rng = torch.cuda.get_rng_state(self.device) if self._cuda else None
+        # Nor may it move the modules' buffers (BatchNorm's running statistics and its counter): the
+        # first step must start from the state the user built.
+        buffers = [(b, b.detach().clone()) for st in self.stages for b in st.submod.buffers()]
         try:
             self._infer_loop(S)
         finally:
             torch.set_rng_state(rng)
             if cuda_rng is not None:
                 torch.cuda.set_rng_state(cuda_rng, self.device)
+            with torch.no_grad():
+                for b, saved in buffers:
+                    b.copy_(saved)
 
     def _infer_loop(self, S):
         carry = None
@@ -556,6 +652,11 @@ class PipelineSchedule:
                          if o.requires_grad]
                 if pairs:
                     torch.autograd.backward([o for o, _ in pairs], [g.clone() for _, g in pairs])
+            dw_builder = getattr(self._by_index.get(s), "dw_builder", None)
+            if dw_builder is not None:
+                # torch's dw_builder: the stage's weight gradients are this function's work, run
+                # at the W op of this microbatch (at once for a fused backward).
+                store.push_action(dw_builder())
         finally:
             store.capturing = False
         if s > 0:
@@ -574,48 +675,258 @@ class PipelineSchedule:
         rank (losses is cleared, then gets each microbatch's loss; loss_kwargs go to loss_fn).
         Returns the merged output of the last stage on its rank (output_merge_spec, dim 0 by
         default) unless return_outputs is False, None elsewhere. Gradients accumulate into .grad
-        (or main_grad)."""
-        if not torch.is_grad_enabled():
+        (or main_grad). Without a loss_fn on any rank the step runs forward only, as torch's does."""
+        trains = self._trains()
+        if trains and self._backward_requires_autograd and not torch.is_grad_enabled():
             raise RuntimeError("step() requires gradients to be enabled for backward computation; it should "
                                "not be used under torch.no_grad() context. Please call eval() instead.")
-        if losses is not None and not isinstance(losses, list):
-            raise TypeError(f"zbpp: losses must be a list, got {type(losses).__name__}")
         m = self.n_microbatches
+        arg_mbs = kwarg_mbs = target_mbs = None
+        if self.holds_first or self.schedule is None:
+            if args or kwargs:
+                arg_mbs, kwarg_mbs = self._split_inputs(args, kwargs)
+        if target is not None and (self.holds_loss or self.schedule is None):
+            target_mbs = _split(target, m, "the target")
+        return self._step_microbatches(arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs,
+                                       loss_kwargs=loss_kwargs)
+
+    def eval(self, *args, target=None, losses=None, **kwargs):
+        """One forward-only iteration, as torch's eval(): no gradients, no backward; every rank
+        calls it. The loss stage's rank gets the merged output, and each microbatch's loss in
+        `losses` when a loss_fn and a target are given."""
+        saved, self._backward_agreed = self._backward_agreed, False
+        try:
+            return self.step(*args, target=target, losses=losses, **kwargs)
+        finally:
+            self._backward_agreed = saved
+
+    def _trains(self):
+        """Whether steps run backward: when some rank of the pipeline was given a loss_fn (torch
+        asks each rank for one; zbpp needs it only where the loss is computed). Agreed once, at
+        the first step, by every rank, so no rank runs a backward its peers do not."""
+        if self._backward_agreed is None:
+            mine = self._loss_fn is not None
+            self._backward_agreed = any(self._all_gather(mine)) if self.ranks > 1 else mine
+        return self._backward_agreed
+
+    def _step_microbatches(self, arg_mbs=None, kwarg_mbs=None, target_mbs=None, losses=None, return_outputs=True,
+                           loss_kwargs=None):
+        """One iteration over microbatches the caller split (torch's _step_microbatches): arg_mbs
+        and kwarg_mbs (lists of n_microbatches tuples and dicts) on the rank holding stage 0,
+        target_mbs on the loss stage's rank."""
+        m = self.n_microbatches
+        for mbs, what in ((arg_mbs, "arg_mbs"), (kwarg_mbs, "kwarg_mbs"), (target_mbs, "target_mbs")):
+            if mbs is not None:
+                if not isinstance(mbs, list):
+                    raise TypeError(f"{what} must be a list but got a {type(mbs)}")
+                if len(mbs) != m:
+                    raise ValueError(f"Expecting {m} {what} but got {len(mbs)}")
+        if losses is not None and not isinstance(losses, list):
+            raise TypeError(f"losses must be a list but got a {type(losses)}")
+        if not self._runnable:
+            raise RuntimeError(f"zbpp.{type(self).__name__}: its stages carry no modules (stage_index and submod); "
+                               "it can show its pipeline_order but not run")
+        self._sync_order()
+        trains = self._trains()
+        for st in self.stages:
+            st.has_backward = trains
+            st.clear_runtime_states()
         if self.holds_first:
-            if not args and not kwargs:
+            if arg_mbs is None and kwarg_mbs is None:
                 raise ValueError("zbpp: step() on the rank holding stage 0 needs the batch as arguments")
-            self._mb_args, self._mb_kwargs = self._split_inputs(args, kwargs)
-        if self.holds_loss:
+            self._mb_args = [tuple(a) for a in arg_mbs] if arg_mbs is not None else [()] * m
+            self._mb_kwargs = [dict(k) for k in kwarg_mbs] if kwarg_mbs is not None else [{}] * m
+        self._mb_target = target_mbs
+        if self.holds_loss and trains:
             if self._loss_fn is None:
                 raise ValueError(f"zbpp: rank {self.rank} holds the loss stage ({self.loss_stage}) but the "
                                  "schedule has no loss_fn; pass loss_fn=... when constructing it")
-            if target is None:
+            if target_mbs is None:
                 raise ValueError(f"zbpp: rank {self.rank} holds the loss stage; pass target=... to step()")
-            self._mb_target = _split(target, m, "the target")
         self._loss_kwargs = dict(loss_kwargs or {})
         try:
-            self._run_iteration()
+            if trains:
+                self._run_iteration()
+            else:
+                self._forward_only()
         finally:
             self._mb_args = self._mb_kwargs = self._mb_target = None
             self._loss_kwargs = {}
-        if self.scale_grads:
+        if trains and self.scale_grads:
             self._scale_grads(m)
-        if self.holds_loss:
-            if losses is not None:
-                losses.clear()
-                losses.extend(self._losses)
-            outs = self._outputs
-            self._outputs = self._losses = None
-            if not return_outputs:
-                return None
-            if self._output_merge_spec is not None:
-                from .microbatch import merge_chunks
+        if not self.holds_loss:
+            return None
+        outs, got = self._outputs, self._losses
+        self._outputs = self._losses = None
+        self._by_index[self.loss_stage].output_chunks[:] = outs
+        if losses is not None and (trains or all(x is not None for x in got)):
+            losses.clear()
+            losses.extend(got)
+        if not return_outputs:
+            return None
+        if self._output_merge_spec is not None:
+            from .microbatch import merge_chunks
 
-                return merge_chunks(outs, self._output_merge_spec)
-            if all(isinstance(o, torch.Tensor) for o in outs):
-                return torch.cat([o if o.dim() else o.reshape(1) for o in outs])
-            return outs
-        return None
+            return merge_chunks(outs, self._output_merge_spec)
+        if all(isinstance(o, torch.Tensor) for o in outs):
+            return torch.cat([o if o.dim() else o.reshape(1) for o in outs])
+        return outs
+
+    def _forward_only(self):
+        """Every microbatch forward through every stage, without gradients, passing activations
+        on with their shapes (so they may change between eval steps): eval(), _ScheduleForwardOnly
+        and pipelines without a loss_fn. The loss stage keeps the outputs and, with a loss_fn and a
+        target, the losses. Stages run in microbatch, then stage order on every rank; sends do not
+        wait, so rank r works on microbatch i+1 while rank r+1 has microbatch i."""
+        S, m = self._num_stages, self.n_microbatches
+        self._outputs, self._losses = [None] * m, [None] * m
+        group, device = self._messages()
+        pending = []
+
+        def send(t, rank):
+            t = t.to(device)
+            pending.append((t, dist.isend(t, dst=_global(self.group, rank), group=group, tag=_META_TAG)))
+
+        with torch.no_grad():
+            for i in range(m):
+                carry = None
+                for s in range(S):
+                    if self._holder(s) != self.rank:
+                        continue
+                    if s == 0:
+                        inputs, kwargs = self._first_inputs(i)
+                    else:
+                        prev = self._holder(s - 1)
+                        if prev == self.rank:
+                            inputs = carry
+                        else:
+                            meta_t = torch.zeros(_META_LEN, dtype=torch.int64)
+                            self._recv(meta_t, prev)
+                            inputs = tuple(torch.empty(shape, dtype=dtype, device=self.device)
+                                           for dtype, shape in _decode(meta_t))
+                            for t in inputs:
+                                self._recv(t, prev)
+                        kwargs = {}
+                    out = self._run_stage(s, i, inputs, kwargs)
+                    if s == S - 1:
+                        self._outputs[i] = out
+                        if self._loss_fn is not None and self._mb_target is not None:
+                            self._losses[i] = self._loss_fn(out, self._mb_target[i], **self._loss_kwargs)
+                        continue
+                    outs = _as_tuple(out)
+                    nxt = self._holder(s + 1)
+                    if nxt == self.rank:
+                        carry = outs
+                    elif self.ranks > 1:
+                        send(_encode(_meta_of(outs, s)), nxt)
+                        for t in outs:
+                            send(t.contiguous(), nxt)
+        for _, work in pending:
+            work.wait()
+
+    # ---- torch's schedule IR: pipeline_order -----------------------------------------------------
+
+    @property
+    def pipeline_order(self):
+        """The plan as torch's IR: {rank: [_Action, ...]} for every rank (F, I, W and B for full
+        backward; no idle steps), made from the plan in force. Setting it (or _load_csv, or
+        _prepare_schedule_with_comms) makes the next step run that order instead, once the C
+        library has validated it (zbpp/pipelining/_order.py says what it reads); an order that was
+        set may then be changed in place too."""
+        if not self._order_user and self.schedule is not None and self._order_schedule is not self.schedule:
+            from ._order import to_actions
+
+            self._order = to_actions(self.schedule)
+            self._order_seen = {r: list(a) for r, a in self._order.items()}
+            self._order_schedule = self.schedule
+        return self._order
+
+    @pipeline_order.setter
+    def pipeline_order(self, order):
+        self._order = order
+        self._order_user = True
+        self._order_seen = None
+
+    def _sync_order(self):
+        """Before a step: runs the pipeline_order the user set or changed, as a zbpp schedule."""
+        order = self._order
+        if order is None:
+            if self.schedule is None:
+                raise RuntimeError(f"zbpp.{type(self).__name__}: no schedule to run: set pipeline_order "
+                                   "(rank -> list of _Action) or call _load_csv(...) first")
+            return
+        if not self._order_user:
+            # Made from the plan: a view. Changing it in place changes nothing, as with torch's
+            # runtime schedules, which lower their order once (torch's own helpers such as
+            # _add_send_recv consume the lists they are given).
+            return
+        if order == self._order_seen and self._order_schedule is self.schedule:
+            return  # as set, and run before
+        from ._order import schedule_from_actions
+
+        new = schedule_from_actions(order, self.ranks, self._num_stages, self.n_microbatches, **self._cost_args)
+        self._switch_schedule(new)
+        self._order_seen = {r: list(a) for r, a in order.items()}
+        self._order_schedule = new
+        self._check_stages()
+        self._plan_kind = None  # the user's order is run as given, never replanned
+        self._profile = None
+
+    def _switch_schedule(self, new):
+        """Runs `new` from the next step on: the runner is made again for its op lists (the shapes,
+        the transport, the W store and everything about training stay)."""
+        if self._runner is not None:
+            self._runner.close()
+            self._runner = None
+        if self._dviews is not None:
+            self._dviews.clear()
+        if self.schedule is not None and self.schedule is not self._last_schedule:
+            self.schedule.close()
+        self.schedule = new
+
+    def _prepare_schedule_with_comms(self, actions, format="compute_only"):
+        """torch's: takes an order in the compute-only form (F, I, W, B) or with its transfers
+        (SEND_F, RECV_F, SEND_B, RECV_B: the runner makes its own, so they are dropped) and
+        validates it at once."""
+        if format not in ("compute_only", "compute_comms"):
+            raise NotImplementedError(f"format={format!r} is not implemented; use 'compute_only' or 'compute_comms'")
+        self.pipeline_order = {r: list(a) for r, a in actions.items()}
+        if format == "compute_comms":
+            self.pipeline_order_with_comms = {r: list(a) for r, a in actions.items()}
+        self._sync_order()
+        if format == "compute_only":
+            from ._order import with_comms
+
+            self.pipeline_order_with_comms = with_comms(self.pipeline_order, self.schedule)
+
+    def _load_csv(self, filename, format="compute_only"):
+        """Reads an order from torch's CSV (one row per rank, cells such as 0F1, 1I0, 2W3, 0B1, and
+        in the compute_comms form 0SEND_F1, 1RECV_B0, ...) and validates it."""
+        import csv as _csv
+
+        from .schedules import _Action
+
+        with open(filename, newline="") as f:
+            actions = {r: [_Action.from_str(c) for c in row] for r, row in enumerate(_csv.reader(f))}
+        self._prepare_schedule_with_comms(actions, format=format)
+
+    def _dump_csv(self, filename, format="compute_only"):
+        """Writes pipeline_order (or, format="compute_comms", the order with torch's transfer
+        actions added) as torch's CSV."""
+        import csv as _csv
+
+        if format == "compute_only":
+            order = self.pipeline_order
+        elif format == "compute_comms":
+            from ._order import with_comms
+
+            order = with_comms(self.pipeline_order, self.schedule)
+        else:
+            raise NotImplementedError(f"format={format!r} is not implemented; use 'compute_only' or 'compute_comms'")
+        with open(filename, "w", newline="") as f:
+            writer = _csv.writer(f)
+            for r in sorted(order):
+                writer.writerow(order[r])
 
     def _split_inputs(self, args, kwargs):
         """The batch as n_microbatches (args, kwargs) pairs. Without chunk specs, tensors split
@@ -883,16 +1194,7 @@ class PipelineSchedule:
                 if self.rank == 0:
                     _log.info("%s", self.plan_info.summary())
                 return self.plan_info
-        # The switch: the runner is made again for the new op lists at the next step (the shapes,
-        # the transport, the W store and everything about training stay).
-        if self._runner is not None:
-            self._runner.close()
-            self._runner = None
-        if self._dviews is not None:
-            self._dviews.clear()
-        if self.schedule is not self._last_schedule:
-            self.schedule.close()
-        self.schedule = new
+        self._switch_schedule(new)
         self.costs = costs
         self.plan_info = PlanInfo(step=self.steps, kind=new.kind, mem_limit=new.mem_limit, costs=costs,
                                   simulated=sim, before=before, measured_bubble=_measured,
@@ -996,8 +1298,13 @@ def _profile_window(name, plan_kind, kind, plan_from_measured, profile_steps, ti
     return window if on else None
 
 
+_PY_KINDS = ("looped-bfs", "dualpipe-v")  # orders zbpp's Python side makes (the C library validates and runs them)
+
+
 def _kind_name(name):
     """The canonical kind name for any name the library accepts (ZbError otherwise)."""
+    if name in _PY_KINDS:
+        return name
     kind, factor = ctypes.c_int(), ctypes.c_double()
     _lib.call("zb_kind_from_name", [ctypes.c_char_p, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_double)],
               name.encode(), ctypes.byref(kind), ctypes.byref(factor))
@@ -1009,26 +1316,120 @@ def _global(group, rank):
     return global_rank(group, rank)
 
 
-def _kind_class(kind_name, cls_name, doc):
-    return type(cls_name, (PipelineSchedule,), {"kind": kind_name, "__doc__": doc, "__module__": __name__})
+def _kind_class(kind_name, cls_name, doc, base=None, **attrs):
+    return type(cls_name, (base or PipelineSchedule,),
+                {"kind": kind_name, "__doc__": doc, "__module__": __name__, **attrs})
 
 
-ScheduleGPipe = _kind_class("gpipe", "ScheduleGPipe", "GPipe: all forwards, then all backwards (memory m).")
-Schedule1F1B = _kind_class("1f1b", "Schedule1F1B", "1F1B (PipeDream-flush), fused backward.")
+class PipelineScheduleSingle(PipelineSchedule):
+    """torch's base class of the schedules with one stage per rank (GPipe, 1F1B). Takes the stage
+    itself or a list with one stage."""
+
+
+class PipelineScheduleMulti(PipelineSchedule):
+    """torch's base class of the schedules with one or more stages per rank. Itself (no kind), it
+    runs the order a user gives: a subclass sets `self.pipeline_order` (rank -> list of _Action)
+    in its __init__ after this one's, or the script calls _load_csv(path); the C library
+    validates it at the next step and the C runner runs it (zbpp/pipelining/_order.py)."""
+
+
+class _PipelineScheduleRuntime(PipelineScheduleMulti):
+    """torch's runtime for orders with their transfers (compute_comms): zbpp's runner makes its own
+    transfers, so it reads both forms (_prepare_schedule_with_comms, _load_csv(format=...))."""
+
+    def register_custom_function(self, computation_type, custom_function):
+        raise NotImplementedError(
+            f"zbpp.{type(self).__name__}.register_custom_function: the C runner runs every action itself "
+            f"(OVERLAP_F_B as its forward, then its backward); custom functions for {computation_type} are not "
+            "supported")
+
+
+class _ScheduleForwardOnly(PipelineScheduleSingle):
+    """Forward only: every microbatch through every stage, no loss, no backward (torch's)."""
+
+    kind = "gpipe"
+
+    def _trains(self):
+        return False
+
+    def _step_microbatches(self, arg_mbs=None, kwarg_mbs=None, target_mbs=None, losses=None, return_outputs=True,
+                           loss_kwargs=None):
+        if target_mbs is not None or losses is not None:
+            raise RuntimeError("Forward-only schedule does not support loss computation")
+        return super()._step_microbatches(arg_mbs, kwarg_mbs, None, None, return_outputs, loss_kwargs)
+
+
+ScheduleGPipe = _kind_class("gpipe", "ScheduleGPipe", "GPipe: all forwards, then all backwards (memory m).",
+                            PipelineScheduleSingle)
+Schedule1F1B = _kind_class("1f1b", "Schedule1F1B", "1F1B (PipeDream-flush), fused backward.", PipelineScheduleSingle)
 ScheduleInterleaved1F1B = _kind_class("interleaved-1f1b", "ScheduleInterleaved1F1B",
-                                      "Megatron's interleaved 1F1B: several stages per rank in a loop.")
-ScheduleZBH1 = _kind_class("zb-h1", "ScheduleZBH1", "ZB-H1: 1F1B's memory, about a third of its bubble.")
-ScheduleZBH2 = _kind_class("zb-h2", "ScheduleZBH2", "ZB-H2: memory 2p-1, no bubble once m is large.")
+                                      "Interleaved 1F1B: stages in a loop, any number per rank; m in torch's "
+                                      "rounds (max(1, m // p) of equal size).", _PipelineScheduleRuntime)
+
+
+class ScheduleLoopedBFS(_PipelineScheduleRuntime):
+    """Breadth-first pipelining (torch's ScheduleLoopedBFS): stages in a loop; each rank runs all
+    microbatches through a stage before its next stage, and the backwards in reverse. Memory: every
+    microbatch of every stage of the rank."""
+
+    kind = "looped-bfs"
+
+    def __init__(self, stages, n_microbatches, loss_fn=None, output_merge_spec=None, scale_grads=True,
+                 backward_requires_autograd=True, defer_pp_recv=False, **kwargs):
+        super().__init__(stages, n_microbatches, loss_fn, output_merge_spec=output_merge_spec,
+                         scale_grads=scale_grads, backward_requires_autograd=backward_requires_autograd,
+                         defer_pp_recv=defer_pp_recv, **kwargs)
+
+    def _generate(self, kind, p, m, v, times, limit):
+        from ._order import looped_bfs
+
+        schedule = Schedule.from_ops(looped_bfs(p, v, m), m, placement="loop", v=v, times=times, mem_limit=limit)
+        schedule.validate()
+        return schedule
+
+
+class ScheduleDualPipeV(_PipelineScheduleRuntime):
+    """DeepSeek's DualPipeV (torch's ScheduleDualPipeV): two stages per rank in a V, m >= 2p, its
+    steady phase in pairs of one stage's forward and the other's backward (OVERLAP_F_B in
+    pipeline_order). zbpp's runner runs each pair's forward, then its backward; the order is
+    validated and run by the C library like any other (zbpp/pipelining/_order.py)."""
+
+    kind = "dualpipe-v"
+
+    def _generate(self, kind, p, m, v, times, limit):
+        from ._order import dualpipe_v, schedule_from_actions
+
+        S = 2 * p
+        if m < S:
+            raise ValueError(f"DualPipeV requires at least as many microbatches as stages, but got {m} microbatches "
+                             f"and {S} stages")
+        order = dualpipe_v(p, m)
+        schedule = schedule_from_actions(order, p, S, m, times=times, mem_limit=limit)
+        # pipeline_order shows the pairs as torch's OVERLAP_F_B actions (the ops are their halves)
+        self._order, self._order_schedule = order, schedule
+        self._order_seen = {r: list(a) for r, a in order.items()}
+        return schedule
+
+
+ScheduleZBH1 = _kind_class("zb-h1", "ScheduleZBH1", "ZB-H1: 1F1B's memory, about a third of its bubble.",
+                           PipelineScheduleMulti)
+ScheduleZBH2 = _kind_class("zb-h2", "ScheduleZBH2", "ZB-H2: memory 2p-1, no bubble once m is large.",
+                           PipelineScheduleMulti)
 ScheduleZBVZeroBubble = _kind_class("zb-v", "ScheduleZBVZeroBubble",
-                                    "ZB-V: two stages per rank in a V, 1F1B's memory, no bubble.")
+                                    "ZB-V: two stages per rank in a V, 1F1B's memory, no bubble.",
+                                    _PipelineScheduleRuntime)
 ScheduleZBV = ScheduleZBVZeroBubble
-ScheduleVHalf = _kind_class("v-half", "ScheduleVHalf", "V-Half: a V schedule at half of 1F1B's memory.")
-ScheduleVMin = _kind_class("v-min", "ScheduleVMin", "V-Min: a V schedule at a third of 1F1B's memory.")
+ScheduleVHalf = _kind_class("v-half", "ScheduleVHalf", "V-Half: a V schedule at half of 1F1B's memory.",
+                            PipelineScheduleMulti)
+ScheduleVMin = _kind_class("v-min", "ScheduleVMin", "V-Min: a V schedule at a third of 1F1B's memory.",
+                           PipelineScheduleMulti)
 ScheduleZBAuto = _kind_class("zb-auto", "ScheduleZBAuto",
-                             "Automatic zero bubble for the given costs under a memory limit (mem_limit=).")
+                             "Automatic zero bubble for the given costs under a memory limit (mem_limit=).",
+                             PipelineScheduleMulti)
 ScheduleInterleavedZeroBubble = _kind_class("zb-auto", "ScheduleInterleavedZeroBubble",
                                             "torch's InterleavedZeroBubble name: zbpp's automatic scheduler "
-                                            "over loop-placed stages.")
+                                            "over loop-placed stages.", _PipelineScheduleRuntime,
+                                            _loop_placement=True)
 
 
 class ScheduleFromCSV(PipelineSchedule):
@@ -1051,6 +1452,16 @@ _CLASSES = {
 }
 
 
+# torch's names that are not zbpp kinds (lower case, without the "Schedule" prefix).
+_TORCH_NAMES = {
+    "interleavedzerobubble": ScheduleInterleavedZeroBubble,
+    "loopedbfs": ScheduleLoopedBFS,
+    "dualpipev": ScheduleDualPipeV,
+    "pipelineschedulesingle": PipelineScheduleSingle,
+    "pipelineschedulemulti": PipelineScheduleMulti,
+}
+
+
 def get_schedule_class(name):
     """The schedule class for a name: zbpp's kind names (zb-v, zb-h1, 1f1b, ...) or torch's class
     names (1F1B, Interleaved1F1B, GPipe, InterleavedZeroBubble, ZBVZeroBubble, also with the
@@ -1058,14 +1469,16 @@ def get_schedule_class(name):
     if not isinstance(name, str):
         raise TypeError(f"zbpp.get_schedule_class: name must be a str, got {type(name).__name__}")
     key = name.strip().lower().replace("_", "-")
-    if key in ("interleavedzerobubble", "scheduleinterleavedzerobubble"):
-        return ScheduleInterleavedZeroBubble
+    torch_name = _TORCH_NAMES.get(key[len("schedule"):] if key.startswith("schedule") else key)
+    if torch_name is not None:
+        return torch_name
     try:
         kind = _kind_name(name)
     except _lib.ZbError as exc:
         raise ValueError(f"zbpp.get_schedule_class: unknown schedule {name!r}; valid names: "
-                         + ", ".join(_CLASSES) + " and torch's 1F1B, Interleaved1F1B, GPipe, "
-                         "InterleavedZeroBubble, ZBVZeroBubble (case-insensitive)") from exc
+                         + ", ".join(_CLASSES) + " and torch's 1F1B, Interleaved1F1B, GPipe, LoopedBFS, "
+                         "InterleavedZeroBubble, ZBVZeroBubble, PipelineScheduleSingle, PipelineScheduleMulti "
+                         "(case-insensitive)") from exc
     cls = _CLASSES.get(kind)
     if cls is None:
         raise ValueError(f"zbpp.get_schedule_class: {name!r} ({kind}) has no generator; use "
@@ -1080,6 +1493,10 @@ def get_schedule_class(name):
 def __getattr__(name):
     """The tracer's names (torch's Pipe, pipe_split, SplitPoint, pipeline) and the submodules'
     torch-compatible names, loaded on first use (importing zbpp.pipelining stays cheap)."""
+    if name in ("schedules", "stage", "microbatch", "_utils"):
+        import importlib
+
+        return importlib.import_module(f".{name}", __name__)
     if name in ("Pipe", "pipe_split", "SplitPoint", "pipeline"):
         from ._torch import need
 

@@ -7,6 +7,9 @@ from ._torch import need
 _u = need("_utils")
 
 PipeliningMetadataError = _u.PipeliningMetadataError
+# Newer torch names the error a stage raises for a mismatched shape or dtype PipeliningShapeError;
+# where this torch has only the older name, both names are one class.
+PipeliningShapeError = getattr(_u, "PipeliningShapeError", PipeliningMetadataError)
 generate_stage_to_rank_mapping = _u.generate_stage_to_rank_mapping
 generate_rank_to_stage_mapping = _u.generate_rank_to_stage_mapping
 PipeInfo = _u.PipeInfo

@@ -8,13 +8,23 @@ check lists of actions (`_format_pipeline_order`, `_add_send_recv`, `_merge_bw`,
 `_validate_schedule`, `_simulate_comms_compute`, ...), so an action list built for torch is one
 zbpp reads, and the other way round.
 
-`_PipelineSchedule` is zbpp's base class of every schedule (`isinstance` checks hold). Not here
-yet: `PipelineScheduleSingle`, `PipelineScheduleMulti`, `_PipelineScheduleRuntime`,
-`ScheduleLoopedBFS`, `ScheduleDualPipeV`, `_ScheduleForwardOnly` (the README lists what zbpp runs).
+`_PipelineSchedule` is zbpp's base class of every schedule (`isinstance` checks hold), with torch's
+hierarchy under it: `PipelineScheduleSingle` (GPipe, 1F1B, `_ScheduleForwardOnly`),
+`PipelineScheduleMulti` (a user's order through `pipeline_order`) and `_PipelineScheduleRuntime`
+(orders with transfers; `ScheduleInterleaved1F1B`, `ScheduleLoopedBFS`,
+`ScheduleInterleavedZeroBubble`, `ScheduleZBVZeroBubble`). `_PipelineContext` and `_wait_batch_p2p`
+are torch's helpers, for scripts that import them. `ScheduleDualPipeV` runs each overlapped pair
+one half after the other (the README lists what zbpp runs).
 """
 
 from . import (
     PipelineSchedule,
+    PipelineScheduleMulti,
+    PipelineScheduleSingle,
+    ScheduleDualPipeV,
+    ScheduleLoopedBFS,
+    _PipelineScheduleRuntime,
+    _ScheduleForwardOnly,
     Schedule1F1B,
     ScheduleFromCSV,
     ScheduleGPipe,
@@ -52,7 +62,7 @@ F, I, W, B = _s.F, _s.I, _s.W, _s.B
 for _name in ("OVERLAP_F_B", "REDUCE_GRAD"):
     if hasattr(_s, _name):
         globals()[_name] = getattr(_s, _name)
-for _name in ("_format_pipeline_order", "_add_send_recv", "_merge_bw", "_add_unshard_reshard", "_add_reduce_grad",
+for _name in ("_PipelineContext", "_wait_batch_p2p", "_batch_p2p", "_sorted_batch_p2p", "_format_pipeline_order", "_add_send_recv", "_merge_bw", "_add_unshard_reshard", "_add_reduce_grad",
               "_validate_schedule", "_simulate_comms_compute", "_dump_chrometrace"):
     if hasattr(_s, _name):
         globals()[_name] = getattr(_s, _name)
@@ -65,4 +75,8 @@ __all__ = [
     "ScheduleInterleaved1F1B",
     "ScheduleInterleavedZeroBubble",
     "ScheduleZBVZeroBubble",
+    "ScheduleLoopedBFS",
+    "ScheduleDualPipeV",
+    "PipelineScheduleSingle",
+    "PipelineScheduleMulti",
 ]

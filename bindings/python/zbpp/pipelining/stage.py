@@ -46,6 +46,17 @@ def _check_adjacent(nodes):
                     f"zbpp feeds inputs to stage 0 only. Carry it through the stages in between")
 
 
+def from_torch_stage(stage):
+    """A zbpp PipelineStage for a stage torch made (its PipelineStage, or a traced stage from
+    torch's Pipe.build_stage): the same module, index, device, group and dw_builder. A traced
+    stage's graph is checked as build_stage checks it."""
+    info = getattr(stage, "pipe_info", None)
+    if info is not None:
+        _check_adjacent(_submodule_nodes(info))
+    return PipelineStage(stage.submod, stage.stage_index, stage.num_stages, stage.device, group=stage.group,
+                         dw_builder=getattr(stage, "dw_builder", None))
+
+
 def build_stage(stage_module, stage_index, pipe_info, device, group=None):
     """A zbpp PipelineStage for stage `stage_index` of a pipeline torch's tracer made
     (`pipe.get_stage_module(i)` and `pipe.info()`), as torch's build_stage does for its own."""

@@ -1,0 +1,199 @@
+"""torch's schedule IR (`pipeline_order`: rank -> list of `_Action` or None) and zbpp's op lists,
+both ways.
+
+Why: torch users see and write schedules as `pipeline_order` (a subclass of PipelineScheduleMulti
+sets it; `_load_csv` fills it; torch's tests lower it with `_add_send_recv` and simulate it).
+zbpp's C core plans and runs op lists (zb_op_t). So every zbpp schedule shows its plan as torch's
+IR, and an IR a user sets becomes a zbpp schedule that the C library validates and the C runner
+runs. Only compute actions map to ops: the runner does its own transfers, so SEND_F/RECV_F/
+SEND_B/RECV_B cells (torch's compute_comms form) are read and dropped; OVERLAP_F_B pairs run as
+their sub-actions, one after the other. UNSHARD, RESHARD and REDUCE_GRAD belong to FSDP/DDP stages,
+which zbpp does not run: they are refused with a message.
+
+The stage-to-rank map comes from the order itself (torch's `_validate_schedule` infers it the
+same way); zbpp runs loop placement (stage s on rank s mod p) and the V (v = 2, stage s on rank s
+for s < p, else 2p-1-s).
+"""
+
+from ..schedule import Schedule
+from ._torch import need
+
+_s = need("schedules")
+
+# torch's computation type -> zbpp's op type ("B" is torch's full backward, zbpp's "BW").
+_TO_ZB = {_s.FORWARD: "F", _s.BACKWARD_INPUT: "B", _s.BACKWARD_WEIGHT: "W", _s.FULL_BACKWARD: "BW"}
+_FROM_ZB = {v: k for k, v in _TO_ZB.items()}
+_COMMS = tuple(getattr(_s, n) for n in ("SEND_F", "RECV_F", "SEND_B", "RECV_B"))
+_SHARDING = tuple(getattr(_s, n) for n in ("UNSHARD", "RESHARD", "REDUCE_GRAD") if hasattr(_s, n))
+
+
+def to_actions(schedule):
+    """The schedule's op lists as torch's pipeline_order: {rank: [_Action, ...]} (no idle steps:
+    the C runner waits on its transfers, as torch's runtime skips None)."""
+    order = {}
+    for r in range(schedule.ranks):
+        order[r] = [_s._Action(op.stage, _FROM_ZB[op.type], op.mb) for op in schedule.rank_ops(r)]
+    return order
+
+
+def _compute(action, rank, step):
+    """The zbpp ops of one action: [] for a transfer, its sub-actions for OVERLAP_F_B."""
+    if action is None:
+        return []
+    if not isinstance(action, _s._Action):
+        raise TypeError(f"zbpp: pipeline_order[{rank}][{step}] is {action!r}; expected a torch _Action or None")
+    subs = getattr(action, "sub_actions", None)
+    if subs:
+        return [op for sub in subs for op in _compute(sub, rank, step)]
+    ctype = action.computation_type
+    if ctype in _TO_ZB:
+        if action.microbatch_index is None:
+            raise ValueError(f"zbpp: pipeline_order[{rank}][{step}] ({action}) has no microbatch index")
+        return [(_TO_ZB[ctype], action.stage_index, action.microbatch_index)]
+    if ctype in _COMMS:
+        return []  # the runner's own transfers take their place
+    if ctype in _SHARDING:
+        raise NotImplementedError(f"zbpp: pipeline_order[{rank}][{step}] is {action}: {ctype.name} actions manage "
+                                  f"FSDP-sharded or DDP stages, which zbpp does not run; use unsharded stages and "
+                                  f"a compute-only order (F, I, W, B)")
+    raise ValueError(f"zbpp: pipeline_order[{rank}][{step}] is {action}, which zbpp cannot run; allowed: F, I, W, "
+                     f"B (full backward), OVERLAP_F_B and the transfers SEND_F, RECV_F, SEND_B, RECV_B")
+
+
+def rank_ops(order, p):
+    """{rank: [_Action or None]} -> one list of (type, stage, mb) per rank, with a clear error for
+    a missing rank."""
+    if not isinstance(order, dict):
+        raise TypeError(f"zbpp: pipeline_order must be a dict of rank -> list of _Action, got {type(order).__name__}")
+    extra = sorted(set(order) - set(range(p)))
+    if extra:
+        raise ValueError(f"zbpp: pipeline_order has rank(s) {extra}; this pipeline has ranks 0..{p - 1}")
+    missing = [r for r in range(p) if r not in order]
+    if missing:
+        raise ValueError(f"zbpp: pipeline_order has no actions for rank(s) {missing} of the {p} ranks")
+    return [[op for step, a in enumerate(order[r]) for op in _compute(a, r, step)] for r in range(p)]
+
+
+def placement_of(ops, p, num_stages):
+    """'loop' or 'v' from where each stage's ops sit; ValueError naming the stage otherwise."""
+    where = {}
+    for r, lst in enumerate(ops):
+        for _, stage, _mb in lst:
+            if not 0 <= stage < num_stages:
+                raise ValueError(f"zbpp: pipeline_order puts stage {stage} on rank {r}; stages are 0..{num_stages - 1}")
+            if where.setdefault(stage, r) != r:
+                raise ValueError(f"zbpp: pipeline_order runs stage {stage} on ranks {where[stage]} and {r}; each "
+                                 f"stage lives on one rank")
+    if all(r == s % p for s, r in where.items()):
+        return "loop"
+    if num_stages == 2 * p and all(r == (s if s < p else 2 * p - 1 - s) for s, r in where.items()):
+        return "v"
+    mapping = ", ".join(f"{s}->{r}" for s, r in sorted(where.items()))
+    raise NotImplementedError(f"zbpp: pipeline_order places stages on ranks as {mapping}; zbpp runs loop placement "
+                              f"(stage s on rank s mod {p}) and the V (stage s on rank s for s < {p}, else "
+                              f"{2 * p - 1}-s)")
+
+
+def schedule_from_actions(order, p, num_stages, m, **cost_args):
+    """A validated zbpp Schedule (kind "custom") for torch's IR; ZbError naming the rank, the
+    position and the rule when the order cannot run (a missing op, a deadlock, ...)."""
+    ops = rank_ops(order, p)
+    if num_stages % p:
+        raise ValueError(f"zbpp: {num_stages} stages over {p} ranks; zbpp needs the same number of stages per rank")
+    schedule = Schedule.from_ops(ops, m, placement=placement_of(ops, p, num_stages), v=num_stages // p, **cost_args)
+    try:
+        schedule.validate()
+    except BaseException:
+        schedule.close()
+        raise
+    return schedule
+
+
+def looped_bfs(p, v, m):
+    """Breadth-first pipelining (Lamy-Poirier, 2022; torch's ScheduleLoopedBFS): each rank runs
+    every microbatch forward through its first chunk, then its next chunk, ...; then the fused
+    backwards, last chunk first, microbatches in reverse. Loop placement; memory v * m."""
+    ops = []
+    for r in range(p):
+        stages = [c * p + r for c in range(v)]
+        lst = [("F", s, i) for s in stages for i in range(m)]
+        lst += [("BW", s, i) for s in reversed(stages) for i in reversed(range(m))]
+        ops.append(lst)
+    return ops
+
+
+def with_comms(order, schedule):
+    """The order with torch's transfer actions added (torch's own lowering, _add_send_recv), for
+    _dump_csv(format="compute_comms") and pipeline_order_with_comms."""
+    ranks = schedule.ranks
+    return _s._add_send_recv({r: [a for a in order[r] if a is not None] for r in range(ranks)},
+                             stage_to_rank=schedule.stage_rank, num_stages=schedule.stages)
+
+
+def dualpipe_v(p, m):
+    """DeepSeek's DualPipeV (DualPipe folded onto the V placement; torch's ScheduleDualPipeV) as
+    torch's IR, with its overlapped forward/backward pairs as OVERLAP_F_B actions. Rank r holds
+    stages r (the V's way down, "s0") and 2p-1-r (its way up, "s1"). In eight phases: forwards
+    of s0 to fill the pipe, then of both stages; split backwards of s1 with their W's behind;
+    the steady phase of pairs F(s0)+B(s1) and F(s1)+B(s0); then the drain, where the last
+    backwards split into I and W again so W's fill the holes. m >= 2p."""
+    A, F, I, W, B = _s._Action, _s.FORWARD, _s.BACKWARD_INPUT, _s.BACKWARD_WEIGHT, _s.FULL_BACKWARD
+    order = {}
+    for r in range(p):
+        s0, s1 = r, 2 * p - 1 - r
+        acts, nf, nb, pending_w = [], {s0: 0, s1: 0}, {s0: 0, s1: 0}, []
+
+        def forward(s, out=acts, nf=nf):
+            out.append(A(s, F, nf[s]))
+            nf[s] += 1
+
+        def backward(s, split, out=acts, nb=nb, pending_w=pending_w):
+            mb = nb[s]
+            nb[s] += 1
+            out.append(A(s, I if split else B, mb))
+            if split:
+                pending_w.append((s, mb))
+
+        def weight(out=acts, pending_w=pending_w):
+            if pending_w:
+                s, mb = pending_w.pop(0)
+                out.append(A(s, W, mb))
+
+        def pair(fs, bs, out=acts, nf=nf, nb=nb):
+            f, b = A(fs, F, nf[fs]), A(bs, B, nb[bs])
+            nf[fs] += 1
+            nb[bs] += 1
+            out.append(A(-1, _s.OVERLAP_F_B, None, (f, b)))
+
+        for _ in range(2 * (p - r - 1)):
+            forward(s0)
+        for _ in range(r + 1):
+            forward(s0)
+            forward(s1)
+        for _ in range(p - r - 1):
+            backward(s1, True)
+            weight()
+            forward(s1)
+        for i in range(m - 2 * p + r + 1):
+            if i == 0 and r == p - 1:  # the bottom of the V: no pair yet, which shortens the bubble
+                forward(s0)
+                backward(s1, False)
+            else:
+                pair(s0, s1)
+            pair(s1, s0)
+        for _ in range(p - r - 1):
+            backward(s1, False)
+            pair(s1, s0)
+        split, half = False, (r + 1) // 2
+        for i in range(r + 1):
+            split = split or (i == half and r % 2 == 1)
+            backward(s1, split)
+            split = split or (i == half and r % 2 == 0)
+            backward(s0, split)
+        for _ in range(p - r - 1):
+            weight()
+            backward(s0, split)
+        for _ in range(r + 1):
+            weight()
+        order[r] = acts
+    return order

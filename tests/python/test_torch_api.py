@@ -1,0 +1,343 @@
+"""torch.distributed.pipelining's schedule API on zbpp, as PyTorch's own tests use it.
+
+Written after PyTorch's test_schedule.py and test_stage.py (what they call and check), against
+zbpp's classes and, where the same question can be put to torch's own classes, against those as
+the baseline: the orders torch's Interleaved1F1B and LoopedBFS make, torch's schedule validator
+and simulator on zbpp's pipeline_order, eval() then step(), forward-only runs, a user's
+PipelineScheduleMulti subclass with its own pipeline_order, _load_csv/_dump_csv in both of
+torch's forms, dw_builder, output_chunks, stages torch built, and shape inference that leaves
+BatchNorm statistics alone. Single-process cases run in this process; the multi-rank cases are
+in test_torch_script.py and test_pipeline.py.
+"""
+
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch")
+tp = pytest.importorskip("torch.distributed.pipelining")
+
+import zbpp.pipelining as zp  # noqa: E402
+from zbpp import ZbError  # noqa: E402
+from zbpp.pipelining import schedules as zs  # noqa: E402
+
+ts = tp.schedules
+
+
+def _mock_class(base):
+    """A stage that carries only the pipeline's shape, as PyTorch's test_schedule.py builds them."""
+    class Mock(base):
+        def __init__(self, num_stages, group_size, group_rank=0):
+            self.submod = None
+            self.num_stages = num_stages
+            self.group_size = group_size
+            self.group_rank = group_rank
+            self.group = None
+
+        def _create_grad_recv_info(self, *args, **kwargs):
+            return None
+
+        def _prepare_forward_infra(self, n_microbatches):
+            pass
+
+        def _prepare_backward_infra(self, n_microbatches):
+            pass
+
+    return Mock
+
+
+ZMock = _mock_class(zp.stage._PipelineStageBase)
+TMock = _mock_class(tp.stage._PipelineStageBase)
+
+# (stages per rank, microbatches, ranks): PyTorch's TestSchedulePlan cases, m not a multiple of p too.
+PLAN_CASES = [(2, 2, 2), (2, 4, 4), (2, 8, 2), (2, 8, 4), (4, 8, 4), (4, 16, 4), (3, 8, 2), (3, 12, 4),
+              (4, 6, 3), (4, 10, 5), (2, 3, 4), (2, 10, 4), (2, 15, 4), (1, 4, 2), (1, 6, 4)]
+
+
+def compute_only(order):
+    return {r: [a for a in acts if a is not None] for r, acts in order.items()}
+
+
+@pytest.mark.parametrize("v, m, p", PLAN_CASES)
+def test_every_torch_class_plans_an_order_torchs_validator_and_simulator_accept(v, m, p):
+    S = v * p
+    classes = [zp.ScheduleInterleaved1F1B, zp.ScheduleLoopedBFS, zp.ScheduleInterleavedZeroBubble]
+    if v == 2:
+        classes.append(zp.ScheduleZBVZeroBubble)
+    for cls in classes:
+        sched = cls([ZMock(S, p) for _ in range(v)], m)
+        order = sched.pipeline_order
+        # torch's own checks, on copies (its lowering consumes the lists it is given)
+        mapping = ts._validate_schedule(compute_only(order), p, S, m)
+        assert mapping == {s: sched.schedule.stage_rank(s) for s in range(S)}
+        comms = ts._add_send_recv(compute_only(order), stage_to_rank=mapping.__getitem__, num_stages=S)
+        ts._simulate_comms_compute(comms, stage_to_rank=mapping.__getitem__, num_stages=S)
+        assert sched.pipeline_order == order  # a view of the plan, untouched by the lowering
+
+
+@pytest.mark.parametrize("cls_name", ["ScheduleInterleaved1F1B", "ScheduleLoopedBFS"])
+@pytest.mark.parametrize("v, m, p", PLAN_CASES)
+def test_fixed_orders_are_torchs_orders(cls_name, v, m, p):
+    # Megatron's order for m == p with several stages per rank (all forwards first) is zbpp's
+    # interleaved-1f1b there; torch's class starts its steady phase earlier.
+    if cls_name == "ScheduleInterleaved1F1B" and (m == p and v > 1):
+        pytest.skip("m == p, v > 1: Megatron's warm-up (the README says so)")
+    S = v * p
+    ours = getattr(zp, cls_name)([ZMock(S, p) for _ in range(v)], m).pipeline_order
+    theirs = getattr(tp, cls_name)([TMock(S, p) for _ in range(v)], m).pipeline_order
+    assert ours == compute_only(theirs)
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 8])
+def test_dualpipev_is_torchs_order_with_its_overlapped_pairs(p):
+    for m in (2 * p, 2 * p + 1, 3 * p + 2):
+        sched = zp.ScheduleDualPipeV([ZMock(2 * p, p) for _ in range(2)], m)
+        theirs = tp.ScheduleDualPipeV([TMock(2 * p, p) for _ in range(2)], m).pipeline_order
+        assert sched.pipeline_order == compute_only(theirs)
+        pairs = [a for a in sched.pipeline_order[0] if a.computation_type == ts.OVERLAP_F_B]
+        assert pairs and all(len(a.sub_actions) == 2 for a in pairs)
+        # the runner runs each pair's forward, then its backward
+        ops = sched.schedule.rank_ops(0)
+        assert len(ops) == sum(len(a.sub_actions or (a,)) for a in sched.pipeline_order[0])
+    with pytest.raises(ValueError, match="at least as many microbatches as stages"):
+        zp.ScheduleDualPipeV([ZMock(2 * p, p) for _ in range(2)], 2 * p - 1)
+
+
+def test_v_schedules_need_two_stages_per_rank():
+    for cls in (zp.ScheduleZBVZeroBubble, zp.ScheduleDualPipeV):
+        with pytest.raises(ValueError, match="2 stages"):
+            cls([ZMock(12, 4) for _ in range(3)], 8)
+
+
+def test_get_schedule_class_resolves_torchs_names():
+    for name in ["1F1B", "1f1b", "Interleaved1F1B", "INTERLEAVED1F1B", "GPipe", "LoopedBFS",
+                 "PipelineScheduleSingle", "PipelineScheduleMulti", "InterleavedZeroBubble", "ZBVZeroBubble",
+                 "DualPipeV"]:
+        cls = zp.get_schedule_class(name)
+        assert issubclass(cls, zs._PipelineSchedule), name
+        assert cls.__name__.lower().endswith(name.lower()), (name, cls)
+    with pytest.raises(ValueError, match="ScheduleThatDoesNotExist"):
+        zp.get_schedule_class("ScheduleThatDoesNotExist")
+    assert issubclass(zp.ScheduleGPipe, zs.PipelineScheduleSingle)
+    assert issubclass(zp.ScheduleLoopedBFS, zs._PipelineScheduleRuntime)
+    assert issubclass(zs._PipelineScheduleRuntime, zs.PipelineScheduleMulti)
+
+
+# ---- running, one process ------------------------------------------------------------------------
+
+D, BATCH, M = 16, 8, 2
+
+
+def model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(D, D), torch.nn.Tanh(), torch.nn.Linear(D, D))
+
+
+def data():
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(BATCH, D, generator=g), torch.randn(BATCH, D, generator=g)
+
+
+def reference(mod, x, y, loss_fn):
+    """Per-microbatch losses and the mean gradient, microbatch by microbatch."""
+    ref = copy.deepcopy(mod)
+    losses = []
+    for xi, yi in zip(x.chunk(M), y.chunk(M)):
+        loss = loss_fn(ref(xi), yi)
+        loss.backward()
+        losses.append(loss.detach())
+    return ref(x).detach(), losses, [p.grad / M for p in ref.parameters()]
+
+
+SINGLE = ["ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleLoopedBFS",
+          "ScheduleInterleavedZeroBubble"]
+
+
+@pytest.mark.parametrize("cls_name", SINGLE)
+def test_eval_then_step_on_one_stage(cls_name):
+    mod, (x, y), loss_fn = model(), data(), torch.nn.MSELoss()
+    ref_out, ref_losses, ref_grads = reference(mod, x, y, loss_fn)
+    stage = zp.PipelineStage(mod, 0, 1, "cpu")
+    assert stage.output_chunks == []
+    cls = getattr(zp, cls_name)
+    sched = cls(stage if issubclass(cls, zs.PipelineScheduleSingle) else [stage], M, loss_fn=loss_fn)
+    for _ in range(2):
+        losses = []
+        out = sched.eval(x, target=y, losses=losses)
+        torch.testing.assert_close(out, ref_out)
+        torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses))
+        assert all(p.grad is None for p in mod.parameters())  # no backward in eval
+    losses = []
+    out = sched.step(x, target=y, losses=losses)
+    torch.testing.assert_close(out, ref_out)
+    torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses))
+    for p, g in zip(mod.parameters(), ref_grads):
+        torch.testing.assert_close(p.grad, g)
+    assert len(stage.output_chunks) == M
+    stage.clear_runtime_states()
+    assert stage.output_chunks == []
+
+
+def test_step_without_a_loss_fn_runs_forward_only_and_refuses_no_grad_with_one():
+    mod, (x, y) = model(), data()
+    stage = zp.PipelineStage(mod, 0, 1, "cpu")
+    out = zp.ScheduleGPipe(stage, M).step(x)
+    torch.testing.assert_close(out, mod(x).detach())
+    assert all(p.grad is None for p in mod.parameters())
+    sched = zp.Schedule1F1B(stage, M, loss_fn=torch.nn.MSELoss())
+    with torch.no_grad(), pytest.raises(RuntimeError, match="eval"):
+        sched.step(x, target=y)
+
+
+def test_forward_only_schedule():
+    mod, (x, y) = model(), data()
+    sched = zs._ScheduleForwardOnly(zp.PipelineStage(mod, 0, 1, "cpu"), M)
+    torch.testing.assert_close(sched.step(x), mod(x).detach())
+    with pytest.raises(RuntimeError, match="does not support loss"):
+        sched.step(x, target=y, losses=[])
+
+
+def test_step_microbatches_checks_presplit_inputs_as_torch_does():
+    mod, (x, y), loss_fn = model(), data(), torch.nn.MSELoss()
+    _, ref_losses, ref_grads = reference(mod, x, y, loss_fn)
+    sched = zp.Schedule1F1B(zp.PipelineStage(mod, 0, 1, "cpu"), M, loss_fn=loss_fn)
+    with pytest.raises(TypeError, match="arg_mbs must be a list"):
+        sched._step_microbatches(arg_mbs=(x,))
+    with pytest.raises(ValueError, match=f"Expecting {M} target_mbs but got 1"):
+        sched._step_microbatches(arg_mbs=[(xi,) for xi in x.chunk(M)], target_mbs=[y])
+    losses = []
+    sched._step_microbatches(arg_mbs=[(xi,) for xi in x.chunk(M)], target_mbs=list(y.chunk(M)), losses=losses)
+    torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses))
+    for p, g in zip(mod.parameters(), ref_grads):
+        torch.testing.assert_close(p.grad, g)
+
+
+class SplitOrder(zs.PipelineScheduleMulti):
+    """A user's schedule as torch's docs describe one: pipeline_order set after the base's __init__."""
+
+    def __init__(self, stages, n_microbatches, loss_fn=None):
+        super().__init__(stages, n_microbatches, loss_fn=loss_fn)
+        F, I, W = zs.F, zs.I, zs.W
+        A = zs._Action
+        self.pipeline_order = {0: [A(0, F, 0), A(0, F, 1), A(0, I, 1), A(0, I, 0), A(0, W, 1), A(0, W, 0)]}
+
+
+def test_a_user_order_is_validated_and_run_by_the_c_runner():
+    mod, (x, y), loss_fn = model(), data(), torch.nn.MSELoss()
+    _, ref_losses, ref_grads = reference(mod, x, y, loss_fn)
+    sched = SplitOrder([zp.PipelineStage(mod, 0, 1, "cpu")], M, loss_fn=loss_fn)
+    losses = []
+    sched.step(x, target=y, losses=losses)
+    assert sched.schedule.kind == "custom"
+    assert [(o.type, o.mb) for o in sched.schedule.rank_ops(0)] == [
+        ("F", 0), ("F", 1), ("B", 1), ("B", 0), ("W", 1), ("W", 0)]
+    torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses))
+    for p, g in zip(mod.parameters(), ref_grads):
+        torch.testing.assert_close(p.grad, g)
+
+
+def test_a_broken_user_order_fails_with_the_rank_and_rule():
+    A, F, I, W = zs._Action, zs.F, zs.I, zs.W
+    sched = zs.PipelineScheduleMulti([zp.PipelineStage(model(), 0, 1, "cpu")], M, loss_fn=torch.nn.MSELoss())
+    x, y = data()
+    with pytest.raises(RuntimeError, match="pipeline_order"):
+        sched.step(x, target=y)  # nothing to run yet
+    sched.pipeline_order = {0: [A(0, F, 0), A(0, W, 0), A(0, I, 0), A(0, F, 1), A(0, I, 1), A(0, W, 1)]}
+    with pytest.raises(ZbError, match="rank 0"):
+        sched.step(x, target=y)
+    sched.pipeline_order = {0: [A(0, ts.UNSHARD, None), A(0, F, 0), A(0, F, 1), A(0, ts.B, 0), A(0, ts.B, 1)]}
+    with pytest.raises(NotImplementedError, match="FSDP"):
+        sched.step(x, target=y)
+    sched.pipeline_order = {1: []}
+    with pytest.raises(ValueError, match="rank"):
+        sched.step(x, target=y)
+
+
+@pytest.mark.parametrize("fmt", ["compute_only", "compute_comms"])
+def test_load_and_dump_csv_in_both_of_torchs_forms(tmp_path, fmt):
+    mod, (x, y), loss_fn = model(), data(), torch.nn.MSELoss()
+    _, ref_losses, ref_grads = reference(mod, x, y, loss_fn)
+    # Two stages on one rank: stage 0 -> 1 without a transfer.
+    mods = [mod[:2], mod[2:]]
+    stages = [zp.PipelineStage(mods[i], i, 2, "cpu") for i in range(2)]
+    planned = zs._PipelineScheduleRuntime(stages, M, loss_fn=loss_fn)
+    order = {0: [zs._Action.from_str(c) for c in "0F0 0F1 1F0 1F1 1I0 1I1 1W0 1W1 0B0 0B1".split()]}
+    planned._prepare_schedule_with_comms(order)
+    path = tmp_path / "order.csv"
+    planned._dump_csv(str(path), format=fmt)
+    # one rank: torch's lowering adds no transfers, so both forms hold the same compute actions
+    assert path.read_text().split() == ["0F0,0F1,1F0,1F1,1I0,1I1,1W0,1W1,0B0,0B1"]
+    loaded = zs._PipelineScheduleRuntime(stages, M, loss_fn=loss_fn)
+    loaded._load_csv(str(path), format=fmt)
+    assert [a for a in loaded.pipeline_order[0] if a.is_compute_op] == order[0]
+    losses = []
+    loaded.step(x, target=y, losses=losses)
+    torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses))
+    for p, g in zip(mod.parameters(), ref_grads):
+        torch.testing.assert_close(p.grad, g)
+
+
+def test_dw_builder_runs_once_per_microbatch_at_its_w():
+    calls = []
+
+    def dw_builder():
+        calls.append("built")
+        return lambda: calls.append("ran")
+
+    mod, (x, y) = model(), data()
+    stage = zp.PipelineStage(mod, 0, 1, "cpu", dw_builder=dw_builder)
+    zp.ScheduleGPipe(stage, M, loss_fn=torch.nn.MSELoss()).step(x, target=y)
+    assert calls == ["built", "ran"] * M  # a fused backward runs it at once
+    calls.clear()
+    sched = SplitOrder([zp.PipelineStage(mod, 0, 1, "cpu", dw_builder=dw_builder)], M, loss_fn=torch.nn.MSELoss())
+    sched.step(x, target=y)
+    assert calls == ["built", "built", "ran", "ran"]  # built at each I, run at each W
+    with pytest.raises(TypeError, match="dw_builder"):
+        zp.PipelineStage(mod, 0, 1, "cpu", dw_builder=3)
+
+
+def test_dualpipev_trains_two_stages_on_one_rank():
+    mod, (x, y), loss_fn = model(), data(), torch.nn.MSELoss()
+    ref_out, ref_losses, ref_grads = reference(mod, x, y, loss_fn)
+    stages = [zp.PipelineStage(mod[:2], 0, 2, "cpu"), zp.PipelineStage(mod[2:], 1, 2, "cpu")]
+    losses = []
+    out = zp.ScheduleDualPipeV(stages, M, loss_fn=loss_fn).step(x, target=y, losses=losses)
+    torch.testing.assert_close(out, ref_out)
+    torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses))
+    for p, g in zip(mod.parameters(), ref_grads):
+        torch.testing.assert_close(p.grad, g)
+
+
+def test_shape_inference_leaves_batchnorm_statistics_as_they_were():
+    torch.manual_seed(0)
+    full = torch.nn.Sequential(torch.nn.Linear(D, D), torch.nn.BatchNorm1d(D), torch.nn.Linear(D, D))
+    ref = copy.deepcopy(full)
+    x, y = data()
+    for xi in x.chunk(M):
+        ref(xi)  # what training the microbatches does to the statistics
+    stages = [zp.PipelineStage(full[:2], 0, 2, "cpu"), zp.PipelineStage(full[2:], 1, 2, "cpu")]
+    zp.ScheduleInterleaved1F1B(stages, M, loss_fn=torch.nn.MSELoss()).step(x, target=y)
+    bn, ref_bn = full[1], ref[1]
+    assert int(bn.num_batches_tracked) == M
+    torch.testing.assert_close(bn.running_mean, ref_bn.running_mean)
+    torch.testing.assert_close(bn.running_var, ref_bn.running_var)
+
+
+@pytest.fixture
+def one_process_group(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_stages_torch_built_run_on_zbpp(one_process_group):
+    mod, (x, y), loss_fn = model(), data(), torch.nn.MSELoss()
+    ref_out, ref_losses, ref_grads = reference(mod, x, y, loss_fn)
+    stage = tp.PipelineStage(mod, 0, 1, torch.device("cpu"))
+    losses = []
+    out = zp.Schedule1F1B(stage, M, loss_fn=loss_fn).step(x, target=y, losses=losses)
+    torch.testing.assert_close(out, ref_out)
+    for p, g in zip(mod.parameters(), ref_grads):
+        torch.testing.assert_close(p.grad, g)
