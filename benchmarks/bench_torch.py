@@ -16,6 +16,13 @@ blocks, d_model 128, 4 heads, sequences of 32 characters, 4 sequences per microb
          r+p) and ScheduleZBVZeroBubble (two stages per rank, V placement: r and 2p-1-r), with
          torch's PipelineStage on the unsplit model (torch splits B and W itself).
 
+With --classes the configurations are instead each of torch's schedule classes (Schedule1F1B,
+ScheduleGPipe, ScheduleInterleaved1F1B, ScheduleLoopedBFS, ScheduleInterleavedZeroBubble,
+ScheduleZBVZeroBubble, ScheduleDualPipeV) twice: once from torch.distributed.pipelining and once
+from zbpp.pipelining, with the same stages (the unsplit model, placed as torch users place them)
+and the same calls, as a torch script whose import was changed runs. zbpp's step 1 must then equal
+the unsplit sequential loop bit for bit. The ratio column is against torch's Schedule1F1B.
+
 Every configuration trains its own copy of the model, built from the same seed, on the same
 stream of batches, with the same loss (gpt.loss_fn, gradients averaged over the microbatches) and
 a plain torch AdamW step after each pipeline step (no clipping, no post-validation: the optimizer
@@ -57,7 +64,7 @@ spread.
 
 Usage:
   ZBPP_BUILD_DIR=build python3 benchmarks/bench_torch.py [--ranks 2] [--microbatches 8]
-      [--batch B] [--steps K] [--reps R] [--warmup W] [--quick] [--own-profile] [--json FILE]
+      [--batch B] [--steps K] [--reps R] [--warmup W] [--quick] [--own-profile] [--classes] [--json FILE]
 Defaults: K = 2 steps, R = 14 repetitions, W = 5 (about two minutes on 2 cores); --quick: K = 2,
 R = 2, W = 4 (under a minute). The table goes to stdout, progress to stderr.
 Exit status: 0 done, 1 a configuration failed its check or a process failed, 2 a usage error.
@@ -102,6 +109,13 @@ CONFIGS = [
     ("torch ScheduleInterleavedZeroBubble", "torch", "ScheduleInterleavedZeroBubble", 2, None),
     ("torch ScheduleZBVZeroBubble", "torch", "ScheduleZBVZeroBubble", 2, None),
 ]
+# --classes: each of torch's schedule classes twice, on the same unsplit model and the same script,
+# once from torch.distributed.pipelining and once from zbpp.pipelining (only the import differs).
+TORCH_CLASSES = [("Schedule1F1B", 1), ("ScheduleGPipe", 1), ("ScheduleInterleaved1F1B", 2), ("ScheduleLoopedBFS", 2),
+                 ("ScheduleInterleavedZeroBubble", 2), ("ScheduleZBVZeroBubble", 2), ("ScheduleDualPipeV", 2)]
+CLASS_CONFIGS = [c for name, v in TORCH_CLASSES
+                 for c in ((f"torch {name}", "torch", name, v, None), (f"zbpp {name}", "zbpp-import", name, v, None))]
+V_CLASSES = ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")
 PLANNED = ("zb-h1", "zb-v", "zb-auto")  # the zbpp kinds planned from measured costs here
 PROFILE_STEPS = (2, 3)  # steps timed for the plan (counted from 1), as zbpp's default
 SEED = 0
@@ -135,6 +149,9 @@ def parse_args(argv=None):
                          "from measured costs itself")
     ap.add_argument("--timeout", type=float, default=120.0,
                     help="seconds a collective or transfer may take before the run fails (default 120)")
+    ap.add_argument("--classes", action="store_true",
+                    help="instead of zbpp's kinds: each of torch's schedule classes from torch and from zbpp "
+                         "(the same script on the unsplit model, only the import changed)")
     ap.add_argument("--json", metavar="FILE", help="also write every figure as JSON there")
     args = ap.parse_args(argv)
     quick = args.quick
@@ -157,6 +174,18 @@ def parse_args(argv=None):
     if 2 * args.ranks > LAYERS:
         ap.error(f"--ranks {args.ranks}: two stages per rank need {2 * args.ranks} of the model's {LAYERS} blocks")
     return args
+
+
+def configs(args):
+    return CLASS_CONFIGS if args.classes else CONFIGS
+
+
+def torch_placement(kind, chunks, rank, p):
+    """The stages a torch user builds on `rank` for a torch class: one (rank), two in a V (r and
+    2p-1-r) for the V classes, else two in a loop (r and r+p)."""
+    if chunks == 1:
+        return [rank]
+    return [rank, 2 * p - 1 - rank] if kind in V_CLASSES else [rank, rank + p]
 
 
 def measured_plans_available():
@@ -258,12 +287,12 @@ class Pipeline:
     """One configuration on this rank: its model copy, stages, schedule, optimizer and batches, over a
     process group of its own (so no two configurations' messages can meet)."""
 
-    def __init__(self, index, rank, ranks, args, own_profile):
+    def __init__(self, config, rank, ranks, args, own_profile):
         import torch.distributed as dist
         import zbpp
         from zbpp.examples import gpt
 
-        self.label, self.lib, self.kind, self.chunks, self.mem_limit = CONFIGS[index]
+        self.label, self.lib, self.kind, self.chunks, self.mem_limit = config
         self.rank, self.ranks, self.args = rank, ranks, args
         self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=args.timeout))
         S = self.num_stages = ranks * self.chunks
@@ -280,16 +309,20 @@ class Pipeline:
             self.pstages = [zbpp.PipelineStage(self.stages[s], s, S, "cpu", group=self.group) for s in mine]
             self.sched = self._zbpp_schedule()
             self.holds_first, self.holds_loss = self.sched.holds_first, self.sched.holds_loss
+        elif self.lib == "zbpp-import":
+            # A torch script with its import changed: torch's class names, zbpp's classes, the model unsplit.
+            from zbpp import pipelining as zp
+
+            mine = torch_placement(self.kind, self.chunks, rank, ranks)
+            self.stages = {s: modules[s] for s in mine}
+            self.pstages = [zp.PipelineStage(modules[s], s, S, torch.device("cpu"), group=self.group) for s in mine]
+            cls = getattr(zp, self.kind)
+            self.sched = cls(self.pstages[0] if self.chunks == 1 else self.pstages, m, loss_fn=gpt.loss_fn)
+            self.holds_first, self.holds_loss = self.sched.holds_first, self.sched.holds_loss
         else:
             from torch.distributed import pipelining as tp
 
-            p = ranks
-            if self.chunks == 1:
-                mine = [rank]
-            elif self.kind == "ScheduleZBVZeroBubble":
-                mine = [rank, 2 * p - 1 - rank]
-            else:
-                mine = [rank, rank + p]
+            mine = torch_placement(self.kind, self.chunks, rank, ranks)
             self.stages = {s: modules[s] for s in mine}
             self.pstages = [tp.PipelineStage(modules[s], s, S, torch.device("cpu"), group=self.group)
                             for s in mine]
@@ -337,7 +370,7 @@ class Pipeline:
         pipeline's ranks), torch's span and busy time of this rank from the timers. Also where this
         script's own profile is taken and its plan made (--own-profile)."""
         self.steps += 1
-        if self.lib != "zbpp":
+        if self.lib == "torch":
             span, busy = self.timers.take()
             return {"span_ms": 1e3 * span, "busy_ms": 1e3 * busy}
         timeline = self.sched.timeline()
@@ -372,7 +405,7 @@ class Pipeline:
         ref_losses, ref_grads = ref(self.num_stages, self.lib == "zbpp", x, y, self.args.microbatches)
         dist.barrier(group=self.group)
         losses = self._pipeline_step(x, y)
-        ok, text, worst = compare(self.label, self.lib == "zbpp", losses, ref_losses, self.stages, ref_grads)
+        ok, text, worst = compare(self.label, self.lib != "torch", losses, ref_losses, self.stages, ref_grads)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         self._after_step()
@@ -391,7 +424,7 @@ class Pipeline:
 
     def plan_summary(self):
         """What the schedule was planned from, for the report (zbpp planned kinds)."""
-        if self.lib != "zbpp" or self.kind not in PLANNED:
+        if self.lib == "torch" or (self.lib == "zbpp" and self.kind not in PLANNED):
             return None
         if self.plan is not None:
             import zbpp
@@ -410,7 +443,7 @@ class Pipeline:
                 "measured_bubble_before": info.measured_bubble, "text": info.summary()}
 
     def close(self):
-        if self.lib == "zbpp":
+        if self.lib != "torch":
             self.sched.close()
 
 
@@ -432,8 +465,8 @@ def worker(rank, ranks, args, tmp, own_profile):
                 refs[(S, split)] = reference(S, split, x, y, m)
             return refs[(S, split)]
 
-        for i in range(len(CONFIGS)):
-            pipes.append(Pipeline(i, rank, ranks, args, own_profile))
+        for config in configs(args):
+            pipes.append(Pipeline(config, rank, ranks, args, own_profile))
         say(f"built {len(pipes)} configurations on {ranks} processes")
 
         # 1. Correctness: step 1 of every configuration against the sequential loop.
@@ -451,7 +484,7 @@ def worker(rank, ranks, args, tmp, own_profile):
                 return
             worst = max(w for _, _, w, _ in got)
             loss = next(v for _, _, _, v in got if v is not None)
-            checks.append("bitwise" if pipe.lib == "zbpp" else f"allclose (max diff {worst:.1g})")
+            checks.append("bitwise" if pipe.lib != "torch" else f"allclose (max diff {worst:.1g})")
             say(f"check {pipe.label}: step-1 loss {loss:.6f}, {checks[-1]}")
 
         # 2. Warm-up (steps 2..W: the profile and the replan happen here).
@@ -507,7 +540,7 @@ def summarise(args, pipes, checks, gathered):
             times.append(dt)
             reps.setdefault(rep, []).append(dt)
             busy_ms.append(max(r[k][2]["busy_ms"] for r in per_rank))
-            if pipe.lib == "zbpp":
+            if pipe.lib != "torch":
                 bubbles.append(per_rank[0][k][2]["bubble"])
             else:
                 span = max(r[k][2]["span_ms"] for r in per_rank)
@@ -528,8 +561,8 @@ def summarise(args, pipes, checks, gathered):
 # ---- the report --------------------------------------------------------------------------------------
 
 def paired_ratios(result):
-    """Per configuration: the median over the repetitions of its tokens/s over zbpp 1F1B's in the
-    same repetition. Both ran within seconds of each other, so a slow spell of the machine that
+    """Per configuration: the median over the repetitions of its tokens/s over the first
+    configuration's (zbpp 1F1B; torch Schedule1F1B with --classes) in the same repetition. Both ran within seconds of each other, so a slow spell of the machine that
     lasts longer than a repetition cancels out of the ratio (it would not out of a ratio of medians)."""
     base = result["configs"][0]["tokens_per_s"]
     return [statistics.median(t / b for t, b in zip(c["tokens_per_s"], base)) for c in result["configs"]]
@@ -538,8 +571,9 @@ def paired_ratios(result):
 def table(result):
     base = result["configs"][0]
     ratios = paired_ratios(result)
+    name = base["label"]
     lines = ["| configuration | stages per rank | step-1 check | tokens/s (median) | min-max over reps "
-             "| vs zbpp 1F1B (paired) | bubble (median) | vs zbpp 1F1B |",
+             f"| vs {name} (paired) | bubble (median) | vs {name} |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for c, ratio in zip(result["configs"], ratios):
         tps = c["tokens_per_s"]
@@ -569,7 +603,7 @@ def main(argv=None):
 
     own = args.own_profile or not measured_plans_available()
     log(f"{args.ranks} processes (gloo), GPT {LAYERS} blocks d_model {D_MODEL}, {args.microbatches} "
-        f"microbatches of {args.batch // args.microbatches} x {SEQ} tokens; {len(CONFIGS)} configurations; "
+        f"microbatches of {args.batch // args.microbatches} x {SEQ} tokens; {len(configs(args))} configurations; "
         f"{args.warmup} warm-up steps, {args.reps} repetitions x {args.steps} steps; ZB-H1/ZB-V/zb-auto "
         f"planned from {'this script' if own else 'zbpp'}'s measured costs (steps "
         f"{PROFILE_STEPS[0]}-{PROFILE_STEPS[1]})")

@@ -98,6 +98,7 @@ typedef struct {
 typedef enum {
   ZB_PLACEMENT_LOOP = 0,
   ZB_PLACEMENT_V = 1,
+  ZB_PLACEMENT_CUSTOM = 2, /* an explicit stage-to-rank map (zb_schedule_create_from_ops_mapped) */
 } zb_placement_t;
 
 #define ZB_KIND_LIST(X)                                                                            \
@@ -184,6 +185,19 @@ ZB_API zb_status_t zb_schedule_create_from_ops(zb_schedule_t **out, const zb_sch
                                                zb_placement_t placement,
                                                const zb_op_t *const *rank_ops,
                                                const int32_t *rank_counts);
+
+/* The same over an explicit stage-to-rank map: stage s (0 <= s < num_stages) lives on rank
+ * stage_ranks[s], any map in which every rank holds at least one stage, so ranks may hold
+ * different numbers of stages (torch's custom stage ids, e.g. stages {0, 1, 4} on rank 0 and
+ * {2, 3} on rank 1). p and m come from the spec (spec->chunks is ignored: v is the most stages any
+ * rank holds); per-stage time arrays in the spec have num_stages entries, and a per-rank scalar
+ * time is divided among the stages of each rank. A map that is the loop or the V gives that
+ * placement; any other gives ZB_PLACEMENT_CUSTOM. Not validated here: call zb_schedule_validate.
+ * (The post-validated optimizer's configuration takes loop and V placements only.) */
+ZB_API zb_status_t zb_schedule_create_from_ops_mapped(zb_schedule_t **out, const zb_schedule_spec_t *spec,
+                                                      const int32_t *stage_ranks, int32_t num_stages,
+                                                      const zb_op_t *const *rank_ops,
+                                                      const int32_t *rank_counts);
 
 /* zb_schedule_destroy(NULL) is a no-op that succeeds. */
 ZB_API zb_status_t zb_schedule_destroy(zb_schedule_t *schedule);

@@ -209,6 +209,41 @@ static zb_placement_t infer_placement(const zb__oplists_t *l, int p, int v) {
   return ZB_PLACEMENT_LOOP;
 }
 
+/* The stage -> rank map the ops imply when every stage 0..S-1 runs on exactly one rank and every
+ * rank holds a stage; NULL otherwise (then the loop or V placement is assumed and validation names
+ * what is wrong). The caller frees it. */
+static int32_t *consistent_map(const zb__oplists_t *l, int p, int S) {
+  int32_t *map = malloc((size_t)S * sizeof(int32_t));
+  char *holds = calloc((size_t)p, 1);
+  int ok = map && holds;
+  for (int st = 0; ok && st < S; st++) map[st] = -1;
+  for (int r = 0; ok && r < p; r++)
+    for (int k = 0; ok && k < l->count[r]; k++) {
+      int st = l->list[r][k].stage;
+      if (map[st] >= 0 && map[st] != r) ok = 0;
+      map[st] = r;
+      holds[r] = 1;
+    }
+  for (int st = 0; ok && st < S; st++) ok = map[st] >= 0;
+  for (int r = 0; ok && r < p; r++) ok = holds[r];
+  free(holds);
+  if (!ok) {
+    free(map);
+    return NULL;
+  }
+  return map;
+}
+
+/* Is a map (S a multiple of p) neither the loop nor the V? */
+static int custom_map(const int32_t *map, int p, int S) {
+  int loop = 1, vee = S == 2 * p;
+  for (int st = 0; st < S; st++) {
+    loop = loop && map[st] == st % p;
+    vee = vee && map[st] == (st < p ? st : 2 * p - 1 - st);
+  }
+  return !loop && !vee;
+}
+
 zb_status_t zb__import_csv(zb_schedule_t **out, const char *text, size_t len,
                            const zb_schedule_spec_t *spec) {
   *out = NULL;
@@ -279,6 +314,32 @@ zb_status_t zb__import_csv(zb_schedule_t **out, const char *text, size_t len,
   }
 
   int S = max_stage + 1, m = max_mb + 1;
+  int32_t *map = S <= MAX_STAGES ? consistent_map(&l, p, S) : NULL;
+  if (map && (S % p != 0 || custom_map(map, p, S))) {
+    /* Every stage on one rank, every rank with a stage, but neither a loop nor the V (torch's
+     * custom stage ids, ranks holding different numbers of stages): an explicit map. */
+    zb_schedule_spec_t copy = *spec;
+    copy.kind = ZB_KIND_CUSTOM;
+    copy.ranks = p;
+    copy.microbatches = m;
+    if ((spec->stage_time_f || spec->stage_time_b || spec->stage_time_w || spec->stage_time_bw) &&
+        (long long)spec->ranks * (spec->chunks > 0 ? spec->chunks : 1) != S) {
+      st = ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
+                   "the spec gives per-stage times for ranks * chunks = %lld stages, but the CSV has %d "
+                   "stages; set ranks * chunks to %d or leave the stage_time arrays NULL",
+                   (long long)spec->ranks * (spec->chunks > 0 ? spec->chunks : 1), S, S);
+      free(map);
+      goto fail;
+    }
+    st = zb__schedule_alloc_mapped(&s, &copy, p, S, m, map);
+    free(map);
+    if (st != ZB_OK) goto fail;
+    ZB_CHECK_GOTO(zb__schedule_take_ops(s, &l), st, fail);
+    zb__oplists_free(&l);
+    *out = s;
+    return ZB_OK;
+  }
+  free(map);
   if (S % p != 0) {
     st = ZB_FAIL(ZB_ERR_PARSE,
                  "the CSV uses %d stages (0..%d) over %d ranks (one row per rank); the number of "

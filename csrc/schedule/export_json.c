@@ -46,7 +46,7 @@ zb_status_t zb__export_json(const zb_schedule_t *s, char **out, size_t *len) {
   put_str(&b, zb_kind_name(s->kind));
   zb__sbuf_printf(&b, ", \"ranks\": %d, \"chunks\": %d, \"stages\": %d, \"microbatches\": %d, "
                       "\"placement\": \"%s\", \"w_share\": ",
-                  s->p, s->v, s->S, s->m, s->placement == ZB_PLACEMENT_V ? "v" : "loop");
+                  s->p, s->v, s->S, s->m, zb__placement_name(s->placement));
   put_num(&b, s->w_share);
   zb__sbuf_printf(&b, ", \"mem_limit\": ");
   if (s->mem_limit > 0)

@@ -17,6 +17,10 @@ struct zb_schedule {
   zb_kind_t kind;
   int p, v, S, m;
   zb_placement_t placement;
+  /* ZB_PLACEMENT_CUSTOM only (NULL otherwise): stage -> rank, and stage -> its index among its
+   * rank's stages (S each). v is then the most stages any rank holds. */
+  int32_t *stage_map;
+  int *stage_chunk;
   double w_share;
   double mem_limit; /* <= 0: none */
   double t_comm;
@@ -57,6 +61,10 @@ zb_status_t zb__schedule_take_ops(zb_schedule_t *s, zb__oplists_t *l);
  * spec times are per rank (divided by v here); stage arrays are absolute. */
 zb_status_t zb__schedule_alloc(zb_schedule_t **out, const zb_schedule_spec_t *spec, int p, int v,
                                int m, zb_placement_t placement);
+/* The same over an explicit map of S stages to ranks (ZB_PLACEMENT_CUSTOM; map is copied): per-rank
+ * spec times are divided among each rank's stages. The caller has checked the map. */
+zb_status_t zb__schedule_alloc_mapped(zb_schedule_t **out, const zb_schedule_spec_t *spec, int p, int S,
+                                      int m, const int32_t *map);
 /* A new handle with the same shape, costs and limit as s but no ops (for trying candidates). */
 zb_status_t zb__schedule_clone_empty(const zb_schedule_t *s, zb_schedule_t **out);
 /* The same with m microbatches instead of s->m (zb-auto ranks its rule sets on a shorter copy). */
@@ -69,12 +77,19 @@ void zb__schedule_free(zb_schedule_t *s);
 /* Drops cached simulation results (after the ops changed). */
 void zb__schedule_invalidate(zb_schedule_t *s);
 
+static inline const char *zb__placement_name(zb_placement_t p) {
+  return p == ZB_PLACEMENT_V ? "v" : p == ZB_PLACEMENT_CUSTOM ? "custom" : "loop";
+}
+
 /* Stage -> rank and stage -> chunk under a placement. */
 static inline int zb__stage_rank(const zb_schedule_t *s, int stage) {
+  if (s->stage_map) return s->stage_map[stage];
   if (s->placement == ZB_PLACEMENT_V) return stage < s->p ? stage : 2 * s->p - 1 - stage;
   return stage % s->p;
 }
-static inline int zb__stage_chunk(const zb_schedule_t *s, int stage) { return stage / s->p; }
+static inline int zb__stage_chunk(const zb_schedule_t *s, int stage) {
+  return s->stage_chunk ? s->stage_chunk[stage] : stage / s->p;
+}
 
 static inline double zb__op_cost(const zb_schedule_t *s, int type, int stage) {
   switch (type) {

@@ -208,6 +208,8 @@ void zb__schedule_free(zb_schedule_t *s) {
   free(s->span);
   free(s->busy);
   free(s->peak);
+  free(s->stage_map);
+  free(s->stage_chunk);
   free(s);
 }
 
@@ -306,6 +308,64 @@ zb_status_t zb__schedule_alloc(zb_schedule_t **out, const zb_schedule_spec_t *sp
   return ZB_OK;
 }
 
+zb_status_t zb__schedule_alloc_mapped(zb_schedule_t **out, const zb_schedule_spec_t *spec, int p, int S,
+                                      int m, const int32_t *map) {
+  *out = NULL;
+  int *count = calloc((size_t)p, sizeof(int));
+  if (!count) return ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory for a stage map of %d ranks", p);
+  int v = 1;
+  for (int st = 0; st < S; st++)
+    if (++count[map[st]] > v) v = count[map[st]];
+  /* Per-rank scalar times go to each rank's stages in equal parts: alloc divides by v, so give it
+   * per-stage arrays made here. */
+  zb_schedule_spec_t copy = *spec;
+  double *t = malloc((size_t)S * 4 * sizeof(double));
+  zb_status_t st = ZB_OK;
+  if (!t) st = ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory for %d stages", S);
+  if (st == ZB_OK) {
+    for (int k = 0; k < S; k++) {
+      double n = count[map[k]];
+      t[k] = spec->stage_time_f ? spec->stage_time_f[k] : spec->time_f / n;
+      t[S + k] = spec->stage_time_b ? spec->stage_time_b[k] : spec->time_b / n;
+      t[2 * S + k] = spec->stage_time_w ? spec->stage_time_w[k] : spec->time_w / n;
+      t[3 * S + k] = spec->stage_time_bw ? spec->stage_time_bw[k]
+                     : spec->time_bw > 0 ? spec->time_bw / n
+                                         : t[S + k] + t[2 * S + k];
+    }
+    copy.stage_time_f = t, copy.stage_time_b = t + S, copy.stage_time_w = t + 2 * S;
+    copy.stage_time_bw = t + 3 * S;
+    /* alloc sizes the stage arrays by p * v: as one rank with S chunks they are S long, and the
+     * per-stage times above are read as given; the per-rank arrays and the shape are set below. */
+    st = zb__schedule_alloc(out, &copy, 1, S, m, ZB_PLACEMENT_CUSTOM);
+  }
+  free(t);
+  zb_schedule_t *s = *out;
+  if (st == ZB_OK) {
+    free(s->rank_off), free(s->span), free(s->busy), free(s->peak);
+    s->rank_off = calloc((size_t)p + 1, sizeof(int));
+    s->span = calloc((size_t)p, sizeof(double));
+    s->busy = calloc((size_t)p, sizeof(double));
+    s->peak = calloc((size_t)p, sizeof(double));
+    s->stage_map = malloc((size_t)S * sizeof(int32_t));
+    s->stage_chunk = malloc((size_t)S * sizeof(int));
+    if (!s->rank_off || !s->span || !s->busy || !s->peak || !s->stage_map || !s->stage_chunk)
+      st = ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory allocating a schedule of %d stages", S);
+  }
+  if (st == ZB_OK) {
+    s->p = p, s->v = v, s->S = S;
+    memset(count, 0, (size_t)p * sizeof(int));
+    for (int k = 0; k < S; k++) {
+      s->stage_map[k] = map[k];
+      s->stage_chunk[k] = count[map[k]]++;
+    }
+  } else if (s) {
+    zb__schedule_free(s);
+    *out = NULL;
+  }
+  free(count);
+  return st;
+}
+
 zb_status_t zb__schedule_clone_shape(const zb_schedule_t *s, int m, zb_schedule_t **out) {
   zb_schedule_spec_t spec = ZB_SCHEDULE_SPEC_INIT;
   spec.kind = s->kind;
@@ -316,6 +376,7 @@ zb_status_t zb__schedule_clone_shape(const zb_schedule_t *s, int m, zb_schedule_
   spec.time_comm = s->t_comm;
   spec.w_share = s->w_share;
   spec.mem_limit = s->mem_limit;
+  if (s->stage_map) return zb__schedule_alloc_mapped(out, &spec, s->p, s->S, m, s->stage_map);
   return zb__schedule_alloc(out, &spec, s->p, s->v, m, s->placement);
 }
 
@@ -461,6 +522,30 @@ zb_status_t zb_schedule_create(zb_schedule_t **out, const zb_schedule_spec_t *sp
   return ZB_OK;
 }
 
+/* Copies the callers' op lists into s (freed on failure). */
+static zb_status_t copy_ops(zb_schedule_t *s, const zb_op_t *const *rank_ops, const int32_t *rank_counts) {
+  int p = s->p;
+  long long total = 0;
+  for (int r = 0; r < p; r++) {
+    if (rank_counts[r] < 0 || (rank_counts[r] > 0 && !rank_ops[r]))
+      return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "rank %d: count %d with ops %p", r, (int)rank_counts[r],
+                     (const void *)rank_ops[r]);
+    total += rank_counts[r];
+  }
+  if (total > 200000000LL) return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "%lld ops; at most 2e8", total);
+  s->ops = malloc((size_t)(total ? total : 1) * sizeof(zb_op_t));
+  if (!s->ops) return ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory for %lld ops", total);
+  int k = 0;
+  for (int r = 0; r < p; r++) {
+    s->rank_off[r] = k;
+    if (rank_counts[r]) memcpy(s->ops + k, rank_ops[r], (size_t)rank_counts[r] * sizeof(zb_op_t));
+    k += rank_counts[r];
+  }
+  s->rank_off[p] = k;
+  s->n_ops = k;
+  return ZB_OK;
+}
+
 zb_status_t zb_schedule_create_from_ops(zb_schedule_t **out, const zb_schedule_spec_t *spec,
                                         zb_placement_t placement, const zb_op_t *const *rank_ops,
                                         const int32_t *rank_counts) {
@@ -476,7 +561,9 @@ zb_status_t zb_schedule_create_from_ops(zb_schedule_t **out, const zb_schedule_s
   if ((long long)p * v > 65536)
     return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "p*v = %lld stages; at most 65536", (long long)p * v);
   if (placement != ZB_PLACEMENT_LOOP && placement != ZB_PLACEMENT_V)
-    return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "placement %d; use ZB_PLACEMENT_LOOP or ZB_PLACEMENT_V",
+    return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
+                   "placement %d; use ZB_PLACEMENT_LOOP or ZB_PLACEMENT_V (an explicit map: "
+                   "zb_schedule_create_from_ops_mapped)",
                    (int)placement);
   if (placement == ZB_PLACEMENT_V && v != 2)
     return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "V placement needs v = 2 chunks, got v = %d", v);
@@ -484,32 +571,73 @@ zb_status_t zb_schedule_create_from_ops(zb_schedule_t **out, const zb_schedule_s
   copy.kind = ZB_KIND_CUSTOM;
   zb_schedule_t *s = NULL;
   ZB_CHECK(zb__schedule_alloc(&s, &copy, p, v, m, placement));
-  long long total = 0;
-  for (int r = 0; r < p; r++) {
-    if (rank_counts[r] < 0 || (rank_counts[r] > 0 && !rank_ops[r])) {
-      zb__schedule_free(s);
-      return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "rank %d: count %d with ops %p", r,
-                     (int)rank_counts[r], (const void *)rank_ops[r]);
-    }
-    total += rank_counts[r];
-  }
-  if (total > 200000000LL) {
+  zb_status_t st = copy_ops(s, rank_ops, rank_counts);
+  if (st != ZB_OK) {
     zb__schedule_free(s);
-    return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "%lld ops; at most 2e8", total);
+    return st;
   }
-  s->ops = malloc((size_t)(total ? total : 1) * sizeof(zb_op_t));
-  if (!s->ops) {
+  *out = s;
+  return ZB_OK;
+}
+
+/* The placement a map is, when it is one of the named ones (S = p*v stages in a loop, or the V). */
+static int map_is(const int32_t *map, int p, int S, zb_placement_t placement) {
+  if (placement == ZB_PLACEMENT_V && S != 2 * p) return 0;
+  if (placement == ZB_PLACEMENT_LOOP && S % p != 0) return 0;
+  for (int st = 0; st < S; st++) {
+    int want = placement == ZB_PLACEMENT_V ? (st < p ? st : 2 * p - 1 - st) : st % p;
+    if (map[st] != want) return 0;
+  }
+  return 1;
+}
+
+zb_status_t zb_schedule_create_from_ops_mapped(zb_schedule_t **out, const zb_schedule_spec_t *spec,
+                                               const int32_t *stage_ranks, int32_t num_stages,
+                                               const zb_op_t *const *rank_ops, const int32_t *rank_counts) {
+  ZB_ARG_NOT_NULL(out);
+  *out = NULL;
+  ZB_ARG_NOT_NULL(spec);
+  ZB_ARG_NOT_NULL(stage_ranks);
+  ZB_ARG_NOT_NULL(rank_ops);
+  ZB_ARG_NOT_NULL(rank_counts);
+  ZB_CHECK(check_spec_header(spec));
+  int p = spec->ranks, S = num_stages, m = spec->microbatches;
+  if (p < 1 || S < 1 || m < 1)
+    return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "p=%d, stages=%d, m=%d; each must be >= 1", p, S, m);
+  if (S > 65536) return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "%d stages; at most 65536", S);
+  if (S < p)
+    return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "%d stages over %d ranks; every rank must hold a stage", S, p);
+  for (int st = 0; st < S; st++)
+    if (stage_ranks[st] < 0 || stage_ranks[st] >= p)
+      return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "stage %d is mapped to rank %d; ranks are 0..%d", st,
+                     (int)stage_ranks[st], p - 1);
+  zb_schedule_spec_t copy = *spec;
+  copy.kind = ZB_KIND_CUSTOM;
+  zb_schedule_t *s = NULL;
+  zb_status_t st = ZB_OK;
+  if (map_is(stage_ranks, p, S, ZB_PLACEMENT_V) && p > 1) {
+    st = zb__schedule_alloc(&s, &copy, p, 2, m, ZB_PLACEMENT_V);
+  } else if (map_is(stage_ranks, p, S, ZB_PLACEMENT_LOOP)) {
+    st = zb__schedule_alloc(&s, &copy, p, S / p, m, ZB_PLACEMENT_LOOP);
+  } else {
+    int *holds = calloc((size_t)p, sizeof(int));
+    if (!holds) return ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory for %d ranks", p);
+    for (int k = 0; k < S; k++) holds[stage_ranks[k]] = 1;
+    int empty = -1;
+    for (int r = 0; r < p && empty < 0; r++)
+      if (!holds[r]) empty = r;
+    free(holds);
+    if (empty >= 0)
+      return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "the stage map puts no stage on rank %d; every rank must hold one",
+                     empty);
+    ZB_CHECK(check_costs(spec, S));
+    st = zb__schedule_alloc_mapped(&s, &copy, p, S, m, stage_ranks);
+  }
+  if (st == ZB_OK) st = copy_ops(s, rank_ops, rank_counts);
+  if (st != ZB_OK) {
     zb__schedule_free(s);
-    return ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory for %lld ops", total);
+    return st;
   }
-  int k = 0;
-  for (int r = 0; r < p; r++) {
-    s->rank_off[r] = k;
-    if (rank_counts[r]) memcpy(s->ops + k, rank_ops[r], (size_t)rank_counts[r] * sizeof(zb_op_t));
-    k += rank_counts[r];
-  }
-  s->rank_off[p] = k;
-  s->n_ops = k;
   *out = s;
   return ZB_OK;
 }

@@ -82,7 +82,7 @@ zb_status_t zb__validate_structure(const zb_schedule_t *s) {
                      "rank %d, position %d: %s stage %d mb %d belongs on rank %d under %s placement "
                      "(rule: each op runs on its stage's rank)",
                      r, k, rank_label(op->type), op->stage, op->mb, owner,
-                     s->placement == ZB_PLACEMENT_V ? "V" : "loop");
+                     zb__placement_name(s->placement));
         goto fail;
       }
       size_t key = (size_t)op->stage * s->m + op->mb;

@@ -550,6 +550,61 @@ static void test_create_from_ops(void **state) {
   ASSERT_CONTAINS(zb_last_error(), "time_f");
 }
 
+/* An explicit stage-to-rank map: ranks may hold different numbers of stages; a map that is the loop
+ * or the V gets that placement; a rank out of range or a rank with no stage is refused. */
+static void test_create_from_ops_mapped(void **state) {
+  (void)state;
+  /* One microbatch through 3 stages: 0 and 2 on rank 0, 1 on rank 1. */
+  const zb_op_t r0[4] = {{ZB_OP_F, 0, 0}, {ZB_OP_F, 2, 0}, {ZB_OP_BW, 2, 0}, {ZB_OP_BW, 0, 0}};
+  const zb_op_t r1[2] = {{ZB_OP_F, 1, 0}, {ZB_OP_BW, 1, 0}};
+  const zb_op_t *lists[2] = {r0, r1};
+  const int32_t counts[2] = {4, 2};
+  const int32_t map[3] = {0, 1, 0};
+  zb_schedule_spec_t spec = zb_test_spec(ZB_KIND_CUSTOM, 2, 1, 1);
+  zb_schedule_t *s = NULL;
+  ZB_ASSERT_OK(zb_schedule_create_from_ops_mapped(&s, &spec, map, 3, lists, counts));
+  zb_schedule_info_t info;
+  ZB_ASSERT_OK(zb_schedule_get_info(s, &info));
+  assert_int_equal(info.placement, ZB_PLACEMENT_CUSTOM);
+  assert_int_equal(info.stages, 3);
+  assert_int_equal(info.chunks, 2);
+  ZB_ASSERT_OK(zb_schedule_validate(s));
+  zb_sim_result_t res;
+  ZB_ASSERT_OK(zb_schedule_simulate(s, &res));
+  /* rank 0's stages cost half of its unit each, rank 1's stage the whole unit: the chain of one
+   * microbatch is F 0.5 + 1 + 0.5, then the fused backwards (2x each). */
+  assert_float_equal(res.cost, 3 * (0.5 + 1 + 0.5), 1e-12);
+  ZB_ASSERT_OK(zb_schedule_destroy(s));
+
+  /* The same map with op lists that put stage 1 on rank 0: validation names the rank. */
+  const zb_op_t w0[4] = {{ZB_OP_F, 0, 0}, {ZB_OP_F, 1, 0}, {ZB_OP_BW, 1, 0}, {ZB_OP_BW, 0, 0}};
+  const zb_op_t w1[2] = {{ZB_OP_F, 2, 0}, {ZB_OP_BW, 2, 0}};
+  const zb_op_t *wrong[2] = {w0, w1};
+  ZB_ASSERT_OK(zb_schedule_create_from_ops_mapped(&s, &spec, map, 3, wrong, counts));
+  ASSERT_STATUS(zb_schedule_validate(s), ZB_ERR_INVALID_SCHEDULE);
+  ASSERT_CONTAINS(zb_last_error(), "custom placement");
+  ZB_ASSERT_OK(zb_schedule_destroy(s));
+
+  /* A map that is the V gets the V placement. */
+  const int32_t vee[4] = {0, 1, 1, 0};
+  const int32_t none[2] = {0, 0};
+  ZB_ASSERT_OK(zb_schedule_create_from_ops_mapped(&s, &spec, vee, 4, lists, none));
+  ZB_ASSERT_OK(zb_schedule_get_info(s, &info));
+  assert_int_equal(info.placement, ZB_PLACEMENT_V);
+  ZB_ASSERT_OK(zb_schedule_destroy(s));
+
+  const int32_t out_of_range[3] = {0, 2, 1};
+  s = (zb_schedule_t *)(void *)lists;
+  ASSERT_STATUS(zb_schedule_create_from_ops_mapped(&s, &spec, out_of_range, 3, lists, counts),
+                ZB_ERR_INVALID_ARGUMENT);
+  assert_null(s);
+  ASSERT_CONTAINS(zb_last_error(), "stage 1 is mapped to rank 2");
+  const int32_t idle[3] = {0, 0, 0};
+  ASSERT_STATUS(zb_schedule_create_from_ops_mapped(&s, &spec, idle, 3, lists, counts),
+                ZB_ERR_INVALID_ARGUMENT);
+  ASSERT_CONTAINS(zb_last_error(), "no stage on rank 1");
+}
+
 /* ---- scale ------------------------------------------------------------------------------------ */
 
 static void test_zb_auto_at_scale(void **state) {
@@ -590,6 +645,7 @@ int main(void) {
       cmocka_unit_test(test_times_per_rank_divided_by_v),
       cmocka_unit_test(test_stage_times_override_and_copied),
       cmocka_unit_test(test_create_from_ops),
+      cmocka_unit_test(test_create_from_ops_mapped),
       cmocka_unit_test(test_zb_auto_at_scale),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

@@ -320,6 +320,25 @@ static void test_csv_import_torch_style(void **state) {
   ZB_ASSERT_OK(zb_schedule_validate(s));
   zb_schedule_destroy(s);
 
+  /* Rows whose stages fit no loop or V but one rank each (torch's unbalanced custom stage ids):
+   * an explicit map, 3 stages on rank 0 and 2 on rank 1, that validates and simulates. */
+  s = import_text("0F0,1F0,4F0,4B0,1B0,0B0\n2F0,3F0,3B0,2B0\n");
+  ZB_ASSERT_OK(zb_schedule_get_info(s, &info));
+  assert_int_equal(info.placement, ZB_PLACEMENT_CUSTOM);
+  assert_int_equal(info.stages, 5);
+  assert_int_equal(info.chunks, 3);
+  int32_t owner;
+  ZB_ASSERT_OK(zb_schedule_stage_rank(s, 4, &owner));
+  assert_int_equal(owner, 0);
+  ZB_ASSERT_OK(zb_schedule_stage_rank(s, 3, &owner));
+  assert_int_equal(owner, 1);
+  ZB_ASSERT_OK(zb_schedule_validate(s));
+  ZB_ASSERT_OK(zb_schedule_simulate(s, &res));
+  /* Unit per-rank times split among each rank's stages: rank 0's three stages cost 1/3 each, rank 1's
+   * two 1/2 each; one microbatch's chain is F 1/3+1/3+1/2+1/2+1/3, then the backwards (2x each). */
+  assert_float_equal(res.cost, 3 * (1.0 / 3 + 1.0 / 3 + 0.5 + 0.5 + 1.0 / 3), 1e-12);
+  zb_schedule_destroy(s);
+
   /* torch's compute_comms form (what its _add_send_recv writes): the transfers are skipped and the
    * compute ops are those of the compute-only form, in order. An OVERLAP_F_B pair gives its actions
    * one after the other. */
@@ -385,7 +404,7 @@ static void test_csv_import_rejects_bad_input(void **state) {
       {"0F0,()OVERLAP_F_B\n", "column 2", "empty OVERLAP_F_B"},
       {"0UNSHARD,0F0\n", "row 1", "UNSHARD"},
       {"0F0,0B0,0REDUCE_GRAD\n", "column 3", "FSDP"},
-      {"0F0,2F0\n1F0\n", "3 stages", "one row per rank"},
+      {"0F0,2F0\n1F0,2F0\n", "3 stages", "one row per rank"}, /* stage 2 on both rows: no map */
       {"\"0F0\"\n", "row 1", "F, I, B and W"},
       {"", "empty schedule", NULL},
       {"\n \r\n\n", "empty schedule", NULL},

@@ -268,8 +268,9 @@ expect_error "empty CSV" 1 "empty" simulate "$T/empty.csv"
 # Rank 1 runs the backward of stage 1 before its forward: a dependency out of order.
 printf '0F0,0B0\n1B0,1F0\n' >"$T/broken.csv"
 expect_error "CSV that breaks a rule" 1 "rank" simulate "$T/broken.csv"
-# Under loop placement with p = 2, stage 1 lives on rank 1, not on rank 0 (the first row).
-printf '1F0,1B0\n0F0,0B0\n' >"$T/wrong_rank.csv"
+# Stage 1's ops on both rows: no stage-to-rank map fits, so loop placement is assumed, where
+# stage 1 lives on rank 1, not on rank 0 (the first row). (Rows that only swap stages are a map.)
+printf '0F0,1F0,1B0,0B0\n1F0,1B0\n' >"$T/wrong_rank.csv"
 expect_error "CSV with an op on the wrong rank" 1 "rank" simulate "$T/wrong_rank.csv"
 
 expect_error "unknown option" 2 "--bogus" schedule 1f1b -p 4 -m 8 --bogus

@@ -134,3 +134,61 @@ def run_failure(rank, world, port, mode, out_dir):
     with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
         f.write(f"{time.time() - started:.2f}\n{text}")
     os._exit(0)  # the process group is broken; do not wait for it at exit
+
+
+def run_torch_orders(rank, world, port, out_dir):
+    """2 ranks: user orders as PyTorch's CustomSchedulesTest writes them (PipelineScheduleMulti
+    subclasses that set pipeline_order): a V over 4 stages, and an unbalanced map (stages 0, 1, 4
+    on rank 0; 2, 3 on rank 1) with two microbatches, split I/W on one stage; also eval() and a
+    LoopedBFS step on the unbalanced stages' neighbours. Saves each case's gradients and losses."""
+    from zbpp.pipelining import PipelineStage
+    from zbpp.pipelining.schedules import B, F, I, PipelineScheduleMulti, W, _Action
+
+    _init(rank, world, port)
+    out = {}
+    try:
+        def layers(n):
+            torch.manual_seed(0)
+            return [torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()) for _ in range(n)]
+
+        g = torch.Generator().manual_seed(1)
+        x, y = torch.randn(4, 8, generator=g), torch.randn(4, 8, generator=g)
+
+        def A(text):
+            return [_Action.from_str(c) if c else None for c in text.split()]
+
+        cases = {
+            "v": (4, {0: [0, 3], 1: [1, 2]}, 1, {
+                0: A("0F0 3F0 3B0 0B0"),
+                1: A("1F0 2F0 2B0 1B0")}),
+            "unbalanced": (5, {0: [0, 1, 4], 1: [2, 3]}, 2, {
+                0: A("0F0 1F0 0F1 1F1 4F0 4I0 4F1 4I1 4W0 4W1 1B0 0B0 1B1 0B1"),
+                1: A("2F0 3F0 2F1 3F1 3B0 2B0 3B1 2B1")}),
+        }
+        for name, (S, rank_stages, m, order) in cases.items():
+            mods = layers(S)
+            stages = [PipelineStage(mods[s], s, S, "cpu") for s in rank_stages[rank]]
+
+            class Custom(PipelineScheduleMulti):
+                def __init__(self, stages, n, loss_fn=None):
+                    super().__init__(stages, n, loss_fn=loss_fn)
+                    self.pipeline_order = order
+
+            sched = Custom(stages, m, loss_fn=torch.nn.MSELoss())
+            losses = []
+            evaluated = []
+            if rank == 0:
+                got = sched.eval(x, target=y, losses=evaluated)
+                sched.step(x, target=y, losses=losses)
+            else:
+                got = sched.eval()
+                sched.step()
+            out[name] = {"grads": {s: [p.grad.clone() for p in mods[s].parameters()] for s in rank_stages[rank]},
+                         "losses": [float(v) for v in losses], "eval_losses": [float(v) for v in evaluated],
+                         "eval_out": got, "placement": sched.schedule.placement,
+                         "stage_ranks": [sched.schedule.stage_rank(s) for s in range(S)]}
+    except BaseException:  # noqa: BLE001 - the test reads the traceback
+        out["error"] = traceback.format_exc()
+    torch.save(out, os.path.join(out_dir, f"orders{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()

@@ -468,6 +468,22 @@ def test_csv_reads_torchs_compute_comms_form_and_overlapped_pairs():
         s.validate()
 
 
+def test_from_ops_with_an_explicit_stage_map():
+    # Stages 0, 1, 4 on rank 0 and 2, 3 on rank 1 (torch's unbalanced custom stage ids).
+    ops = [[("F", 0, 0), ("F", 1, 0), ("F", 4, 0), ("BW", 4, 0), ("BW", 1, 0), ("BW", 0, 0)],
+           [("F", 2, 0), ("F", 3, 0), ("BW", 3, 0), ("BW", 2, 0)]]
+    with Schedule.from_ops(ops, m=1, placement=[0, 0, 1, 1, 0], times=(3, 3, 3)) as s:
+        assert (s.placement, s.stages, s.ranks) == ("custom", 5, 2)
+        assert s.rank_stages(0) == [0, 1, 4] and s.rank_stages(1) == [2, 3]
+        s.validate()
+        # a per-rank time is split among the rank's stages: 1 per stage on rank 0, 1.5 on rank 1
+        assert s.op_time("F", 0) == pytest.approx(1.0) and s.op_time("F", 2) == pytest.approx(1.5)
+        with Schedule.from_csv(s.to_csv()) as back:  # the CSV keeps the map
+            assert back.placement == "custom" and all_ops(back) == all_ops(s)
+    with pytest.raises(ZbError, match="no stage on rank 1"):
+        Schedule.from_ops(ops, m=1, placement=[0, 0, 0, 0, 0])
+
+
 def test_csv_that_parses_but_breaks_a_rule_fails_validate_not_import():
     # Stage 1's backward before its forward on the same rank.
     with Schedule.from_csv("0F0,0B0\n1B0,1F0\n") as s:
@@ -538,7 +554,7 @@ def test_from_ops_v_placement_and_bad_ops():
         s.validate()
     with pytest.raises(ValueError, match=r"rank_ops\[0\]\[1\].*'X'"):
         Schedule.from_ops([[("F", 0, 0), ("X", 0, 0)]], m=1)
-    with pytest.raises(ValueError, match="placement must be 'loop' or 'v'"):
+    with pytest.raises(ValueError, match="placement must be 'loop', 'v' or a list"):
         Schedule.from_ops(v_ops, m=1, placement="zigzag")
     with pytest.raises(ValueError, match="rank_ops is empty"):
         Schedule.from_ops([], m=1)

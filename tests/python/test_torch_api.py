@@ -236,6 +236,34 @@ def test_a_user_order_is_validated_and_run_by_the_c_runner():
         torch.testing.assert_close(p.grad, g)
 
 
+class WithComms(zs._PipelineScheduleRuntime):
+    """A user's order in torch's compute_comms form, set as pipeline_order_with_comms, with the
+    base built through torch's keyword names (as PyTorch's schedule_registry does)."""
+
+    def __init__(self, stages, n_microbatches, loss_fn=None):
+        super().__init__(stages=stages, n_microbatches=n_microbatches, loss_fn=loss_fn)
+        self.pipeline_order_with_comms = {0: [zs._Action.from_str(c) for c in (
+            "0F0 0SEND_F0 1RECV_F0 1F0 0F1 0SEND_F1 1RECV_F1 1F1 1B0 1SEND_B0 0RECV_B0 0B0 1B1 1SEND_B1 "
+            "0RECV_B1 0B1").split()]}
+
+
+def test_an_order_with_its_transfers_runs_without_them():
+    mod, (x, y), loss_fn = model(), data(), torch.nn.MSELoss()
+    _, ref_losses, ref_grads = reference(mod, x, y, loss_fn)
+    stages = [zp.PipelineStage(mod[:2], 0, 2, "cpu"), zp.PipelineStage(mod[2:], 1, 2, "cpu")]
+    sched = WithComms(stages, M, loss_fn=loss_fn)
+    losses = []
+    sched.step(x, target=y, losses=losses)
+    assert [(o.type, o.stage, o.mb) for o in sched.schedule.rank_ops(0)] == [
+        ("F", 0, 0), ("F", 1, 0), ("F", 0, 1), ("F", 1, 1), ("BW", 1, 0), ("BW", 0, 0), ("BW", 1, 1), ("BW", 0, 1)]
+    assert any(a.computation_type == ts.SEND_F for a in sched.pipeline_order_with_comms[0])
+    torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses))
+    for p, g in zip(mod.parameters(), ref_grads):
+        torch.testing.assert_close(p.grad, g)
+    with pytest.raises(TypeError, match="once"):
+        zp.Schedule1F1B(stages[0], M, stage=stages[0])
+
+
 def test_a_broken_user_order_fails_with_the_rank_and_rule():
     A, F, I, W = zs._Action, zs.F, zs.I, zs.W
     sched = zs.PipelineScheduleMulti([zp.PipelineStage(model(), 0, 1, "cpu")], M, loss_fn=torch.nn.MSELoss())
@@ -341,3 +369,47 @@ def test_stages_torch_built_run_on_zbpp(one_process_group):
     torch.testing.assert_close(out, ref_out)
     for p, g in zip(mod.parameters(), ref_grads):
         torch.testing.assert_close(p.grad, g)
+
+
+def _reference_chain(S, m):
+    """Gradients and losses of S Linear+Tanh layers run microbatch by microbatch (gradients / m)."""
+    torch.manual_seed(0)
+    mods = [torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()) for _ in range(S)]
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(4, 8, generator=g), torch.randn(4, 8, generator=g)
+    losses = []
+    for xi, yi in zip(x.chunk(m), y.chunk(m)):
+        h = xi
+        for mod in mods:
+            h = mod(h)
+        loss = torch.nn.functional.mse_loss(h, yi)
+        loss.backward()
+        losses.append(float(loss))
+    with torch.no_grad():
+        out = x
+        for mod in mods:
+            out = mod(out)
+    return [[p.grad / m for p in mod.parameters()] for mod in mods], losses, out
+
+
+def test_user_orders_over_a_v_and_an_unbalanced_stage_map_train_like_the_loop(tmp_path):
+    """PyTorch's CustomSchedulesTest shapes on 2 ranks: the V (0, 3 | 1, 2) and an unbalanced map
+    (0, 1, 4 | 2, 3): the C library keeps the map, validates the order and the C runner runs it."""
+    import pipeline_worker
+    from test_pipeline import spawn
+
+    spawn(pipeline_worker.run_torch_orders, 2, str(tmp_path))
+    ranks = [torch.load(tmp_path / f"orders{r}.pt") for r in range(2)]
+    for r in ranks:
+        assert "error" not in r, r.get("error")
+    for name, S, m, placement in (("v", 4, 1, "v"), ("unbalanced", 5, 2, "custom")):
+        grads, losses, out = _reference_chain(S, m)
+        assert ranks[0][name]["placement"] == placement
+        holder = ranks[0][name]["stage_ranks"]
+        assert holder == ([0, 1, 1, 0] if name == "v" else [0, 0, 1, 1, 0])
+        for s in range(S):
+            for got, want in zip(ranks[holder[s]][name]["grads"][s], grads[s]):
+                torch.testing.assert_close(got, want)
+        assert ranks[0][name]["losses"] == pytest.approx(losses, rel=1e-6)
+        assert ranks[0][name]["eval_losses"] == pytest.approx(losses, rel=1e-6)
+        torch.testing.assert_close(ranks[0][name]["eval_out"], out)

@@ -45,7 +45,7 @@ _OP_CODES = {name: code for code, name in enumerate(_OP_NAMES)}
 ZB_FORMAT_CSV = 1
 
 # zb_placement_t
-_PLACEMENT_NAMES = ("loop", "v")
+_PLACEMENT_NAMES = ("loop", "v", "custom")
 
 # Kinds whose default chunk count (spec.chunks = 0) is 2; every other kind defaults to 1. The C
 # library keeps this in a static helper, so it is mirrored here by name: per-stage time lists need
@@ -458,10 +458,12 @@ class Schedule:
         """Builds a schedule (kind "custom") from explicit op lists.
 
         rank_ops: one list per rank of Op or (type, stage, mb) tuples in execution order, type
-        'F', 'B', 'W' or 'BW'. m: microbatches. placement: 'loop' (stage s on rank s mod p) or 'v'
-        (v = 2; stage s on rank s for s < p, else 2p-1-s). v: chunks per rank; None for
-        ceil(S / p) with S the largest stage used + 1. The schedule is NOT validated: call
-        .validate().
+        'F', 'B', 'W' or 'BW'. m: microbatches. placement: 'loop' (stage s on rank s mod p), 'v'
+        (v = 2; stage s on rank s for s < p, else 2p-1-s), or a list giving each stage's rank
+        (any map where every rank holds a stage; ranks may hold different numbers of stages; per-
+        rank scalar times are split among each rank's stages, per-stage lists have one entry per
+        stage). v: chunks per rank (loop and v); None for ceil(S / p) with S the largest stage used
+        + 1. The schedule is NOT validated: call .validate().
         """
         if isinstance(rank_ops, (str, bytes)) or not hasattr(rank_ops, "__len__"):
             raise TypeError("rank_ops must be a list with one list of ops per rank")
@@ -469,9 +471,16 @@ class Schedule:
         if p < 1:
             raise ValueError("rank_ops is empty; it needs one list of ops per rank (p >= 1)")
         m = _count(m, "m (microbatches)")
-        if not isinstance(placement, str) or placement.lower() not in _PLACEMENT_NAMES:
-            raise ValueError(f"placement must be 'loop' or 'v', got {placement!r}")
-        placement_value = _PLACEMENT_NAMES.index(placement.lower())
+        stage_map = None
+        if isinstance(placement, (list, tuple)):
+            stage_map = [_count(r, f"placement[{k}] (the rank of stage {k})", minimum=0) for k, r in enumerate(placement)]
+            if not stage_map:
+                raise ValueError("placement is an empty stage map; it needs the rank of every stage")
+            placement_value = 2
+        elif not isinstance(placement, str) or placement.lower() not in _PLACEMENT_NAMES[:2]:
+            raise ValueError(f"placement must be 'loop', 'v' or a list with each stage's rank, got {placement!r}")
+        else:
+            placement_value = _PLACEMENT_NAMES.index(placement.lower())
 
         arrays = []
         largest_stage = -1
@@ -492,20 +501,30 @@ class Schedule:
                 buf[k] = _Op(_op_code(type_, where), stage, mb)
                 largest_stage = max(largest_stage, stage)
             arrays.append((buf, len(ops)))
-        if v is None:
+        if stage_map is not None:
+            v = 1
+        elif v is None:
             v = max(1, -(-(largest_stage + 1) // p))  # ceil(S / p): every stage used has a rank
         else:
             v = _count(v, "v (chunks per rank)")
 
-        parts = _parse_times(times, p * v, f"p * v = {p} * {v}")
+        S = len(stage_map) if stage_map is not None else p * v
+        parts = _parse_times(times, S, f"{S} stages" if stage_map is not None else f"p * v = {p} * {v}")
         spec, keep = _build_spec(ZB_KIND_CUSTOM, p, v, m, parts, comm, w_share, _mem_limit(mem_limit, p))
         ops_ptrs = (ctypes.POINTER(_Op) * p)(*(ctypes.cast(buf, ctypes.POINTER(_Op)) for buf, _ in arrays))
         counts = (ctypes.c_int32 * p)(*(n for _, n in arrays))
         handle = ctypes.c_void_p()
-        _lib.call("zb_schedule_create_from_ops",
-                  [ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(_Spec), ctypes.c_int,
-                   ctypes.POINTER(ctypes.POINTER(_Op)), ctypes.POINTER(ctypes.c_int32)],
-                  ctypes.byref(handle), ctypes.byref(spec), placement_value, ops_ptrs, counts)
+        if stage_map is not None:
+            cmap = (ctypes.c_int32 * S)(*stage_map)
+            _lib.call("zb_schedule_create_from_ops_mapped",
+                      [ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(_Spec), ctypes.POINTER(ctypes.c_int32),
+                       ctypes.c_int32, ctypes.POINTER(ctypes.POINTER(_Op)), ctypes.POINTER(ctypes.c_int32)],
+                      ctypes.byref(handle), ctypes.byref(spec), cmap, S, ops_ptrs, counts)
+        else:
+            _lib.call("zb_schedule_create_from_ops",
+                      [ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(_Spec), ctypes.c_int,
+                       ctypes.POINTER(ctypes.POINTER(_Op)), ctypes.POINTER(ctypes.c_int32)],
+                      ctypes.byref(handle), ctypes.byref(spec), placement_value, ops_ptrs, counts)
         del keep, arrays  # everything was copied during the call
         return cls(handle)
 
@@ -577,7 +596,8 @@ class Schedule:
 
     @property
     def placement(self):
-        """'loop' (stage s on rank s mod p) or 'v' (s on rank s for s < p, else 2p-1-s)."""
+        """'loop' (stage s on rank s mod p), 'v' (s on rank s for s < p, else 2p-1-s) or 'custom'
+        (an explicit map, from_ops(placement=[...]): stage_rank() says where each stage is)."""
         return _PLACEMENT_NAMES[self._info().placement]
 
     @property

@@ -304,12 +304,20 @@ class PipelineSchedule:
 
     kind = None
 
-    def __init__(self, stage_or_stages, n_microbatches, loss_fn=None, args_chunk_spec=None,
+    def __init__(self, stage_or_stages=None, n_microbatches=None, loss_fn=None, args_chunk_spec=None,
                  kwargs_chunk_spec=None, output_merge_spec=None, scale_grads=True, *, kind=None,
                  csv=None, mem_limit=None, times=None, timeout=300.0, cpu_group=None,
                  plan_from_measured=None, profile_steps=None, costs=None, save_plan_dir=None,
-                 use_full_backward=None, backward_requires_autograd=True, defer_pp_recv=False):
+                 use_full_backward=None, backward_requires_autograd=True, defer_pp_recv=False,
+                 stages=None, stage=None):
         name = type(self).__name__
+        # torch's keyword names: stages= (PipelineScheduleMulti and its subclasses), stage= (Single)
+        given = [x for x in (stage_or_stages, stages, stage) if x is not None]
+        if len(given) != 1:
+            raise TypeError(f"zbpp.{name}: pass the stage(s) once (positionally, stages= or stage=), got {len(given)}")
+        stage_or_stages = given[0]
+        if n_microbatches is None:
+            raise TypeError(f"zbpp.{name}: n_microbatches is required")
         raw = list(stage_or_stages) if isinstance(stage_or_stages, (list, tuple)) else [stage_or_stages]
         if not raw:
             raise TypeError(f"zbpp.{name}: expected a zbpp.PipelineStage or a list of them, got an empty list")
@@ -350,11 +358,12 @@ class PipelineSchedule:
         self.ranks = self.pp_group_size = p = first.group_size
         self._num_stages = S
         self.timeout = float(timeout)
-        if S % p:
+        kind = kind or self.kind
+        if S % p and (kind is not None or csv is not None):
+            # A user's order (kind None) may place stages any way; the kinds place v per rank.
             raise ValueError(f"zbpp.{name}: num_stages={S} is not a multiple of the "
                              f"pipeline's {p} ranks")
         v = S // p
-        kind = kind or self.kind
         if csv is None and kind is not None and _kind_name(kind) in _V_KINDS and v != 2:
             raise ValueError(f"zbpp.{name}: {_kind_name(kind)} is a V schedule: each rank holds 2 "
                              f"stages (rank r holds stages r and 2p-1-r), but num_stages={S} over {p} "
@@ -405,6 +414,7 @@ class PipelineSchedule:
         self._order = None  # torch's pipeline_order (see the pipeline_order property)
         self._order_user = False  # set by the user (else made from the plan)
         self._order_seen = None
+        self._order_comms = None  # pipeline_order_with_comms, made on first use or set
         self._order_schedule = None
         if csv is not None:
             self.schedule = Schedule.from_csv(csv, mem_limit=limit, **(cost_times or {"times": times}))
@@ -460,7 +470,8 @@ class PipelineSchedule:
             placement = self.schedule.placement
             hint = (f"a V schedule needs 2 stages per rank: rank r holds stages r and {2 * p - 1}-r"
                     if placement == "v" else
-                    f"a loop schedule puts stage s on rank s mod {p}")
+                    f"a loop schedule puts stage s on rank s mod {p}" if placement == "loop" else
+                    "the order's stage-to-rank map decides")
             raise ValueError(f"zbpp.{type(self).__name__} ({self.schedule.kind}): rank {self.rank} was given "
                              f"stage(s) {mine} but the schedule puts {want} on it; {hint} "
                              f"(num_stages={S}, {p} ranks, {v} stage(s) per rank)")
@@ -846,6 +857,27 @@ class PipelineSchedule:
         self._order = order
         self._order_user = True
         self._order_seen = None
+        self._order_comms = None
+
+    @property
+    def pipeline_order_with_comms(self):
+        """The order with torch's transfer actions (torch's own lowering of pipeline_order, or
+        what was set). Setting it runs that order: its transfers are dropped (the runner makes
+        its own), the rest is as setting pipeline_order."""
+        if self._order_comms is None:
+            from ._order import with_comms
+
+            order = self.pipeline_order
+            if order is None:
+                return None
+            current = not self._order_user or self._order_schedule is self.schedule  # the plan runs this order
+            self._order_comms = with_comms(order, self.schedule if current else None, self.ranks, self._num_stages)
+        return self._order_comms
+
+    @pipeline_order_with_comms.setter
+    def pipeline_order_with_comms(self, actions):
+        self.pipeline_order = {r: list(a) for r, a in actions.items()}
+        self._order_comms = actions
 
     def _sync_order(self):
         """Before a step: runs the pipeline_order the user set or changed, as a zbpp schedule."""
@@ -892,12 +924,8 @@ class PipelineSchedule:
             raise NotImplementedError(f"format={format!r} is not implemented; use 'compute_only' or 'compute_comms'")
         self.pipeline_order = {r: list(a) for r, a in actions.items()}
         if format == "compute_comms":
-            self.pipeline_order_with_comms = {r: list(a) for r, a in actions.items()}
+            self._order_comms = {r: list(a) for r, a in actions.items()}
         self._sync_order()
-        if format == "compute_only":
-            from ._order import with_comms
-
-            self.pipeline_order_with_comms = with_comms(self.pipeline_order, self.schedule)
 
     def _load_csv(self, filename, format="compute_only"):
         """Reads an order from torch's CSV (one row per rank, cells such as 0F1, 1I0, 2W3, 0B1, and
@@ -918,9 +946,7 @@ class PipelineSchedule:
         if format == "compute_only":
             order = self.pipeline_order
         elif format == "compute_comms":
-            from ._order import with_comms
-
-            order = with_comms(self.pipeline_order, self.schedule)
+            order = self.pipeline_order_with_comms
         else:
             raise NotImplementedError(f"format={format!r} is not implemented; use 'compute_only' or 'compute_comms'")
         with open(filename, "w", newline="") as f:

@@ -11,8 +11,10 @@ their sub-actions, one after the other. UNSHARD, RESHARD and REDUCE_GRAD belong 
 which zbpp does not run: they are refused with a message.
 
 The stage-to-rank map comes from the order itself (torch's `_validate_schedule` infers it the
-same way); zbpp runs loop placement (stage s on rank s mod p) and the V (v = 2, stage s on rank s
-for s < p, else 2p-1-s).
+same way): loop placement (stage s on rank s mod p), the V (v = 2, stage s on rank s for s < p,
+else 2p-1-s), or any other map where every stage lives on one rank and every rank holds a stage
+(torch's custom stage ids; ranks may hold different numbers of stages), which the C library keeps
+as an explicit map.
 """
 
 from ..schedule import Schedule
@@ -75,7 +77,8 @@ def rank_ops(order, p):
 
 
 def placement_of(ops, p, num_stages):
-    """'loop' or 'v' from where each stage's ops sit; ValueError naming the stage otherwise."""
+    """'loop', 'v' or the stage-to-rank map (a list) that the ops imply; ValueError naming the
+    stage when one runs on two ranks or none."""
     where = {}
     for r, lst in enumerate(ops):
         for _, stage, _mb in lst:
@@ -84,23 +87,23 @@ def placement_of(ops, p, num_stages):
             if where.setdefault(stage, r) != r:
                 raise ValueError(f"zbpp: pipeline_order runs stage {stage} on ranks {where[stage]} and {r}; each "
                                  f"stage lives on one rank")
-    if all(r == s % p for s, r in where.items()):
+    missing = [s for s in range(num_stages) if s not in where]
+    if missing:
+        raise ValueError(f"zbpp: pipeline_order has no actions for stage(s) {missing} of the {num_stages} stages")
+    if num_stages % p == 0 and all(r == s % p for s, r in where.items()):
         return "loop"
     if num_stages == 2 * p and all(r == (s if s < p else 2 * p - 1 - s) for s, r in where.items()):
         return "v"
-    mapping = ", ".join(f"{s}->{r}" for s, r in sorted(where.items()))
-    raise NotImplementedError(f"zbpp: pipeline_order places stages on ranks as {mapping}; zbpp runs loop placement "
-                              f"(stage s on rank s mod {p}) and the V (stage s on rank s for s < {p}, else "
-                              f"{2 * p - 1}-s)")
+    return [where[s] for s in range(num_stages)]  # torch's custom stage ids: an explicit map
 
 
 def schedule_from_actions(order, p, num_stages, m, **cost_args):
     """A validated zbpp Schedule (kind "custom") for torch's IR; ZbError naming the rank, the
     position and the rule when the order cannot run (a missing op, a deadlock, ...)."""
     ops = rank_ops(order, p)
-    if num_stages % p:
-        raise ValueError(f"zbpp: {num_stages} stages over {p} ranks; zbpp needs the same number of stages per rank")
-    schedule = Schedule.from_ops(ops, m, placement=placement_of(ops, p, num_stages), v=num_stages // p, **cost_args)
+    placement = placement_of(ops, p, num_stages)
+    v = num_stages // p if isinstance(placement, str) else None
+    schedule = Schedule.from_ops(ops, m, placement=placement, v=v, **cost_args)
     try:
         schedule.validate()
     except BaseException:
@@ -122,12 +125,24 @@ def looped_bfs(p, v, m):
     return ops
 
 
-def with_comms(order, schedule):
+def with_comms(order, schedule, ranks, num_stages):
     """The order with torch's transfer actions added (torch's own lowering, _add_send_recv), for
-    _dump_csv(format="compute_comms") and pipeline_order_with_comms."""
-    ranks = schedule.ranks
-    return _s._add_send_recv({r: [a for a in order[r] if a is not None] for r in range(ranks)},
-                             stage_to_rank=schedule.stage_rank, num_stages=schedule.stages)
+    _dump_csv(format="compute_comms") and pipeline_order_with_comms. The stage-to-rank map is the
+    schedule's, or (before one is made) the one the order implies."""
+    compute = {r: [a for a in order.get(r, []) if a is not None and a.is_compute_op] for r in range(ranks)}
+    if schedule is not None:
+        where = schedule.stage_rank
+    else:
+        placement = placement_of(rank_ops(compute, ranks), ranks, num_stages)
+        if placement == "loop":
+            def where(s):
+                return s % ranks
+        elif placement == "v":
+            def where(s):
+                return s if s < ranks else 2 * ranks - 1 - s
+        else:
+            where = placement.__getitem__
+    return _s._add_send_recv(compute, stage_to_rank=where, num_stages=num_stages)
 
 
 def dualpipe_v(p, m):
