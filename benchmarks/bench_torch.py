@@ -20,8 +20,10 @@ With --classes the configurations are instead each of torch's schedule classes (
 ScheduleGPipe, ScheduleInterleaved1F1B, ScheduleLoopedBFS, ScheduleInterleavedZeroBubble,
 ScheduleZBVZeroBubble, ScheduleDualPipeV) twice: once from torch.distributed.pipelining and once
 from zbpp.pipelining, with the same stages (the unsplit model, placed as torch users place them)
-and the same calls, as a torch script whose import was changed runs. zbpp's step 1 must then equal
-the unsplit sequential loop bit for bit. The ratio column is against torch's Schedule1F1B.
+and the same calls, as a torch script whose import was changed runs. zbpp's step 1 is then held to
+torch's tolerances against the unsplit sequential loop (an order such as LoopedBFS's sums the
+microbatches' gradients last one first), "bitwise" where it is equal. The ratio column is against
+torch's Schedule1F1B.
 
 Every configuration trains its own copy of the model, built from the same seed, on the same
 stream of batches, with the same loss (gpt.loss_fn, gradients averaged over the microbatches) and
@@ -405,7 +407,10 @@ class Pipeline:
         ref_losses, ref_grads = ref(self.num_stages, self.lib == "zbpp", x, y, self.args.microbatches)
         dist.barrier(group=self.group)
         losses = self._pipeline_step(x, y)
-        ok, text, worst = compare(self.label, self.lib != "torch", losses, ref_losses, self.stages, ref_grads)
+        # zbpp's own kinds split W into the C GEMM, as the reference does: equal bit for bit. A torch
+        # script's classes may sum the microbatches' gradients in another order (LoopedBFS runs
+        # the backwards last microbatch first): within float32 tolerances, as torch's.
+        ok, text, worst = compare(self.label, self.lib == "zbpp", losses, ref_losses, self.stages, ref_grads)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         self._after_step()
@@ -484,7 +489,7 @@ def worker(rank, ranks, args, tmp, own_profile):
                 return
             worst = max(w for _, _, w, _ in got)
             loss = next(v for _, _, _, v in got if v is not None)
-            checks.append("bitwise" if pipe.lib != "torch" else f"allclose (max diff {worst:.1g})")
+            checks.append("bitwise" if pipe.lib == "zbpp" or worst == 0 else f"allclose (max diff {worst:.1g})")
             say(f"check {pipe.label}: step-1 loss {loss:.6f}, {checks[-1]}")
 
         # 2. Warm-up (steps 2..W: the profile and the replan happen here).
