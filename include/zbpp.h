@@ -271,9 +271,10 @@ typedef enum {
   ZB_FORMAT_JSON = 2,   /* the zbpp JSON shape (README) */
   ZB_FORMAT_CHROME = 3, /* Chrome trace / Perfetto JSON */
   ZB_FORMAT_SVG = 4,    /* a timeline in the style of the paper's figures */
+  ZB_FORMAT_CSV_COMMS = 5, /* torch's compute_comms form: the CSV with SEND_F/RECV_F/SEND_B/RECV_B */
 } zb_format_t;
 
-/* Parses "text", "csv", "json", "chrome" or "svg". */
+/* Parses "text", "csv", "json", "chrome", "svg" or "csv-comms". */
 ZB_API zb_status_t zb_format_from_name(const char *name, zb_format_t *out);
 
 /* Writes the schedule in a format into a NUL-terminated buffer the caller frees with zb_free.
@@ -284,8 +285,8 @@ ZB_API zb_status_t zb_schedule_export(zb_schedule_t *schedule, zb_format_t forma
 /* Reads a schedule from text. Only ZB_FORMAT_CSV is accepted: one row per rank, cells like "0F3"
  * (stage, type, microbatch) where the type is F, I (our B), W, or B (our BW, torch's full backward);
  * empty cells (torch's idle steps) and torch's transfer cells (SEND_F, RECV_F, SEND_B, RECV_B) are
- * skipped, and a pair "(0F1;3B0)OVERLAP_F_B" gives its ops in order; UNSHARD, RESHARD and REDUCE_GRAD
- * fail with ZB_ERR_PARSE. p is the number of rows, S the largest stage + 1,
+ * skipped, and so is REDUCE_GRAD; a pair "(0F1;3B0)OVERLAP_F_B" gives its ops in order; UNSHARD and
+ * RESHARD fail with ZB_ERR_PARSE. p is the number of rows, S the largest stage + 1,
  * v = S / p, m the largest microbatch + 1, and the placement is inferred (V when stage p sits on rank
  * p-1). Costs, w-share and memory limit come from spec (its ranks/chunks/microbatches/kind are
  * ignored, except that per-stage time arrays need ranks * chunks to equal the file's stage count;

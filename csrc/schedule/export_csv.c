@@ -9,8 +9,10 @@
  * Import also reads torch's lowered "compute_comms" form: transfer cells (SEND_F, RECV_F, SEND_B,
  * RECV_B) are skipped, because the runtime posts its own sends and receives from the channel rules,
  * and an overlapped pair "(0F1;3B0)OVERLAP_F_B" (DualPipeV's) becomes its ops one after the other.
- * UNSHARD, RESHARD and REDUCE_GRAD manage FSDP/DDP stages, which zbpp does not run: an error says
- * so. Export writes the compute-only form. Import does not validate either: zb_schedule_validate is
+ * REDUCE_GRAD (where torch >= 2.10 scales and reduces a stage's finished gradients) is skipped:
+ * zbpp scales by its own scale_grads. UNSHARD and RESHARD manage FSDP-sharded stages, which zbpp
+ * does not run: an error says so. Export writes the compute-only form, or the compute_comms form
+ * (zb__export_csv_comms) with the transfers and REDUCE_GRAD cells torch's runtime needs. Import does not validate either: zb_schedule_validate is
  * the caller's next step and gives the better message for a schedule that parses but breaks a rule.
  */
 #include <stdlib.h>
@@ -46,6 +48,100 @@ zb_status_t zb__export_csv(const zb_schedule_t *s, char **out, size_t *len) {
     }
     zb__sbuf_putc(&b, '\n');
   }
+  return zb__sbuf_finish(&b, out, len);
+}
+
+/* ---- export with transfers (torch's compute_comms form) -------------------------------------- */
+
+/* A transfer an op makes: F sends its output to the next stage's rank, B/BW its input gradient to
+ * the previous stage's rank (as torch's lowering, _add_send_recv, has it). Returns the peer rank or
+ * -1, and the receiving stage in *to. */
+static int sends_to(const zb_schedule_t *s, const zb_op_t *op, int *to) {
+  int r = zb__stage_rank(s, op->stage);
+  if (op->type == ZB_OP_F && op->stage + 1 < s->S && zb__stage_rank(s, op->stage + 1) != r) {
+    *to = op->stage + 1;
+    return zb__stage_rank(s, *to);
+  }
+  if ((op->type == ZB_OP_B || op->type == ZB_OP_BW) && op->stage > 0 && zb__stage_rank(s, op->stage - 1) != r) {
+    *to = op->stage - 1;
+    return zb__stage_rank(s, *to);
+  }
+  return -1;
+}
+
+typedef struct {
+  int before; /* index (within the receiving rank) of the op the receive goes before */
+  double sent; /* when the sender's op ends */
+  int from, at; /* sender rank and the op's index in the flat array, for ties */
+  int stage, mb, forward;
+} recv_t;
+
+static int recv_cmp(const void *pa, const void *pb) {
+  const recv_t *a = pa, *b = pb;
+  if (a->before != b->before) return a->before < b->before ? -1 : 1;
+  if (a->sent != b->sent) return a->sent < b->sent ? -1 : 1;
+  if (a->from != b->from) return a->from < b->from ? -1 : 1;
+  return a->at < b->at ? -1 : a->at > b->at;
+}
+
+/* Each op as in the compute-only form, followed by its send; each receive goes before the first op
+ * of the receiving rank that starts once the sender's op has ended (so before the op that needs
+ * it), receives at one place in the order their sends ended. So every pair of ranks posts its
+ * receives in the order the peer posts the sends, as torch's runtime (and NCCL) want. */
+zb_status_t zb__export_csv_comms(const zb_schedule_t *s, char **out, size_t *len) {
+  zb__sbuf_t b = {0};
+  char *plain = NULL;
+  size_t plain_len = 0;
+  ZB_CHECK(zb__export_csv(s, &plain, &plain_len)); /* the same checks of every op */
+  free(plain);
+  recv_t *recvs = malloc((size_t)(s->n_ops ? s->n_ops : 1) * sizeof(recv_t));
+  int *finished = malloc((size_t)s->S * sizeof(int)); /* per stage: W or fused backwards written */
+  if (!recvs || !finished) {
+    free(recvs);
+    free(finished);
+    return ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory for %d transfers", s->n_ops);
+  }
+  for (int r = 0; r < s->p; r++) {
+    int n = 0, lo = s->rank_off[r], hi = s->rank_off[r + 1];
+    for (int k = 0; k < s->n_ops; k++) {
+      int to, peer = sends_to(s, &s->ops[k], &to);
+      if (peer != r) continue;
+      /* the first op of rank r starting at or after the send (binary search: starts ascend) */
+      int a = lo, z = hi;
+      while (a < z) {
+        int mid = a + (z - a) / 2;
+        if (s->start[mid] < s->end[k]) a = mid + 1;
+        else z = mid;
+      }
+      int from = 0;
+      while (s->rank_off[from + 1] <= k) from++;
+      recvs[n++] = (recv_t){a - lo, s->end[k], from, k, to, s->ops[k].mb, s->ops[k].type == ZB_OP_F};
+    }
+    qsort(recvs, (size_t)n, sizeof *recvs, recv_cmp);
+    /* torch >= 2.10's runtime scales (and, with data parallelism, reduces) a stage's gradients at
+     * REDUCE_GRAD, which its lowering puts after the stage's m-th W or full backward. */
+    memset(finished, 0, (size_t)s->S * sizeof *finished);
+    int next = 0, first = 1;
+    for (int k = lo; k <= hi; k++) {
+      while (next < n && recvs[next].before == k - lo) {
+        const recv_t *rv = &recvs[next++];
+        zb__sbuf_printf(&b, "%s%d%s%d", first ? "" : ",", rv->stage, rv->forward ? "RECV_F" : "RECV_B", rv->mb);
+        first = 0;
+      }
+      if (k == hi) break;
+      const zb_op_t *op = &s->ops[k];
+      zb__sbuf_printf(&b, "%s%d%c%d", first ? "" : ",", (int)op->stage, csv_letter[op->type], (int)op->mb);
+      first = 0;
+      int to;
+      if (sends_to(s, op, &to) >= 0)
+        zb__sbuf_printf(&b, ",%d%s%d", (int)op->stage, op->type == ZB_OP_F ? "SEND_F" : "SEND_B", (int)op->mb);
+      if ((op->type == ZB_OP_W || op->type == ZB_OP_BW) && ++finished[op->stage] == s->m)
+        zb__sbuf_printf(&b, ",%dREDUCE_GRAD", (int)op->stage);
+    }
+    zb__sbuf_putc(&b, '\n');
+  }
+  free(recvs);
+  free(finished);
   return zb__sbuf_finish(&b, out, len);
 }
 
@@ -111,7 +207,16 @@ static zb_status_t parse_one(const char *cell, size_t n, int row, int col, int i
   int is_comm = 0;
   if (!is_compute) {
     static const char *const comm[] = {"SEND_F", "RECV_F", "SEND_B", "RECV_B"};
-    static const char *const sharding[] = {"UNSHARD", "RESHARD", "REDUCE_GRAD"};
+    static const char *const sharding[] = {"UNSHARD", "RESHARD"};
+    /* REDUCE_GRAD (torch >= 2.10: a stage's gradients are final; torch scales and reduces them
+     * there): zbpp scales by its own scale_grads, so the cell says nothing to the runner. */
+    static const char reduce[] = "REDUCE_GRAD";
+    if (type_len == sizeof reduce - 1 && memcmp(reduce, cell + type_at, type_len) == 0 && pos == n) {
+      if (in_pair)
+        return ZB_FAIL(ZB_ERR_PARSE, "row %d (rank %d), column %d: cell '%s' is REDUCE_GRAD inside an OVERLAP_F_B pair",
+                       row, row - 1, col, cell_excerpt(cell, n, ex));
+      return ZB_OK;
+    }
     for (size_t k = 0; k < sizeof comm / sizeof comm[0]; k++)
       if (strlen(comm[k]) == type_len && memcmp(comm[k], cell + type_at, type_len) == 0) is_comm = 1;
     if (is_comm && in_pair)
@@ -122,9 +227,9 @@ static zb_status_t parse_one(const char *cell, size_t n, int row, int col, int i
     for (size_t k = 0; k < sizeof sharding / sizeof sharding[0]; k++)
       if (strlen(sharding[k]) == type_len && memcmp(sharding[k], cell + type_at, type_len) == 0)
         return ZB_FAIL(ZB_ERR_PARSE,
-                       "row %d (rank %d), column %d: cell '%s' is %s, which manages FSDP-sharded or DDP "
-                       "stages; zbpp does not run those: drop UNSHARD, RESHARD and REDUCE_GRAD cells "
-                       "(the compute actions F, I, B, W and the transfers are read)",
+                       "row %d (rank %d), column %d: cell '%s' is %s, which manages FSDP-sharded "
+                       "stages; zbpp does not run those: drop UNSHARD and RESHARD cells (the compute "
+                       "actions F, I, B, W, the transfers and REDUCE_GRAD are read)",
                        row, row - 1, col, cell_excerpt(cell, n, ex), sharding[k]);
     if (!is_comm) {
       char ty[32];

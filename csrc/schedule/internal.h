@@ -230,6 +230,8 @@ zb_status_t zb__rounds_loop(zb_schedule_t *s, const zb__rounds_policy_t *pol, do
 /* Export writers; each returns a malloc'd NUL-terminated string. The schedule is simulated. */
 zb_status_t zb__export_text(const zb_schedule_t *s, char **out, size_t *len);
 zb_status_t zb__export_csv(const zb_schedule_t *s, char **out, size_t *len);
+/* The compute_comms form; needs the schedule's times (simulated or measured). */
+zb_status_t zb__export_csv_comms(const zb_schedule_t *s, char **out, size_t *len);
 zb_status_t zb__export_json(const zb_schedule_t *s, char **out, size_t *len);
 zb_status_t zb__export_chrome(const zb_schedule_t *s, char **out, size_t *len);
 zb_status_t zb__export_svg(const zb_schedule_t *s, char **out, size_t *len);

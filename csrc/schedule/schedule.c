@@ -702,14 +702,14 @@ zb_status_t zb_schedule_op_time(const zb_schedule_t *s, zb_op_type_t type, int32
 zb_status_t zb_format_from_name(const char *name, zb_format_t *out) {
   ZB_ARG_NOT_NULL(name);
   ZB_ARG_NOT_NULL(out);
-  static const char *names[] = {"text", "csv", "json", "chrome", "svg"};
-  for (int i = 0; i < 5; i++)
+  static const char *names[] = {"text", "csv", "json", "chrome", "svg", "csv-comms"};
+  for (int i = 0; i < 6; i++)
     if (strcmp(name, names[i]) == 0) {
       *out = (zb_format_t)i;
       return ZB_OK;
     }
   return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
-                 "unknown format '%s'; valid formats: text, csv, json, chrome, svg", name);
+                 "unknown format '%s'; valid formats: text, csv, json, chrome, svg, csv-comms", name);
 }
 
 zb_status_t zb_schedule_export(zb_schedule_t *s, zb_format_t format, char **out, size_t *len) {
@@ -729,9 +729,10 @@ zb_status_t zb_schedule_export(zb_schedule_t *s, zb_format_t format, char **out,
     case ZB_FORMAT_JSON: return zb__export_json(s, out, len);
     case ZB_FORMAT_CHROME: return zb__export_chrome(s, out, len);
     case ZB_FORMAT_SVG: return zb__export_svg(s, out, len);
+    case ZB_FORMAT_CSV_COMMS: return zb__export_csv_comms(s, out, len);
   }
   return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
-                 "unknown format %d; valid formats: text, csv, json, chrome, svg", (int)format);
+                 "unknown format %d; valid formats: text, csv, json, chrome, svg, csv-comms", (int)format);
 }
 
 zb_status_t zb_schedule_import(zb_schedule_t **out, zb_format_t format, const char *text, size_t len,

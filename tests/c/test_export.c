@@ -261,6 +261,36 @@ static void test_csv_round_trip(void **state) {
   zb_schedule_destroy(gap);
 }
 
+/* torch's compute_comms form: each op followed by its send, each receive before the op that needs
+ * it and in the order the peer sent, REDUCE_GRAD after a stage's last backward; read back, the
+ * transfers drop out and the ops are the same. */
+static void test_csv_comms_export(void **state) {
+  (void)state;
+  zb_schedule_t *s = import_text("0F0,0F1,0B0,0B1\n1F0,1B0,1F1,1B1\n");
+  char *text = export_fmt(s, ZB_FORMAT_CSV_COMMS, NULL);
+  /* Unit times: rank 0's F0 ends at 1, F1 at 2; rank 1 runs F0 from 1, B0 from 2 to 4, F1 from 4,
+   * B1 from 5. So RECV_F1 (sent at 2) goes before rank 1's B0 (start 2); rank 0 gets B0's gradient
+   * at 4 and B1's at 7, before its own B0 (start 4) and B1 (start 7). */
+  assert_string_equal(text,
+                      "0F0,0SEND_F0,0F1,0SEND_F1,0RECV_B0,0B0,0RECV_B1,0B1,0REDUCE_GRAD\n"
+                      "1RECV_F0,1F0,1RECV_F1,1B0,1SEND_B0,1F1,1B1,1SEND_B1,1REDUCE_GRAD\n");
+  zb_schedule_t *back = import_text(text);
+  for (int r = 0; r < 2; r++) {
+    const zb_op_t *a, *b;
+    int32_t na, nb;
+    ZB_ASSERT_OK(zb_schedule_rank_ops(s, r, &a, &na));
+    ZB_ASSERT_OK(zb_schedule_rank_ops(back, r, &b, &nb));
+    assert_int_equal(na, nb);
+    assert_memory_equal(a, b, (size_t)na * sizeof *a);
+  }
+  zb_free(text);
+  zb_schedule_destroy(back);
+  zb_schedule_destroy(s);
+  zb_format_t fmt;
+  ZB_ASSERT_OK(zb_format_from_name("csv-comms", &fmt));
+  assert_int_equal(fmt, ZB_FORMAT_CSV_COMMS);
+}
+
 static void test_csv_import_torch_style(void **state) {
   (void)state;
   /* torch's own dump: idle steps as empty cells, I for input-grad, CRLF, spaces, no final newline,
@@ -403,7 +433,8 @@ static void test_csv_import_rejects_bad_input(void **state) {
       {"0F0,(0F1;0B0)OVERLAP\n", "column 2", "not a pair"},
       {"0F0,()OVERLAP_F_B\n", "column 2", "empty OVERLAP_F_B"},
       {"0UNSHARD,0F0\n", "row 1", "UNSHARD"},
-      {"0F0,0B0,0REDUCE_GRAD\n", "column 3", "FSDP"},
+      {"0F0,0B0,0RESHARD\n", "column 3", "FSDP"},
+      {"0F0,(0B0;0REDUCE_GRAD)OVERLAP_F_B\n", "column 2", "REDUCE_GRAD inside"},
       {"0F0,2F0\n1F0,2F0\n", "3 stages", "one row per rank"}, /* stage 2 on both rows: no map */
       {"\"0F0\"\n", "row 1", "F, I, B and W"},
       {"", "empty schedule", NULL},
@@ -688,6 +719,7 @@ int main(void) {
       cmocka_unit_test(test_sbuf_grows_and_terminates),
       cmocka_unit_test(test_csv_writes_torch_letters),
       cmocka_unit_test(test_csv_round_trip),
+      cmocka_unit_test(test_csv_comms_export),
       cmocka_unit_test(test_csv_import_torch_style),
       cmocka_unit_test(test_csv_import_takes_costs_from_spec),
       cmocka_unit_test(test_csv_import_rejects_bad_input),

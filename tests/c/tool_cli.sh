@@ -195,6 +195,16 @@ run simulate "$T/torch.csv"
 check_rc "simulate a torch-style CSV (text)" 0
 check_eq "torch CSV: two ranks in the grid" 2 "$(grep -c '^rank ' "$T/out")"
 
+# torch's compute_comms form out, and back in: the transfers are read and dropped.
+run schedule zb-v -p 2 -m 4 --format csv-comms -o "$T/comms.csv"
+check_rc "schedule zb-v --format csv-comms" 0
+check_grep "csv-comms has torch's sends" "$T/comms.csv" "0SEND_F0"
+check_grep "csv-comms has torch's receives" "$T/comms.csv" "1RECV_F0"
+run schedule zb-v -p 2 -m 4 --format csv -o "$T/plain.csv"
+run simulate "$T/comms.csv" --format csv
+check_rc "simulate a csv-comms file" 0
+check_eq "csv-comms reads back to the compute-only plan" "$(cat "$T/plain.csv")" "$(cat "$T/out")"
+
 # ---- CSV round trip through files -------------------------------------------------------------
 
 run schedule 1f1b -p 4 -m 8 --format csv -o "$T/a.csv"

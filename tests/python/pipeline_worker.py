@@ -192,3 +192,37 @@ def run_torch_orders(rank, world, port, out_dir):
     torch.save(out, os.path.join(out_dir, f"orders{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def run_torch_runtime_on_zbpp_plan(rank, world, port, csv_path, num_stages, m, out_dir):
+    """torch's own _PipelineScheduleRuntime runs a plan zbpp wrote in torch's compute_comms CSV
+    (Schedule.to_csv(comms=True)); saves this rank's gradients and losses."""
+    from torch.distributed import pipelining as tp
+
+    from zbpp.schedule import Schedule
+
+    _init(rank, world, port)
+    out = {}
+    try:
+        with open(csv_path) as f:
+            plan = Schedule.from_csv(f.read())
+        mine = plan.rank_stages(rank)
+        torch.manual_seed(0)
+        mods = [torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()) for _ in range(num_stages)]
+        g = torch.Generator().manual_seed(1)
+        x, y = torch.randn(4, 8, generator=g), torch.randn(4, 8, generator=g)
+        stages = [tp.PipelineStage(mods[s], s, num_stages, torch.device("cpu")) for s in mine]
+        sched = tp.schedules._PipelineScheduleRuntime(stages, m, loss_fn=torch.nn.MSELoss())
+        sched._load_csv(csv_path, format="compute_comms")
+        losses = []
+        kwargs = {}
+        if num_stages - 1 in mine:
+            kwargs = {"target": y, "losses": losses}
+        sched.step(*((x,) if 0 in mine else ()), **kwargs)
+        out = {"grads": {s: [p.grad.clone() for p in mods[s].parameters()] for s in mine},
+               "losses": [float(v) for v in losses]}
+    except BaseException:  # noqa: BLE001 - the test reads the traceback
+        out["error"] = traceback.format_exc()
+    torch.save(out, os.path.join(out_dir, f"runtime{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()

@@ -24,30 +24,10 @@ from zbpp.pipelining import schedules as zs  # noqa: E402
 ts = tp.schedules
 
 
-def _mock_class(base):
-    """A stage that carries only the pipeline's shape, as PyTorch's test_schedule.py builds them."""
-    class Mock(base):
-        def __init__(self, num_stages, group_size, group_rank=0):
-            self.submod = None
-            self.num_stages = num_stages
-            self.group_size = group_size
-            self.group_rank = group_rank
-            self.group = None
+from stand_ins import stand_in_class  # noqa: E402
 
-        def _create_grad_recv_info(self, *args, **kwargs):
-            return None
-
-        def _prepare_forward_infra(self, n_microbatches):
-            pass
-
-        def _prepare_backward_infra(self, n_microbatches):
-            pass
-
-    return Mock
-
-
-ZMock = _mock_class(zp.stage._PipelineStageBase)
-TMock = _mock_class(tp.stage._PipelineStageBase)
+ZMock = stand_in_class(zp.stage._PipelineStageBase)
+TMock = stand_in_class(tp.stage._PipelineStageBase)
 
 # (stages per rank, microbatches, ranks): PyTorch's TestSchedulePlan cases, m not a multiple of p too.
 PLAN_CASES = [(2, 2, 2), (2, 4, 4), (2, 8, 2), (2, 8, 4), (4, 8, 4), (4, 16, 4), (3, 8, 2), (3, 12, 4),
@@ -293,8 +273,12 @@ def test_load_and_dump_csv_in_both_of_torchs_forms(tmp_path, fmt):
     planned._prepare_schedule_with_comms(order)
     path = tmp_path / "order.csv"
     planned._dump_csv(str(path), format=fmt)
-    # one rank: torch's lowering adds no transfers, so both forms hold the same compute actions
-    assert path.read_text().split() == ["0F0,0F1,1F0,1F1,1I0,1I1,1W0,1W1,0B0,0B1"]
+    # one rank: torch's lowering adds no transfers; the compute_comms form has torch's REDUCE_GRAD
+    # after each stage's last backward (where torch >= 2.10 scales the gradients)
+    cells = path.read_text().split()[0].split(",")
+    assert [c for c in cells if "REDUCE_GRAD" not in c] == "0F0 0F1 1F0 1F1 1I0 1I1 1W0 1W1 0B0 0B1".split()
+    if fmt == "compute_comms" and hasattr(ts, "REDUCE_GRAD"):
+        assert cells[cells.index("1W1") + 1] == "1REDUCE_GRAD" and cells[-1] == "0REDUCE_GRAD"
     loaded = zs._PipelineScheduleRuntime(stages, M, loss_fn=loss_fn)
     loaded._load_csv(str(path), format=fmt)
     assert [a for a in loaded.pipeline_order[0] if a.is_compute_op] == order[0]
@@ -349,6 +333,22 @@ def test_shape_inference_leaves_batchnorm_statistics_as_they_were():
     assert int(bn.num_batches_tracked) == M
     torch.testing.assert_close(bn.running_mean, ref_bn.running_mean)
     torch.testing.assert_close(bn.running_var, ref_bn.running_var)
+
+
+def test_a_boundary_that_changes_shape_or_dtype_is_torchs_shape_error():
+    mod, (x, y), loss_fn = model(), data(), torch.nn.MSELoss()
+    stages = [zp.PipelineStage(mod[:2], 0, 2, "cpu"), zp.PipelineStage(mod[2:], 1, 2, "cpu")]
+    sched = zp.ScheduleInterleaved1F1B(stages, M, loss_fn=loss_fn)
+    sched.step(x, target=y)
+    handle = mod[1].register_forward_hook(lambda m, i, o: o.flatten())
+    with pytest.raises(zp._utils.PipeliningShapeError, match="shape mismatch") as info:
+        sched.step(x, target=y)
+    assert isinstance(info.value, ValueError)
+    handle.remove()
+    handle = mod[1].register_forward_hook(lambda m, i, o: o.double())
+    with pytest.raises(zp._utils.PipeliningShapeError, match="dtype mismatch"):
+        sched.step(x, target=y)
+    handle.remove()
 
 
 @pytest.fixture
@@ -413,3 +413,33 @@ def test_user_orders_over_a_v_and_an_unbalanced_stage_map_train_like_the_loop(tm
         assert ranks[0][name]["losses"] == pytest.approx(losses, rel=1e-6)
         assert ranks[0][name]["eval_losses"] == pytest.approx(losses, rel=1e-6)
         torch.testing.assert_close(ranks[0][name]["eval_out"], out)
+
+
+@pytest.mark.parametrize("kind", ["zb-v", "zb-h1"])
+def test_torchs_own_runtime_runs_a_plan_zbpp_wrote_with_its_transfers(tmp_path, kind):
+    """zbpp's plan in torch's compute_comms CSV (Schedule.to_csv(comms=True)) is run by torch's
+    _PipelineScheduleRuntime on 2 ranks (its own stages, sends and receives) and trains like the
+    loop: the receives zbpp places match the sends torch posts."""
+    import pipeline_worker
+    from test_pipeline import spawn
+
+    from zbpp.schedule import Schedule
+
+    S, m = (4, 2) if kind == "zb-v" else (2, 2)
+    with Schedule.generate(kind, p=2, m=m) as plan:
+        path = tmp_path / "plan.csv"
+        path.write_text(plan.to_csv(comms=True))
+        # torch's own simulator accepts the transfers too (it knows no REDUCE_GRAD: left out)
+        order = {r: [ts._Action.from_str(c) for c in row.split(",") if "REDUCE_GRAD" not in c]
+                 for r, row in enumerate(path.read_text().strip().split("\n"))}
+        ts._simulate_comms_compute(order, stage_to_rank=plan.stage_rank, num_stages=S)
+    spawn(pipeline_worker.run_torch_runtime_on_zbpp_plan, 2, str(path), S, m, str(tmp_path))
+    ranks = [torch.load(tmp_path / f"runtime{r}.pt") for r in range(2)]
+    for r in ranks:
+        assert "error" not in r, r.get("error")
+    grads, losses, _ = _reference_chain(S, m)
+    holder = {s: r for r in range(2) for s in ranks[r]["grads"]}
+    for s in range(S):
+        for got, want in zip(ranks[holder[s]]["grads"][s], grads[s]):
+            torch.testing.assert_close(got, want)
+    assert ranks[holder[S - 1]]["losses"] == pytest.approx(losses, rel=1e-6)

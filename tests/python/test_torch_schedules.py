@@ -17,27 +17,14 @@ import zbpp  # noqa: E402
 _TYPES = {"FORWARD": "F", "BACKWARD_INPUT": "B", "BACKWARD_WEIGHT": "W", "FULL_BACKWARD": "BW"}
 
 
-class _StandIn(tstage._PipelineStageBase):
-    """Only what a schedule's constructor reads, as PyTorch's test_schedule.py MockPipelineStage."""
+from stand_ins import stand_in_class  # noqa: E402
 
-    def __init__(self, stage_index, num_stages, group_size, group_rank):  # noqa: D107 - no super(): no module
-        self.submod, self.group = None, None
-        self.stage_index, self.num_stages = stage_index, num_stages
-        self.group_size, self.group_rank = group_size, group_rank
-
-    def _create_grad_recv_info(self, *args, **kwargs):
-        return None
-
-    def _prepare_forward_infra(self, n_microbatches):
-        pass
-
-    def _prepare_backward_infra(self, n_microbatches):
-        pass
+_StandIn = stand_in_class(tstage._PipelineStageBase)
 
 
 def torch_order(p, v, m):
     """torch's ScheduleInterleavedZeroBubble op lists for every rank, as zbpp ops."""
-    stages = [_StandIn(c * p, p * v, p, 0) for c in range(v)]
+    stages = [_StandIn(p * v, p, 0, stage_index=c * p) for c in range(v)]
     sched = ts.ScheduleInterleavedZeroBubble(stages, n_microbatches=m)
     order = sched.pipeline_order
     return [[(_TYPES[a.computation_type.name], a.stage_index, a.microbatch_index) for a in order[r] if a is not None]

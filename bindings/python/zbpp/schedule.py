@@ -766,10 +766,13 @@ class Schedule:
     # -- exports --
 
     def export(self, fmt):
-        """The schedule as text in a format: 'text', 'csv', 'json', 'chrome' or 'svg'. Formats
-        with times simulate first if that has not been done."""
+        """The schedule as text in a format: 'text', 'csv', 'json', 'chrome', 'svg' or 'csv-comms'
+        (torch's compute_comms form: the CSV with the transfers, receives placed by the
+        schedule's times, which torch's _PipelineScheduleRuntime._load_csv(format="compute_comms")
+        runs). Formats with times simulate first if that has not been done."""
         if not isinstance(fmt, str):
-            raise TypeError(f"fmt must be a format name ('text', 'csv', 'json', 'chrome', 'svg'), got {fmt!r}")
+            raise TypeError(f"fmt must be a format name ('text', 'csv', 'json', 'chrome', 'svg', 'csv-comms'), "
+                            f"got {fmt!r}")
         fmt_value = ctypes.c_int(0)
         _lib.call("zb_format_from_name", [ctypes.c_char_p, ctypes.POINTER(ctypes.c_int)],
                   fmt.lower().encode("utf-8"), ctypes.byref(fmt_value))
@@ -788,8 +791,9 @@ class Schedule:
     def to_text(self):
         return self.export("text")
 
-    def to_csv(self):
-        return self.export("csv")
+    def to_csv(self, comms=False):
+        """torch's CSV: compute_only, or with comms=True the compute_comms form (see export)."""
+        return self.export("csv-comms" if comms else "csv")
 
     def to_json(self):
         return self.export("json")

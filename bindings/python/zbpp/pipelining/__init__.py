@@ -261,6 +261,34 @@ def _decode(t):
     return meta
 
 
+def _marked(callback):
+    """The runner's callback, marking what it raises as the stage's own failure (_run_iteration
+    raises those themselves, not the runner's ZbError)."""
+    def call(*args):
+        try:
+            return callback(*args)
+        except Exception as exc:
+            exc._zbpp_in_stage = True
+            raise
+
+    return call
+
+
+_SHAPE_ERROR = []
+
+
+def _shape_error():
+    """The error for a boundary whose shape or dtype changed: torch's PipeliningShapeError (its
+    PipeliningMetadataError on a torch that has only that name), also a ValueError."""
+    if not _SHAPE_ERROR:
+        try:
+            from ._utils import PipeliningShapeError as base
+        except ImportError:
+            base = RuntimeError
+        _SHAPE_ERROR.append(type("PipeliningShapeError", (base, ValueError), {"__module__": __name__}))
+    return _SHAPE_ERROR[0]
+
+
 def _split(value, m, what):
     """Splits a tensor (dim 0) or a tuple/list/dict of them into m microbatches; other values are
     handed to every microbatch unchanged."""
@@ -523,13 +551,7 @@ class PipelineSchedule:
                 if prev == self.rank:
                     inputs = carry
                 else:
-                    meta_t = torch.zeros(_META_LEN, dtype=torch.int64)
-                    self._recv(meta_t, prev)
-                    meta = _decode(meta_t)
-                    inputs = tuple(torch.empty(shape, dtype=dtype, device=self.device) for dtype, shape in meta)
-                    for t in inputs:
-                        self._recv(t, prev)
-                    self._meta[s - 1] = meta
+                    inputs, self._meta[s - 1] = self._recv_activation(prev)
                 kwargs = {}
             if s == S - 1:
                 break
@@ -544,6 +566,17 @@ class PipelineSchedule:
                 self._send(_encode(meta), nxt)
                 for t in out:
                     self._send(t.detach().contiguous(), nxt)
+
+    def _recv_activation(self, rank):
+        """An activation `rank` sends with its description first (shape inference, forward-only
+        runs): (tensors, [(dtype, shape)])."""
+        meta_t = torch.zeros(_META_LEN, dtype=torch.int64)
+        self._recv(meta_t, rank)
+        meta = _decode(meta_t)
+        inputs = tuple(torch.empty(shape, dtype=dtype, device=self.device) for dtype, shape in meta)
+        for t in inputs:
+            self._recv(t, rank)
+        return inputs, meta
 
     def _messages(self):
         """Where the set-up messages go: CPU tensors over the pipeline's group when it takes them
@@ -623,10 +656,12 @@ class PipelineSchedule:
                 meter.roots = [t for t in _as_tuple(out) if isinstance(t, torch.Tensor)]
         outs = _as_tuple(out)
         meta = self._meta[s]
-        if _meta_of(outs, s) != meta:
-            raise ValueError(f"zbpp: stage {s} returned {[(str(d), sh) for d, sh in _meta_of(outs, s)]} for "
-                             f"microbatch {i}, but the boundary was set up for "
-                             f"{[(str(d), sh) for d, sh in meta]}; shapes must not change")
+        got = _meta_of(outs, s)
+        if got != meta:
+            what = "shape mismatch" if [sh for _, sh in got] != [sh for _, sh in meta] else "dtype mismatch"
+            raise _shape_error()(f"zbpp: stage {s} {what}: it returned {[(str(d), sh) for d, sh in got]} for "
+                                 f"microbatch {i}, but the boundary was set up for "
+                                 f"{[(str(d), sh) for d, sh in meta]}; shapes and dtypes must not change")
         for view, t in zip(self._views(out_addr, s), outs):
             view.copy_(t.detach())
         self._ctx[(s, i)] = (inputs, outs, None)
@@ -811,12 +846,7 @@ class PipelineSchedule:
                         if prev == self.rank:
                             inputs = carry
                         else:
-                            meta_t = torch.zeros(_META_LEN, dtype=torch.int64)
-                            self._recv(meta_t, prev)
-                            inputs = tuple(torch.empty(shape, dtype=dtype, device=self.device)
-                                           for dtype, shape in _decode(meta_t))
-                            for t in inputs:
-                                self._recv(t, prev)
+                            inputs, _ = self._recv_activation(prev)
                         kwargs = {}
                     out = self._run_stage(s, i, inputs, kwargs)
                     if s == S - 1:
@@ -871,7 +901,8 @@ class PipelineSchedule:
             if order is None:
                 return None
             current = not self._order_user or self._order_schedule is self.schedule  # the plan runs this order
-            self._order_comms = with_comms(order, self.schedule if current else None, self.ranks, self._num_stages)
+            self._order_comms = with_comms(order, self.schedule if current else None, self.ranks, self._num_stages,
+                                           self.n_microbatches)
         return self._order_comms
 
     @pipeline_order_with_comms.setter
@@ -994,7 +1025,17 @@ class PipelineSchedule:
             extra = self._transport.take_error if self._transport is not None and not self._cuda else None
             self._profiling = profiling
             try:
-                self._runner.run(extra_error=extra)
+                try:
+                    self._runner.run(extra_error=extra)
+                except _lib.ZbError as err:
+                    cause = err.__cause__
+                    if isinstance(cause, Exception) and getattr(cause, "_zbpp_in_stage", False):
+                        # A stage's forward or backward (the user's module or loss_fn) raised: the
+                        # user's own exception, as torch raises it, caused by the runner's report
+                        # of where it happened (rank, op, microbatch).
+                        err.__cause__ = None
+                        raise cause from err
+                    raise
             finally:
                 self._ctx = {}
                 self._profiling = False
@@ -1052,7 +1093,8 @@ class PipelineSchedule:
         else:
             transport = self._transport.transport if self._transport else None
         self._runner = runtime.Runner(self.schedule, self.rank, self._store.backend, self._store.store,
-                                      transport, sizes, self._forward, self._backward, timeout_s=self.timeout)
+                                      transport, sizes, _marked(self._forward), _marked(self._backward),
+                                      timeout_s=self.timeout)
 
     def _make_nccl(self):
         """The NCCL transport: rank 0 makes the unique id and sends it to every rank (with a flag,

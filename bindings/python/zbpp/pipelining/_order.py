@@ -6,8 +6,9 @@ sets it; `_load_csv` fills it; torch's tests lower it with `_add_send_recv` and 
 zbpp's C core plans and runs op lists (zb_op_t). So every zbpp schedule shows its plan as torch's
 IR, and an IR a user sets becomes a zbpp schedule that the C library validates and the C runner
 runs. Only compute actions map to ops: the runner does its own transfers, so SEND_F/RECV_F/
-SEND_B/RECV_B cells (torch's compute_comms form) are read and dropped; OVERLAP_F_B pairs run as
-their sub-actions, one after the other. UNSHARD, RESHARD and REDUCE_GRAD belong to FSDP/DDP stages,
+SEND_B/RECV_B cells (torch's compute_comms form) are read and dropped, and so is REDUCE_GRAD
+(torch >= 2.10 scales a stage's gradients there; zbpp by its own scale_grads); OVERLAP_F_B pairs
+run as their sub-actions, one after the other. UNSHARD and RESHARD belong to FSDP-sharded stages,
 which zbpp does not run: they are refused with a message.
 
 The stage-to-rank map comes from the order itself (torch's `_validate_schedule` infers it the
@@ -25,8 +26,10 @@ _s = need("schedules")
 # torch's computation type -> zbpp's op type ("B" is torch's full backward, zbpp's "BW").
 _TO_ZB = {_s.FORWARD: "F", _s.BACKWARD_INPUT: "B", _s.BACKWARD_WEIGHT: "W", _s.FULL_BACKWARD: "BW"}
 _FROM_ZB = {v: k for k, v in _TO_ZB.items()}
-_COMMS = tuple(getattr(_s, n) for n in ("SEND_F", "RECV_F", "SEND_B", "RECV_B"))
-_SHARDING = tuple(getattr(_s, n) for n in ("UNSHARD", "RESHARD", "REDUCE_GRAD") if hasattr(_s, n))
+# Read and dropped: the runner makes its own transfers, and zbpp scales gradients by its own
+# scale_grads where torch >= 2.10 does it at REDUCE_GRAD.
+_COMMS = tuple(getattr(_s, n) for n in ("SEND_F", "RECV_F", "SEND_B", "RECV_B", "REDUCE_GRAD") if hasattr(_s, n))
+_SHARDING = tuple(getattr(_s, n) for n in ("UNSHARD", "RESHARD"))
 
 
 def to_actions(schedule):
@@ -56,8 +59,8 @@ def _compute(action, rank, step):
         return []  # the runner's own transfers take their place
     if ctype in _SHARDING:
         raise NotImplementedError(f"zbpp: pipeline_order[{rank}][{step}] is {action}: {ctype.name} actions manage "
-                                  f"FSDP-sharded or DDP stages, which zbpp does not run; use unsharded stages and "
-                                  f"a compute-only order (F, I, W, B)")
+                                  f"FSDP-sharded stages, which zbpp does not run; use unsharded stages and "
+                                  f"drop the UNSHARD and RESHARD actions")
     raise ValueError(f"zbpp: pipeline_order[{rank}][{step}] is {action}, which zbpp cannot run; allowed: F, I, W, "
                      f"B (full backward), OVERLAP_F_B and the transfers SEND_F, RECV_F, SEND_B, RECV_B")
 
@@ -125,11 +128,16 @@ def looped_bfs(p, v, m):
     return ops
 
 
-def with_comms(order, schedule, ranks, num_stages):
-    """The order with torch's transfer actions added (torch's own lowering, _add_send_recv), for
-    _dump_csv(format="compute_comms") and pipeline_order_with_comms. The stage-to-rank map is the
-    schedule's, or (before one is made) the one the order implies."""
+def with_comms(order, schedule, ranks, num_stages, m):
+    """The order with torch's transfer actions added by torch's own lowering (REDUCE_GRAD where
+    this torch has it, then _add_send_recv), as torch's runtime makes pipeline_order_with_comms,
+    for _dump_csv(format="compute_comms"). The stage-to-rank map is the schedule's, or (before
+    one is made) the one the order implies."""
     compute = {r: [a for a in order.get(r, []) if a is not None and a.is_compute_op] for r in range(ranks)}
+    if hasattr(_s, "_add_reduce_grad"):
+        lowered = {r: _s._add_reduce_grad(acts, m) for r, acts in compute.items()}
+    else:
+        lowered = compute
     if schedule is not None:
         where = schedule.stage_rank
     else:
@@ -142,7 +150,7 @@ def with_comms(order, schedule, ranks, num_stages):
                 return s if s < ranks else 2 * ranks - 1 - s
         else:
             where = placement.__getitem__
-    return _s._add_send_recv(compute, stage_to_rank=where, num_stages=num_stages)
+    return _s._add_send_recv(lowered, stage_to_rank=where, num_stages=num_stages)
 
 
 def dualpipe_v(p, m):
