@@ -48,7 +48,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from . import cuda, runtime
+from . import _ops, cuda, runtime
 
 __all__ = ["SplitLinear", "split_linear", "split_report", "SplitReport", "SplitEntry", "WGradStore",
            "default_store", "capture", "defer_weight_grad", "defer_action"]
@@ -414,7 +414,11 @@ class _SplitLinearFn(torch.autograd.Function):
             dy = dy.to(x.dtype)
         dx = dy.matmul(wc) if ctx.needs_input_grad[0] else None
         if weight.requires_grad or (bias is not None and bias.requires_grad):
-            defer_weight_grad(x, dy, weight, bias)
+            push = _ops.op() if _ops.compiling() else None
+            if push is not None:
+                push(x, dy, weight, bias)  # torch.compile: one opaque node, no graph break (_ops.py)
+            else:
+                defer_weight_grad(x, dy, weight, bias)
         return dx, None, None
 
 
@@ -469,6 +473,10 @@ def _run_now(st, x2, dy2, weight, bias):
         # popped by the next backward instead of its own.
         st.immediate.end()
         st.immediate.pop_run(0)
+
+
+# Registered now, not inside a traced backward: torch.compile cannot trace a registration.
+_ops.op()
 
 
 class SplitLinear(torch.nn.Linear):
