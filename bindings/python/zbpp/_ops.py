@@ -42,6 +42,10 @@ def _register():
     except (ImportError, AttributeError):
         return None
 
+    existing = getattr(getattr(torch.ops, "zbpp", None), "defer_wgrad", None) if _has_op() else None
+    if existing is not None:  # a second copy of this module in the process (e.g. reloaded)
+        return existing
+
     @custom_op("zbpp::defer_wgrad", mutates_args=())
     def defer_wgrad(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
         from .split import default_store, defer_weight_grad
@@ -60,6 +64,13 @@ def _register():
 
     _register_effectful_op(torch.ops.zbpp.defer_wgrad.default, _EffectType.ORDERED)
     return torch.ops.zbpp.defer_wgrad
+
+
+def _has_op():
+    try:
+        return torch._C._dispatch_has_kernel("zbpp::defer_wgrad")
+    except (AttributeError, RuntimeError):
+        return False
 
 
 def compiling():
