@@ -8,9 +8,9 @@
  * a factor of v compared with 1F1B, at the price of v times more communication and a little more
  * memory. m need not be a multiple of p: microbatches go round in max(1, m / p) groups ("rounds") of
  * equal size, and the warm-up is (p-1-r)*2 + (v-1)*g for groups of g, as torch's
- * ScheduleInterleaved1F1B does (with m a multiple of p that is Megatron's order). When m == p and
- * v >= 2 every rank runs all forwards first, as Megatron does. v = 1 gives 1F1B with torch's warm-up
- * of 2(p-1-r) forwards.
+ * ScheduleInterleaved1F1B does (with m a multiple of p that is Megatron's order; for m == p Megatron
+ * runs all forwards first, which computes the same gradients in the same order at more memory).
+ * v = 1 gives 1F1B with torch's warm-up of 2(p-1-r) forwards.
  *
  * The zero-bubble variant (zb__gen_interleaved_zb, one of zb-auto's candidates for loop placement
  * with v >= 2) is the same order with each backward split into B and W and rank r's W's held back
@@ -44,7 +44,7 @@ zb_status_t zb__gen_interleaved(zb_schedule_t *s) {
   ZB_CHECK(zb__oplists_init(&l, p));
   zb_status_t st = ZB_OK;
   for (int r = 0; r < p && st == ZB_OK; r++) {
-    int warmup = s->m == p && v > 1 ? total : (p - 1 - r) * 2 + (v - 1) * g;
+    int warmup = (p - 1 - r) * 2 + (v - 1) * g;
     if (warmup > total) warmup = total;
     int f = 0, b = 0, c, i;
     /* Phase 1: warm-up forwards across the chunks. */
