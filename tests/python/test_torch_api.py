@@ -196,6 +196,7 @@ class SplitOrder(zs.PipelineScheduleMulti):
         F, I, W = zs.F, zs.I, zs.W
         A = zs._Action
         self.pipeline_order = {0: [A(0, F, 0), A(0, F, 1), A(0, I, 1), A(0, I, 0), A(0, W, 1), A(0, W, 0)]}
+        assert self._validate_and_set_stage_mapping(self.pipeline_order) == {0: 0}  # torch's own check
 
 
 def test_a_user_order_is_validated_and_run_by_the_c_runner():

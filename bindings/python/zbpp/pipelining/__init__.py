@@ -947,6 +947,18 @@ class PipelineSchedule:
             self.schedule.close()
         self.schedule = new
 
+    def _validate_and_set_stage_mapping(self, actions):
+        """torch's: checks `actions` with torch's own _validate_schedule (every stage's F, I, W and
+        B counted, I before W) and takes the stage-to-rank map from it; the order itself runs once
+        it is pipeline_order (the C library validates it again, deadlocks included)."""
+        from .schedules import _validate_schedule
+
+        mapping = _validate_schedule(actions, self.ranks, self._num_stages, self.n_microbatches)
+        self.stage_index_to_group_rank = mapping
+        for st in self.stages:
+            st.stage_index_to_group_rank = mapping
+        return mapping
+
     def _prepare_schedule_with_comms(self, actions, format="compute_only"):
         """torch's: takes an order in the compute-only form (F, I, W, B) or with its transfers
         (SEND_F, RECV_F, SEND_B, RECV_B: the runner makes its own, so they are dropped) and
