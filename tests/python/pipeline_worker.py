@@ -187,6 +187,20 @@ def run_torch_orders(rank, world, port, out_dir):
                          "losses": [float(v) for v in losses], "eval_losses": [float(v) for v in evaluated],
                          "eval_out": got, "placement": sched.schedule.placement,
                          "stage_ranks": [sched.schedule.stage_rank(s) for s in range(S)]}
+        # zbpp needs a loss_fn only where the loss is computed (torch wants it on every rank): the
+        # ranks agree at the first step that the pipeline trains.
+        from zbpp.pipelining import Schedule1F1B
+
+        mods = layers(2)
+        stage = PipelineStage(mods[rank], rank, 2, "cpu")
+        sched = Schedule1F1B(stage, 2, loss_fn=torch.nn.MSELoss() if rank == 1 else None)
+        losses = []
+        if rank == 0:
+            sched.step(x)
+        else:
+            sched.step(target=y, losses=losses)
+        out["loss-on-last-only"] = {"grads": {rank: [p.grad.clone() for p in mods[rank].parameters()]},
+                                    "losses": [float(v) for v in losses]}
     except BaseException:  # noqa: BLE001 - the test reads the traceback
         out["error"] = traceback.format_exc()
     torch.save(out, os.path.join(out_dir, f"orders{rank}.pt"))

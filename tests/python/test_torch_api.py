@@ -391,7 +391,8 @@ def _reference_chain(S, m):
 
 def test_user_orders_over_a_v_and_an_unbalanced_stage_map_train_like_the_loop(tmp_path):
     """PyTorch's CustomSchedulesTest shapes on 2 ranks: the V (0, 3 | 1, 2) and an unbalanced map
-    (0, 1, 4 | 2, 3): the C library keeps the map, validates the order and the C runner runs it."""
+    (0, 1, 4 | 2, 3): the C library keeps the map, validates the order and the C runner runs it.
+    Also a 1F1B whose loss_fn only the loss rank has."""
     import pipeline_worker
     from test_pipeline import spawn
 
@@ -410,6 +411,12 @@ def test_user_orders_over_a_v_and_an_unbalanced_stage_map_train_like_the_loop(tm
         assert ranks[0][name]["losses"] == pytest.approx(losses, rel=1e-6)
         assert ranks[0][name]["eval_losses"] == pytest.approx(losses, rel=1e-6)
         torch.testing.assert_close(ranks[0][name]["eval_out"], out)
+    # a loss_fn on the loss rank only: still a training step on both ranks
+    grads, losses, _ = _reference_chain(2, 2)
+    for r in range(2):
+        for got, want in zip(ranks[r]["loss-on-last-only"]["grads"][r], grads[r]):
+            torch.testing.assert_close(got, want)
+    assert ranks[1]["loss-on-last-only"]["losses"] == pytest.approx(losses, rel=1e-6)
 
 
 @pytest.mark.parametrize("kind", ["zb-v", "zb-h1"])
