@@ -419,7 +419,14 @@ zb_status_t zb__import_csv(zb_schedule_t **out, const char *text, size_t len,
   }
 
   int S = max_stage + 1, m = max_mb + 1;
-  int32_t *map = S <= MAX_STAGES ? consistent_map(&l, p, S) : NULL;
+  if (S > MAX_STAGES || 3LL * S * m > MAX_OPS) {
+    st = ZB_FAIL(ZB_ERR_PARSE,
+                 "the CSV uses %d stages and %d microbatches over %d rows; at most %d stages and "
+                 "3 * stages * microbatches <= %lld are supported",
+                 S, m, p, MAX_STAGES, MAX_OPS);
+    goto fail;
+  }
+  int32_t *map = consistent_map(&l, p, S);
   if (map && (S % p != 0 || custom_map(map, p, S))) {
     /* Every stage on one rank, every rank with a stage, but neither a loop nor the V (torch's
      * custom stage ids, ranks holding different numbers of stages): an explicit map. */
@@ -450,13 +457,6 @@ zb_status_t zb__import_csv(zb_schedule_t **out, const char *text, size_t len,
                  "the CSV uses %d stages (0..%d) over %d ranks (one row per rank); the number of "
                  "stages must be a multiple of the number of rows (v = stages / ranks chunks each)",
                  S, max_stage, p);
-    goto fail;
-  }
-  if (S > MAX_STAGES || 3LL * S * m > MAX_OPS) {
-    st = ZB_FAIL(ZB_ERR_PARSE,
-                 "the CSV uses %d stages and %d microbatches over %d rows; at most %d stages and "
-                 "3 * stages * microbatches <= %lld are supported",
-                 S, m, p, MAX_STAGES, MAX_OPS);
     goto fail;
   }
   int v = S / p;

@@ -21,6 +21,7 @@ struct zb_schedule {
    * rank's stages (S each). v is then the most stages any rank holds. */
   int32_t *stage_map;
   int *stage_chunk;
+  double *stage_unit; /* 1 / (stages its rank holds): its share of a microbatch's memory */
   double w_share;
   double mem_limit; /* <= 0: none */
   double t_comm;
@@ -109,6 +110,13 @@ static inline double zb__op_mem(const zb_schedule_t *s, int type) {
     case ZB_OP_W: return -s->w_share * unit;
     default: return -unit;
   }
+}
+
+/* The same for an op of a given stage: under an explicit map a rank's unit is 1/(its own stage
+ * count), as its per-rank times are divided (zb__schedule_alloc_mapped). */
+static inline double zb__op_mem_at(const zb_schedule_t *s, int type, int stage) {
+  double mem = zb__op_mem(s, type);
+  return s->stage_unit ? mem * s->v * s->stage_unit[stage] : mem;
 }
 
 /* Name of an op type in messages and JSON: F, B, W and "BW" (CSV uses torch's letters instead). */

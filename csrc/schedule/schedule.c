@@ -210,6 +210,7 @@ void zb__schedule_free(zb_schedule_t *s) {
   free(s->peak);
   free(s->stage_map);
   free(s->stage_chunk);
+  free(s->stage_unit);
   free(s);
 }
 
@@ -348,7 +349,8 @@ zb_status_t zb__schedule_alloc_mapped(zb_schedule_t **out, const zb_schedule_spe
     s->peak = calloc((size_t)p, sizeof(double));
     s->stage_map = malloc((size_t)S * sizeof(int32_t));
     s->stage_chunk = malloc((size_t)S * sizeof(int));
-    if (!s->rank_off || !s->span || !s->busy || !s->peak || !s->stage_map || !s->stage_chunk)
+    s->stage_unit = malloc((size_t)S * sizeof(double));
+    if (!s->rank_off || !s->span || !s->busy || !s->peak || !s->stage_map || !s->stage_chunk || !s->stage_unit)
       st = ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory allocating a schedule of %d stages", S);
   }
   if (st == ZB_OK) {
@@ -358,6 +360,7 @@ zb_status_t zb__schedule_alloc_mapped(zb_schedule_t **out, const zb_schedule_spe
       s->stage_map[k] = map[k];
       s->stage_chunk[k] = count[map[k]]++;
     }
+    for (int k = 0; k < S; k++) s->stage_unit[k] = 1.0 / count[map[k]];
   } else if (s) {
     zb__schedule_free(s);
     *out = NULL;

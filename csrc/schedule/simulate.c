@@ -198,7 +198,7 @@ static zb_sim_result_t stats_of(const zb_schedule_t *s, const double *start, con
     double busy = 0, mem = 0, peak = 0, first = 0, last = 0;
     for (int k = a; k < b; k++) {
       busy += end[k] - start[k];
-      mem += zb__op_mem(s, s->ops[k].type);
+      mem += zb__op_mem_at(s, s->ops[k].type, s->ops[k].stage);
       if (mem > peak) peak = mem;
       if (k == a || start[k] < first) first = start[k];
       if (k == a || end[k] > last) last = end[k];

@@ -218,7 +218,7 @@ zb_status_t zb_schedule_validate(const zb_schedule_t *s) {
     for (int r = 0; r < s->p; r++) {
       double mem = 0;
       for (int k = s->rank_off[r]; k < s->rank_off[r + 1]; k++) {
-        mem += zb__op_mem(s, s->ops[k].type);
+        mem += zb__op_mem_at(s, s->ops[k].type, s->ops[k].stage);
         if (mem > s->mem_limit + ZB_EPS) {
           const zb_op_t *op = &s->ops[k];
           return ZB_FAIL(ZB_ERR_INVALID_SCHEDULE,

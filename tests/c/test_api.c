@@ -576,6 +576,26 @@ static void test_create_from_ops_mapped(void **state) {
   assert_float_equal(res.cost, 3 * (0.5 + 1 + 0.5), 1e-12);
   ZB_ASSERT_OK(zb_schedule_destroy(s));
 
+  /* Memory: a microbatch through all of a rank's layers is 1, whatever the rank's stage count.
+   * GPipe over m = 2: rank 0 (stages 0 and 2, 1/2 each) and rank 1 (stage 1, 1 each) both peak at 2. */
+  {
+    const zb_op_t g0[8] = {{ZB_OP_F, 0, 0}, {ZB_OP_F, 0, 1}, {ZB_OP_F, 2, 0}, {ZB_OP_F, 2, 1},
+                           {ZB_OP_BW, 2, 0}, {ZB_OP_BW, 2, 1}, {ZB_OP_BW, 0, 0}, {ZB_OP_BW, 0, 1}};
+    const zb_op_t g1[4] = {{ZB_OP_F, 1, 0}, {ZB_OP_F, 1, 1}, {ZB_OP_BW, 1, 0}, {ZB_OP_BW, 1, 1}};
+    const zb_op_t *g[2] = {g0, g1};
+    const int32_t gc[2] = {8, 4};
+    zb_schedule_spec_t two = zb_test_spec(ZB_KIND_CUSTOM, 2, 2, 1);
+    ZB_ASSERT_OK(zb_schedule_create_from_ops_mapped(&s, &two, map, 3, g, gc));
+    ZB_ASSERT_OK(zb_schedule_validate(s));
+    ZB_ASSERT_OK(zb_schedule_simulate(s, &res));
+    double span, busy, peak0, peak1;
+    ZB_ASSERT_OK(zb_schedule_rank_stats(s, 0, &span, &busy, &peak0));
+    ZB_ASSERT_OK(zb_schedule_rank_stats(s, 1, &span, &busy, &peak1));
+    assert_float_equal(peak0, 2.0, 1e-12);
+    assert_float_equal(peak1, 2.0, 1e-12);
+    ZB_ASSERT_OK(zb_schedule_destroy(s));
+  }
+
   /* The same map with op lists that put stage 1 on rank 0: validation names the rank. */
   const zb_op_t w0[4] = {{ZB_OP_F, 0, 0}, {ZB_OP_F, 1, 0}, {ZB_OP_BW, 1, 0}, {ZB_OP_BW, 0, 0}};
   const zb_op_t w1[2] = {{ZB_OP_F, 2, 0}, {ZB_OP_BW, 2, 0}};

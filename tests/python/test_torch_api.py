@@ -79,6 +79,12 @@ def test_dualpipev_is_torchs_order_with_its_overlapped_pairs(p):
         zp.ScheduleDualPipeV([ZMock(2 * p, p) for _ in range(2)], 2 * p - 1)
 
 
+def test_torchs_own_stand_in_stages_plan_too():
+    sched = zp.ScheduleInterleaved1F1B([TMock(8, 4) for _ in range(2)], 8)
+    theirs = tp.ScheduleInterleaved1F1B([TMock(8, 4) for _ in range(2)], 8).pipeline_order
+    assert sched.pipeline_order == compute_only(theirs)
+
+
 def test_v_schedules_need_two_stages_per_rank():
     for cls in (zp.ScheduleZBVZeroBubble, zp.ScheduleDualPipeV):
         with pytest.raises(ValueError, match="2 stages"):
@@ -258,6 +264,29 @@ def test_a_broken_user_order_fails_with_the_rank_and_rule():
         sched.step(x, target=y)
 
 
+def test_a_rank_given_the_wrong_stages_fails_every_step_not_only_the_first():
+    A = zs._Action
+    sched = zs.PipelineScheduleMulti([zp.PipelineStage(torch.nn.Linear(D, D), 0, 2, "cpu")], M,
+                                     loss_fn=torch.nn.MSELoss())
+    sched.pipeline_order = {0: [A.from_str(c) for c in "0F0 1F0 0F1 1F1 1B0 0B0 1B1 0B1".split()]}
+    x, y = data()
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"was given stage\(s\) \[0\]"):
+            sched.step(x, target=y)
+
+
+def test_the_order_with_transfers_follows_the_order():
+    A = zs._Action
+    mods = model()
+    stages = [zp.PipelineStage(mods[:2], 0, 2, "cpu"), zp.PipelineStage(mods[2:], 1, 2, "cpu")]
+    sched = zs._PipelineScheduleRuntime(stages, M, loss_fn=torch.nn.MSELoss())
+    sched.pipeline_order = {0: [A.from_str(c) for c in "0F0 1F0 0F1 1F1 1B0 0B0 1B1 0B1".split()]}
+    first = [a for a in sched.pipeline_order_with_comms[0] if a.is_compute_op]
+    sched.pipeline_order[0][4:] = [A.from_str(c) for c in "1B1 0B1 1B0 0B0".split()]  # changed in place
+    again = [a for a in sched.pipeline_order_with_comms[0] if a.is_compute_op]
+    assert again != first and again == sched.pipeline_order[0]
+
+
 @pytest.mark.parametrize("fmt", ["compute_only", "compute_comms"])
 def test_load_and_dump_csv_in_both_of_torchs_forms(tmp_path, fmt):
     mod, (x, y), loss_fn = model(), data(), torch.nn.MSELoss()
@@ -303,6 +332,13 @@ def test_dw_builder_runs_once_per_microbatch_at_its_w():
     assert calls == ["built", "built", "ran", "ran"]  # built at each I, run at each W
     with pytest.raises(TypeError, match="dw_builder"):
         zp.PipelineStage(mod, 0, 1, "cpu", dw_builder=3)
+
+    def failing():
+        raise ValueError("the weight gradient could not be made")
+
+    sched = SplitOrder([zp.PipelineStage(mod, 0, 1, "cpu", dw_builder=lambda: failing)], M, loss_fn=torch.nn.MSELoss())
+    with pytest.raises(ValueError, match="could not be made"):  # the user's own exception, as torch raises it
+        sched.step(x, target=y)
 
 
 def test_dualpipev_trains_two_stages_on_one_rank():
@@ -364,6 +400,7 @@ def test_stages_torch_built_run_on_zbpp(one_process_group):
     losses = []
     out = zp.Schedule1F1B(stage, M, loss_fn=loss_fn).step(x, target=y, losses=losses)
     torch.testing.assert_close(out, ref_out)
+    assert len(stage.output_chunks) == M  # on the object the script holds
     for p, g in zip(mod.parameters(), ref_grads):
         torch.testing.assert_close(p.grad, g)
 

@@ -179,6 +179,8 @@ def _adopt(stage, who):
     except ImportError:  # a torch without torch.distributed.pipelining made no stages
         base = None
     if base is not None and isinstance(stage, base):
+        if getattr(stage, "submod", None) is None or not hasattr(stage, "stage_index") or not hasattr(stage, "device"):
+            return stage  # a stand-in with only the pipeline's shape (torch's tests' mocks): planned, not run
         from .stage import from_torch_stage
 
         return from_torch_stage(stage)
@@ -443,6 +445,7 @@ class PipelineSchedule:
         self._order_user = False  # set by the user (else made from the plan)
         self._order_seen = None
         self._order_comms = None  # pipeline_order_with_comms, made on first use or set
+        self._order_comms_from = None  # (schedule, order) it was made from; None when the user set it
         self._order_schedule = None
         if csv is not None:
             self.schedule = Schedule.from_csv(csv, mem_limit=limit, **(cost_times or {"times": times}))
@@ -702,7 +705,7 @@ class PipelineSchedule:
             if dw_builder is not None:
                 # torch's dw_builder: the stage's weight gradients are this function's work, run
                 # at the W op of this microbatch (at once for a fused backward).
-                store.push_action(dw_builder())
+                store.push_action(_marked(dw_builder()))
         finally:
             store.capturing = False
         if s > 0:
@@ -752,7 +755,11 @@ class PipelineSchedule:
         the first step, by every rank, so no rank runs a backward its peers do not."""
         if self._backward_agreed is None:
             mine = self._loss_fn is not None
-            self._backward_agreed = any(self._all_gather(mine)) if self.ranks > 1 else mine
+            if self.ranks > 1:
+                with self._device_scope():  # a NCCL message group stages on the current device
+                    self._backward_agreed = any(self._all_gather(mine))
+            else:
+                self._backward_agreed = mine
         return self._backward_agreed
 
     def _step_microbatches(self, arg_mbs=None, kwarg_mbs=None, target_mbs=None, losses=None, return_outputs=True,
@@ -772,8 +779,8 @@ class PipelineSchedule:
         if not self._runnable:
             raise RuntimeError(f"zbpp.{type(self).__name__}: its stages carry no modules (stage_index and submod); "
                                "it can show its pipeline_order but not run")
+        trains = self._trains()  # a collective at the first step: before anything that may fail on one rank
         self._sync_order()
-        trains = self._trains()
         for st in self.stages:
             st.has_backward = trains
             st.clear_runtime_states()
@@ -794,7 +801,8 @@ class PipelineSchedule:
             if trains:
                 self._run_iteration()
             else:
-                self._forward_only()
+                with self._device_scope():
+                    self._forward_only()
         finally:
             self._mb_args = self._mb_kwargs = self._mb_target = None
             self._loss_kwargs = {}
@@ -804,7 +812,11 @@ class PipelineSchedule:
             return None
         outs, got = self._outputs, self._losses
         self._outputs = self._losses = None
-        self._by_index[self.loss_stage].output_chunks[:] = outs
+        last = self._by_index[self.loss_stage]
+        last.output_chunks[:] = outs
+        theirs = getattr(last, "torch_stage", None)  # the stage object a script built with torch's class
+        if theirs is not None and isinstance(getattr(theirs, "output_chunks", None), list):
+            theirs.output_chunks[:] = outs
         if losses is not None and (trains or all(x is not None for x in got)):
             losses.clear()
             losses.extend(got)
@@ -887,28 +899,35 @@ class PipelineSchedule:
         self._order = order
         self._order_user = True
         self._order_seen = None
-        self._order_comms = None
+        self._order_comms = self._order_comms_from = None
 
     @property
     def pipeline_order_with_comms(self):
         """The order with torch's transfer actions (torch's own lowering of pipeline_order, or
         what was set). Setting it runs that order: its transfers are dropped (the runner makes
         its own), the rest is as setting pipeline_order."""
-        if self._order_comms is None:
+        order = self.pipeline_order
+        if order is None:
+            return None
+        if self._order_comms is not None and self._order_comms_from is None:
+            return self._order_comms  # as the user set it
+        made_from = (self.schedule, {r: list(a) for r, a in order.items()})
+        if self._order_comms is None or self._order_comms_from[0] is not made_from[0] \
+                or self._order_comms_from[1] != made_from[1]:
+            # made again after a replan or a change to the order
             from ._order import with_comms
 
-            order = self.pipeline_order
-            if order is None:
-                return None
             current = not self._order_user or self._order_schedule is self.schedule  # the plan runs this order
             self._order_comms = with_comms(order, self.schedule if current else None, self.ranks, self._num_stages,
                                            self.n_microbatches)
+            self._order_comms_from = made_from
         return self._order_comms
 
     @pipeline_order_with_comms.setter
     def pipeline_order_with_comms(self, actions):
         self.pipeline_order = {r: list(a) for r, a in actions.items()}
         self._order_comms = actions
+        self._order_comms_from = None  # the user's own: kept as given
 
     def _sync_order(self):
         """Before a step: runs the pipeline_order the user set or changed, as a zbpp schedule."""
@@ -929,9 +948,10 @@ class PipelineSchedule:
 
         new = schedule_from_actions(order, self.ranks, self._num_stages, self.n_microbatches, **self._cost_args)
         self._switch_schedule(new)
+        self._order_seen = None  # recorded once the stages are checked: a failed check fails every step
+        self._check_stages()
         self._order_seen = {r: list(a) for r, a in order.items()}
         self._order_schedule = new
-        self._check_stages()
         self._plan_kind = None  # the user's order is run as given, never replanned
         self._profile = None
 
@@ -967,7 +987,7 @@ class PipelineSchedule:
             raise NotImplementedError(f"format={format!r} is not implemented; use 'compute_only' or 'compute_comms'")
         self.pipeline_order = {r: list(a) for r, a in actions.items()}
         if format == "compute_comms":
-            self._order_comms = {r: list(a) for r, a in actions.items()}
+            self._order_comms, self._order_comms_from = {r: list(a) for r, a in actions.items()}, None
         self._sync_order()
 
     def _load_csv(self, filename, format="compute_only"):

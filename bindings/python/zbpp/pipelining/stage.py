@@ -53,8 +53,10 @@ def from_torch_stage(stage):
     info = getattr(stage, "pipe_info", None)
     if info is not None:
         _check_adjacent(_submodule_nodes(info))
-    return PipelineStage(stage.submod, stage.stage_index, stage.num_stages, stage.device, group=stage.group,
+    ours = PipelineStage(stage.submod, stage.stage_index, stage.num_stages, stage.device, group=stage.group,
                          dw_builder=getattr(stage, "dw_builder", None))
+    ours.torch_stage = stage  # the last stage's output_chunks are mirrored there after each step
+    return ours
 
 
 def build_stage(stage_module, stage_index, pipe_info, device, group=None):
