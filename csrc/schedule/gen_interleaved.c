@@ -38,46 +38,11 @@ static int round_size(const zb_schedule_t *s) {
   return s->m / rounds;
 }
 
-zb_status_t zb__gen_interleaved(zb_schedule_t *s) {
+/* The k-th forwards and backwards of each rank in torch's rounds, with a warm-up of
+ * (v-1)g + factor(p-1-r) forwards. split = 0: fused backwards (interleaved 1F1B, factor 2);
+ * split = 1: B and W, rank r's W's held back r backwards (the zero-bubble variants). */
+static zb_status_t gen_rounds(zb_schedule_t *s, int factor, int split) {
   int p = s->p, v = s->v, total = s->m * v, g = round_size(s);
-  zb__oplists_t l;
-  ZB_CHECK(zb__oplists_init(&l, p));
-  zb_status_t st = ZB_OK;
-  for (int r = 0; r < p && st == ZB_OK; r++) {
-    int warmup = (p - 1 - r) * 2 + (v - 1) * g;
-    if (warmup > total) warmup = total;
-    int f = 0, b = 0, c, i;
-    /* Phase 1: warm-up forwards across the chunks. */
-    while (f < warmup && st == ZB_OK) {
-      virtual_mb(s, g, f++, 0, &c, &i);
-      st = zb__oplists_push(&l, r, ZB_OP_F, c * p + r, i);
-    }
-    /* Phase 2: steady one forward, one backward. */
-    while (f < total && st == ZB_OK) {
-      virtual_mb(s, g, f++, 0, &c, &i);
-      st = zb__oplists_push(&l, r, ZB_OP_F, c * p + r, i);
-      if (st != ZB_OK) break;
-      virtual_mb(s, g, b++, 1, &c, &i);
-      st = zb__oplists_push(&l, r, ZB_OP_BW, c * p + r, i);
-    }
-    /* Phase 3: drain. */
-    while (b < total && st == ZB_OK) {
-      virtual_mb(s, g, b++, 1, &c, &i);
-      st = zb__oplists_push(&l, r, ZB_OP_BW, c * p + r, i);
-    }
-  }
-  if (st == ZB_OK) st = zb__schedule_take_ops(s, &l);
-  zb__oplists_free(&l);
-  return st;
-}
-
-static zb_status_t gen_interleaved_zb(zb_schedule_t *s, int factor) {
-  int p = s->p, v = s->v, m = s->m, total = m * v;
-  int rounds = m / p > 1 ? m / p : 1;
-  if (m % rounds != 0)
-    return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
-                   "interleaved zero bubble splits m = %d into %d rounds, which does not divide it", m, rounds);
-  int g = round_size(s);
   zb__oplists_t l;
   ZB_CHECK(zb__oplists_init(&l, p));
   zb_status_t st = ZB_OK;
@@ -85,12 +50,14 @@ static zb_status_t gen_interleaved_zb(zb_schedule_t *s, int factor) {
     int warmup = (v - 1) * g + factor * (p - 1 - r);
     if (warmup > total) warmup = total;
     int f = 0, b = 0, w = 0, c, i;
+    int bwd = split ? ZB_OP_B : ZB_OP_BW;
     /* W of backward number w may run once backward w + r has: r backwards of slack on rank r. */
 #define PUSH_W_UPTO(limit)                                                                         \
-  while (w < (limit) && st == ZB_OK) {                                                              \
+  while (split && w < (limit) && st == ZB_OK) {                                                     \
     virtual_mb(s, g, w++, 1, &c, &i);                                                             \
     st = zb__oplists_push(&l, r, ZB_OP_W, c * p + r, i);                                            \
   }
+    /* Warm-up forwards across the chunks, then one forward one backward, then the drain. */
     while (f < warmup && st == ZB_OK) {
       virtual_mb(s, g, f++, 0, &c, &i);
       st = zb__oplists_push(&l, r, ZB_OP_F, c * p + r, i);
@@ -100,12 +67,12 @@ static zb_status_t gen_interleaved_zb(zb_schedule_t *s, int factor) {
       st = zb__oplists_push(&l, r, ZB_OP_F, c * p + r, i);
       if (st != ZB_OK) break;
       virtual_mb(s, g, b++, 1, &c, &i);
-      st = zb__oplists_push(&l, r, ZB_OP_B, c * p + r, i);
+      st = zb__oplists_push(&l, r, bwd, c * p + r, i);
       PUSH_W_UPTO(b - r)
     }
     while (b < total && st == ZB_OK) {
       virtual_mb(s, g, b++, 1, &c, &i);
-      st = zb__oplists_push(&l, r, ZB_OP_B, c * p + r, i);
+      st = zb__oplists_push(&l, r, bwd, c * p + r, i);
       PUSH_W_UPTO(b - r)
     }
     PUSH_W_UPTO(total)
@@ -114,6 +81,18 @@ static zb_status_t gen_interleaved_zb(zb_schedule_t *s, int factor) {
   if (st == ZB_OK) st = zb__schedule_take_ops(s, &l);
   zb__oplists_free(&l);
   return st;
+}
+
+zb_status_t zb__gen_interleaved(zb_schedule_t *s) { return gen_rounds(s, 2, 0); }
+
+/* zb-auto's candidates: check_shape has not seen m (zb-auto takes any), so the rounds are checked
+ * here. */
+static zb_status_t gen_interleaved_zb(zb_schedule_t *s, int factor) {
+  int rounds = s->m / s->p > 1 ? s->m / s->p : 1;
+  if (s->m % rounds != 0)
+    return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
+                   "interleaved zero bubble splits m = %d into %d rounds, which does not divide it", s->m, rounds);
+  return gen_rounds(s, factor, 1);
 }
 
 zb_status_t zb__gen_interleaved_zb1(zb_schedule_t *s) { return gen_interleaved_zb(s, 1); }

@@ -136,6 +136,15 @@ def run_failure(rank, world, port, mode, out_dir):
     os._exit(0)  # the process group is broken; do not wait for it at exit
 
 
+def chain(n):
+    """The small model and batch the torch-API tests train: n Linear(8, 8)+Tanh layers from seed 0,
+    and (x, y) of 4 rows from seed 1."""
+    torch.manual_seed(0)
+    layers = [torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()) for _ in range(n)]
+    g = torch.Generator().manual_seed(1)
+    return layers, torch.randn(4, 8, generator=g), torch.randn(4, 8, generator=g)
+
+
 def run_torch_orders(rank, world, port, out_dir):
     """2 ranks: user orders as PyTorch's CustomSchedulesTest writes them (PipelineScheduleMulti
     subclasses that set pipeline_order): a V over 4 stages, and an unbalanced map (stages 0, 1, 4
@@ -147,12 +156,7 @@ def run_torch_orders(rank, world, port, out_dir):
     _init(rank, world, port)
     out = {}
     try:
-        def layers(n):
-            torch.manual_seed(0)
-            return [torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()) for _ in range(n)]
-
-        g = torch.Generator().manual_seed(1)
-        x, y = torch.randn(4, 8, generator=g), torch.randn(4, 8, generator=g)
+        _, x, y = chain(0)
 
         def A(text):
             return [_Action.from_str(c) if c else None for c in text.split()]
@@ -166,7 +170,7 @@ def run_torch_orders(rank, world, port, out_dir):
                 1: A("2F0 3F0 2F1 3F1 3B0 2B0 3B1 2B1")}),
         }
         for name, (S, rank_stages, m, order) in cases.items():
-            mods = layers(S)
+            mods = chain(S)[0]
             stages = [PipelineStage(mods[s], s, S, "cpu") for s in rank_stages[rank]]
 
             class Custom(PipelineScheduleMulti):
@@ -191,7 +195,7 @@ def run_torch_orders(rank, world, port, out_dir):
         # ranks agree at the first step that the pipeline trains.
         from zbpp.pipelining import Schedule1F1B
 
-        mods = layers(2)
+        mods = chain(2)[0]
         stage = PipelineStage(mods[rank], rank, 2, "cpu")
         sched = Schedule1F1B(stage, 2, loss_fn=torch.nn.MSELoss() if rank == 1 else None)
         losses = []
@@ -221,10 +225,7 @@ def run_torch_runtime_on_zbpp_plan(rank, world, port, csv_path, num_stages, m, o
         with open(csv_path) as f:
             plan = Schedule.from_csv(f.read())
         mine = plan.rank_stages(rank)
-        torch.manual_seed(0)
-        mods = [torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()) for _ in range(num_stages)]
-        g = torch.Generator().manual_seed(1)
-        x, y = torch.randn(4, 8, generator=g), torch.randn(4, 8, generator=g)
+        mods, x, y = chain(num_stages)
         stages = [tp.PipelineStage(mods[s], s, num_stages, torch.device("cpu")) for s in mine]
         sched = tp.schedules._PipelineScheduleRuntime(stages, m, loss_fn=torch.nn.MSELoss())
         sched._load_csv(csv_path, format="compute_comms")

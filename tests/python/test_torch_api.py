@@ -406,11 +406,11 @@ def test_stages_torch_built_run_on_zbpp(one_process_group):
 
 
 def _reference_chain(S, m):
-    """Gradients and losses of S Linear+Tanh layers run microbatch by microbatch (gradients / m)."""
-    torch.manual_seed(0)
-    mods = [torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()) for _ in range(S)]
-    g = torch.Generator().manual_seed(1)
-    x, y = torch.randn(4, 8, generator=g), torch.randn(4, 8, generator=g)
+    """Gradients and losses of the workers' chain of S layers run microbatch by microbatch
+    (gradients / m), and its output."""
+    import pipeline_worker
+
+    mods, x, y = pipeline_worker.chain(S)
     losses = []
     for xi, yi in zip(x.chunk(m), y.chunk(m)):
         h = xi

@@ -443,7 +443,7 @@ class PipelineSchedule:
         self._cost_args = dict(cost_times or {"times": times}, mem_limit=None if limit_kind == "bytes" else limit)
         self._order = None  # torch's pipeline_order (see the pipeline_order property)
         self._order_user = False  # set by the user (else made from the plan)
-        self._order_seen = None
+        self._order_seen = None  # a user's order as last run (_sync_order)
         self._order_comms = None  # pipeline_order_with_comms, made on first use or set
         self._order_comms_from = None  # (schedule, order) it was made from; None when the user set it
         self._order_schedule = None
@@ -890,7 +890,6 @@ class PipelineSchedule:
             from ._order import to_actions
 
             self._order = to_actions(self.schedule)
-            self._order_seen = {r: list(a) for r, a in self._order.items()}
             self._order_schedule = self.schedule
         return self._order
 
@@ -1507,7 +1506,6 @@ class ScheduleDualPipeV(_PipelineScheduleRuntime):
         schedule = schedule_from_actions(order, p, S, m, times=times, mem_limit=limit)
         # pipeline_order shows the pairs as torch's OVERLAP_F_B actions (the ops are their halves)
         self._order, self._order_schedule = order, schedule
-        self._order_seen = {r: list(a) for r, a in order.items()}
         return schedule
 
 
