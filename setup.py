@@ -20,6 +20,7 @@ import shlex
 import shutil
 import stat
 import subprocess
+import sys
 
 from setuptools import setup
 from setuptools.command.build_py import build_py
@@ -39,6 +40,7 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 PKG_DIR = os.path.join(ROOT, "bindings", "python", "zbpp")
 CMAKE_BUILD_DIR = os.path.join(ROOT, "build", "py-cmake")
 LIB_NAME = "libzbpp.so"
+TORCH_LIB_NAME = "libzbpp_torch.so"  # the torch custom ops; built only against torch >= 2.10
 TOOL_NAME = "zbpp"
 
 
@@ -75,6 +77,9 @@ def _cmake_build():
         "-DCMAKE_BUILD_TYPE=Release",
         "-DZB_BUILD_TESTS=OFF",
         "-DZB_BUILD_BENCHMARKS=OFF",
+        # The torch ops are built against the torch of the Python running this build (pip's; with
+        # build isolation that one has no torch, and the wheel goes without them: ctypes then).
+        f"-DZB_PYTHON={sys.executable}",
     ]  # CUDA is left to CMakeLists.txt's auto-detection (ZB_ENABLE_CUDA=AUTO).
     args += shlex.split(os.environ.get("ZBPP_CMAKE_ARGS", ""))
     _run(args)
@@ -113,6 +118,9 @@ def bundle_native():
     exe = stat.S_IRWXU | stat.S_IRGRP | stat.S_IXGRP | stat.S_IROTH | stat.S_IXOTH  # 0o755
     _copy(lib, os.path.join(PKG_DIR, LIB_NAME), exe)
     _copy(tool, os.path.join(PKG_DIR, "bin", TOOL_NAME), exe)
+    ops = _find_output(base, TORCH_LIB_NAME)
+    if ops is not None:
+        _copy(ops, os.path.join(PKG_DIR, TORCH_LIB_NAME), exe)
 
 
 def _unbundle_native():
@@ -121,7 +129,8 @@ def _unbundle_native():
     Left there, they would shadow a newer build/libzbpp.so for anyone who imports the package
     from the source checkout (the loader looks in the package directory first).
     """
-    for path in (os.path.join(PKG_DIR, LIB_NAME), os.path.join(PKG_DIR, "bin", TOOL_NAME)):
+    for path in (os.path.join(PKG_DIR, LIB_NAME), os.path.join(PKG_DIR, TORCH_LIB_NAME),
+                 os.path.join(PKG_DIR, "bin", TOOL_NAME)):
         if os.path.lexists(path):
             os.remove(path)
     try:

@@ -15,13 +15,24 @@ op() is None and the backward calls the store directly (eager, or a graph break 
 torch.compile, as before). Eager backwards never go through the op: the dispatcher's cost per call
 would be paid on every split layer of every microbatch for nothing.
 
-What this is not: the libtorch stable-ABI registration that would let the C library register its
-entry points itself, without Python (not built yet).
+The stable-ABI ops. On torch 2.10 and newer the build also makes libzbpp_torch.so
+(csrc/torch/ops.cpp), which registers `zbpp::wgrad` (W now: dw += dy^T x, db += sum of dy) and
+`zbpp::wgrad_deferred` (the same W pushed into the W store bound to the device, run now when none
+is) through libtorch's stable ABI: dispatcher ops with C++ kernels, which torch.compile and
+torch.export record as graph nodes and which run without Python (a C++ program or an AOTInductor
+package that loads the library). `stable()` loads it and returns torch.ops.zbpp, or None where it
+cannot (older torch, a build without it: the reason is in `stable_unavailable()`). SplitLinear
+itself keeps the Python op above: where its gradient goes (main_grad, a .grad made on first use, a
+half-precision .grad summed in fp32) is decided from Python attributes at run time.
 """
 
+import ctypes
+import os
 from typing import Optional
 
 import torch
+
+from . import _lib
 
 _OP = []
 
@@ -77,3 +88,95 @@ def compiling():
     """Whether torch.compile is tracing this call (its backward included)."""
     is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None)
     return bool(is_compiling and is_compiling())
+
+
+# ---- the stable-ABI library (libzbpp_torch.so) ---------------------------------------------------
+ENV_TORCH_LIBRARY = "ZBPP_TORCH_LIBRARY"
+TORCH_LIB_NAME = "libzbpp_torch.so"
+TOKEN_BIT = 1 << 63  # tokens of entries zbpp::wgrad_deferred pushed (csrc/torch/ops.cpp)
+CPU_KEY = -1  # the CPU's device key in zbpp_torch_bind
+
+_STABLE = []  # [torch.ops.zbpp or None, ctypes handle or None, reason when None]
+
+
+def _torch_version():
+    parts = torch.__version__.split("+")[0].split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        return 0, 0
+
+
+def stable_library_path():
+    """Where libzbpp_torch.so is looked for: $ZBPP_TORCH_LIBRARY, else beside libzbpp.so."""
+    env = os.environ.get(ENV_TORCH_LIBRARY)
+    if env:
+        return env
+    return os.path.join(os.path.dirname(_lib.library_path()), TORCH_LIB_NAME)
+
+
+def stable():
+    """torch.ops.zbpp with the stable-ABI ops loaded (wgrad, wgrad_deferred), or None where this
+    torch or this build has none (stable_unavailable() says why)."""
+    if not _STABLE:
+        _STABLE.extend(_load_stable())
+    return _STABLE[0]
+
+
+def stable_unavailable():
+    """Why stable() is None ("" when it is not)."""
+    stable()
+    return _STABLE[2]
+
+
+def _load_stable():
+    if _torch_version() < (2, 10):
+        return None, None, f"torch {torch.__version__} has no stable ABI for custom ops (2.10 or newer needed)"
+    _lib.lib()  # libzbpp.so first: the ops library then binds to this very copy (its soname)
+    path = stable_library_path()
+    if not os.path.isfile(path):
+        return None, None, (f"{path} not found: it is built by CMake when ZB_PYTHON's torch is 2.10 or newer "
+                            f"(cmake -DZB_PYTHON=$(which python) ...), or set {ENV_TORCH_LIBRARY}")
+    torch.ops.load_library(path)
+    handle = ctypes.CDLL(path)  # the same object torch loaded: dlopen of one path gives one copy
+    handle.zbpp_torch_bind.argtypes = [ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p]
+    handle.zbpp_torch_bind.restype = ctypes.c_int
+    handle.zbpp_torch_release.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int32]
+    handle.zbpp_torch_release.restype = ctypes.c_int
+    handle.zbpp_torch_live.argtypes = [ctypes.c_void_p]
+    handle.zbpp_torch_live.restype = ctypes.c_int64
+    try:
+        from torch._higher_order_ops.effects import _EffectType, _register_effectful_op
+
+        # Returns nothing and mutates nothing the schema names (its write comes later, at W), so a
+        # compiler would drop it as dead code: it is kept, in order, as a side effect.
+        _register_effectful_op(torch.ops.zbpp.wgrad_deferred.default, _EffectType.ORDERED)
+    except (ImportError, AttributeError):
+        pass
+    return torch.ops.zbpp, handle, ""
+
+
+def _handle():
+    stable()
+    return _STABLE[1]
+
+
+def bind(device_key, store_handle, stream=None):
+    """Points zbpp::wgrad_deferred on a device (CPU_KEY or a CUDA ordinal) at a C W store (None
+    unbinds). A no-op while the stable library is not loaded."""
+    h = _STABLE[1] if _STABLE else None
+    if h is not None and h.zbpp_torch_bind(device_key, store_handle, stream) != 0:
+        raise ValueError(f"zbpp: cannot bind a W store to device key {device_key} (-1 is the CPU, "
+                         "0 and up a CUDA ordinal)")
+
+
+def release(token, ran):
+    """Hands an entry zbpp::wgrad_deferred pushed back to the library (drops the tensors it kept)."""
+    if _handle().zbpp_torch_release(None, token, int(bool(ran))) != 0:
+        raise RuntimeError(f"zbpp: the stable-ABI library has no live W entry with token {token:#x}")
+
+
+def live(store_handle):
+    """Entries zbpp::wgrad_deferred pushed into this store that are not yet released."""
+    h = _STABLE[1] if _STABLE else None
+    return 0 if h is None else int(h.zbpp_torch_live(store_handle))

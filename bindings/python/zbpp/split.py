@@ -75,8 +75,7 @@ class WGradStore:
         before = self.prepare_run if self.is_cuda else None
         self.store = runtime.WStore(self.backend, self._release, before_run=before)
         self.immediate = runtime.WStore(self.backend, self._release, before_run=before)
-        # A runner sets this while it is inside a backward callback: pushes then go to its group.
-        self.capturing = False
+        self._capturing = False
         # W GEMMs this store has run (released with ran) and dropped (cleared or closed unrun),
         # over both its stores (pipeline groups and immediate runs). Plain counters: read them,
         # or set them back to 0, between steps.
@@ -85,6 +84,22 @@ class WGradStore:
         # Called as hook(token) after each entry is released (run or dropped): how a caller learns
         # that the W work it is waiting for is done (zbpp.megatron starts gradient reduction so).
         self.release_hooks = []
+
+    @property
+    def capturing(self):
+        """True while a runner is inside a backward callback (or capture() is active): pushes then
+        go to its group. Setting it also binds this store to the device for the stable-ABI op
+        zbpp::wgrad_deferred (_ops.py), when that library is loaded."""
+        return self._capturing
+
+    @capturing.setter
+    def capturing(self, on):
+        self._capturing = bool(on)
+        key = self.device.index if self.is_cuda else _ops.CPU_KEY
+        if self.is_cuda and key is None:
+            key = torch.cuda.current_device()
+        run = self._run_stream
+        _ops.bind(key, self.store.handle if on else None, run.cuda_stream if (on and run is not None) else None)
 
     def prepare_run(self):
         """CUDA: points the backend at torch's current stream (GEMMs then run there) and makes that
@@ -100,7 +115,11 @@ class WGradStore:
         return stream
 
     def _release(self, token, ran):
-        keep, after, pushed = self._live.pop(token)
+        if token & _ops.TOKEN_BIT:  # pushed by the stable-ABI op, which keeps its tensors itself
+            _ops.release(token, ran)
+            keep, after, pushed = (), None, None
+        else:
+            keep, after, pushed = self._live.pop(token)
         if ran:
             self.gemms_run += 1
         else:
@@ -129,12 +148,13 @@ class WGradStore:
                 del self._push_streams[stream.cuda_stream]
 
     def live_tokens(self):
-        """The tokens of the entries pushed and not yet released."""
+        """The tokens of the entries pushed from Python and not yet released."""
         return set(self._live)
 
     def live_entries(self):
-        """Entries pushed and not yet released (0 after every complete step)."""
-        return len(self._live)
+        """Entries pushed (from Python or by zbpp::wgrad_deferred) and not yet released (0 after
+        every complete step)."""
+        return len(self._live) + _ops.live(self.store.handle) + _ops.live(self.immediate.handle)
 
     def push_linear(self, x2, dy2, weight, bias, store=None):
         """Queues dW += dy2^T x2 (and db += sum(dy2)) for a Linear; x2 [rows, in], dy2 [rows, out]."""
