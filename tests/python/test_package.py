@@ -147,6 +147,28 @@ def test_installed_package_loads_its_bundled_library(installed, tmp_path):
     assert got["torch"] is False, "importing zbpp and loading the library must not import torch"
 
 
+def test_installed_package_has_the_torch_ops_its_build_made(wheel, installed, build_dir, tmp_path):
+    """A build with libzbpp_torch.so (torch >= 2.10) ships it, and the installed package loads it
+    into torch: zbpp::wgrad runs from the installed copy."""
+    if not (build_dir / "libzbpp_torch.so").is_file():
+        pytest.skip("this build has no libzbpp_torch.so (its torch is older than 2.10, or ZB_TORCH_OPS=OFF)")
+    with zipfile.ZipFile(wheel) as zf:
+        assert "zbpp/libzbpp_torch.so" in zf.namelist()
+    env, cwd = _in_installed(installed, tmp_path)
+    script = (
+        "import torch, zbpp\n"
+        "from zbpp import _ops\n"
+        "ops = _ops.stable()\n"
+        "assert ops is not None, _ops.stable_unavailable()\n"
+        "x, dy, dw = torch.randn(5, 3), torch.randn(5, 2), torch.zeros(2, 3)\n"
+        "ops.wgrad(x, dy, dw)\n"
+        "torch.testing.assert_close(dw, dy.t() @ x)\n"
+        "print(_ops.stable_library_path())\n"
+    )
+    path = _run([PYTHON, "-c", script], env=env, cwd=cwd).stdout.strip()
+    assert str(Path(path).resolve()).startswith(str(Path(installed).resolve())), path
+
+
 def test_python_m_zbpp_help_lists_kinds(installed, tmp_path):
     env, cwd = _in_installed(installed, tmp_path)
     proc = _run([PYTHON, "-m", "zbpp", "--help"], env=env, cwd=cwd)
