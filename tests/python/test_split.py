@@ -287,6 +287,36 @@ def test_torch_compile_traces_split_layers_whole_and_their_w_runs():
         torch.testing.assert_close(a.grad, b.grad)
 
 
+def test_torch_export_of_a_split_model_gives_linear_outputs_and_gradients():
+    """torch.export takes a split model (its layers export as aten.linear: an exported program has
+    no pipeline to defer W to), forward and joint forward-backward graph alike, and the exported
+    module's gradients are nn.Linear's."""
+    ref, mod = _two_layers()
+    x = torch.randn(8, 16)
+    ep = torch.export.export(mod, (x,))
+    assert "aten.linear.default" in [str(n.target) for n in ep.graph.nodes if n.op == "call_function"]
+    exported = ep.module()
+    out = exported(x)
+    torch.testing.assert_close(out, ref(x))
+    out.square().sum().backward()
+    ref(x).square().sum().backward()
+    got = dict(exported.named_parameters())
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(got[name].grad, p.grad)
+    try:
+        from torch.export.experimental import _export_forward_backward
+    except ImportError:
+        return
+    loss_ep = torch.export.export(torch.nn.Sequential(mod, _SquareSum()), (x,))
+    joint = _export_forward_backward(loss_ep)
+    assert joint.graph_signature.backward_signature is not None
+
+
+class _SquareSum(torch.nn.Module):
+    def forward(self, y):
+        return y.square().sum()
+
+
 def test_compiled_split_layers_defer_w_inside_a_pipeline():
     """In a pipeline the compiled backward's W goes into the store at B and runs at the W op (an
     order with I before W), and the step's gradients are the loop's."""
