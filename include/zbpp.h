@@ -654,12 +654,22 @@ typedef struct {
   void *user;
   double timeout_s;   /* longest wait for one message; <= 0: 300 s */
   int32_t recv_depth; /* receives posted ahead; <= 0: 4 */
+  /* Ops that run as one unit (torch's OVERLAP_F_B, for a caller that overlaps the two itself):
+   * pair_first[j] = k makes ops k and k+1 of this rank's list a pair, n_pairs entries, copied.
+   * A pair waits for both ops' inputs before its first callback, calls both callbacks back to
+   * back, and sends both outputs after the second: the caller may compute the two in any order,
+   * or together, inside the second callback. The second op must not take its input from the
+   * first. A schedule whose order needs the first op's output to leave before the second op's
+   * input can arrive deadlocks (ends in a timeout): DualPipeV's pairs do not. Callers whose
+   * struct_size ends before these fields get no pairs. */
+  const int32_t *pair_first;
+  int32_t n_pairs;
 } zb_runner_config_t;
 
 #define ZB_RUNNER_CONFIG_INIT                                                                      \
   {                                                                                                \
     sizeof(zb_runner_config_t), ZB_RUNNER_CONFIG_VERSION, 0, NULL, NULL, NULL, NULL, NULL, 0,      \
-        NULL, NULL, NULL, 0.0, 0                                                                   \
+        NULL, NULL, NULL, 0.0, 0, NULL, 0                                                          \
   }
 
 typedef struct zb_runner zb_runner_t;

@@ -22,6 +22,7 @@
  *
  * What it is not: a model. Buffers handed to callbacks are the runner's and live only for the call.
  */
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -66,6 +67,7 @@ struct zb_runner {
   const zb_op_t *ops;
   int32_t n;
   op_io_t *io;
+  uint8_t *pair_first; /* n: 1 where ops k and k+1 run as a pair (zb_runner_config_t.pair_first) */
   double *start, *end;
 
   int32_t n_recv;
@@ -176,6 +178,35 @@ static zb_status_t plan(zb_runner_t *r, const zb_runner_config_t *c) {
   return ZB_OK;
 }
 
+/* Checks and records the pairs: each names ops k and k+1 of this rank's list, no op is in two,
+ * and the second does not need the first's output (it could not be there before the first ran). */
+static zb_status_t plan_pairs(zb_runner_t *r, const int32_t *first, int32_t count) {
+  if (!first)
+    return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "zb_runner_config_t: n_pairs is %d but pair_first is NULL", (int)count);
+  r->pair_first = calloc((size_t)(r->n ? r->n : 1), 1);
+  if (!r->pair_first) return ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory recording %d pairs", (int)count);
+  for (int32_t j = 0; j < count; j++) {
+    int32_t k = first[j];
+    if (k < 0 || k + 1 >= r->n)
+      return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
+                     "pair %d starts at op %d, but rank %d has ops 0..%d and a pair needs op k and k+1",
+                     (int)j, (int)k, (int)r->rank, (int)r->n - 1);
+    if (r->pair_first[k] || (k > 0 && r->pair_first[k - 1]) || (k + 1 < r->n && r->pair_first[k + 1]))
+      return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "pair %d (ops %d and %d of rank %d) overlaps another pair",
+                     (int)j, (int)k, (int)k + 1, (int)r->rank);
+    const op_io_t *a = &r->io[k], *b = &r->io[k + 1];
+    if (b->in_kind == IO_LOCAL && a->out_kind == IO_LOCAL && b->in_slot == a->out_slot)
+      return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
+                     "pair %d: op %d %s(stage %d, mb %d) takes its input from op %d %s(stage %d, mb %d) of "
+                     "the same pair; a pair's ops must be independent",
+                     (int)j, (int)k + 1, op_name(r->ops[k + 1].type), (int)r->ops[k + 1].stage,
+                     (int)r->ops[k + 1].mb, (int)k, op_name(r->ops[k].type), (int)r->ops[k].stage,
+                     (int)r->ops[k].mb);
+    r->pair_first[k] = 1;
+  }
+  return ZB_OK;
+}
+
 zb_status_t zb_runner_destroy(zb_runner_t *r) {
   if (!r) return ZB_OK;
   for (int k = 0; k < r->n_pools; k++) {
@@ -189,7 +220,7 @@ zb_status_t zb_runner_destroy(zb_runner_t *r) {
   if (r->ev_base) r->be->ops->event_destroy(r->be, r->ev_base);
   zb__backend_unref(r->be);
   free(r->pools), free(r->io), free(r->start), free(r->end), free(r->recv_op), free(r->recv_req);
-  free(r->recv_buf), free(r->local), free(r->sends);
+  free(r->recv_buf), free(r->local), free(r->sends), free(r->pair_first);
   free(r);
   return ZB_OK;
 }
@@ -198,7 +229,10 @@ zb_status_t zb_runner_create(zb_runner_t **out, const zb_runner_config_t *c) {
   ZB_ARG_NOT_NULL(out);
   *out = NULL;
   ZB_ARG_NOT_NULL(c);
-  if (c->struct_size < sizeof(zb_runner_config_t) || c->version != ZB_RUNNER_CONFIG_VERSION)
+  /* Callers built before the pair fields existed pass the size that ends before them. */
+  const size_t before_pairs = offsetof(zb_runner_config_t, pair_first);
+  const int has_pairs = c->struct_size >= sizeof(zb_runner_config_t);
+  if ((!has_pairs && c->struct_size != before_pairs) || c->version != ZB_RUNNER_CONFIG_VERSION)
     return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
                    "zb_runner_config_t has struct_size %u, version %u; initialise it with "
                    "ZB_RUNNER_CONFIG_INIT (size %zu, version %d)",
@@ -260,6 +294,7 @@ zb_status_t zb_runner_create(zb_runner_t **out, const zb_runner_config_t *c) {
       st = ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory planning %d ops for rank %d", (int)r->n, (int)r->rank);
   }
   if (st == ZB_OK) st = plan(r, c);
+  if (st == ZB_OK && has_pairs && c->n_pairs > 0) st = plan_pairs(r, c->pair_first, c->n_pairs);
   if (st == ZB_OK && r->be->ops->timing_event_create) {
     r->ev_op = calloc(2 * n, sizeof(zb__event_t *));
     if (!r->ev_op) st = ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory for %d timing events", 2 * (int)n);
@@ -379,12 +414,14 @@ static zb_status_t run_compute(zb_runner_t *r, const zb_op_t *op, const void *in
   return ZB_OK;
 }
 
-/* Runs op k once its input is there. On failure the message says what the op was waiting for. */
-static zb_status_t run_op(zb_runner_t *r, int32_t k, int32_t *next_post) {
+/* Takes op k's input (waiting for its receive, or the buffer an earlier op of this rank left) and
+ * a buffer for its output. On failure the message says what the op was waiting for, and nothing is
+ * held. */
+static zb_status_t op_acquire(zb_runner_t *r, int32_t k, int32_t *next_post, void **in, void **out) {
   const zb_op_t *op = &r->ops[k];
   const op_io_t *io = &r->io[k];
-  void *in = NULL, *out = NULL;
   char inner[1536];
+  *in = *out = NULL;
   /* A device-ordered transport (NCCL) notices a dead peer off the host's waits; stop at once. */
   if (r->tr && r->tr->ops->check) ZB_CHECK(r->tr->ops->check(r->tr));
   if (io->in_kind == IO_REMOTE) {
@@ -395,45 +432,92 @@ static zb_status_t run_op(zb_runner_t *r, int32_t k, int32_t *next_post) {
       return ZB_FAIL(st, "waiting for %s from rank %d: %s", op->type == ZB_OP_F ? "the activation" : "the gradient",
                      (int)io->in_peer, inner);
     }
-    in = r->recv_buf[j];
+    *in = r->recv_buf[j];
     r->recv_buf[j] = NULL;
     if (*next_post < r->n_recv) {
-      ZB_CHECK(post_recv(r, *next_post));
+      st = post_recv(r, *next_post);
+      if (st != ZB_OK) {
+        pool_put(r, *in, io->in_bytes);
+        *in = NULL;
+        return st;
+      }
       (*next_post)++;
     }
   } else if (io->in_kind == IO_LOCAL) {
-    in = r->local[io->in_slot];
+    *in = r->local[io->in_slot];
     r->local[io->in_slot] = NULL;
-    if (!in)
+    if (!*in)
       return ZB_FAIL(ZB_ERR_INTERNAL, "the input this rank should have produced itself is missing");
   }
   if (io->out_kind != IO_NONE) {
-    zb_status_t st = pool_get(r, io->out_bytes, &out);
+    zb_status_t st = pool_get(r, io->out_bytes, out);
     if (st != ZB_OK) {
-      pool_put(r, in, io->in_bytes);
+      pool_put(r, *in, io->in_bytes);
+      *in = NULL;
       return st;
     }
   }
+  return ZB_OK;
+}
+
+/* Runs op k's work between its time stamps. */
+static zb_status_t op_compute(zb_runner_t *r, int32_t k, const void *in, void *out) {
   r->start[k] = zb__now();
   zb_status_t st = r->ev_op ? r->be->ops->event_record(r->be, r->ev_op[2 * k]) : ZB_OK;
-  if (st == ZB_OK) st = run_compute(r, op, in, out);
+  if (st == ZB_OK) st = run_compute(r, &r->ops[k], in, out);
   if (st == ZB_OK && r->ev_op) st = r->be->ops->event_record(r->be, r->ev_op[2 * k + 1]);
   r->end[k] = zb__now();
-  pool_put(r, in, io->in_bytes);
-  if (st != ZB_OK) {
-    pool_put(r, out, io->out_bytes);
-    return st;
-  }
+  return st;
+}
+
+/* Hands op k's output on: to the op of this rank that needs it, or to the transport. */
+static zb_status_t op_deliver(zb_runner_t *r, int32_t k, void *out) {
+  const op_io_t *io = &r->io[k];
+  char inner[1536];
   if (io->out_kind == IO_LOCAL) {
     r->local[io->out_slot] = out;
   } else if (io->out_kind == IO_REMOTE) {
-    st = push_send(r, out, io);
+    zb_status_t st = push_send(r, out, io);
     if (st != ZB_OK) {
       take_error(inner, sizeof inner);
-      return ZB_FAIL(st, "sending the %s to rank %d: %s", op->type == ZB_OP_F ? "activation" : "gradient",
+      return ZB_FAIL(st, "sending the %s to rank %d: %s", r->ops[k].type == ZB_OP_F ? "activation" : "gradient",
                      (int)io->out_peer, inner);
     }
   }
+  return ZB_OK;
+}
+
+/* Runs op k once its input is there, or, when k starts a pair, ops k and k+1 as one unit: both
+ * inputs first, both callbacks back to back, both outputs after. *ran is how many ops it ran; on
+ * failure, 1 + the position in the pair of the op that failed (the caller names that op). */
+static zb_status_t run_op(zb_runner_t *r, int32_t k, int32_t *next_post, int32_t *ran) {
+  const int32_t count = r->pair_first && r->pair_first[k] ? 2 : 1;
+  void *in[2] = {NULL, NULL}, *out[2] = {NULL, NULL};
+  zb_status_t st = ZB_OK;
+  int32_t got = 0, failed = -1;
+  for (; got < count; got++) {
+    st = op_acquire(r, k + got, next_post, &in[got], &out[got]);
+    if (st != ZB_OK) {
+      failed = got;
+      break;
+    }
+  }
+  for (int32_t j = 0; st == ZB_OK && j < count; j++) {
+    st = op_compute(r, k + j, in[j], out[j]);
+    if (st != ZB_OK) failed = j;
+  }
+  for (int32_t j = 0; j < got; j++) pool_put(r, in[j], r->io[k + j].in_bytes);
+  for (int32_t j = 0; j < got; j++) {
+    if (st == ZB_OK) {
+      st = op_deliver(r, k + j, out[j]);
+      if (st == ZB_OK) continue;
+      failed = j; /* a failed send still owns its buffer (cleanup_after_failure returns it) */
+      if (r->io[k + j].out_kind == IO_REMOTE) continue;
+    }
+    pool_put(r, out[j], r->io[k + j].out_bytes);
+  }
+  *ran = st == ZB_OK ? count : failed + 1;
+  if (st != ZB_OK) return st;
   return reap_sends(r, 0);
 }
 
@@ -458,9 +542,14 @@ zb_status_t zb_runner_run(zb_runner_t *r) {
     if (st != ZB_OK) break;
   }
   if (st == ZB_OK)
-    for (k = 0; k < r->n; k++) {
-      st = run_op(r, k, &next_post);
-      if (st != ZB_OK) break;
+    for (k = 0; k < r->n;) {
+      int32_t ran = 1;
+      st = run_op(r, k, &next_post, &ran);
+      if (st != ZB_OK) {
+        k += ran - 1; /* the op that failed, within a pair */
+        break;
+      }
+      k += ran;
     }
   if (st != ZB_OK) {
     const zb_op_t *op = &r->ops[k < r->n ? k : r->n - 1];

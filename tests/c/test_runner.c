@@ -293,6 +293,7 @@ typedef struct {
 } cb_rank_t;
 
 #include <pthread.h>
+#include <stddef.h>
 static void *cb_rank_main(void *arg) {
   cb_rank_t *c = arg;
   zb_backend_t *be = NULL;
@@ -467,6 +468,176 @@ static void test_runner_misuse(void **state) {
   zb_schedule_destroy(s);
 }
 
+/* ---- pairs: two ops run as one unit (torch's OVERLAP_F_B) ------------------------------------- */
+
+/* Every callback of both ranks, in the order they started: (rank, type, mb). */
+typedef struct {
+  pthread_mutex_t mu;
+  int n;
+  int rank[64], type[64], mb[64];
+  int fail_rank, fail_type, fail_mb;
+} pair_log_t;
+
+typedef struct {
+  pair_log_t *log;
+  int rank;
+} pair_user_t;
+
+static zb_status_t pair_note(pair_user_t *u, int type, int32_t mb) {
+  pair_log_t *l = u->log;
+  pthread_mutex_lock(&l->mu);
+  if (l->n < 64) l->rank[l->n] = u->rank, l->type[l->n] = type, l->mb[l->n] = mb, l->n++;
+  pthread_mutex_unlock(&l->mu);
+  if (u->rank == l->fail_rank && type == l->fail_type && mb == l->fail_mb) {
+    return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "callback failed on purpose");
+  }
+  return ZB_OK;
+}
+static zb_status_t pair_fwd(void *u, int32_t s, int32_t mb, const void *in, void *out) {
+  if (out) memcpy(out, &mb, sizeof mb);
+  return pair_note(u, ZB_OP_F, mb);
+}
+static zb_status_t pair_bwd(void *u, int32_t s, int32_t mb, const void *in, void *out) {
+  if (out) memcpy(out, &mb, sizeof mb);
+  return pair_note(u, ZB_OP_BW, mb);
+}
+
+typedef struct {
+  zb_schedule_t *s;
+  zb_inproc_group_t *g;
+  pair_user_t user;
+  const int32_t *pairs;
+  int32_t n_pairs;
+  zb_status_t st;
+  char err[2048];
+} pair_rank_t;
+
+static void *pair_rank_main(void *arg) {
+  pair_rank_t *c = arg;
+  zb_backend_t *be = NULL;
+  zb_wstore_t *ws = NULL;
+  zb_transport_t *tr = NULL;
+  zb_runner_t *run = NULL;
+  zb_backend_create_host(&be);
+  zb_wstore_create(&ws, be, NULL, NULL);
+  zb_transport_create_inproc(&tr, c->g, c->user.rank);
+  zb_runner_config_t rc = ZB_RUNNER_CONFIG_INIT;
+  rc.rank = c->user.rank, rc.schedule = c->s, rc.backend = be, rc.transport = tr, rc.wstore = ws;
+  rc.boundary_bytes_all = sizeof(int32_t);
+  rc.forward_cb = pair_fwd, rc.backward_cb = pair_bwd, rc.user = &c->user;
+  rc.timeout_s = 5;
+  rc.pair_first = c->pairs, rc.n_pairs = c->n_pairs;
+  c->st = zb_runner_create(&run, &rc);
+  if (c->st == ZB_OK) c->st = zb_runner_run(run);
+  snprintf(c->err, sizeof c->err, "%s", zb_last_error());
+  zb_runner_destroy(run);
+  zb_transport_destroy(tr);
+  zb_wstore_destroy(ws);
+  zb_backend_destroy(be);
+  return NULL;
+}
+
+/* 1F1B on 2 ranks, 4 microbatches, fused backwards; rank 0 runs (F2, B1) as a pair when asked. */
+static void run_pair_case(pair_log_t *log, int paired, pair_rank_t c[2]) {
+  static const zb_op_t r0[] = {{ZB_OP_F, 0, 0}, {ZB_OP_F, 0, 1}, {ZB_OP_BW, 0, 0}, {ZB_OP_F, 0, 2},
+                               {ZB_OP_BW, 0, 1}, {ZB_OP_F, 0, 3}, {ZB_OP_BW, 0, 2}, {ZB_OP_BW, 0, 3}};
+  static const zb_op_t r1[] = {{ZB_OP_F, 1, 0}, {ZB_OP_BW, 1, 0}, {ZB_OP_F, 1, 1}, {ZB_OP_BW, 1, 1},
+                               {ZB_OP_F, 1, 2}, {ZB_OP_BW, 1, 2}, {ZB_OP_F, 1, 3}, {ZB_OP_BW, 1, 3}};
+  const zb_op_t *lists[2] = {r0, r1};
+  int32_t counts[2] = {8, 8};
+  static const int32_t pair[1] = {3};
+  zb_schedule_spec_t spec = zb_test_spec(ZB_KIND_1F1B, 2, 4, 0);
+  zb_schedule_t *s;
+  ZB_ASSERT_OK(zb_schedule_create_from_ops(&s, &spec, ZB_PLACEMENT_LOOP, lists, counts));
+  zb_inproc_group_t *g;
+  ZB_ASSERT_OK(zb_inproc_group_create(&g, 2));
+  pthread_t th[2];
+  for (int r = 0; r < 2; r++) {
+    memset(&c[r], 0, sizeof c[r]);
+    c[r].s = s, c[r].g = g, c[r].user.log = log, c[r].user.rank = r;
+    if (r == 0 && paired) c[r].pairs = pair, c[r].n_pairs = 1;
+    pthread_create(&th[r], NULL, pair_rank_main, &c[r]);
+  }
+  for (int r = 0; r < 2; r++) pthread_join(th[r], NULL);
+  ZB_ASSERT_OK(zb_inproc_group_destroy(g));
+  zb_schedule_destroy(s);
+}
+
+static int log_find(const pair_log_t *l, int rank, int type, int mb) {
+  for (int k = 0; k < l->n; k++)
+    if (l->rank[k] == rank && l->type[k] == type && l->mb[k] == mb) return k;
+  return -1;
+}
+
+static void test_runner_pairs(void **state) {
+  pair_log_t log;
+  pair_rank_t c[2];
+  /* Paired, F2's callback comes only once B1's gradient is there, so after rank 1's B1 (unpaired,
+   * rank 0 is free to run F2 first: it does not wait for rank 1 there). Both callbacks of the pair
+   * are back to back on rank 0. */
+  memset(&log, 0, sizeof log);
+  pthread_mutex_init(&log.mu, NULL);
+  log.fail_rank = -1;
+  run_pair_case(&log, 1, c);
+  for (int r = 0; r < 2; r++)
+    if (c[r].st != ZB_OK) fail_msg("rank %d: %s", r, c[r].err);
+  assert_int_equal(log.n, 16);
+  int f2 = log_find(&log, 0, ZB_OP_F, 2), b1 = log_find(&log, 0, ZB_OP_BW, 1);
+  assert_true(f2 > log_find(&log, 1, ZB_OP_BW, 1));
+  int between = 0;
+  for (int k = f2 + 1; k < b1; k++) between += log.rank[k] == 0;
+  assert_true(b1 > f2 && between == 0);
+
+  /* A callback that fails inside a pair is named as itself: the second op, then the first. */
+  log.n = 0, log.fail_rank = 0, log.fail_type = ZB_OP_BW, log.fail_mb = 1;
+  run_pair_case(&log, 1, c);
+  assert_int_not_equal(c[0].st, ZB_OK);
+  assert_non_null(strstr(c[0].err, "op 5 of 8, BW(stage 0, mb 1)"));
+  assert_int_not_equal(c[1].st, ZB_OK); /* the peer fails too, not waiting out its timeout */
+  log.n = 0, log.fail_type = ZB_OP_F, log.fail_mb = 2;
+  run_pair_case(&log, 1, c);
+  assert_non_null(strstr(c[0].err, "op 4 of 8, F(stage 0, mb 2)"));
+  pthread_mutex_destroy(&log.mu);
+
+  /* Bad pairs are refused at create, saying why. */
+  zb_op_t one[] = {{ZB_OP_F, 0, 0}, {ZB_OP_F, 1, 0}, {ZB_OP_BW, 1, 0}, {ZB_OP_BW, 0, 0}};
+  const zb_op_t *lists[1] = {one};
+  int32_t counts[1] = {4};
+  zb_schedule_spec_t spec = zb_test_spec(ZB_KIND_1F1B, 1, 1, 0);
+  spec.chunks = 2;
+  zb_schedule_t *s;
+  ZB_ASSERT_OK(zb_schedule_create_from_ops(&s, &spec, ZB_PLACEMENT_LOOP, lists, counts));
+  zb_backend_t *be;
+  zb_wstore_t *ws;
+  ZB_ASSERT_OK(zb_backend_create_host(&be));
+  ZB_ASSERT_OK(zb_wstore_create(&ws, be, NULL, NULL));
+  zb_runner_config_t rc = ZB_RUNNER_CONFIG_INIT;
+  rc.schedule = s, rc.backend = be, rc.wstore = ws, rc.forward_cb = noop_fwd, rc.backward_cb = noop_bwd;
+  rc.boundary_bytes_all = 4;
+  zb_runner_t *r = NULL;
+  int32_t dependent[] = {0}, outside[] = {3}, overlapping[] = {1, 2};
+  rc.pair_first = dependent, rc.n_pairs = 1;
+  assert_int_equal(zb_runner_create(&r, &rc), ZB_ERR_INVALID_ARGUMENT);
+  assert_non_null(strstr(zb_last_error(), "takes its input from op 0 F(stage 0, mb 0)"));
+  rc.pair_first = outside;
+  assert_int_equal(zb_runner_create(&r, &rc), ZB_ERR_INVALID_ARGUMENT);
+  assert_non_null(strstr(zb_last_error(), "has ops 0..3"));
+  rc.pair_first = overlapping, rc.n_pairs = 2;
+  assert_int_equal(zb_runner_create(&r, &rc), ZB_ERR_INVALID_ARGUMENT);
+  assert_non_null(strstr(zb_last_error(), "overlaps another pair"));
+  rc.pair_first = NULL, rc.n_pairs = 1;
+  assert_int_equal(zb_runner_create(&r, &rc), ZB_ERR_INVALID_ARGUMENT);
+  /* A caller built before the pair fields existed still creates and runs (no pairs). */
+  rc.struct_size = (uint32_t)offsetof(zb_runner_config_t, pair_first);
+  rc.pair_first = dependent; /* beyond its struct_size: not read */
+  ZB_ASSERT_OK(zb_runner_create(&r, &rc));
+  ZB_ASSERT_OK(zb_runner_run(r));
+  ZB_ASSERT_OK(zb_runner_destroy(r));
+  zb_wstore_destroy(ws);
+  ZB_ASSERT_OK(zb_backend_destroy(be));
+  zb_schedule_destroy(s);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_every_kind_bitwise),
@@ -477,6 +648,7 @@ int main(void) {
       cmocka_unit_test(test_callback_transport),
       cmocka_unit_test(test_measured_timeline),
       cmocka_unit_test(test_runner_misuse),
+      cmocka_unit_test(test_runner_pairs),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
