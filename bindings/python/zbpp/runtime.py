@@ -150,6 +150,8 @@ class _RunnerConfig(_c.Structure):
         ("user", _P),
         ("timeout_s", _c.c_double),
         ("recv_depth", _c.c_int32),
+        ("pair_first", _c.POINTER(_c.c_int32)),
+        ("n_pairs", _c.c_int32),
     ]
 
 
@@ -677,7 +679,9 @@ class Runner(_Handle):
     _destroy = "zb_runner_destroy"
 
     def __init__(self, schedule, rank, backend, wstore, transport, boundary_bytes, forward, backward,
-                 timeout_s=300.0, recv_depth=0):
+                 timeout_s=300.0, recv_depth=0, pairs=()):
+        """pairs: indices k into this rank's op list where ops k and k+1 run as one unit (both
+        inputs first, both callbacks back to back, both outputs after; zb_runner_config_t)."""
         super().__init__()
         self._keep = (schedule, backend, wstore, transport)
         self._error = None
@@ -699,6 +703,10 @@ class Runner(_Handle):
         cfg.backward_cb = self._bwd
         cfg.timeout_s = timeout_s
         cfg.recv_depth = recv_depth
+        pairs = [int(k) for k in pairs]
+        self._pairs = (_c.c_int32 * max(1, len(pairs)))(*pairs)
+        cfg.pair_first = self._pairs
+        cfg.n_pairs = len(pairs)
         _lib.call("zb_runner_create", [_PP, _c.POINTER(_RunnerConfig)], _c.byref(self._h), _c.byref(cfg))
         self._count = len(schedule.rank_ops(rank))
 

@@ -51,6 +51,7 @@ import hashlib
 import logging
 import os
 import statistics
+import weakref
 from typing import NamedTuple, Optional
 
 import torch
@@ -61,6 +62,7 @@ from ..costs import ActivationMeter, StageCosts, parse_mem_limit
 from ..distributed import TorchTransport, group_rank, group_size
 from ..schedule import Schedule, SimResult
 from ..split import default_store
+from ._custom import CustomFunctions
 
 __all__ = [
     "PipelineStage",
@@ -161,6 +163,48 @@ class PipelineStage:
         """Forgets the last step's outputs (output_chunks) and cached forwards, as torch's does."""
         self.output_chunks.clear()
         self.fwd_cache.clear()
+
+    # ---- torch's calls, for the custom functions of _PipelineScheduleRuntime (_custom.py) ----------
+    # Inside such a function they run this stage's work for the action being run: the runner has
+    # received the inputs (args/kwargs are used on stage 0 only, as zbpp split them) and sends the
+    # outputs after the function returns.
+
+    def _runtime(self, call):
+        schedule = self.__dict__.get("_zb_schedule")
+        schedule = schedule() if schedule is not None else None
+        if schedule is None:
+            raise RuntimeError(f"zbpp: stage {self.stage_index}.{call}() runs inside a custom function of a "
+                               "running schedule (_PipelineScheduleRuntime.register_custom_function) only")
+        return schedule
+
+    def forward_one_chunk(self, fwd_chunk_id, args=None, kwargs=None, save_forward_output=True):
+        """torch's: this stage's forward of microbatch fwd_chunk_id; returns its output."""
+        return self._runtime("forward_one_chunk")._custom_run("F", self.stage_index, fwd_chunk_id)
+
+    def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False,
+                           retain_graph_for_packed_imgs=False):
+        """torch's: this stage's backward of microbatch bwd_chunk_id, as the action says (a full
+        backward runs its W at once after the function returns, a split one at its W op)."""
+        self._runtime("backward_one_chunk")._custom_run("B", self.stage_index, bwd_chunk_id)
+
+    def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
+        raise NotImplementedError("zbpp: W runs from zbpp's W store at each W op (BACKWARD_WEIGHT takes no "
+                                  "custom function)")
+
+    def set_local_fwd_input(self, prev_stage_outputs, mb_index):
+        """torch's hand-over between stages of one rank: zbpp's runner does it itself."""
+
+    def set_local_bwd_input(self, next_stage_bwd_outputs, mb_index):
+        """torch's hand-over between stages of one rank: zbpp's runner does it itself."""
+
+    def get_local_bwd_output(self, mb_index):
+        """torch's hand-over between stages of one rank: zbpp's runner does it itself (None)."""
+        return None
+
+    def scale_grads(self, grad_scale_factor):
+        """torch's: divides this stage's gradients by grad_scale_factor now; the schedule's own
+        scaling at the end of the step then leaves this stage alone."""
+        self._runtime("scale_grads")._custom_scale(self, grad_scale_factor)
 
     def __repr__(self):
         return f"<zbpp.PipelineStage {self.stage_index}/{self.num_stages} on rank {self.group_rank}>"
@@ -484,6 +528,25 @@ class PipelineSchedule:
         self.plan_info = None
         self.steps = 0
 
+    # torch's custom functions: _PipelineScheduleRuntime takes them (_custom.py); the others run
+    # their own work in the runner's callbacks.
+    _custom = {}
+    _scaled = frozenset()
+
+    def _runner_pairs(self):
+        return ()
+
+    def _on_forward(self, s, i, in_addr, out_addr):
+        return self._forward(s, i, in_addr, out_addr)
+
+    def _on_backward(self, s, i, gout_addr, gin_addr):
+        return self._backward(s, i, gout_addr, gin_addr)
+
+    @property
+    def _stages(self):
+        """torch's name for this rank's stages."""
+        return self.stages
+
     def _generate(self, kind, p, m, v, times, limit):
         """The schedule of a kind for this pipeline (a subclass with its own order overrides it)."""
         return Schedule.generate(kind, p=p, m=m, v=v, times=times, mem_limit=limit, placement=self._placement_arg)
@@ -654,7 +717,7 @@ class PipelineSchedule:
                 self._ctx[(s, i)] = (inputs, None, loss)
                 if meter is not None:
                     meter.roots = [loss]
-                return
+                return out
             if meter is not None:
                 meter.roots = [t for t in _as_tuple(out) if isinstance(t, torch.Tensor)]
         outs = _as_tuple(out)
@@ -668,6 +731,7 @@ class PipelineSchedule:
         for view, t in zip(self._views(out_addr, s), outs):
             view.copy_(t.detach())
         self._ctx[(s, i)] = (inputs, outs, None)
+        return out
 
     def _meter(self, s):
         """Measures the activations one microbatch's forward of stage s keeps (microbatch 0 of a
@@ -797,6 +861,8 @@ class PipelineSchedule:
             if target_mbs is None:
                 raise ValueError(f"zbpp: rank {self.rank} holds the loss stage; pass target=... to step()")
         self._loss_kwargs = dict(loss_kwargs or {})
+        if self._custom:
+            self._custom_step(losses)
         try:
             if trains:
                 self._run_iteration()
@@ -1084,12 +1150,17 @@ class PipelineSchedule:
         """Divides the gradients by the number of microbatches, as torch's scale_grads does (a
         division, not a multiplication by 1/m, so the bits match torch's)."""
         for st in self.stages:
-            for prm in st.submod.parameters():
-                if prm.grad is not None:
-                    prm.grad.div_(divisor)
-                main = getattr(prm, "main_grad", None)
-                if main is not None:
-                    main.div_(divisor)
+            if st.stage_index not in self._scaled:  # a custom function scaled it (stage.scale_grads)
+                self._scale_stage(st, divisor)
+
+    @staticmethod
+    def _scale_stage(st, divisor):
+        for prm in st.submod.parameters():
+            if prm.grad is not None:
+                prm.grad.div_(divisor)
+            main = getattr(prm, "main_grad", None)
+            if main is not None:
+                main.div_(divisor)
 
     @property
     def transport(self):
@@ -1123,9 +1194,12 @@ class PipelineSchedule:
             transport = self._nccl
         else:
             transport = self._transport.transport if self._transport else None
+        pairs = self._runner_pairs()
+        for st in self.stages:
+            st._zb_schedule = weakref.ref(self)  # what the stage's torch calls run (forward_one_chunk, ...)
         self._runner = runtime.Runner(self.schedule, self.rank, self._store.backend, self._store.store,
-                                      transport, sizes, _marked(self._forward), _marked(self._backward),
-                                      timeout_s=self.timeout)
+                                      transport, sizes, _marked(self._on_forward), _marked(self._on_backward),
+                                      timeout_s=self.timeout, pairs=pairs)
 
     def _make_nccl(self):
         """The NCCL transport: rank 0 makes the unique id and sends it to every rank (with a flag,
@@ -1432,15 +1506,10 @@ class PipelineScheduleMulti(PipelineSchedule):
     validates it at the next step and the C runner runs it (zbpp/pipelining/_order.py)."""
 
 
-class _PipelineScheduleRuntime(PipelineScheduleMulti):
+class _PipelineScheduleRuntime(CustomFunctions, PipelineScheduleMulti):
     """torch's runtime for orders with their transfers (compute_comms): zbpp's runner makes its own
-    transfers, so it reads both forms (_prepare_schedule_with_comms, _load_csv(format=...))."""
-
-    def register_custom_function(self, computation_type, custom_function):
-        raise NotImplementedError(
-            f"zbpp.{type(self).__name__}.register_custom_function: the C runner runs every action itself "
-            f"(OVERLAP_F_B as its forward, then its backward); custom functions for {computation_type} are not "
-            "supported")
+    transfers, so it reads both forms (_prepare_schedule_with_comms, _load_csv(format=...)). Takes
+    torch's custom functions (register_custom_function; zbpp/pipelining/_custom.py)."""
 
 
 class _ScheduleForwardOnly(PipelineScheduleSingle):
