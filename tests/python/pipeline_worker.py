@@ -241,3 +241,85 @@ def run_torch_runtime_on_zbpp_plan(rank, world, port, csv_path, num_stages, m, o
     torch.save(out, os.path.join(out_dir, f"runtime{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def run_custom_functions(rank, world, port, out_dir, backward_first):
+    """2 ranks, DualPipeV over a V of 4 stages (0, 3 | 1, 2), 4 microbatches, two steps, with custom
+    functions for FORWARD and OVERLAP_F_B written as a torch user writes them against torch's
+    runtime (schedule.fwd_recv_ops and torch's _wait_batch_p2p, stage.forward_one_chunk,
+    _maybe_compute_loss, set_local_fwd_input, bwd_recv_ops, _maybe_get_loss, backward_counter,
+    backward_one_chunk, scale_grads, set_local_bwd_input / get_local_bwd_output). backward_first:
+    the pair's function runs its backward before its forward (both inputs are there, both
+    outputs leave after). Saves gradients, losses, output and the calls made."""
+    from torch.distributed.pipelining.schedules import _wait_batch_p2p
+
+    from zbpp.pipelining import PipelineStage
+    from zbpp.pipelining.schedules import FORWARD, OVERLAP_F_B, ScheduleDualPipeV, _PipelineScheduleRuntime
+
+    _init(rank, world, port)
+    out = {"forward": [], "overlap": []}
+    try:
+        S, m = 4, 4
+        mods, x, y = chain(S)
+        mine = [0, 3] if rank == 0 else [1, 2]
+        stages = [PipelineStage(mods[s], s, S, "cpu") for s in mine]
+        sched = ScheduleDualPipeV(stages, m, loss_fn=torch.nn.MSELoss(), scale_grads=False)
+        sched._prepare_schedule_with_comms(sched.pipeline_order)
+
+        def by_index(schedule):
+            return {st.stage_index: st for st in schedule._stages}
+
+        def forward(action, ctx):
+            schedule = ctx.schedule_ref
+            assert isinstance(schedule, _PipelineScheduleRuntime)
+            here = by_index(schedule)
+            stage, mb = here[action.stage_index], action.microbatch_index
+            out["forward"].append((stage.stage_index, mb))
+            if not stage.is_first and stage.stage_index - 1 not in here:
+                assert (stage.stage_index, mb) in schedule.fwd_recv_ops, f"{action} before its input"
+                _wait_batch_p2p(schedule.fwd_recv_ops.pop((stage.stage_index, mb)))
+            output = stage.forward_one_chunk(mb, ctx.arg_mbs[mb] if ctx.arg_mbs else (),
+                                             ctx.kwarg_mbs[mb] if ctx.kwarg_mbs else {})
+            schedule._maybe_compute_loss(stage, output, ctx.target_mbs, mb)
+            if stage.stage_index + 1 in here:
+                here[stage.stage_index + 1].set_local_fwd_input(output, mb)
+
+        def backward(action, ctx):
+            schedule = ctx.schedule_ref
+            here = by_index(schedule)
+            stage, mb = here[action.stage_index], action.microbatch_index
+            if not stage.is_last and stage.stage_index + 1 not in here:
+                assert (stage.stage_index, mb) in schedule.bwd_recv_ops, f"{action} before its input"
+                _wait_batch_p2p(schedule.bwd_recv_ops.pop((stage.stage_index, mb)))
+            loss = schedule._maybe_get_loss(stage, mb)
+            schedule.backward_counter[stage.stage_index] += 1
+            last = schedule.backward_counter[stage.stage_index] == schedule._n_microbatches
+            stage.backward_one_chunk(mb, loss=loss, full_backward=True, last_backward=last)
+            if last:
+                stage.scale_grads(schedule._n_microbatches if schedule.scale_grads else 1)
+            if stage.stage_index - 1 in here:
+                here[stage.stage_index - 1].set_local_bwd_input(stage.get_local_bwd_output(mb), mb)
+
+        def overlap(action, ctx):
+            f, b = action.sub_actions
+            out["overlap"].append((f.stage_index, f.microbatch_index, b.stage_index, b.microbatch_index))
+            for sub in ((b, f) if backward_first else (f, b)):
+                (forward if sub is f else backward)(sub, ctx)
+
+        sched.register_custom_function(FORWARD, forward)
+        sched.register_custom_function(OVERLAP_F_B, overlap)
+        losses, got = [], None
+        for _ in range(2):
+            for mod in mods:
+                mod.zero_grad(set_to_none=True)
+            if rank == 0:
+                got = sched.step(x, target=y, losses=losses)
+            else:
+                sched.step()
+        out.update(grads={s: [p.grad.clone() for p in mods[s].parameters()] for s in mine},
+                   losses=[float(v) for v in losses], out=got)
+    except BaseException:  # noqa: BLE001 - the test reads the traceback
+        out["error"] = traceback.format_exc()
+    torch.save(out, os.path.join(out_dir, f"custom{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()

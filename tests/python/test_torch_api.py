@@ -17,6 +17,7 @@ import pytest
 torch = pytest.importorskip("torch")
 tp = pytest.importorskip("torch.distributed.pipelining")
 
+import zbpp  # noqa: E402
 import zbpp.pipelining as zp  # noqa: E402
 from zbpp import ZbError  # noqa: E402
 from zbpp.pipelining import schedules as zs  # noqa: E402
@@ -484,3 +485,112 @@ def test_torchs_own_runtime_runs_a_plan_zbpp_wrote_with_its_transfers(tmp_path, 
         for got, want in zip(ranks[holder[s]]["grads"][s], grads[s]):
             torch.testing.assert_close(got, want)
     assert ranks[holder[S - 1]]["losses"] == pytest.approx(losses, rel=1e-6)
+
+
+# ---- torch's custom functions (register_custom_function) -----------------------------------------
+
+@pytest.mark.parametrize("backward_first", [False, True], ids=["forward-first", "backward-first"])
+def test_custom_functions_run_every_forward_and_pair_and_train_like_the_loop(tmp_path, backward_first):
+    """DualPipeV on 2 ranks with torch-style FORWARD and OVERLAP_F_B functions (as PyTorch's
+    test_custom_function_callback writes them): every forward and every pair goes through them,
+    the pair's halves in either order (a pair is one unit: both inputs before, both outputs
+    after), and outputs, losses and gradients are the loop's."""
+    import pipeline_worker
+    from test_pipeline import spawn
+
+    S, m = 4, 4
+    spawn(pipeline_worker.run_custom_functions, 2, str(tmp_path), backward_first)
+    ranks = [torch.load(tmp_path / f"custom{r}.pt") for r in range(2)]
+    for r in ranks:
+        assert "error" not in r, r.get("error")
+    grads, losses, out = _reference_chain(S, m)
+    holder = [0, 1, 1, 0]
+    for s in range(S):
+        for got, want in zip(ranks[holder[s]]["grads"][s], grads[s]):
+            torch.testing.assert_close(got, want * m)  # scale_grads=False: the sum over microbatches
+    assert ranks[0]["losses"] == pytest.approx(losses, rel=1e-6)
+    torch.testing.assert_close(ranks[0]["out"], out)
+    from zbpp.pipelining._order import dualpipe_v
+
+    order = dualpipe_v(2, m)
+    for r, mine in ((0, (0, 3)), (1, (1, 2))):
+        # every forward of the rank's stages ran through the function, each pair too, in both steps
+        assert sorted(ranks[r]["forward"]) == sorted([(s, i) for s in mine for i in range(m)] * 2)
+        assert ranks[r]["overlap"], "no OVERLAP_F_B pair went through the function"
+    pairs0 = [a for a in order[0] if a.computation_type == zs.OVERLAP_F_B]
+    assert len(ranks[0]["overlap"]) == 2 * len(pairs0)
+
+
+def test_custom_function_errors_say_what_was_wrong():
+    mod, (x, y), loss_fn = model(), data(), torch.nn.MSELoss()
+    stages = [zp.PipelineStage(mod[:2], 0, 2, "cpu"), zp.PipelineStage(mod[2:], 1, 2, "cpu")]
+    sched = zp.ScheduleDualPipeV(stages, M, loss_fn=loss_fn)
+    with pytest.raises(ValueError, match="Invalid computation type"):
+        sched.register_custom_function(zs.SEND_F, lambda a, c: None)
+    with pytest.raises(NotImplementedError, match="W store"):
+        sched.register_custom_function(zs.BACKWARD_WEIGHT, lambda a, c: None)
+    with pytest.raises(RuntimeError, match="inside a custom function"):
+        stages[0].forward_one_chunk(0)
+    sched.register_custom_function(zs.FORWARD, lambda action, ctx: None)  # forgets the work
+    with pytest.raises(RuntimeError, match=r"returned without calling forward_one_chunk\(0\) of stage 0"):
+        sched.step(x, target=y)
+
+    def wrong_microbatch(action, ctx):
+        stage = {s.stage_index: s for s in ctx.schedule_ref._stages}[action.stage_index]
+        stage.forward_one_chunk(action.microbatch_index + 1)
+
+    sched.register_custom_function(zs.FORWARD, wrong_microbatch)
+    with pytest.raises(RuntimeError, match="not the work of the action being run"):
+        sched.step(x, target=y)
+
+
+def test_a_full_backward_function_scales_its_stage_once():
+    """A FULL_BACKWARD function that scales its stage itself (stage.scale_grads at the last
+    backward, as torch's runtime does) is not scaled again by the schedule."""
+    mod, (x, y), loss_fn = model(), data(), torch.nn.MSELoss()
+    _, _, ref_grads = reference(mod, x, y, loss_fn)
+    stages = [zp.PipelineStage(mod[:2], 0, 2, "cpu"), zp.PipelineStage(mod[2:], 1, 2, "cpu")]
+    sched = zp.ScheduleLoopedBFS(stages, M, loss_fn=loss_fn)
+    seen = []
+
+    def full_backward(action, ctx):
+        schedule = ctx.schedule_ref
+        stage = {s.stage_index: s for s in schedule._stages}[action.stage_index]
+        seen.append(action.microbatch_index)
+        stage.backward_one_chunk(action.microbatch_index, loss=schedule._maybe_get_loss(stage, action.microbatch_index))
+        schedule.backward_counter[stage.stage_index] += 1
+        if schedule.backward_counter[stage.stage_index] == schedule._n_microbatches:
+            stage.scale_grads(schedule._n_microbatches)
+
+    sched.register_custom_function(zs.FULL_BACKWARD, full_backward)
+    sched.step(x, target=y)
+    assert sorted(seen) == sorted(list(range(M)) * 2)
+    for p, g in zip(mod.parameters(), ref_grads):
+        torch.testing.assert_close(p.grad, g)
+
+
+def test_a_backward_input_function_leaves_w_to_its_w_op():
+    """ZB-V splits each backward: a BACKWARD_INPUT function runs the I part, and the W that part
+    deferred still runs at its W op (gradients equal the loop's)."""
+    mod, (x, y), loss_fn = model(), data(), torch.nn.MSELoss()
+    zbpp.split_linear(mod)
+    _, _, ref_grads = reference(mod, x, y, loss_fn)
+    stages = [zp.PipelineStage(mod[:2], 0, 2, "cpu"), zp.PipelineStage(mod[2:], 1, 2, "cpu")]
+    sched = zp.ScheduleZBVZeroBubble(stages, M, loss_fn=loss_fn)
+    kinds = {a.computation_type for a in sched.pipeline_order[0]}
+    assert zs.BACKWARD_INPUT in kinds and zs.BACKWARD_WEIGHT in kinds
+    seen = []
+
+    def backward_input(action, ctx):
+        schedule = ctx.schedule_ref
+        stage = {s.stage_index: s for s in schedule._stages}[action.stage_index]
+        seen.append((action.stage_index, action.microbatch_index))
+        stage.backward_one_chunk(action.microbatch_index, full_backward=False,
+                                 loss=schedule._maybe_get_loss(stage, action.microbatch_index))
+
+    sched.register_custom_function(zs.BACKWARD_INPUT, backward_input)
+    sched.step(x, target=y)
+    assert seen and all(a.computation_type != zs.BACKWARD_INPUT or (a.stage_index, a.microbatch_index) in seen
+                        for a in sched.pipeline_order[0])
+    for p, g in zip(mod.parameters(), ref_grads):
+        torch.testing.assert_close(p.grad, g)
