@@ -25,9 +25,6 @@ KNOWN_DIFFERENCES = {
     ("test_schedule.py", "ScheduleTest", "test_zero_bubble_schedule_errors_with_compile"):
         "zbpp runs compiled (torch.compile) stage modules instead of refusing them with RuntimeError; "
         "for the V schedules it first rejects the test's 1-stage-per-rank set-up with ValueError",
-    ("test_schedule_multiproc.py", "ScheduleTest", "test_custom_function_callback"):
-        "register_custom_function drives torch's own stage internals per action; zbpp's C runner runs "
-        "every action itself and raises NotImplementedError",
 }
 
 CAND = re.compile(
