@@ -341,7 +341,9 @@ typedef enum {
 typedef struct zb_backend zb_backend_t;
 
 ZB_API zb_status_t zb_backend_create_host(zb_backend_t **out);
-/* Fails with ZB_ERR_BUSY while a runner or W store created on it still exists. NULL is a no-op. */
+/* Fails with ZB_ERR_BUSY, and frees nothing, while a runner, W store or transport that uses it
+ * still exists (a transport uses the backend of the first runner created on it, or the one an NCCL
+ * transport was created with). NULL is a no-op. */
 ZB_API zb_status_t zb_backend_destroy(zb_backend_t *backend);
 /* "host" or "cuda". The pointer is static. */
 ZB_API const char *zb_backend_name(const zb_backend_t *backend);
@@ -614,6 +616,8 @@ ZB_API zb_status_t zb_transport_create_nccl(zb_transport_t **out, const zb_nccl_
 /* Tells the peers that this rank failed (their pending and later receives from it fail with
  * ZB_ERR_REMOTE and `reason`). A runner does this itself when an iteration fails. */
 ZB_API zb_status_t zb_transport_abort(zb_transport_t *transport, const char *reason);
+/* Fails with ZB_ERR_BUSY, and frees nothing, while a runner or post-validation handle (zb_postval,
+ * zb_optimizer) created on it still exists. NULL is a no-op. */
 ZB_API zb_status_t zb_transport_destroy(zb_transport_t *transport);
 
 /* ---- the runner ----------------------------------------------------------------------------

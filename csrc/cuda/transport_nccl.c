@@ -506,6 +506,7 @@ zb_status_t zb_transport_create_nccl(zb_transport_t **out, const zb_nccl_transpo
     return ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory creating the NCCL transport");
   }
   t->ops = &nccl_ops, t->rank = c->rank, t->ranks = c->ranks, t->impl = n, t->be = c->backend;
+  zb__backend_ref(t->be); /* zb_transport_destroy drops it; the failure path below too */
   n->nc = nc, n->cu = cu;
   n->timeout = c->timeout_s > 0 ? c->timeout_s : 300.0;
   pthread_mutex_init(&n->mu, NULL);
@@ -555,6 +556,7 @@ fail:
   pthread_mutex_lock(&n->mu);
   abort_comms_locked(n);
   pthread_mutex_unlock(&n->mu);
+  zb__backend_unref(t->be);
   nccl_destroy(t);
   return st;
 }

@@ -54,9 +54,20 @@ struct zb_transport {
   int32_t rank, ranks;
   void *impl;
   /* The backend whose buffers the transport moves: set at creation (NCCL) or by the first runner
-   * created on it (zb__transport_bind); NULL until then. Borrowed. */
+   * created on it (zb__transport_bind); NULL until then. The transport holds a reference on it
+   * (zb_backend_destroy is ZB_ERR_BUSY while the transport exists). */
   zb_backend_t *be;
+  /* Runners and post-validation handles using the transport: zb_transport_destroy is ZB_ERR_BUSY
+   * while any exists (they would use freed memory). Objects of one rank live on one thread. */
+  int users;
 };
+
+static inline void zb__transport_ref(zb_transport_t *t) {
+  if (t) t->users++;
+}
+static inline void zb__transport_unref(zb_transport_t *t) {
+  if (t) t->users--;
+}
 
 /* Ties a transport to the backend of the runner that uses it; fails with a message when the
  * transport cannot carry that backend's memory or is already tied to another backend. */

@@ -129,6 +129,7 @@ zb_status_t zb__postval_create(zb_postval_t **out, const zb_postval_config_t *co
   if (!pv) return ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory creating a post-validation handle");
   pv->cfg = *config;
   pv->cfg.struct_size = sizeof(zb_postval_config_t);
+  zb__transport_ref(pv->cfg.transport); /* dropped by zb_postval_destroy, the failure path too */
   pv->owner = owner;
   const int32_t S = config->stages, p = config->ranks, r = config->rank;
   pv->timeout_s = config->timeout_s > 0 ? config->timeout_s : DEFAULT_TIMEOUT_S;
@@ -173,6 +174,7 @@ zb_status_t zb_postval_destroy(zb_postval_t *pv) {
     return ZB_FAIL(ZB_ERR_BUSY,
                    "zb_postval_destroy between zb_postval_begin and zb_postval_end: the exchange is "
                    "still in flight; call zb_postval_end first (it returns within the timeout)");
+  zb__transport_unref(pv->cfg.transport);
   free(pv->mine);
   free(pv->partial);
   free(pv->full);

@@ -219,6 +219,7 @@ zb_status_t zb_runner_destroy(zb_runner_t *r) {
   free(r->ev_op);
   if (r->ev_base) r->be->ops->event_destroy(r->be, r->ev_base);
   zb__backend_unref(r->be);
+  zb__transport_unref(r->tr);
   free(r->pools), free(r->io), free(r->start), free(r->end), free(r->recv_op), free(r->recv_req);
   free(r->recv_buf), free(r->local), free(r->sends), free(r->pair_first);
   free(r);
@@ -278,6 +279,7 @@ zb_status_t zb_runner_create(zb_runner_t **out, const zb_runner_config_t *c) {
   r->timeout = c->timeout_s > 0 ? c->timeout_s : 300.0;
   r->depth = c->recv_depth > 0 ? c->recv_depth : 4;
   zb__backend_ref(r->be);
+  zb__transport_ref(r->tr);
   zb_status_t st = zb_schedule_rank_ops(c->schedule, c->rank, &r->ops, &r->n);
   size_t n = (size_t)(r->n ? r->n : 1), slots = (size_t)(r->S > 1 ? r->S - 1 : 1) * 2 * (size_t)r->m;
   if (st == ZB_OK) {

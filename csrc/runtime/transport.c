@@ -68,7 +68,10 @@ zb_status_t zb__transport_bind(zb_transport_t *t, zb_backend_t *be) {
     return ZB_FAIL(ZB_ERR_UNSUPPORTED,
                    "the %s transport moves device memory, but the runner's backend is %s",
                    t->ops->name, be->ops->name);
-  t->be = be;
+  if (!t->be) {
+    t->be = be;
+    zb__backend_ref(be);
+  }
   return ZB_OK;
 }
 
@@ -80,6 +83,13 @@ zb_status_t zb_transport_abort(zb_transport_t *t, const char *reason) {
 
 zb_status_t zb_transport_destroy(zb_transport_t *t) {
   if (!t) return ZB_OK;
+  if (t->users > 0)
+    return ZB_FAIL(ZB_ERR_BUSY,
+                   "the %s transport of rank %d is still used by %d runner(s) or post-validation "
+                   "handle(s); destroy those first",
+                   t->ops->name, (int)t->rank, t->users);
+  zb_backend_t *be = t->be;
   t->ops->destroy(t);
+  if (be) zb__backend_unref(be);
   return ZB_OK;
 }

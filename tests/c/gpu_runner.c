@@ -12,6 +12,8 @@
  *
  * Exits 77 (skipped) without a CUDA build or a GPU.
  */
+/* pthread barriers are POSIX, outside ISO C11 */
+#define _POSIX_C_SOURCE 200809L
 #include <math.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -183,6 +185,9 @@ typedef struct {
   zb_status_t st;
   char err[1024];
   double seconds;
+  /* In-process: every rank waits here once its runner is gone, then destroys its own transport
+   * before its backend (a transport holds its backend: destroying the backend first is refused). */
+  pthread_barrier_t *done;
 } rank_ctx_t;
 
 static void *rank_main(void *arg) {
@@ -223,6 +228,11 @@ static void *rank_main(void *arg) {
     }
   zb_runner_destroy(run);
   zb_transport_destroy(nccl);
+  if (c->done) {
+    pthread_barrier_wait(c->done);
+    ZB_ASSERT_OK(zb_transport_destroy(c->tr));
+    c->tr = NULL;
+  }
   model_free(&md);
   return NULL;
 }
@@ -251,16 +261,18 @@ static void check_schedule(zb_kind_t kind, int p, int m) {
   ZB_ASSERT_OK(zb_inproc_group_create(&g, p));
   rank_ctx_t ctx[8];
   pthread_t th[8];
+  pthread_barrier_t done;
+  pthread_barrier_init(&done, NULL, (unsigned)p);
   for (int r = 0; r < p; r++) {
-    ctx[r] = (rank_ctx_t){sched, NULL, NULL, r, S, m, -1, got, ZB_OK, "", 0};
+    ctx[r] = (rank_ctx_t){sched, NULL, NULL, r, S, m, -1, got, ZB_OK, "", 0, &done};
     ZB_ASSERT_OK(zb_transport_create_inproc(&ctx[r].tr, g, r));
   }
   for (int r = 0; r < p; r++) pthread_create(&th[r], NULL, rank_main, &ctx[r]);
   for (int r = 0; r < p; r++) pthread_join(th[r], NULL);
   for (int r = 0; r < p; r++) {
     if (ctx[r].st != ZB_OK) fail_msg("%s p=%d m=%d rank %d: %s", zb_kind_name(kind), p, m, r, ctx[r].err);
-    zb_transport_destroy(ctx[r].tr);
   }
+  pthread_barrier_destroy(&done);
   ZB_ASSERT_OK(zb_inproc_group_destroy(g));
   for (int s = 0; s < S; s++)
     for (int k = 0; k < D * D + D; k++)
@@ -299,7 +311,7 @@ static void test_nccl_two_gpus(void **state) {
       ZB_ASSERT_OK(zb_nccl_unique_id(id));
       rank_ctx_t ctx[2];
       pthread_t th[2];
-      for (int r = 0; r < 2; r++) ctx[r] = (rank_ctx_t){sched, NULL, id, r, info.stages, 4, -1, got, ZB_OK, "", 0};
+      for (int r = 0; r < 2; r++) ctx[r] = (rank_ctx_t){sched, NULL, id, r, info.stages, 4, -1, got, ZB_OK, "", 0, NULL};
       if (fail) ctx[1].fail_mb = 1;
       for (int r = 0; r < 2; r++) pthread_create(&th[r], NULL, rank_main, &ctx[r]);
       for (int r = 0; r < 2; r++) pthread_join(th[r], NULL);
@@ -361,8 +373,8 @@ static void test_transport_backend_rules(void **state) {
   zb_transport_destroy(cb);
   zb_wstore_destroy(hws);
   zb_backend_destroy(host);
+  ZB_ASSERT_OK(zb_transport_destroy(tr)); /* before the backend it carries (it holds a reference) */
   model_free(&md);
-  zb_transport_destroy(tr);
   zb_inproc_group_destroy(g);
   zb_schedule_destroy(sched);
 }

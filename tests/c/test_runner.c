@@ -638,6 +638,44 @@ static void test_runner_pairs(void **state) {
   zb_schedule_destroy(s);
 }
 
+/* Objects that use a backend or a transport hold a reference: destroying one in use is refused
+ * (ZB_ERR_BUSY) and frees nothing, so nothing is used after it is freed. */
+static void test_lifetimes_by_reference(void **state) {
+  zb_schedule_spec_t spec = zb_test_spec(ZB_KIND_1F1B, 2, 2, 0);
+  zb_schedule_t *s;
+  ZB_ASSERT_OK(zb_schedule_create(&s, &spec));
+  zb_inproc_group_t *g;
+  ZB_ASSERT_OK(zb_inproc_group_create(&g, 2));
+  zb_backend_t *be;
+  zb_wstore_t *ws;
+  zb_transport_t *tr;
+  ZB_ASSERT_OK(zb_backend_create_host(&be));
+  ZB_ASSERT_OK(zb_wstore_create(&ws, be, NULL, NULL));
+  ZB_ASSERT_OK(zb_transport_create_inproc(&tr, g, 0));
+  zb_runner_config_t rc = ZB_RUNNER_CONFIG_INIT;
+  rc.rank = 0, rc.schedule = s, rc.backend = be, rc.transport = tr, rc.wstore = ws;
+  rc.boundary_bytes_all = 4, rc.forward_cb = noop_fwd, rc.backward_cb = noop_bwd;
+  zb_runner_t *r;
+  ZB_ASSERT_OK(zb_runner_create(&r, &rc));
+  zb_postval_config_t pc = ZB_POSTVAL_CONFIG_INIT;
+  pc.stages = 2, pc.rank = 0, pc.ranks = 2, pc.placement = ZB_PLACEMENT_LOOP, pc.transport = tr;
+  zb_postval_t *pv;
+  ZB_ASSERT_OK(zb_postval_create(&pv, &pc));
+
+  assert_int_equal(zb_transport_destroy(tr), ZB_ERR_BUSY);
+  assert_non_null(strstr(zb_last_error(), "still used by 2 runner(s) or post-validation handle(s)"));
+  ZB_ASSERT_OK(zb_runner_destroy(r));
+  assert_int_equal(zb_transport_destroy(tr), ZB_ERR_BUSY); /* the post-validation handle still uses it */
+  ZB_ASSERT_OK(zb_postval_destroy(pv));
+  ZB_ASSERT_OK(zb_wstore_destroy(ws));
+  /* The runner tied the transport to the backend: the backend stays busy while the transport lives. */
+  assert_int_equal(zb_backend_destroy(be), ZB_ERR_BUSY);
+  ZB_ASSERT_OK(zb_transport_destroy(tr));
+  ZB_ASSERT_OK(zb_backend_destroy(be));
+  ZB_ASSERT_OK(zb_inproc_group_destroy(g));
+  zb_schedule_destroy(s);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_every_kind_bitwise),
@@ -649,6 +687,7 @@ int main(void) {
       cmocka_unit_test(test_measured_timeline),
       cmocka_unit_test(test_runner_misuse),
       cmocka_unit_test(test_runner_pairs),
+      cmocka_unit_test(test_lifetimes_by_reference),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
