@@ -136,6 +136,50 @@ def run_failure(rank, world, port, mode, out_dir):
     os._exit(0)  # the process group is broken; do not wait for it at exit
 
 
+class _Raiser(torch.nn.Module):
+    """Passes its input through; its second forward raises (the process stays alive)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.calls = torch.nn.Linear(4, 4), 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == 2:
+            raise ValueError("the stage's own error")
+        return self.lin(x)
+
+
+def run_raise(rank, world, port, out_dir):
+    """world ranks, 1F1B, the default timeout (300 s); the last rank's module raises in its second
+    forward, and that process then stays alive for 20 s, so no connection closes: the others must
+    learn of the failure from zbpp's abort signal. Saves each rank's seconds to fail and error."""
+    import zbpp
+
+    _init(rank, world, port)
+    torch.manual_seed(0)
+    stage_mod = _Raiser() if rank == world - 1 else torch.nn.Linear(4, 4)
+    stage = zbpp.PipelineStage(stage_mod, rank, world, "cpu")
+    sched = zbpp.Schedule1F1B(stage, 4, loss_fn=lambda out, y: ((out - y) ** 2).mean())
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    text, started = "no error", time.time()
+    try:
+        for _ in range(2):
+            if rank == 0:
+                sched.step(x)
+            elif rank == world - 1:
+                sched.step(target=y)
+            else:
+                sched.step()
+    except Exception as exc:  # noqa: BLE001 - recorded for the test
+        text = f"{type(exc).__name__}: {exc}"
+    with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
+        f.write(f"{time.time() - started:.2f}\n{text}")
+    if rank == world - 1:
+        time.sleep(20)  # alive and silent: its pairs stay open
+    os._exit(0)  # the process group is broken; do not wait for it at exit
+
+
 def chain(n):
     """The small model and batch the torch-API tests train: n Linear(8, 8)+Tanh layers from seed 0,
     and (x, y) of 4 rows from seed 1."""

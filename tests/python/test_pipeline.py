@@ -237,6 +237,27 @@ def test_dead_or_silent_peer_fails_with_its_rank(tmp_path, mode, expect):
     assert float(seconds) < 30.0, f"rank 0 needed {seconds} s to notice"
 
 
+def test_a_rank_whose_stage_raises_makes_every_other_rank_fail_at_once(tmp_path):
+    """3 ranks, default timeout (300 s): the last rank's module raises and its process stays alive,
+    so no connection closes; ranks 0 and 1 (rank 0 not even its neighbour) fail within seconds
+    through zbpp's abort signal, with the message of the rank and op that failed first. The
+    failing rank raises its own exception."""
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=pipeline_worker.run_raise, args=(r, 3, port, str(tmp_path))) for r in range(3)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(90)
+        assert proc.exitcode is not None, "a rank hung"
+    for r in range(2):
+        seconds, text = (tmp_path / f"rank{r}.txt").read_text().split("\n", 1)
+        assert "ZbError" in text and "rank 2 failed first" in text and "F(stage 2, mb" in text, text
+        assert float(seconds) < 15.0, f"rank {r} needed {seconds} s to notice"
+    _, text = (tmp_path / "rank2.txt").read_text().split("\n", 1)
+    assert text.startswith("ValueError: the stage's own error"), text
+
+
 # ---- torch's step() semantics ---------------------------------------------------------------------
 
 class _Scaled(torch.nn.Module):

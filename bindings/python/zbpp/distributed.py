@@ -13,6 +13,14 @@ Also here: the few process-group helpers the CUDA pipeline needs: whether a grou
 tensors (`takes_cpu`), a gloo group for host-memory messages (`cpu_group`), and sending a few
 bytes from one rank to all (`broadcast_bytes`, for the NCCL unique id).
 
+A failure reaches every rank within a second (given `name`, the same on every rank of the
+pipeline): gloo has no way to withdraw a receive, and a peer that is alive but failed closes
+nothing, so without help its peers would wait out the whole timeout. abort() writes the failure
+(the runner's message: rank, op, microbatch, why) under a key of the job's c10d store, first
+failure wins; a blocking wait runs on a helper thread while the caller checks that key every
+0.2 s, and fails with ZB_ERR_REMOTE and that message when it appears. Without a c10d store (a
+torch whose private accessor is gone) or a name, waits block as before and the timeout applies.
+
 What this is not: NCCL. Device buffers between GPUs go over the library's own NCCL transport
 (runtime.Transport.nccl); this transport carries host memory only (the optimizer's post-validation
 state, and everything on CPU pipelines). After a failure the gloo pairs involved are closed; the
@@ -35,6 +43,8 @@ import collections
 import ctypes
 import datetime
 import itertools
+import queue
+import threading
 import time
 
 import torch
@@ -130,10 +140,55 @@ def _register_exit_grace():
         atexit.register(_exit_grace)
 
 
-class TorchTransport:
-    """Point-to-point over a torch.distributed group, for the C runner and optimizer."""
+# How often a blocked wait looks for a peer's failure in the c10d store.
+_ABORT_POLL_S = 0.2
+_ABORT_PREFIX = "zbpp/abort/"
 
-    def __init__(self, group=None, timeout=300.0):
+
+def _default_store():
+    """The job's c10d store (torch's private accessor), or None."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+
+
+class _Waiter:
+    """One daemon thread that runs blocking gloo waits, so the caller can watch for a peer's
+    failure meanwhile. A wait stuck on a failed peer keeps the thread until gloo gives up (the
+    pairs close or its timeout passes); by then the transport has failed and takes no more work."""
+
+    def __init__(self):
+        self._jobs = queue.SimpleQueue()
+        threading.Thread(target=self._run, name="zbpp-gloo-wait", daemon=True).start()
+
+    def _run(self):
+        while True:
+            fn, done = self._jobs.get()
+            try:
+                done.append((True, fn()))
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                done.append((False, exc))
+            done.event.set()
+
+    def submit(self, fn):
+        done = _Result()
+        self._jobs.put((fn, done))
+        return done
+
+
+class _Result(list):
+    def __init__(self):
+        super().__init__()
+        self.event = threading.Event()
+
+
+class TorchTransport:
+    """Point-to-point over a torch.distributed group, for the C runner and optimizer. name: a key
+    every rank of the pipeline gives the same (and no other pipeline of the job), under which a
+    failure is published to the others (see the module docstring); None: no such signal."""
+
+    def __init__(self, group=None, timeout=300.0, name=None):
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("zbpp: torch.distributed is not initialised; call "
                                "torch.distributed.init_process_group first (gloo on CPU)")
@@ -148,6 +203,10 @@ class TorchTransport:
         self._ids = itertools.count(1)
         _register_exit_grace()
         self.last_error = None
+        self._store = _default_store() if name is not None else None
+        self._abort_key = _ABORT_PREFIX + name if self._store is not None else None
+        self._failed = None  # the first failure's text, once this rank has seen or published it
+        self._waiter = None
         self.transport = runtime.Transport.callbacks(self, self.rank, self.ranks)
 
     @property
@@ -165,7 +224,13 @@ class TorchTransport:
     def _start(self, op, what, peer, tag, addr, nbytes):
         t = _view(addr, nbytes)
         # The tensor is the only thing keeping the view of C's buffer alive: hold it until wait.
-        work = op(t, global_rank(self.group, peer), group=self.group, tag=tag)
+        try:
+            work = op(t, global_rank(self.group, peer), group=self.group, tag=tag)
+        except RuntimeError as exc:
+            failed = self._peer_failure()
+            if failed is not None:  # a peer that failed closed its pairs: say what failed first
+                raise RuntimeError(f"rank {peer} stopped: {failed}") from exc
+            raise
         rid = next(self._ids)
         self._requests[rid] = (work, t, peer, what, tag)
         return rid
@@ -180,15 +245,55 @@ class TorchTransport:
             self._done.append(self._requests.pop(rid))
             return runtime.ZB_OK
         self._done.append(self._requests.pop(rid))
+        if self._failed is not None:
+            self.last_error = self._failed
+            return runtime.ZB_ERR_REMOTE
         try:
-            work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+            if self._abort_key is None:
+                work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+            else:
+                failed = self._wait_watching(work, timeout_s)
+                if failed is not None:
+                    self.last_error = f"torch.distributed {what} rank {peer} (channel {tag}) stopped: {failed}"
+                    return runtime.ZB_ERR_REMOTE
         except RuntimeError as exc:
             text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             timed_out = "timed out" in text.lower() or "timeout" in text.lower()
+            failed = self._peer_failure()
+            if failed is not None:  # the pair closed because of a failure a peer published: say which
+                self.last_error = f"torch.distributed {what} rank {peer} (channel {tag}) stopped: {failed}"
+                return runtime.ZB_ERR_REMOTE
             self.last_error = (f"torch.distributed {what} rank {peer} (channel {tag}) "
                                f"{'timed out' if timed_out else 'failed'}: {text}")
             return runtime.ZB_ERR_TIMEOUT if timed_out else runtime.ZB_ERR_REMOTE
         return runtime.ZB_OK
+
+    def _wait_watching(self, work, timeout_s):
+        """work.wait on the helper thread; returns None once it finished, or the failure a peer
+        published meanwhile. Raises what the wait raised."""
+        if self._waiter is None:
+            self._waiter = _Waiter()
+        done = self._waiter.submit(lambda: work.wait(timeout=datetime.timedelta(seconds=timeout_s)))
+        while not done.event.wait(_ABORT_POLL_S):
+            failed = self._peer_failure()
+            if failed is not None:
+                return failed
+        ok, value = done[0]
+        if not ok:
+            raise value
+        return None
+
+    def _peer_failure(self):
+        """The failure some rank published under this pipeline's key, or None."""
+        if self._abort_key is None:
+            return None
+        if self._failed is None:
+            try:
+                if self._store.check([self._abort_key]):
+                    self._failed = self._store.get(self._abort_key).decode("utf-8", errors="replace")
+            except (RuntimeError, ValueError):
+                return None
+        return self._failed
 
     def cancel(self, rid):
         # gloo cannot withdraw a posted request; dropping it is all we can do. The pairs are
@@ -197,9 +302,15 @@ class TorchTransport:
             self._done.append(self._requests.pop(rid))
 
     def abort(self, reason):
-        # There is no side channel to the peers over gloo: a peer learns of this failure when this
-        # process exits (its pairs close) or at its own timeout.
+        # gloo has no side channel: the failure goes to the peers through the c10d store (the first
+        # rank's wins), where their waits look for it.
         self.last_error = self.last_error or reason
+        if self._abort_key is not None and self._failed is None:
+            self._failed = f"rank {global_rank(self.group, self.rank)} failed first: {reason}"
+            try:
+                self._store.compare_set(self._abort_key, "", self._failed)
+            except (RuntimeError, ValueError):
+                pass
 
     def note_error(self, exc):
         self.last_error = f"{type(exc).__name__}: {exc}"

@@ -321,6 +321,7 @@ def _marked(callback):
 
 
 _SHAPE_ERROR = []
+_PIPELINES_MADE = {}  # pipeline signature -> how many this process made (PipelineSchedule._abort_name)
 
 
 def _shape_error():
@@ -1174,8 +1175,20 @@ class PipelineSchedule:
                 group = self._cpu_group_given
                 if group is None:
                     group = distributed.cpu_group(self.group)
-            self._transport = TorchTransport(group, self.timeout)
+            self._transport = TorchTransport(group, self.timeout, name=self._abort_name(group))
         return self._transport
+
+    def _abort_name(self, group):
+        """The key under which this pipeline's ranks publish a failure (TorchTransport): the same on
+        every rank (the group's ranks, the class, the stages and microbatches, and how many such
+        pipelines this process made before), different for other pipelines of the job."""
+        try:
+            ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+        except (AttributeError, RuntimeError, ValueError):
+            return None
+        sig = f"{'-'.join(map(str, ranks))}/{type(self).__name__}/{self._num_stages}/{self.n_microbatches}"
+        seq = _PIPELINES_MADE[sig] = _PIPELINES_MADE.get(sig, 0) + 1
+        return f"{sig}/{seq}"
 
     def _device_scope(self):
         return torch.cuda.device(self.device) if self._cuda else contextlib.nullcontext()
