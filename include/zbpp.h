@@ -633,7 +633,13 @@ ZB_API zb_status_t zb_transport_destroy(zb_transport_t *transport);
  * Both buffers are valid only during the call; copy what the model keeps. A nonzero status from a
  * callback fails the iteration (its zb_last_error text, if it set one, is kept in the message).
  * A W op pops the stage's oldest W-store group; a BW op runs B and then pops. Sends start as soon as
- * the producing op returns; receives are posted recv_depth ahead of the op that needs them. */
+ * the producing op returns; receives are posted recv_depth ahead of the op that needs them.
+ *
+ * Memory: zb_runner_create allocates every message buffer the runner will use, per channel, as
+ * many as the op lists allow in flight at once (a happens-before count over all ranks' lists: a
+ * send's buffer is free once the receiver's op has consumed it), and recycles them per channel.
+ * No iteration allocates or frees backend memory (cudaMalloc/cudaFree on CUDA) as long as the
+ * transport completes a send no later than its receive, which every transport here does. */
 typedef zb_status_t (*zb_forward_cb)(void *user, int32_t stage, int32_t mb, const void *input,
                                      void *output);
 typedef zb_status_t (*zb_backward_cb)(void *user, int32_t stage, int32_t mb,

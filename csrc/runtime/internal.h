@@ -87,6 +87,14 @@ static inline int32_t zb__tag_fwd(int32_t boundary) { return 2 * boundary; }
 static inline int32_t zb__tag_bwd(int32_t boundary) { return 2 * boundary + 1; }
 static inline int32_t zb__tag_optim(int32_t stages, int32_t dir) { return 2 * stages + dir; }
 
+/* The buffer plan of one rank (bufplan.c): per tag (2 (S - 1) of them), how many send, receive and
+ * local hand-off buffers its runner can need at once, receives posted `depth` ahead; pair_first as
+ * the runner's (NULL: no pairs). */
+zb_status_t zb__runner_buffer_plan(const zb_schedule_t *s, int32_t rank, int32_t depth, const uint8_t *pair_first,
+                                   int32_t *sends, int32_t *recvs, int32_t *locals);
+/* Buffers the runner had to allocate inside iterations because the plan fell short (0 expected). */
+zb_status_t zb__runner_late_allocs(const zb_runner_t *r, int64_t *out);
+
 /* Seconds on CLOCK_MONOTONIC: the clock the runner stamps ops with. */
 double zb__now(void);
 

@@ -37,6 +37,7 @@ typedef struct {
   int32_t in_tag, out_tag;
   int32_t in_slot, out_slot; /* local handoff slots, for IO_LOCAL */
   int32_t recv;              /* index into the receive plan, for IO_REMOTE input */
+  int32_t in_pool, out_pool; /* the buffer pools of the input and the output (see pool_id) */
   size_t in_bytes, out_bytes;
 } op_io_t;
 
@@ -46,11 +47,18 @@ typedef struct {
   zb__request_t req;
 } send_t;
 
+/* A channel's buffers of one kind, allocated at creation (the buffer plan, bufplan.c). */
 typedef struct {
   size_t bytes;
   void **free_bufs;
-  int n, cap;
+  int n, cap; /* free ones; cap is every buffer the pool owns */
 } pool_t;
+
+/* The sends of one channel not yet seen complete, oldest first. */
+typedef struct {
+  send_t *ring;
+  int32_t head, count, cap;
+} sendq_t;
 
 struct zb_runner {
   int32_t rank, p, S, m;
@@ -75,10 +83,10 @@ struct zb_runner {
   zb__request_t *recv_req;  /* n_recv */
   void **recv_buf;          /* n_recv */
   void **local;             /* (boundary * 2 + dir) * m + mb */
-  send_t *sends;            /* ring of pending sends */
-  int32_t send_head, send_count, send_cap;
-  pool_t *pools;
-  int n_pools;
+  sendq_t *sendq;           /* per channel (tag): its pending sends */
+  int32_t T;                /* channels: 2 (S - 1) tags */
+  pool_t *pools;            /* 3 T: sends, receives and local hand-offs of each tag (pool_id) */
+  int64_t late_allocs;      /* buffers allocated inside an iteration (the plan fell short: never) */
   /* Device timing (backends with timing events): a base event, then a start and an end event per
    * op, turned into seconds after the iteration; NULL on the host, which stamps with its clock. */
   zb__event_t *ev_base, **ev_op;
@@ -94,42 +102,91 @@ static const char *op_name(int type) {
   }
 }
 
-/* ---- buffers: a free list per size, so a warm iteration allocates nothing -------------------- */
+/* ---- buffers: planned per channel at creation, recycled per channel ------------------------- */
 
-static zb_status_t pool_get(zb_runner_t *r, size_t bytes, void **out) {
-  for (int k = 0; k < r->n_pools; k++)
-    if (r->pools[k].bytes == bytes && r->pools[k].n > 0) {
-      *out = r->pools[k].free_bufs[--r->pools[k].n];
-      return ZB_OK;
-    }
-  return r->be->ops->alloc(r->be, bytes, out);
+enum { POOL_SEND = 0, POOL_RECV = 1, POOL_LOCAL = 2 };
+static int32_t pool_id(const zb_runner_t *r, int kind, int32_t tag) { return kind * r->T + tag; }
+
+static zb_status_t reap_oldest(zb_runner_t *r, int32_t tag);
+
+/* A buffer of the pool. A send pool that is empty waits for its channel's oldest send (the plan
+ * counted it as received by now, so the wait is short); only if the plan fell short is a buffer
+ * allocated, and counted (late_allocs), so the pool grows to what the run needs. */
+static zb_status_t pool_get(zb_runner_t *r, int32_t id, void **out) {
+  pool_t *pl = &r->pools[id];
+  if (pl->n == 0 && id < r->T && r->sendq[id].count > 0) ZB_CHECK(reap_oldest(r, id));
+  if (pl->n > 0) {
+    *out = pl->free_bufs[--pl->n];
+    return ZB_OK;
+  }
+  void **nb = realloc(pl->free_bufs, (size_t)(pl->cap + 1) * sizeof(void *));
+  if (!nb) return ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory tracking the runner's buffers");
+  pl->free_bufs = nb;
+  ZB_CHECK(r->be->ops->alloc(r->be, pl->bytes, out));
+  pl->cap++;
+  r->late_allocs++;
+  return ZB_OK;
 }
 
-static void pool_put(zb_runner_t *r, void *buf, size_t bytes) {
+/* Every buffer a pool hands out comes back to it; the free list has room for all of them. */
+static void pool_put(zb_runner_t *r, int32_t id, void *buf) {
   if (!buf) return;
-  pool_t *pl = NULL;
-  for (int k = 0; k < r->n_pools && !pl; k++)
-    if (r->pools[k].bytes == bytes) pl = &r->pools[k];
-  if (!pl) {
-    pool_t *np = realloc(r->pools, (size_t)(r->n_pools + 1) * sizeof(pool_t));
-    if (!np) {
-      r->be->ops->release(r->be, buf);
-      return;
-    }
-    r->pools = np;
-    pl = &r->pools[r->n_pools++];
-    *pl = (pool_t){bytes, NULL, 0, 0};
-  }
-  if (pl->n == pl->cap) {
-    int cap = pl->cap ? 2 * pl->cap : 8;
-    void **nb = realloc(pl->free_bufs, (size_t)cap * sizeof(void *));
-    if (!nb) {
-      r->be->ops->release(r->be, buf);
-      return;
-    }
-    pl->free_bufs = nb, pl->cap = cap;
-  }
+  pool_t *pl = &r->pools[id];
   pl->free_bufs[pl->n++] = buf;
+}
+
+/* Allocates the plan's buffers: count[t] of pool kind `kind` for every tag. */
+static zb_status_t pool_fill(zb_runner_t *r, int kind, const int32_t *count, const int64_t *bytes) {
+  for (int32_t t = 0; t < r->T; t++) {
+    pool_t *pl = &r->pools[pool_id(r, kind, t)];
+    pl->bytes = (size_t)bytes[t / 2];
+    if (count[t] <= 0) continue;
+    pl->free_bufs = calloc((size_t)count[t], sizeof(void *));
+    if (!pl->free_bufs) return ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory for the runner's buffer plan");
+    for (; pl->cap < count[t]; pl->cap++) {
+      ZB_CHECK(r->be->ops->alloc(r->be, pl->bytes, &pl->free_bufs[pl->cap]));
+      pl->n++;
+    }
+  }
+  return ZB_OK;
+}
+
+/* The buffer plan (bufplan.c) for this rank, allocated now: nothing is allocated inside an
+ * iteration unless the plan fell short (it cannot when the transport completes a send no later
+ * than its receive). */
+static zb_status_t plan_buffers(zb_runner_t *r, const zb_runner_config_t *c) {
+  size_t T = (size_t)(r->T ? r->T : 1);
+  r->pools = calloc(3 * T, sizeof(pool_t));
+  r->sendq = calloc(T, sizeof(sendq_t));
+  int32_t *sends = calloc(T, sizeof(int32_t)), *recvs = calloc(T, sizeof(int32_t));
+  int32_t *locals = calloc(T, sizeof(int32_t));
+  int64_t *bytes = calloc(T, sizeof(int64_t));
+  zb_status_t st = ZB_OK;
+  if (!r->pools || !r->sendq || !sends || !recvs || !locals || !bytes)
+    st = ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory for the runner's buffer plan");
+  if (st == ZB_OK && r->T > 0) {
+    for (int32_t b = 0; b < r->S - 1; b++) bytes[b] = c->boundary_bytes ? c->boundary_bytes[b] : c->boundary_bytes_all;
+    st = zb__runner_buffer_plan(r->schedule, r->rank, r->depth, r->pair_first, sends, recvs, locals);
+  }
+  for (int32_t t = 0; st == ZB_OK && t < r->T; t++) {
+    if (sends[t] > 0) {
+      r->sendq[t].ring = calloc((size_t)sends[t], sizeof(send_t));
+      r->sendq[t].cap = sends[t];
+      if (!r->sendq[t].ring) st = ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory for the runner's buffer plan");
+    }
+  }
+  if (st == ZB_OK) st = pool_fill(r, POOL_SEND, sends, bytes);
+  if (st == ZB_OK) st = pool_fill(r, POOL_RECV, recvs, bytes);
+  if (st == ZB_OK) st = pool_fill(r, POOL_LOCAL, locals, bytes);
+  free(sends), free(recvs), free(locals), free(bytes);
+  return st;
+}
+
+zb_status_t zb__runner_late_allocs(const zb_runner_t *r, int64_t *out) {
+  ZB_ARG_NOT_NULL(r);
+  ZB_ARG_NOT_NULL(out);
+  *out = r->late_allocs;
+  return ZB_OK;
 }
 
 /* ---- create / destroy ------------------------------------------------------------------------ */
@@ -154,8 +211,10 @@ static zb_status_t plan(zb_runner_t *r, const zb_runner_config_t *c) {
       if (peer == r->rank) {
         io->in_kind = IO_LOCAL;
         io->in_slot = (in_b * 2 + in_dir) * r->m + i;
+        io->in_pool = pool_id(r, POOL_LOCAL, in_b * 2 + in_dir);
       } else {
         io->in_kind = IO_REMOTE;
+        io->in_pool = pool_id(r, POOL_RECV, in_b * 2 + in_dir);
         io->in_peer = peer;
         io->in_tag = in_dir ? zb__tag_bwd(in_b) : zb__tag_fwd(in_b);
         io->recv = r->n_recv;
@@ -168,8 +227,10 @@ static zb_status_t plan(zb_runner_t *r, const zb_runner_config_t *c) {
       if (peer == r->rank) {
         io->out_kind = IO_LOCAL;
         io->out_slot = (out_b * 2 + out_dir) * r->m + i;
+        io->out_pool = pool_id(r, POOL_LOCAL, out_b * 2 + out_dir);
       } else {
         io->out_kind = IO_REMOTE;
+        io->out_pool = pool_id(r, POOL_SEND, out_b * 2 + out_dir);
         io->out_peer = peer;
         io->out_tag = out_dir ? zb__tag_bwd(out_b) : zb__tag_fwd(out_b);
       }
@@ -209,10 +270,11 @@ static zb_status_t plan_pairs(zb_runner_t *r, const int32_t *first, int32_t coun
 
 zb_status_t zb_runner_destroy(zb_runner_t *r) {
   if (!r) return ZB_OK;
-  for (int k = 0; k < r->n_pools; k++) {
+  for (int32_t k = 0; r->pools && k < 3 * r->T; k++) {
     for (int j = 0; j < r->pools[k].n; j++) r->be->ops->release(r->be, r->pools[k].free_bufs[j]);
     free(r->pools[k].free_bufs);
   }
+  for (int32_t t = 0; r->sendq && t < r->T; t++) free(r->sendq[t].ring);
   if (r->ev_op)
     for (int32_t k = 0; k < 2 * r->n; k++)
       if (r->ev_op[k]) r->be->ops->event_destroy(r->be, r->ev_op[k]);
@@ -221,7 +283,7 @@ zb_status_t zb_runner_destroy(zb_runner_t *r) {
   zb__backend_unref(r->be);
   zb__transport_unref(r->tr);
   free(r->pools), free(r->io), free(r->start), free(r->end), free(r->recv_op), free(r->recv_req);
-  free(r->recv_buf), free(r->local), free(r->sends), free(r->pair_first);
+  free(r->recv_buf), free(r->local), free(r->sendq), free(r->pair_first);
   free(r);
   return ZB_OK;
 }
@@ -278,6 +340,7 @@ zb_status_t zb_runner_create(zb_runner_t **out, const zb_runner_config_t *c) {
   r->forward = c->forward_cb, r->backward = c->backward_cb, r->user = c->user;
   r->timeout = c->timeout_s > 0 ? c->timeout_s : 300.0;
   r->depth = c->recv_depth > 0 ? c->recv_depth : 4;
+  r->T = r->S > 1 ? 2 * (r->S - 1) : 0; /* channels: the pool ids plan() gives ops depend on it */
   zb__backend_ref(r->be);
   zb__transport_ref(r->tr);
   zb_status_t st = zb_schedule_rank_ops(c->schedule, c->rank, &r->ops, &r->n);
@@ -290,13 +353,12 @@ zb_status_t zb_runner_create(zb_runner_t **out, const zb_runner_config_t *c) {
     r->recv_req = calloc(n, sizeof(zb__request_t));
     r->recv_buf = calloc(n, sizeof(void *));
     r->local = calloc(slots, sizeof(void *));
-    r->send_cap = 16;
-    r->sends = calloc((size_t)r->send_cap, sizeof(send_t));
-    if (!r->io || !r->start || !r->end || !r->recv_op || !r->recv_req || !r->recv_buf || !r->local || !r->sends)
+    if (!r->io || !r->start || !r->end || !r->recv_op || !r->recv_req || !r->recv_buf || !r->local)
       st = ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory planning %d ops for rank %d", (int)r->n, (int)r->rank);
   }
   if (st == ZB_OK) st = plan(r, c);
   if (st == ZB_OK && has_pairs && c->n_pairs > 0) st = plan_pairs(r, c->pair_first, c->n_pairs);
+  if (st == ZB_OK) st = plan_buffers(r, c);
   if (st == ZB_OK && r->be->ops->timing_event_create) {
     r->ev_op = calloc(2 * n, sizeof(zb__event_t *));
     if (!r->ev_op) st = ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory for %d timing events", 2 * (int)n);
@@ -315,39 +377,62 @@ zb_status_t zb_runner_create(zb_runner_t **out, const zb_runner_config_t *c) {
 
 static zb_status_t post_recv(zb_runner_t *r, int32_t j) {
   const op_io_t *io = &r->io[r->recv_op[j]];
-  ZB_CHECK(pool_get(r, io->in_bytes, &r->recv_buf[j]));
+  ZB_CHECK(pool_get(r, io->in_pool, &r->recv_buf[j]));
   return zb__transport_irecv(r->tr, &r->recv_req[j], io->in_peer, io->in_tag, r->recv_buf[j], io->in_bytes);
 }
 
-/* Sends go in a ring; finished ones at the front are recycled without waiting. */
+/* A channel's sends go in its ring, oldest first; the plan sized it (it grows only if the plan
+ * fell short). Finished ones at the front are recycled per channel, so a slow channel holds only
+ * its own buffers. */
 static zb_status_t push_send(zb_runner_t *r, void *buf, const op_io_t *io) {
-  if (r->send_count == r->send_cap) {
-    int32_t cap = 2 * r->send_cap;
+  sendq_t *q = &r->sendq[io->out_tag];
+  if (q->count == q->cap) {
+    int32_t cap = q->cap ? 2 * q->cap : 4;
     send_t *ns = calloc((size_t)cap, sizeof(send_t));
     if (!ns) return ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory tracking %d sends", (int)cap);
-    for (int32_t k = 0; k < r->send_count; k++) ns[k] = r->sends[(r->send_head + k) % r->send_cap];
-    free(r->sends);
-    r->sends = ns, r->send_cap = cap, r->send_head = 0;
+    for (int32_t k = 0; k < q->count; k++) ns[k] = q->ring[(q->head + k) % q->cap];
+    free(q->ring);
+    q->ring = ns, q->cap = cap, q->head = 0;
   }
-  send_t *sd = &r->sends[(r->send_head + r->send_count) % r->send_cap];
+  send_t *sd = &q->ring[(q->head + q->count) % q->cap];
   sd->buf = buf, sd->bytes = io->out_bytes;
-  r->send_count++;
+  q->count++;
   return zb__transport_isend(r->tr, &sd->req, io->out_peer, io->out_tag, buf, io->out_bytes);
 }
 
-static zb_status_t reap_sends(zb_runner_t *r, double timeout) {
-  while (r->send_count > 0) {
-    send_t *sd = &r->sends[r->send_head];
+/* Recycles the channel's finished sends from the front; timeout 0 only looks, a positive one waits
+ * for every send of the channel. */
+static zb_status_t reap_channel(zb_runner_t *r, int32_t tag, double timeout) {
+  sendq_t *q = &r->sendq[tag];
+  while (q->count > 0) {
+    send_t *sd = &q->ring[q->head];
     if (sd->req.active) {
       zb_status_t st = zb__transport_wait(r->tr, &sd->req, timeout);
       if (st == ZB_ERR_TIMEOUT && timeout == 0) return ZB_OK; /* still in flight */
       if (st != ZB_OK) return st;
     }
-    pool_put(r, sd->buf, sd->bytes);
+    pool_put(r, pool_id(r, POOL_SEND, tag), sd->buf);
     sd->buf = NULL;
-    r->send_head = (r->send_head + 1) % r->send_cap;
-    r->send_count--;
+    q->head = (q->head + 1) % q->cap;
+    q->count--;
   }
+  return ZB_OK;
+}
+
+/* Waits for the channel's oldest send only: the newer ones may wait on a receiver that waits on us. */
+static zb_status_t reap_oldest(zb_runner_t *r, int32_t tag) {
+  sendq_t *q = &r->sendq[tag];
+  send_t *sd = &q->ring[q->head];
+  if (sd->req.active) ZB_CHECK(zb__transport_wait(r->tr, &sd->req, r->timeout));
+  pool_put(r, pool_id(r, POOL_SEND, tag), sd->buf);
+  sd->buf = NULL;
+  q->head = (q->head + 1) % q->cap;
+  q->count--;
+  return ZB_OK;
+}
+
+static zb_status_t reap_sends(zb_runner_t *r, double timeout) {
+  for (int32_t t = 0; t < r->T; t++) ZB_CHECK(reap_channel(r, t, timeout));
   return ZB_OK;
 }
 
@@ -355,20 +440,23 @@ static zb_status_t reap_sends(zb_runner_t *r, double timeout) {
 static void cleanup_after_failure(zb_runner_t *r) {
   for (int32_t j = 0; j < r->n_recv; j++) {
     if (r->recv_req[j].active) zb__transport_cancel(r->tr, &r->recv_req[j]);
-    if (r->recv_buf[j]) pool_put(r, r->recv_buf[j], r->io[r->recv_op[j]].in_bytes);
+    if (r->recv_buf[j]) pool_put(r, r->io[r->recv_op[j]].in_pool, r->recv_buf[j]);
     r->recv_buf[j] = NULL;
   }
-  while (r->send_count > 0) {
-    send_t *sd = &r->sends[r->send_head];
-    if (sd->req.active) zb__transport_cancel(r->tr, &sd->req);
-    pool_put(r, sd->buf, sd->bytes);
-    r->send_head = (r->send_head + 1) % r->send_cap;
-    r->send_count--;
+  for (int32_t t = 0; t < r->T; t++) {
+    sendq_t *q = &r->sendq[t];
+    while (q->count > 0) {
+      send_t *sd = &q->ring[q->head];
+      if (sd->req.active) zb__transport_cancel(r->tr, &sd->req);
+      pool_put(r, pool_id(r, POOL_SEND, t), sd->buf);
+      q->head = (q->head + 1) % q->cap;
+      q->count--;
+    }
   }
   size_t slots = (size_t)(r->S > 1 ? r->S - 1 : 1) * 2 * (size_t)r->m;
   for (size_t k = 0; k < slots; k++)
     if (r->local[k]) {
-      r->be->ops->release(r->be, r->local[k]);
+      pool_put(r, pool_id(r, POOL_LOCAL, (int32_t)(k / (size_t)r->m)), r->local[k]);
       r->local[k] = NULL;
     }
   zb_wstore_clear(r->ws);
@@ -439,7 +527,7 @@ static zb_status_t op_acquire(zb_runner_t *r, int32_t k, int32_t *next_post, voi
     if (*next_post < r->n_recv) {
       st = post_recv(r, *next_post);
       if (st != ZB_OK) {
-        pool_put(r, *in, io->in_bytes);
+        pool_put(r, io->in_pool, *in);
         *in = NULL;
         return st;
       }
@@ -452,9 +540,9 @@ static zb_status_t op_acquire(zb_runner_t *r, int32_t k, int32_t *next_post, voi
       return ZB_FAIL(ZB_ERR_INTERNAL, "the input this rank should have produced itself is missing");
   }
   if (io->out_kind != IO_NONE) {
-    zb_status_t st = pool_get(r, io->out_bytes, out);
+    zb_status_t st = pool_get(r, io->out_pool, out);
     if (st != ZB_OK) {
-      pool_put(r, *in, io->in_bytes);
+      if (io->in_kind != IO_NONE) pool_put(r, io->in_pool, *in);
       *in = NULL;
       return st;
     }
@@ -508,7 +596,8 @@ static zb_status_t run_op(zb_runner_t *r, int32_t k, int32_t *next_post, int32_t
     st = op_compute(r, k + j, in[j], out[j]);
     if (st != ZB_OK) failed = j;
   }
-  for (int32_t j = 0; j < got; j++) pool_put(r, in[j], r->io[k + j].in_bytes);
+  for (int32_t j = 0; j < got; j++)
+    if (r->io[k + j].in_kind != IO_NONE) pool_put(r, r->io[k + j].in_pool, in[j]);
   for (int32_t j = 0; j < got; j++) {
     if (st == ZB_OK) {
       st = op_deliver(r, k + j, out[j]);
@@ -516,7 +605,7 @@ static zb_status_t run_op(zb_runner_t *r, int32_t k, int32_t *next_post, int32_t
       failed = j; /* a failed send still owns its buffer (cleanup_after_failure returns it) */
       if (r->io[k + j].out_kind == IO_REMOTE) continue;
     }
-    pool_put(r, out[j], r->io[k + j].out_bytes);
+    if (r->io[k + j].out_kind != IO_NONE) pool_put(r, r->io[k + j].out_pool, out[j]);
   }
   *ran = st == ZB_OK ? count : failed + 1;
   if (st != ZB_OK) return st;

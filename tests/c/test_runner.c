@@ -7,6 +7,7 @@
  * ZBPP_TEST_QUICK=1 (set for the valgrind run) trims the sweep to p <= 3 and fewer microbatch
  * counts; the properties checked are the same.
  */
+#define _POSIX_C_SOURCE 200809L /* nanosleep */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -676,6 +677,187 @@ static void test_lifetimes_by_reference(void **state) {
   zb_schedule_destroy(s);
 }
 
+/* ---- the buffer plan --------------------------------------------------------------------------- */
+
+/* A rendezvous transport over the callbacks: a send completes only once the receiver has received
+ * it (what NCCL does; the in-process transport copies, so its sends complete at once). The plan
+ * must then hold: no buffer allocated inside an iteration, and no deadlock. */
+typedef struct {
+  pthread_mutex_t mu;
+  int32_t sent[8][8][32], received[8][8][32]; /* per channel (src, dst, tag) */
+} rdv_group_t;
+
+typedef struct {
+  zb_transport_t *inner;
+  rdv_group_t *g;
+  int32_t rank;
+} rdv_user_t;
+
+typedef struct {
+  zb__request_t inner;
+  int is_send;
+  int32_t src, dst, tag, seq;
+} rdv_req_t;
+
+static zb_status_t rdv_isend(void *user, int32_t peer, int32_t tag, const void *buf, size_t bytes, void **req) {
+  rdv_user_t *u = user;
+  rdv_req_t *r = calloc(1, sizeof *r);
+  r->is_send = 1, r->src = u->rank, r->dst = peer, r->tag = tag;
+  pthread_mutex_lock(&u->g->mu);
+  r->seq = ++u->g->sent[u->rank][peer][tag];
+  pthread_mutex_unlock(&u->g->mu);
+  zb_status_t st = zb__transport_isend(u->inner, &r->inner, peer, tag, buf, bytes);
+  if (st != ZB_OK) free(r), r = NULL;
+  *req = r;
+  return st;
+}
+static zb_status_t rdv_irecv(void *user, int32_t peer, int32_t tag, void *buf, size_t bytes, void **req) {
+  rdv_user_t *u = user;
+  rdv_req_t *r = calloc(1, sizeof *r);
+  r->src = peer, r->dst = u->rank, r->tag = tag;
+  zb_status_t st = zb__transport_irecv(u->inner, &r->inner, peer, tag, buf, bytes);
+  if (st != ZB_OK) free(r), r = NULL;
+  *req = r;
+  return st;
+}
+static zb_status_t rdv_wait(void *user, void *req, double timeout) {
+  rdv_user_t *u = user;
+  rdv_req_t *r = req;
+  if (!r->is_send) {
+    zb_status_t st = zb__transport_wait(u->inner, &r->inner, timeout);
+    if (st == ZB_ERR_TIMEOUT && timeout == 0) return st;
+    if (st == ZB_OK) {
+      pthread_mutex_lock(&u->g->mu);
+      u->g->received[r->src][r->dst][r->tag]++;
+      pthread_mutex_unlock(&u->g->mu);
+    }
+    free(r);
+    return st;
+  }
+  double until = zb__now() + timeout;
+  for (;;) {
+    pthread_mutex_lock(&u->g->mu);
+    int done = u->g->received[r->src][r->dst][r->tag] >= r->seq;
+    pthread_mutex_unlock(&u->g->mu);
+    if (done) break;
+    if (timeout == 0) return ZB_ERR_TIMEOUT;
+    if (zb__now() > until) {
+      free(r);
+      return ZB_ERR_TIMEOUT;
+    }
+    struct timespec ts = {0, 200000};
+    nanosleep(&ts, NULL);
+  }
+  zb__transport_wait(u->inner, &r->inner, 0); /* the in-process copy finished long ago */
+  free(r);
+  return ZB_OK;
+}
+static void rdv_cancel(void *user, void *req) {
+  rdv_user_t *u = user;
+  rdv_req_t *r = req;
+  zb__transport_cancel(u->inner, &r->inner);
+  free(r);
+}
+
+typedef struct {
+  zb_schedule_t *s;
+  zb_inproc_group_t *ig;
+  rdv_group_t *g;
+  rdv_user_t user;
+  probe_t probe;
+  int32_t ranks;
+  int64_t late;
+  zb_status_t st;
+  char err[2048];
+} rdv_rank_t;
+
+static void *rdv_rank_main(void *arg) {
+  rdv_rank_t *c = arg;
+  zb_backend_t *be = NULL;
+  zb_wstore_t *ws = NULL;
+  zb_transport_t *inner = NULL, *tr = NULL;
+  zb_runner_t *run = NULL;
+  zb_backend_create_host(&be);
+  zb_wstore_create(&ws, be, NULL, NULL);
+  zb_transport_create_inproc(&inner, c->ig, c->user.rank);
+  c->user.inner = inner, c->user.g = c->g;
+  zb_transport_callbacks_t cb = {sizeof cb, &c->user, rdv_isend, rdv_irecv, rdv_wait, rdv_cancel, NULL};
+  c->st = zb_transport_create_callback(&tr, &cb, c->user.rank, c->ranks);
+  if (c->st == ZB_OK) {
+    zb_runner_config_t rc = ZB_RUNNER_CONFIG_INIT;
+    rc.rank = c->user.rank, rc.schedule = c->s, rc.backend = be, rc.transport = tr, rc.wstore = ws;
+    rc.boundary_bytes_all = 2 * sizeof(float);
+    rc.forward_cb = probe_fwd, rc.backward_cb = probe_bwd, rc.user = &c->probe;
+    rc.timeout_s = 10;
+    c->st = zb_runner_create(&run, &rc);
+    for (int it = 0; it < 3 && c->st == ZB_OK; it++) c->st = zb_runner_run(run);
+    if (c->st == ZB_OK) zb__runner_late_allocs(run, &c->late);
+  }
+  snprintf(c->err, sizeof c->err, "%s", zb_last_error());
+  if (c->st != ZB_OK) zb_transport_abort(inner, "rendezvous test rank failed");
+  zb_runner_destroy(run);
+  zb_transport_destroy(tr);
+  zb_transport_destroy(inner);
+  zb_wstore_destroy(ws);
+  zb_backend_destroy(be);
+  return NULL;
+}
+
+static void test_buffer_plan(void **state) {
+  /* The counts themselves, for schedules whose in-flight sends are known: GPipe sends every
+   * microbatch forward before any comes back (m), 1F1B's first rank holds at most p of them. */
+  struct { zb_kind_t kind; int p, m, want; } known[] = {{ZB_KIND_GPIPE, 2, 6, 6}, {ZB_KIND_1F1B, 2, 8, 2},
+                                                        {ZB_KIND_1F1B, 4, 8, 4}};
+  for (size_t k = 0; k < sizeof known / sizeof known[0]; k++) {
+    zb_schedule_spec_t spec = zb_test_spec(known[k].kind, known[k].p, known[k].m, 0);
+    zb_schedule_t *s;
+    ZB_ASSERT_OK(zb_schedule_create(&s, &spec));
+    int32_t sends[32], recvs[32], locals[32];
+    ZB_ASSERT_OK(zb__runner_buffer_plan(s, 0, 4, NULL, sends, recvs, locals));
+    if (sends[0] != known[k].want)
+      fail_msg("%s p=%d m=%d: rank 0 plans %d forward sends in flight, expected %d", zb_kind_name(known[k].kind),
+               known[k].p, known[k].m, (int)sends[0], known[k].want);
+    assert_true(recvs[1] >= 1 && recvs[1] <= 4 + 2); /* the gradients back: at most depth + 2 */
+    zb_schedule_destroy(s);
+  }
+  /* Every kind over a rendezvous transport on 2..4 ranks: right values, nothing allocated inside
+   * an iteration, no deadlock. */
+  const zb_kind_t kinds[] = {ZB_KIND_GPIPE, ZB_KIND_1F1B, ZB_KIND_INTERLEAVED_1F1B, ZB_KIND_ZB_H1, ZB_KIND_ZB_H2,
+                             ZB_KIND_ZB_V, ZB_KIND_V_HALF, ZB_KIND_V_MIN, ZB_KIND_ZB_AUTO};
+  for (size_t k = 0; k < sizeof kinds / sizeof kinds[0]; k++)
+    for (int p = 2; p <= 4; p++) {
+      zb_schedule_spec_t spec = zb_test_spec(kinds[k], p, 2 * p, 0);
+      zb_schedule_t *s;
+      if (zb_schedule_create(&s, &spec) != ZB_OK) continue; /* a kind that does not take this shape */
+      zb_schedule_info_t info;
+      ZB_ASSERT_OK(zb_schedule_get_info(s, &info));
+      static rdv_group_t g;
+      memset(&g, 0, sizeof g);
+      pthread_mutex_init(&g.mu, NULL);
+      zb_inproc_group_t *ig;
+      ZB_ASSERT_OK(zb_inproc_group_create(&ig, p));
+      rdv_rank_t c[4];
+      pthread_t th[4];
+      for (int r = 0; r < p; r++) {
+        memset(&c[r], 0, sizeof c[r]);
+        c[r].s = s, c[r].ig = ig, c[r].g = &g, c[r].user.rank = r, c[r].ranks = p;
+        c[r].probe.S = info.stages, c[r].probe.m = info.microbatches;
+        pthread_create(&th[r], NULL, rdv_rank_main, &c[r]);
+      }
+      for (int r = 0; r < p; r++) pthread_join(th[r], NULL);
+      for (int r = 0; r < p; r++) {
+        if (c[r].st != ZB_OK) fail_msg("%s p=%d rank %d: %s", zb_kind_name(kinds[k]), p, r, c[r].err);
+        if (c[r].late != 0)
+          fail_msg("%s p=%d rank %d: %lld buffers allocated inside iterations", zb_kind_name(kinds[k]), p, r,
+                   (long long)c[r].late);
+        assert_int_equal(c[r].probe.bad, 0);
+      }
+      ZB_ASSERT_OK(zb_inproc_group_destroy(ig));
+      pthread_mutex_destroy(&g.mu);
+      zb_schedule_destroy(s);
+    }
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_every_kind_bitwise),
@@ -688,6 +870,7 @@ int main(void) {
       cmocka_unit_test(test_runner_misuse),
       cmocka_unit_test(test_runner_pairs),
       cmocka_unit_test(test_lifetimes_by_reference),
+      cmocka_unit_test(test_buffer_plan),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
