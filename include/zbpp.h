@@ -674,12 +674,20 @@ typedef struct {
    * struct_size ends before these fields get no pairs. */
   const int32_t *pair_first;
   int32_t n_pairs;
+  /* Where the runner's message buffers come from: alloc_cb(alloc_user, bytes, &ptr) at
+   * zb_runner_create (and only there, unless the buffer plan fell short), free_cb(alloc_user, ptr)
+   * at zb_runner_destroy. Memory the backend can use: device memory of its device on CUDA (for
+   * example torch's caching allocator, on the stream the runner runs on). NULL: the backend's own
+   * (zb_backend_alloc). Both or neither. */
+  zb_status_t (*alloc_cb)(void *alloc_user, size_t bytes, void **out);
+  void (*free_cb)(void *alloc_user, void *ptr);
+  void *alloc_user;
 } zb_runner_config_t;
 
 #define ZB_RUNNER_CONFIG_INIT                                                                      \
   {                                                                                                \
     sizeof(zb_runner_config_t), ZB_RUNNER_CONFIG_VERSION, 0, NULL, NULL, NULL, NULL, NULL, 0,      \
-        NULL, NULL, NULL, 0.0, 0, NULL, 0                                                          \
+        NULL, NULL, NULL, 0.0, 0, NULL, 0, NULL, NULL, NULL                                        \
   }
 
 typedef struct zb_runner zb_runner_t;

@@ -87,6 +87,9 @@ struct zb_runner {
   int32_t T;                /* channels: 2 (S - 1) tags */
   pool_t *pools;            /* 3 T: sends, receives and local hand-offs of each tag (pool_id) */
   int64_t late_allocs;      /* buffers allocated inside an iteration (the plan fell short: never) */
+  zb_status_t (*alloc_cb)(void *, size_t, void **); /* the caller's allocator, or NULL: the backend's */
+  void (*free_cb)(void *, void *);
+  void *alloc_user;
   /* Device timing (backends with timing events): a base event, then a start and an end event per
    * op, turned into seconds after the iteration; NULL on the host, which stamps with its clock. */
   zb__event_t *ev_base, **ev_op;
@@ -109,6 +112,24 @@ static int32_t pool_id(const zb_runner_t *r, int kind, int32_t tag) { return kin
 
 static zb_status_t reap_oldest(zb_runner_t *r, int32_t tag);
 
+/* Message buffers come from the caller's allocator when it gave one, else from the backend. */
+static zb_status_t buf_alloc(zb_runner_t *r, size_t bytes, void **out) {
+  if (!r->alloc_cb) return r->be->ops->alloc(r->be, bytes, out);
+  *out = NULL;
+  zb_status_t st = r->alloc_cb(r->alloc_user, bytes, out);
+  if (st != ZB_OK) return ZB_FAIL(st, "the runner's alloc_cb failed for %zu bytes", bytes);
+  if (!*out && bytes) return ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "the runner's alloc_cb gave NULL for %zu bytes", bytes);
+  return ZB_OK;
+}
+
+static void buf_free(zb_runner_t *r, void *ptr) {
+  if (!ptr) return;
+  if (r->free_cb)
+    r->free_cb(r->alloc_user, ptr);
+  else
+    r->be->ops->release(r->be, ptr);
+}
+
 /* A buffer of the pool. A send pool that is empty waits for its channel's oldest send (the plan
  * counted it as received by now, so the wait is short); only if the plan fell short is a buffer
  * allocated, and counted (late_allocs), so the pool grows to what the run needs. */
@@ -122,7 +143,7 @@ static zb_status_t pool_get(zb_runner_t *r, int32_t id, void **out) {
   void **nb = realloc(pl->free_bufs, (size_t)(pl->cap + 1) * sizeof(void *));
   if (!nb) return ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory tracking the runner's buffers");
   pl->free_bufs = nb;
-  ZB_CHECK(r->be->ops->alloc(r->be, pl->bytes, out));
+  ZB_CHECK(buf_alloc(r, pl->bytes, out));
   pl->cap++;
   r->late_allocs++;
   return ZB_OK;
@@ -144,7 +165,7 @@ static zb_status_t pool_fill(zb_runner_t *r, int kind, const int32_t *count, con
     pl->free_bufs = calloc((size_t)count[t], sizeof(void *));
     if (!pl->free_bufs) return ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory for the runner's buffer plan");
     for (; pl->cap < count[t]; pl->cap++) {
-      ZB_CHECK(r->be->ops->alloc(r->be, pl->bytes, &pl->free_bufs[pl->cap]));
+      ZB_CHECK(buf_alloc(r, pl->bytes, &pl->free_bufs[pl->cap]));
       pl->n++;
     }
   }
@@ -271,7 +292,7 @@ static zb_status_t plan_pairs(zb_runner_t *r, const int32_t *first, int32_t coun
 zb_status_t zb_runner_destroy(zb_runner_t *r) {
   if (!r) return ZB_OK;
   for (int32_t k = 0; r->pools && k < 3 * r->T; k++) {
-    for (int j = 0; j < r->pools[k].n; j++) r->be->ops->release(r->be, r->pools[k].free_bufs[j]);
+    for (int j = 0; j < r->pools[k].n; j++) buf_free(r, r->pools[k].free_bufs[j]);
     free(r->pools[k].free_bufs);
   }
   for (int32_t t = 0; r->sendq && t < r->T; t++) free(r->sendq[t].ring);
@@ -294,7 +315,7 @@ zb_status_t zb_runner_create(zb_runner_t **out, const zb_runner_config_t *c) {
   ZB_ARG_NOT_NULL(c);
   /* Callers built before the pair fields existed pass the size that ends before them. */
   const size_t before_pairs = offsetof(zb_runner_config_t, pair_first);
-  const int has_pairs = c->struct_size >= sizeof(zb_runner_config_t);
+  const int has_pairs = c->struct_size >= sizeof(zb_runner_config_t); /* and the allocator fields */
   if ((!has_pairs && c->struct_size != before_pairs) || c->version != ZB_RUNNER_CONFIG_VERSION)
     return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
                    "zb_runner_config_t has struct_size %u, version %u; initialise it with "
@@ -307,6 +328,10 @@ zb_status_t zb_runner_create(zb_runner_t **out, const zb_runner_config_t *c) {
                    "(missing: %s%s%s%s%s)",
                    c->schedule ? "" : "schedule ", c->backend ? "" : "backend ", c->wstore ? "" : "wstore ",
                    c->forward_cb ? "" : "forward_cb ", c->backward_cb ? "" : "backward_cb");
+  if (has_pairs && !c->alloc_cb != !c->free_cb)
+    return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
+                   "zb_runner_config_t: alloc_cb and free_cb go together (got %s without %s)",
+                   c->alloc_cb ? "alloc_cb" : "free_cb", c->alloc_cb ? "free_cb" : "alloc_cb");
   zb_schedule_info_t info;
   ZB_CHECK(zb_schedule_get_info(c->schedule, &info));
   if (c->rank < 0 || c->rank >= info.ranks)
@@ -338,6 +363,7 @@ zb_status_t zb_runner_create(zb_runner_t **out, const zb_runner_config_t *c) {
   r->rank = c->rank, r->p = info.ranks, r->S = info.stages, r->m = info.microbatches;
   r->schedule = c->schedule, r->be = c->backend, r->tr = c->transport, r->ws = c->wstore;
   r->forward = c->forward_cb, r->backward = c->backward_cb, r->user = c->user;
+  if (has_pairs) r->alloc_cb = c->alloc_cb, r->free_cb = c->free_cb, r->alloc_user = c->alloc_user;
   r->timeout = c->timeout_s > 0 ? c->timeout_s : 300.0;
   r->depth = c->recv_depth > 0 ? c->recv_depth : 4;
   r->T = r->S > 1 ? 2 * (r->S - 1) : 0; /* channels: the pool ids plan() gives ops depend on it */

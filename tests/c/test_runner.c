@@ -759,6 +759,24 @@ static void rdv_cancel(void *user, void *req) {
   free(r);
 }
 
+/* A caller's allocator that counts: what the runner takes and gives back, and when. */
+typedef struct {
+  int64_t allocs, frees, allocs_at_create;
+  size_t bytes;
+} counting_alloc_t;
+
+static zb_status_t count_alloc(void *user, size_t bytes, void **out) {
+  counting_alloc_t *a = user;
+  a->allocs++, a->bytes += bytes;
+  *out = malloc(bytes ? bytes : 1);
+  return *out ? ZB_OK : ZB_ERR_OUT_OF_MEMORY;
+}
+static void count_free(void *user, void *ptr) {
+  counting_alloc_t *a = user;
+  a->frees++;
+  free(ptr);
+}
+
 typedef struct {
   zb_schedule_t *s;
   zb_inproc_group_t *ig;
@@ -766,6 +784,7 @@ typedef struct {
   rdv_user_t user;
   probe_t probe;
   int32_t ranks;
+  counting_alloc_t *alloc; /* NULL: the backend's */
   int64_t late;
   zb_status_t st;
   char err[2048];
@@ -789,7 +808,9 @@ static void *rdv_rank_main(void *arg) {
     rc.boundary_bytes_all = 2 * sizeof(float);
     rc.forward_cb = probe_fwd, rc.backward_cb = probe_bwd, rc.user = &c->probe;
     rc.timeout_s = 10;
+    if (c->alloc) rc.alloc_cb = count_alloc, rc.free_cb = count_free, rc.alloc_user = c->alloc;
     c->st = zb_runner_create(&run, &rc);
+    if (c->alloc) c->alloc->allocs_at_create = c->alloc->allocs;
     for (int it = 0; it < 3 && c->st == ZB_OK; it++) c->st = zb_runner_run(run);
     if (c->st == ZB_OK) zb__runner_late_allocs(run, &c->late);
   }
@@ -801,6 +822,27 @@ static void *rdv_rank_main(void *arg) {
   zb_wstore_destroy(ws);
   zb_backend_destroy(be);
   return NULL;
+}
+
+static void run_rendezvous(zb_schedule_t *s, int p, rdv_rank_t *c, counting_alloc_t *alloc) {
+  zb_schedule_info_t info;
+  ZB_ASSERT_OK(zb_schedule_get_info(s, &info));
+  static rdv_group_t g;
+  memset(&g, 0, sizeof g);
+  pthread_mutex_init(&g.mu, NULL);
+  zb_inproc_group_t *ig;
+  ZB_ASSERT_OK(zb_inproc_group_create(&ig, p));
+  pthread_t th[4];
+  for (int r = 0; r < p; r++) {
+    memset(&c[r], 0, sizeof c[r]);
+    c[r].s = s, c[r].ig = ig, c[r].g = &g, c[r].user.rank = r, c[r].ranks = p;
+    c[r].probe.S = info.stages, c[r].probe.m = info.microbatches;
+    c[r].alloc = alloc ? &alloc[r] : NULL;
+    pthread_create(&th[r], NULL, rdv_rank_main, &c[r]);
+  }
+  for (int r = 0; r < p; r++) pthread_join(th[r], NULL);
+  ZB_ASSERT_OK(zb_inproc_group_destroy(ig));
+  pthread_mutex_destroy(&g.mu);
 }
 
 static void test_buffer_plan(void **state) {
@@ -829,22 +871,8 @@ static void test_buffer_plan(void **state) {
       zb_schedule_spec_t spec = zb_test_spec(kinds[k], p, 2 * p, 0);
       zb_schedule_t *s;
       if (zb_schedule_create(&s, &spec) != ZB_OK) continue; /* a kind that does not take this shape */
-      zb_schedule_info_t info;
-      ZB_ASSERT_OK(zb_schedule_get_info(s, &info));
-      static rdv_group_t g;
-      memset(&g, 0, sizeof g);
-      pthread_mutex_init(&g.mu, NULL);
-      zb_inproc_group_t *ig;
-      ZB_ASSERT_OK(zb_inproc_group_create(&ig, p));
       rdv_rank_t c[4];
-      pthread_t th[4];
-      for (int r = 0; r < p; r++) {
-        memset(&c[r], 0, sizeof c[r]);
-        c[r].s = s, c[r].ig = ig, c[r].g = &g, c[r].user.rank = r, c[r].ranks = p;
-        c[r].probe.S = info.stages, c[r].probe.m = info.microbatches;
-        pthread_create(&th[r], NULL, rdv_rank_main, &c[r]);
-      }
-      for (int r = 0; r < p; r++) pthread_join(th[r], NULL);
+      run_rendezvous(s, p, c, NULL);
       for (int r = 0; r < p; r++) {
         if (c[r].st != ZB_OK) fail_msg("%s p=%d rank %d: %s", zb_kind_name(kinds[k]), p, r, c[r].err);
         if (c[r].late != 0)
@@ -852,10 +880,42 @@ static void test_buffer_plan(void **state) {
                    (long long)c[r].late);
         assert_int_equal(c[r].probe.bad, 0);
       }
-      ZB_ASSERT_OK(zb_inproc_group_destroy(ig));
-      pthread_mutex_destroy(&g.mu);
       zb_schedule_destroy(s);
     }
+
+  /* A caller's allocator gets every buffer at create and each back at destroy, none in between. */
+  zb_schedule_spec_t spec = zb_test_spec(ZB_KIND_ZB_V, 2, 4, 0);
+  zb_schedule_t *s;
+  ZB_ASSERT_OK(zb_schedule_create(&s, &spec));
+  rdv_rank_t c[2];
+  counting_alloc_t alloc[2];
+  memset(alloc, 0, sizeof alloc);
+  run_rendezvous(s, 2, c, alloc);
+  for (int r = 0; r < 2; r++) {
+    if (c[r].st != ZB_OK) fail_msg("rank %d: %s", r, c[r].err);
+    assert_true(alloc[r].allocs_at_create > 0);
+    assert_int_equal(alloc[r].allocs, alloc[r].allocs_at_create);
+    assert_int_equal(alloc[r].frees, alloc[r].allocs);
+    assert_int_equal(c[r].probe.bad, 0);
+  }
+  /* One without the other is refused. */
+  zb_backend_t *be;
+  zb_wstore_t *ws;
+  ZB_ASSERT_OK(zb_backend_create_host(&be));
+  ZB_ASSERT_OK(zb_wstore_create(&ws, be, NULL, NULL));
+  zb_schedule_spec_t one = zb_test_spec(ZB_KIND_1F1B, 1, 2, 0);
+  zb_schedule_t *single;
+  ZB_ASSERT_OK(zb_schedule_create(&single, &one));
+  zb_runner_config_t rc = ZB_RUNNER_CONFIG_INIT;
+  rc.schedule = single, rc.backend = be, rc.wstore = ws, rc.forward_cb = noop_fwd, rc.backward_cb = noop_bwd;
+  rc.alloc_cb = count_alloc;
+  zb_runner_t *r = NULL;
+  assert_int_equal(zb_runner_create(&r, &rc), ZB_ERR_INVALID_ARGUMENT);
+  assert_non_null(strstr(zb_last_error(), "alloc_cb and free_cb go together"));
+  zb_schedule_destroy(single);
+  zb_wstore_destroy(ws);
+  ZB_ASSERT_OK(zb_backend_destroy(be));
+  zb_schedule_destroy(s);
 }
 
 int main(void) {

@@ -13,6 +13,9 @@ the GPU benchmark share:
     device before work is issued, so zbpp's kernels run where torch's own work runs and torch's
     caching-allocator rule (a tensor used only on its allocation stream may be freed at once) holds.
   - `OptimKernel` and `sq_norm`: the library's fused optimizer and norm kernels over tensors.
+  - `torch_allocator(device)`: torch's caching allocator as the runner's allocator, so the runner's
+    message buffers are torch's memory (counted in torch.cuda.memory_allocated, reused from its
+    cache) instead of cudaMalloc's beside it.
 
 What this is not: a memory manager. Tensors made by device_buffer do not own their memory; they
 are valid only while the C object that owns it says so (for the runner: during the callback).
@@ -35,6 +38,7 @@ __all__ = [
     "sq_norm",
     "stream_handle",
     "tensor_pairs",
+    "torch_allocator",
     "use_current_stream",
 ]
 
@@ -169,6 +173,20 @@ def backend_for(device):
             _register_atexit()
             _backends[key] = backend
         return backend
+
+
+def torch_allocator(device):
+    """(alloc, free) over torch's caching allocator on `device`, for runtime.Runner(allocator=...):
+    blocks on torch's current stream of the device, the stream the runner runs on."""
+    index = device_of(device).index
+
+    def alloc(nbytes):
+        return torch.cuda.caching_allocator_alloc(max(int(nbytes), 1), index, torch.cuda.current_stream(index))
+
+    def free(ptr):
+        torch.cuda.caching_allocator_delete(ptr)
+
+    return alloc, free
 
 
 def use_current_stream(backend, device):

@@ -52,6 +52,7 @@ __all__ = [
 
 ZB_OK = 0
 ZB_ERR_INVALID_ARGUMENT = 1
+ZB_ERR_OUT_OF_MEMORY = 2
 ZB_ERR_UNSUPPORTED = 6
 ZB_ERR_BUSY = 8
 ZB_ERR_TIMEOUT = 9
@@ -97,6 +98,8 @@ class _WGrad(_c.Structure):
 ReleaseFn = _c.CFUNCTYPE(_c.c_int32, _P, _c.c_uint64, _c.c_int32)
 ForwardFn = _c.CFUNCTYPE(_c.c_int, _P, _c.c_int32, _c.c_int32, _P, _P)
 BackwardFn = _c.CFUNCTYPE(_c.c_int, _P, _c.c_int32, _c.c_int32, _P, _P)
+AllocFn = _c.CFUNCTYPE(_c.c_int, _P, _c.c_size_t, _PP)
+FreeFn = _c.CFUNCTYPE(None, _P, _P)
 
 _IsendFn = _c.CFUNCTYPE(_c.c_int, _P, _c.c_int32, _c.c_int32, _P, _c.c_size_t, _PP)
 _IrecvFn = _c.CFUNCTYPE(_c.c_int, _P, _c.c_int32, _c.c_int32, _P, _c.c_size_t, _PP)
@@ -152,6 +155,9 @@ class _RunnerConfig(_c.Structure):
         ("recv_depth", _c.c_int32),
         ("pair_first", _c.POINTER(_c.c_int32)),
         ("n_pairs", _c.c_int32),
+        ("alloc_cb", AllocFn),
+        ("free_cb", FreeFn),
+        ("alloc_user", _P),
     ]
 
 
@@ -679,9 +685,12 @@ class Runner(_Handle):
     _destroy = "zb_runner_destroy"
 
     def __init__(self, schedule, rank, backend, wstore, transport, boundary_bytes, forward, backward,
-                 timeout_s=300.0, recv_depth=0, pairs=()):
+                 timeout_s=300.0, recv_depth=0, pairs=(), allocator=None):
         """pairs: indices k into this rank's op list where ops k and k+1 run as one unit (both
-        inputs first, both callbacks back to back, both outputs after; zb_runner_config_t)."""
+        inputs first, both callbacks back to back, both outputs after; zb_runner_config_t).
+        allocator: (alloc(nbytes) -> address, free(address)) for the runner's message buffers, all
+        taken at creation and given back at close (zb_runner_config_t.alloc_cb); None: the
+        backend's."""
         super().__init__()
         self._keep = (schedule, backend, wstore, transport)
         self._error = None
@@ -707,7 +716,32 @@ class Runner(_Handle):
         self._pairs = (_c.c_int32 * max(1, len(pairs)))(*pairs)
         cfg.pair_first = self._pairs
         cfg.n_pairs = len(pairs)
-        _lib.call("zb_runner_create", [_PP, _c.POINTER(_RunnerConfig)], _c.byref(self._h), _c.byref(cfg))
+        if allocator is not None:
+            alloc, free = allocator
+            self._alloc_error = None
+
+            def on_alloc(_user, nbytes, out):
+                try:
+                    out[0] = int(alloc(int(nbytes)))
+                    return ZB_OK
+                except BaseException as exc:  # noqa: BLE001 - must not unwind into C
+                    self._alloc_error = exc
+                    return ZB_ERR_OUT_OF_MEMORY
+
+            def on_free(_user, ptr):
+                try:
+                    free(int(ptr))
+                except BaseException:  # noqa: BLE001 - must not unwind into C; nothing to report it to
+                    pass
+
+            self._alloc_fns = (AllocFn(on_alloc), FreeFn(on_free))  # alive as long as the runner
+            cfg.alloc_cb, cfg.free_cb = self._alloc_fns
+        try:
+            _lib.call("zb_runner_create", [_PP, _c.POINTER(_RunnerConfig)], _c.byref(self._h), _c.byref(cfg))
+        except _lib.ZbError as err:
+            if getattr(self, "_alloc_error", None) is not None:
+                raise err from self._alloc_error  # the allocator's own exception, as the cause
+            raise
         self._count = len(schedule.rank_ops(rank))
 
     def _on_forward(self, _user, stage, mb, inp, out):

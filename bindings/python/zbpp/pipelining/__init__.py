@@ -1210,9 +1210,11 @@ class PipelineSchedule:
         pairs = self._runner_pairs()
         for st in self.stages:
             st._zb_schedule = weakref.ref(self)  # what the stage's torch calls run (forward_one_chunk, ...)
+        # On CUDA the runner's message buffers are torch's memory (its caching allocator).
+        allocator = cuda.torch_allocator(self.device) if self._cuda else None
         self._runner = runtime.Runner(self.schedule, self.rank, self._store.backend, self._store.store,
                                       transport, sizes, _marked(self._on_forward), _marked(self._on_backward),
-                                      timeout_s=self.timeout, pairs=pairs)
+                                      timeout_s=self.timeout, pairs=pairs, allocator=allocator)
 
     def _make_nccl(self):
         """The NCCL transport: rank 0 makes the unique id and sends it to every rank (with a flag,

@@ -1,0 +1,75 @@
+"""runtime.Runner from Python without torch: the caller's allocator (zb_runner_config_t.alloc_cb)
+gets every message buffer at creation and each back at close, none during iterations, and an
+allocator that fails makes creation fail with its own exception as the cause."""
+
+import ctypes
+
+import pytest
+
+from zbpp import Schedule, ZbError, runtime
+
+
+def _runner(allocator, kind="interleaved-1f1b", v=2):
+    """One rank holding every stage of a loop (stage hand-offs stay on the rank)."""
+    schedule = Schedule.generate(kind, p=1, m=4, v=v)
+    backend = runtime.Backend("host")
+    store = runtime.WStore(backend, lambda token, ran: None)
+    calls = []
+
+    def forward(stage, mb, inp, out):
+        calls.append(("F", stage, mb))
+        if out:
+            ctypes.memset(out, stage + 1, 16)
+        if inp:
+            assert ctypes.string_at(inp, 16) == bytes([stage]) * 16  # what the previous stage wrote
+
+    def backward(stage, mb, gout, gin):
+        calls.append(("B", stage, mb))
+        if gin:
+            ctypes.memset(gin, 7, 16)
+
+    sizes = [16] * (schedule.stages - 1)
+    run = runtime.Runner(schedule, 0, backend, store, None, sizes, forward, backward, allocator=allocator)
+    return run, calls, (schedule, backend, store)
+
+
+class Counting:
+    def __init__(self):
+        self.live = {}
+        self.allocs = self.frees = 0
+
+    def alloc(self, nbytes):
+        buf = ctypes.create_string_buffer(nbytes)
+        addr = ctypes.addressof(buf)
+        self.live[addr] = buf
+        self.allocs += 1
+        return addr
+
+    def free(self, addr):
+        del self.live[addr]
+        self.frees += 1
+
+
+def test_the_callers_allocator_holds_every_buffer_from_create_to_close():
+    counting = Counting()
+    run, calls, keep = _runner((counting.alloc, counting.free))
+    at_create = counting.allocs
+    assert at_create > 0
+    for _ in range(3):
+        run.run()
+    assert counting.allocs == at_create, "a buffer was allocated inside an iteration"
+    assert len([c for c in calls if c[0] == "F"]) == 3 * 4 * 2
+    run.close()
+    assert counting.frees == counting.allocs and not counting.live
+    for obj in reversed(keep):
+        obj.close()
+
+
+def test_an_allocator_that_fails_fails_creation_with_its_exception():
+    def broken(nbytes):
+        raise MemoryError(f"no room for {nbytes} bytes")
+
+    with pytest.raises(ZbError) as err:
+        _runner((broken, lambda addr: None))
+    assert isinstance(err.value.__cause__, MemoryError)
+    assert "alloc_cb" in str(err.value)
