@@ -9,9 +9,19 @@
  * need to change, except the small plain-data records (zb_op_t, the spec and the result structs),
  * which are versioned by their first field.
  *
- * Threading: schedule handles are not internally locked. Different handles may be used from
- * different threads at once; one handle must not be used from two threads at once. None of the
- * calls in this header block on anything but the CPU work they do.
+ * Threading: handles are not internally locked. Different handles may be used from different
+ * threads at once; one handle must not be used from two threads at once, and the objects of one
+ * rank (backend, W store, transport, runner) belong to one thread at a time.
+ *
+ * Blocking: schedule calls block only for the CPU work they do. Runtime calls may also wait, and
+ * each one's comment says for what: zb_runner_run for its peers' messages (up to its timeout), the
+ * optimizer and post-validation for the state they exchange, zb_backend_synchronize and the host
+ * backend's work for the device or the CPU doing it.
+ *
+ * Versioned structs: each options struct starts with struct_size (and most with a version); the
+ * library checks them and fails with a message naming the initialiser to use when a caller's
+ * struct does not match. zb_runner_config_t and zb_wgrad_t also accept their previous, shorter
+ * layouts (the newer fields then take their defaults).
  */
 #ifndef ZBPP_H
 #define ZBPP_H
@@ -134,7 +144,8 @@ ZB_API zb_status_t zb_kind_from_name(const char *name, zb_kind_t *out_kind, doub
 
 /* ---------------------------------------------------------------------------------------------
  * The spec a schedule is generated from. Initialise with ZB_SCHEDULE_SPEC_INIT and change what you
- * need; struct_size/version let the library accept specs from older callers.
+ * need; struct_size and version must be this header's (ZB_SCHEDULE_SPEC_INIT sets them), or the
+ * library refuses the spec with a message saying so.
  *
  * Times: time_f/time_b/time_w/time_bw are the time of one microbatch through ALL of a rank's layers
  * (so each op of a v-chunk schedule takes 1/v of it). A value <= 0 for time_bw means time_b + time_w.

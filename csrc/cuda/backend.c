@@ -97,6 +97,7 @@ static void cuda_destroy(zb_backend_t *be) {
       if (cu->compute) cudaStreamSynchronize(cu->compute);
       zb__wgemm_destroy(cu);
       cudaFree(cu->workspace);
+      cudaFree(cu->norm_scratch);
       if (cu->order) cudaEventDestroy(cu->order);
       if (cu->own_stream) cudaStreamDestroy(cu->own_stream);
     }

@@ -118,6 +118,10 @@ typedef struct {
   cudaEvent_t order;       /* scratch event for ordering one stream after another */
   void *workspace;         /* cuBLASLt workspace, workspace_bytes, device memory */
   size_t workspace_bytes;
+  /* zb_sq_norm's scratch (a double per block and a counter), kept between calls and grown in stream
+   * order when a call needs more blocks; freed with the backend. */
+  void *norm_scratch;
+  size_t norm_slots;
   /* gemm.c's: cuBLASLt (loaded at the first GEMM), its handle and the per-shape cache; all NULL
    * until then, freed by zb__wgemm_destroy. */
   const zb__cublaslt_t *lt;

@@ -5,8 +5,10 @@
  *
  * One call is one launch unless the list has more pieces than a table holds (ZB__LIST_MAX_PIECES,
  * ZB__OPTIM_MAX_PIECES); the launches then run in list order on the same stream. Nothing here waits
- * for the device. zb_sq_norm's per-block partial sums need device scratch, taken and given back in
- * stream order (cudaMallocAsync / cudaFreeAsync on the compute stream, no host synchronisation).
+ * for the device. zb_sq_norm's per-block partial sums need device scratch: the backend keeps it
+ * between calls and grows it only when a call needs more blocks than any before (in stream order,
+ * cudaFreeAsync / cudaMallocAsync on the compute stream: no host synchronisation, no allocation
+ * in the steady state).
  *
  * What it is not: a place for arithmetic. The per-step scalars come from the host reference's
  * zb__optim_scalars, so the kernels and the host backend start from the same floats.
@@ -104,17 +106,33 @@ zb_status_t zb__cuda_sq_norm(zb__cuda_t *cu, zb_dtype_t dtype, const zb_tensor_l
   if (!p) return ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "zb_sq_norm: out of memory for a launch table");
   /* One double per block, then the finished-block counter (zeroed once; the last block of every
    * launch puts it back to 0, so the launches of one call share the scratch in stream order). */
-  const size_t slots = (size_t)max_blocks * sizeof(double);
-  void *scratch = NULL;
+  size_t slots = (size_t)max_blocks * sizeof(double);
   zb_status_t st = ZB_OK;
   cursor_t c = {t, 0, 0, 0};
-  cudaError_t e = cudaMallocAsync(&scratch, slots + sizeof(double), cu->compute);
-  if (e != cudaSuccess) {
-    cudaGetLastError();
-    free(p);
-    return ZB_FAIL(ZB_ERR_CUDA, "zb_sq_norm: cudaMallocAsync of %zu bytes of scratch failed: %s (%s)",
-                   slots + sizeof(double), cudaGetErrorString(e), cudaGetErrorName(e));
+  if (slots > cu->norm_slots) {
+    /* Grow to the next power of two, so a few sizes settle at once. */
+    size_t want = 4096;
+    while (want < slots) want *= 2;
+    if (cu->norm_scratch) {
+      cudaError_t fe = cudaFreeAsync(cu->norm_scratch, cu->compute);
+      cu->norm_scratch = NULL, cu->norm_slots = 0;
+      if (fe != cudaSuccess) {
+        free(p);
+        return ZB_CUDA_FAIL(fe, "cudaFreeAsync of the old sq_norm scratch");
+      }
+    }
+    cudaError_t e = cudaMallocAsync(&cu->norm_scratch, want + sizeof(double), cu->compute);
+    if (e != cudaSuccess) {
+      cudaGetLastError();
+      cu->norm_scratch = NULL;
+      free(p);
+      return ZB_FAIL(ZB_ERR_CUDA, "zb_sq_norm: cudaMallocAsync of %zu bytes of scratch failed: %s (%s)",
+                     want + sizeof(double), cudaGetErrorString(e), cudaGetErrorName(e));
+    }
+    cu->norm_slots = want;
   }
+  slots = cu->norm_slots;
+  void *scratch = cu->norm_scratch;
   p->dtype = dtype;
   p->sq = sq;
   p->nonfinite = nonfinite;
@@ -129,8 +147,6 @@ zb_status_t zb__cuda_sq_norm(zb__cuda_t *cu, zb_dtype_t dtype, const zb_tensor_l
     }
   }
 out:
-  e = cudaFreeAsync(scratch, cu->compute);
-  if (e != cudaSuccess && st == ZB_OK) st = ZB_CUDA_FAIL(e, "cudaFreeAsync of the sq_norm scratch");
   free(p);
   return st;
 }

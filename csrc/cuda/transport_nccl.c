@@ -388,7 +388,6 @@ static const zb__transport_ops_t nccl_ops = {
     .destroy = nccl_destroy,
     .check = nccl_check,
     .memory = ZB__TRANSPORT_DEVICE_MEMORY,
-    .device_ordered = 1,
 };
 
 /* ---- creation -------------------------------------------------------------------------------------- */

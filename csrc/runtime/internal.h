@@ -42,9 +42,6 @@ typedef struct {
   /* Which memory the transport moves: 0 host memory only, 1 the memory of any backend (the
    * in-process transport copies with the bound backend), 2 device memory only (NCCL). */
   int memory;
-  /* 1 when wait() on a receive does not block the host: it makes the bound backend's compute
-   * stream wait for the data on the device (NCCL). Sends still complete on the host's wait. */
-  int device_ordered;
 } zb__transport_ops_t;
 
 enum { ZB__TRANSPORT_HOST_MEMORY = 0, ZB__TRANSPORT_ANY_MEMORY = 1, ZB__TRANSPORT_DEVICE_MEMORY = 2 };
