@@ -426,6 +426,17 @@ static zb_status_t push_send(zb_runner_t *r, void *buf, const op_io_t *io) {
   return zb__transport_isend(r->tr, &sd->req, io->out_peer, io->out_tag, buf, io->out_bytes);
 }
 
+/* Gives the buffer of the channel's oldest send back to its pool and drops the send (finished,
+ * or cancelled after a failure). */
+static void drop_front(zb_runner_t *r, int32_t tag) {
+  sendq_t *q = &r->sendq[tag];
+  send_t *sd = &q->ring[q->head];
+  pool_put(r, pool_id(r, POOL_SEND, tag), sd->buf);
+  sd->buf = NULL;
+  q->head = (q->head + 1) % q->cap;
+  q->count--;
+}
+
 /* Recycles the channel's finished sends from the front; timeout 0 only looks, a positive one waits
  * for every send of the channel. */
 static zb_status_t reap_channel(zb_runner_t *r, int32_t tag, double timeout) {
@@ -437,23 +448,16 @@ static zb_status_t reap_channel(zb_runner_t *r, int32_t tag, double timeout) {
       if (st == ZB_ERR_TIMEOUT && timeout == 0) return ZB_OK; /* still in flight */
       if (st != ZB_OK) return st;
     }
-    pool_put(r, pool_id(r, POOL_SEND, tag), sd->buf);
-    sd->buf = NULL;
-    q->head = (q->head + 1) % q->cap;
-    q->count--;
+    drop_front(r, tag);
   }
   return ZB_OK;
 }
 
 /* Waits for the channel's oldest send only: the newer ones may wait on a receiver that waits on us. */
 static zb_status_t reap_oldest(zb_runner_t *r, int32_t tag) {
-  sendq_t *q = &r->sendq[tag];
-  send_t *sd = &q->ring[q->head];
+  send_t *sd = &r->sendq[tag].ring[r->sendq[tag].head];
   if (sd->req.active) ZB_CHECK(zb__transport_wait(r->tr, &sd->req, r->timeout));
-  pool_put(r, pool_id(r, POOL_SEND, tag), sd->buf);
-  sd->buf = NULL;
-  q->head = (q->head + 1) % q->cap;
-  q->count--;
+  drop_front(r, tag);
   return ZB_OK;
 }
 
@@ -469,16 +473,12 @@ static void cleanup_after_failure(zb_runner_t *r) {
     if (r->recv_buf[j]) pool_put(r, r->io[r->recv_op[j]].in_pool, r->recv_buf[j]);
     r->recv_buf[j] = NULL;
   }
-  for (int32_t t = 0; t < r->T; t++) {
-    sendq_t *q = &r->sendq[t];
-    while (q->count > 0) {
-      send_t *sd = &q->ring[q->head];
+  for (int32_t t = 0; t < r->T; t++)
+    while (r->sendq[t].count > 0) {
+      send_t *sd = &r->sendq[t].ring[r->sendq[t].head];
       if (sd->req.active) zb__transport_cancel(r->tr, &sd->req);
-      pool_put(r, pool_id(r, POOL_SEND, t), sd->buf);
-      q->head = (q->head + 1) % q->cap;
-      q->count--;
+      drop_front(r, t);
     }
-  }
   size_t slots = (size_t)(r->S > 1 ? r->S - 1 : 1) * 2 * (size_t)r->m;
   for (size_t k = 0; k < slots; k++)
     if (r->local[k]) {
