@@ -367,3 +367,34 @@ def run_custom_functions(rank, world, port, out_dir, backward_first):
     torch.save(out, os.path.join(out_dir, f"custom{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def run_close_order(rank, world, port, out_dir):
+    """2 ranks: a schedule and the post-validated optimizer that shares its transport, closed in
+    either order: the one closed first leaves the transport to the other (the library refuses to
+    free a transport in use), and the transport is freed once both are closed."""
+    import zbpp
+
+    _init(rank, world, port)
+    out = {}
+    try:
+        for order in ("schedule-first", "optimizer-first"):
+            torch.manual_seed(0)
+            stage = zbpp.PipelineStage(torch.nn.Linear(4, 4), rank, world, "cpu")
+            sched = zbpp.Schedule1F1B(stage, 2, loss_fn=lambda o, y: ((o - y) ** 2).mean())
+            opt = torch.optim.SGD(stage.submod.parameters(), lr=0.1)
+            post = zbpp.PostValidatedOptimizer.for_schedule(opt, sched)
+            x, y = torch.randn(4, 4), torch.randn(4, 4)
+            sched.step(x) if rank == 0 else sched.step(target=y)
+            post.step()
+            transport = sched.transport
+            first, second = (sched, post) if order == "schedule-first" else (post, sched)
+            first.close()
+            pending_between = bool(transport.close_pending)
+            second.close()
+            out[order] = {"pending_between": pending_between, "freed": not transport.transport._h}
+    except BaseException:  # noqa: BLE001 - the test reads the traceback
+        out["error"] = traceback.format_exc()
+    torch.save(out, os.path.join(out_dir, f"close{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()

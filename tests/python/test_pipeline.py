@@ -258,6 +258,17 @@ def test_a_rank_whose_stage_raises_makes_every_other_rank_fail_at_once(tmp_path)
     assert text.startswith("ValueError: the stage's own error"), text
 
 
+def test_schedule_and_post_validated_optimizer_close_in_either_order(tmp_path):
+    """They share the schedule's transport, which the library will not free while the optimizer
+    uses it: whichever closes first leaves it to the other, and nothing raises."""
+    spawn(pipeline_worker.run_close_order, 2, str(tmp_path))
+    for r in range(2):
+        got = torch.load(tmp_path / f"close{r}.pt")
+        assert "error" not in got, got.get("error")
+        assert got["schedule-first"] == {"pending_between": True, "freed": True}
+        assert got["optimizer-first"] == {"pending_between": False, "freed": True}
+
+
 # ---- torch's step() semantics ---------------------------------------------------------------------
 
 class _Scaled(torch.nn.Module):

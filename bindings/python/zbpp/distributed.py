@@ -50,7 +50,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from . import runtime
+from . import _lib, runtime
 
 __all__ = ["TorchTransport", "broadcast_bytes", "cpu_group", "global_rank", "group_rank", "group_size",
            "takes_cpu"]
@@ -320,5 +320,17 @@ class TorchTransport:
         return text
 
     def close(self):
+        """Frees the C transport, or, while a post-validated optimizer still uses it (the library
+        refuses with ZB_ERR_BUSY), leaves that to the optimizer's close(): the schedule and the
+        optimizer may be closed in either order."""
+        try:
+            self.transport.close()
+        except _lib.ZbError as err:
+            if err.code != runtime.ZB_ERR_BUSY:
+                raise
+            self.close_pending = True
+            return
+        self.close_pending = False
         self._requests.clear()
-        self.transport.close()
+
+    close_pending = False

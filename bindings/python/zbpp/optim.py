@@ -352,6 +352,9 @@ class PostValidatedOptimizer:
         h, self._h = self._h, _P()
         if h:
             _lib.call("zb_postval_destroy", [_P], h)
+        # A schedule closed before this optimizer left the transport they share for us to free.
+        if getattr(self._transport, "close_pending", False):
+            self._transport.close()
 
     def __del__(self):
         try:
