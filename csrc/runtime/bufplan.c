@@ -25,24 +25,32 @@
 
 #include "internal.h"
 
-/* The channel an op receives on and sends on across ranks (-1: none or local), and whether its
- * input or output stays on its rank. */
+zb_status_t zb__op_links(const zb_schedule_t *s, int32_t S, const zb_op_t *op, zb__link_t *in, zb__link_t *out) {
+  const int32_t st = op->stage;
+  in->tag = out->tag = -1;
+  in->peer = out->peer = -1;
+  if (op->type == ZB_OP_F) {
+    if (st > 0) in->tag = zb__tag_fwd(st - 1), in->peer = st - 1;
+    if (st < S - 1) out->tag = zb__tag_fwd(st), out->peer = st + 1;
+  } else if (op->type == ZB_OP_B || op->type == ZB_OP_BW) {
+    if (st < S - 1) in->tag = zb__tag_bwd(st), in->peer = st + 1;
+    if (st > 0) out->tag = zb__tag_bwd(st - 1), out->peer = st - 1;
+  }
+  /* peer holds the stage at the other end so far; the rank that holds it: */
+  if (in->tag >= 0) ZB_CHECK(zb_schedule_stage_rank(s, in->peer, &in->peer));
+  if (out->tag >= 0) ZB_CHECK(zb_schedule_stage_rank(s, out->peer, &out->peer));
+  return ZB_OK;
+}
+
+/* An op's channels as the plan counts them: across ranks (in_tag, out_tag) or on this rank
+ * (in_local, out_local); -1 where the op has none of that kind. */
 static void op_channels(const zb_schedule_t *s, int32_t S, const zb_op_t *op, int32_t rank, int32_t *in_tag,
                         int32_t *out_tag, int32_t *in_local, int32_t *out_local) {
-  int32_t st = op->stage, peer;
-  *in_tag = *out_tag = -1;
-  *in_local = *out_local = -1;
-  if (op->type == ZB_OP_F) {
-    if (st > 0 && zb_schedule_stage_rank(s, st - 1, &peer) == ZB_OK)
-      *(peer == rank ? in_local : in_tag) = zb__tag_fwd(st - 1);
-    if (st < S - 1 && zb_schedule_stage_rank(s, st + 1, &peer) == ZB_OK)
-      *(peer == rank ? out_local : out_tag) = zb__tag_fwd(st);
-  } else if (op->type == ZB_OP_B || op->type == ZB_OP_BW) {
-    if (st < S - 1 && zb_schedule_stage_rank(s, st + 1, &peer) == ZB_OK)
-      *(peer == rank ? in_local : in_tag) = zb__tag_bwd(st);
-    if (st > 0 && zb_schedule_stage_rank(s, st - 1, &peer) == ZB_OK)
-      *(peer == rank ? out_local : out_tag) = zb__tag_bwd(st - 1);
-  }
+  zb__link_t in, out;
+  *in_tag = *out_tag = *in_local = *out_local = -1;
+  if (zb__op_links(s, S, op, &in, &out) != ZB_OK) return; /* stages were checked when the schedule was made */
+  if (in.tag >= 0) *(in.peer == rank ? in_local : in_tag) = in.tag;
+  if (out.tag >= 0) *(out.peer == rank ? out_local : out_tag) = out.tag;
 }
 
 /* A FIFO of vector clocks (p values each): the clocks of messages sent and not yet received. */

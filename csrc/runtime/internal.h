@@ -84,6 +84,15 @@ static inline int32_t zb__tag_fwd(int32_t boundary) { return 2 * boundary; }
 static inline int32_t zb__tag_bwd(int32_t boundary) { return 2 * boundary + 1; }
 static inline int32_t zb__tag_optim(int32_t stages, int32_t dir) { return 2 * stages + dir; }
 
+/* Where an op's input comes from and its output goes (bufplan.c): the channel's tag (zb__tag_fwd or
+ * zb__tag_bwd of the boundary, so tag / 2 is the boundary) and the rank holding the stage at the
+ * other end; tag -1 (and peer -1) where there is none, e.g. stage 0's forward input. The runner
+ * and the buffer plan both read an op's channels from here. */
+typedef struct {
+  int32_t tag, peer;
+} zb__link_t;
+zb_status_t zb__op_links(const zb_schedule_t *s, int32_t S, const zb_op_t *op, zb__link_t *in, zb__link_t *out);
+
 /* The buffer plan of one rank (bufplan.c): per tag (2 (S - 1) of them), how many send, receive and
  * local hand-off buffers its runner can need at once, receives posted `depth` ahead; pair_first as
  * the runner's (NULL: no pairs). */

@@ -43,7 +43,6 @@ typedef struct {
 
 typedef struct {
   void *buf;
-  size_t bytes;
   zb__request_t req;
 } send_t;
 
@@ -85,6 +84,7 @@ struct zb_runner {
   void **local;             /* (boundary * 2 + dir) * m + mb */
   sendq_t *sendq;           /* per channel (tag): its pending sends */
   int32_t T;                /* channels: 2 (S - 1) tags */
+  int32_t *send_tags, n_send_tags; /* the channels this rank sends on (reaped after every op) */
   pool_t *pools;            /* 3 T: sends, receives and local hand-offs of each tag (pool_id) */
   int64_t late_allocs;      /* buffers allocated inside an iteration (the plan fell short: never) */
   zb_status_t (*alloc_cb)(void *, size_t, void **); /* the caller's allocator, or NULL: the backend's */
@@ -149,7 +149,8 @@ static zb_status_t pool_get(zb_runner_t *r, int32_t id, void **out) {
   return ZB_OK;
 }
 
-/* Every buffer a pool hands out comes back to it; the free list has room for all of them. */
+/* Every buffer a pool hands out comes back to it; the free list has room for all of them. NULL (an
+ * op without that input or output) is ignored. */
 static void pool_put(zb_runner_t *r, int32_t id, void *buf) {
   if (!buf) return;
   pool_t *pl = &r->pools[id];
@@ -213,51 +214,54 @@ zb_status_t zb__runner_late_allocs(const zb_runner_t *r, int64_t *out) {
 /* ---- create / destroy ------------------------------------------------------------------------ */
 
 static zb_status_t plan(zb_runner_t *r, const zb_runner_config_t *c) {
-  for (int32_t k = 0; k < r->n; k++) {
-    const zb_op_t *op = &r->ops[k];
+  uint8_t *sends_on = calloc((size_t)(r->T ? r->T : 1), 1);
+  if (!sends_on) return ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory planning rank %d", (int)r->rank);
+  zb_status_t st = ZB_OK;
+  for (int32_t k = 0; k < r->n && st == ZB_OK; k++) {
+    const int32_t i = r->ops[k].mb;
     op_io_t *io = &r->io[k];
-    int32_t s = op->stage, i = op->mb, peer;
-    int has_in = 0, has_out = 0, in_b = 0, out_b = 0, in_dir = 0, out_dir = 0, in_stage = 0, out_stage = 0;
-    if (op->type == ZB_OP_F) {
-      if (s > 0) has_in = 1, in_b = s - 1, in_dir = 0, in_stage = s - 1;
-      if (s < r->S - 1) has_out = 1, out_b = s, out_dir = 0, out_stage = s + 1;
-    } else if (op->type == ZB_OP_B || op->type == ZB_OP_BW) {
-      if (s < r->S - 1) has_in = 1, in_b = s, in_dir = 1, in_stage = s + 1;
-      if (s > 0) has_out = 1, out_b = s - 1, out_dir = 1, out_stage = s - 1;
-    }
+    zb__link_t in, out;
+    st = zb__op_links(r->schedule, r->S, &r->ops[k], &in, &out);
+    if (st != ZB_OK) break;
     io->recv = -1;
-    if (has_in) {
-      ZB_CHECK(zb_schedule_stage_rank(r->schedule, in_stage, &peer));
-      io->in_bytes = (size_t)(c->boundary_bytes ? c->boundary_bytes[in_b] : c->boundary_bytes_all);
-      if (peer == r->rank) {
+    if (in.tag >= 0) { /* the tag is the boundary's: tag / 2 (zb__tag_fwd/bwd) */
+      io->in_bytes = (size_t)(c->boundary_bytes ? c->boundary_bytes[in.tag / 2] : c->boundary_bytes_all);
+      if (in.peer == r->rank) {
         io->in_kind = IO_LOCAL;
-        io->in_slot = (in_b * 2 + in_dir) * r->m + i;
-        io->in_pool = pool_id(r, POOL_LOCAL, in_b * 2 + in_dir);
+        io->in_slot = in.tag * r->m + i;
+        io->in_pool = pool_id(r, POOL_LOCAL, in.tag);
       } else {
         io->in_kind = IO_REMOTE;
-        io->in_pool = pool_id(r, POOL_RECV, in_b * 2 + in_dir);
-        io->in_peer = peer;
-        io->in_tag = in_dir ? zb__tag_bwd(in_b) : zb__tag_fwd(in_b);
+        io->in_pool = pool_id(r, POOL_RECV, in.tag);
+        io->in_peer = in.peer;
+        io->in_tag = in.tag;
         io->recv = r->n_recv;
         r->recv_op[r->n_recv++] = k;
       }
     }
-    if (has_out) {
-      ZB_CHECK(zb_schedule_stage_rank(r->schedule, out_stage, &peer));
-      io->out_bytes = (size_t)(c->boundary_bytes ? c->boundary_bytes[out_b] : c->boundary_bytes_all);
-      if (peer == r->rank) {
+    if (out.tag >= 0) {
+      io->out_bytes = (size_t)(c->boundary_bytes ? c->boundary_bytes[out.tag / 2] : c->boundary_bytes_all);
+      if (out.peer == r->rank) {
         io->out_kind = IO_LOCAL;
-        io->out_slot = (out_b * 2 + out_dir) * r->m + i;
-        io->out_pool = pool_id(r, POOL_LOCAL, out_b * 2 + out_dir);
+        io->out_slot = out.tag * r->m + i;
+        io->out_pool = pool_id(r, POOL_LOCAL, out.tag);
       } else {
         io->out_kind = IO_REMOTE;
-        io->out_pool = pool_id(r, POOL_SEND, out_b * 2 + out_dir);
-        io->out_peer = peer;
-        io->out_tag = out_dir ? zb__tag_bwd(out_b) : zb__tag_fwd(out_b);
+        io->out_pool = pool_id(r, POOL_SEND, out.tag);
+        io->out_peer = out.peer;
+        io->out_tag = out.tag;
+        sends_on[out.tag] = 1;
       }
     }
   }
-  return ZB_OK;
+  if (st == ZB_OK) {
+    r->send_tags = calloc((size_t)(r->T ? r->T : 1), sizeof(int32_t));
+    if (!r->send_tags) st = ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory planning rank %d", (int)r->rank);
+    for (int32_t t = 0; st == ZB_OK && t < r->T; t++)
+      if (sends_on[t]) r->send_tags[r->n_send_tags++] = t;
+  }
+  free(sends_on);
+  return st;
 }
 
 /* Checks and records the pairs: each names ops k and k+1 of this rank's list, no op is in two,
@@ -304,7 +308,7 @@ zb_status_t zb_runner_destroy(zb_runner_t *r) {
   zb__backend_unref(r->be);
   zb__transport_unref(r->tr);
   free(r->pools), free(r->io), free(r->start), free(r->end), free(r->recv_op), free(r->recv_req);
-  free(r->recv_buf), free(r->local), free(r->sendq), free(r->pair_first);
+  free(r->recv_buf), free(r->local), free(r->sendq), free(r->pair_first), free(r->send_tags);
   free(r);
   return ZB_OK;
 }
@@ -421,7 +425,7 @@ static zb_status_t push_send(zb_runner_t *r, void *buf, const op_io_t *io) {
     q->ring = ns, q->cap = cap, q->head = 0;
   }
   send_t *sd = &q->ring[(q->head + q->count) % q->cap];
-  sd->buf = buf, sd->bytes = io->out_bytes;
+  sd->buf = buf;
   q->count++;
   return zb__transport_isend(r->tr, &sd->req, io->out_peer, io->out_tag, buf, io->out_bytes);
 }
@@ -462,7 +466,7 @@ static zb_status_t reap_oldest(zb_runner_t *r, int32_t tag) {
 }
 
 static zb_status_t reap_sends(zb_runner_t *r, double timeout) {
-  for (int32_t t = 0; t < r->T; t++) ZB_CHECK(reap_channel(r, t, timeout));
+  for (int32_t j = 0; j < r->n_send_tags; j++) ZB_CHECK(reap_channel(r, r->send_tags[j], timeout));
   return ZB_OK;
 }
 
@@ -473,8 +477,8 @@ static void cleanup_after_failure(zb_runner_t *r) {
     if (r->recv_buf[j]) pool_put(r, r->io[r->recv_op[j]].in_pool, r->recv_buf[j]);
     r->recv_buf[j] = NULL;
   }
-  for (int32_t t = 0; t < r->T; t++)
-    while (r->sendq[t].count > 0) {
+  for (int32_t j = 0; j < r->n_send_tags; j++)
+    for (int32_t t = r->send_tags[j]; r->sendq[t].count > 0;) {
       send_t *sd = &r->sendq[t].ring[r->sendq[t].head];
       if (sd->req.active) zb__transport_cancel(r->tr, &sd->req);
       drop_front(r, t);
@@ -568,7 +572,7 @@ static zb_status_t op_acquire(zb_runner_t *r, int32_t k, int32_t *next_post, voi
   if (io->out_kind != IO_NONE) {
     zb_status_t st = pool_get(r, io->out_pool, out);
     if (st != ZB_OK) {
-      if (io->in_kind != IO_NONE) pool_put(r, io->in_pool, *in);
+      pool_put(r, io->in_pool, *in);
       *in = NULL;
       return st;
     }
@@ -622,8 +626,7 @@ static zb_status_t run_op(zb_runner_t *r, int32_t k, int32_t *next_post, int32_t
     st = op_compute(r, k + j, in[j], out[j]);
     if (st != ZB_OK) failed = j;
   }
-  for (int32_t j = 0; j < got; j++)
-    if (r->io[k + j].in_kind != IO_NONE) pool_put(r, r->io[k + j].in_pool, in[j]);
+  for (int32_t j = 0; j < got; j++) pool_put(r, r->io[k + j].in_pool, in[j]); /* NULL: none */
   for (int32_t j = 0; j < got; j++) {
     if (st == ZB_OK) {
       st = op_deliver(r, k + j, out[j]);
@@ -631,7 +634,7 @@ static zb_status_t run_op(zb_runner_t *r, int32_t k, int32_t *next_post, int32_t
       failed = j; /* a failed send still owns its buffer (cleanup_after_failure returns it) */
       if (r->io[k + j].out_kind == IO_REMOTE) continue;
     }
-    if (r->io[k + j].out_kind != IO_NONE) pool_put(r, r->io[k + j].out_pool, out[j]);
+    pool_put(r, r->io[k + j].out_pool, out[j]);
   }
   *ran = st == ZB_OK ? count : failed + 1;
   if (st != ZB_OK) return st;
