@@ -125,28 +125,28 @@ struct Work {
 Work prepare(const char *op, const Tensor &x, const Tensor &dy, const Tensor &dw, const std::optional<Tensor> &db,
              bool overwrite, bool copy = false) {
   check(x.dim() >= 1 && dy.dim() >= 1, op, ": x and dy need at least one dimension; got x ", shape_of(x),
-                  ", dy ", shape_of(dy));
+        ", dy ", shape_of(dy));
   check(x.scalar_type() == dy.scalar_type(), op, ": x and dy must have one dtype; got ",
-                  dtype_name(x.scalar_type()), " and ", dtype_name(dy.scalar_type()));
+        dtype_name(x.scalar_type()), " and ", dtype_name(dy.scalar_type()));
   zb_dtype_t dtype = zb_dtype(x.scalar_type(), op);
   const int64_t in = x.size(x.dim() - 1), out = dy.size(dy.dim() - 1);
   check(x.numel() / (in ? in : 1) == dy.numel() / (out ? out : 1), op,
-                  ": x and dy must have the same number of rows (all but the last dimension); got x ", shape_of(x),
-                  ", dy ", shape_of(dy));
+        ": x and dy must have the same number of rows (all but the last dimension); got x ", shape_of(x),
+        ", dy ", shape_of(dy));
   const int32_t dev = device_key(x);
   check(device_key(dy) == dev && device_key(dw) == dev && (!db || device_key(*db) == dev), op,
-                  ": x, dy, dw and db must be on one device");
+        ": x, dy, dw and db must be on one device");
   check(dw.dim() == 2 && dw.size(0) == out && dw.size(1) == in && dw.is_contiguous(), op,
-                  ": dw must be a contiguous [out, in] = [", out, ", ", in, "] tensor; got ", shape_of(dw),
-                  dw.is_contiguous() ? "" : " (not contiguous)");
+        ": dw must be a contiguous [out, in] = [", out, ", ", in, "] tensor; got ", shape_of(dw),
+        dw.is_contiguous() ? "" : " (not contiguous)");
   const ScalarType dws = dw.scalar_type();
   check(dws == ScalarType::Float || dws == x.scalar_type(), op,
-                  ": dw must be float32 (accumulated in fp32) or x's dtype ", dtype_name(x.scalar_type()), "; got ",
-                  dtype_name(dws));
+        ": dw must be float32 (accumulated in fp32) or x's dtype ", dtype_name(x.scalar_type()), "; got ",
+        dtype_name(dws));
   if (db) {
     check(db->dim() == 1 && db->size(0) == out && db->is_contiguous() && db->scalar_type() == dws, op,
-                    ": db must be a contiguous [", out, "] tensor of dw's dtype ", dtype_name(dws), "; got ",
-                    shape_of(*db), " ", dtype_name(db->scalar_type()));
+          ": db must be a contiguous [", out, "] tensor of dw's dtype ", dtype_name(dws), "; got ",
+          shape_of(*db), " ", dtype_name(db->scalar_type()));
   }
   Work w{as_rows(x, in, copy), as_rows(dy, out, copy), dw, db, {}};
   zb_wgrad_t &e = w.entry;
@@ -196,7 +196,7 @@ void *current_cuda_stream(int32_t device) {
   check(fn != nullptr, "zbpp: CUDA tensors need a CUDA build of torch (libtorch_cuda.so is not loaded)");
   void *stream = nullptr;
   check(fn(device, &stream) == AOTI_TORCH_SUCCESS,
-                  "zbpp: torch could not give the current CUDA stream of device ", device);
+        "zbpp: torch could not give the current CUDA stream of device ", device);
   return stream;
 }
 
@@ -284,8 +284,8 @@ void wgrad_deferred(Tensor x, Tensor dy, Tensor dw, std::optional<Tensor> db, bo
   if (dev != kCpu && b.stream) {
     void *s = current_cuda_stream(dev);
     check(s == b.stream, op, ": the W store of cuda:", dev,
-                    " runs its GEMMs on the runner's stream, and this push came from another stream; run the "
-                    "backward on the runner's stream (torch.cuda.current_stream() when the step began)");
+          " runs its GEMMs on the runner's stream, and this push came from another stream; run the "
+          "backward on the runner's stream (torch.cuda.current_stream() when the step began)");
   }
   w.entry.token = token;
   zb_wgrad_t entry = w.entry;

@@ -27,6 +27,7 @@ half-precision .grad summed in fp32) is decided from Python attributes at run ti
 """
 
 import ctypes
+import importlib.util
 import os
 from typing import Optional
 
@@ -45,13 +46,22 @@ def op():
     return _OP[0]
 
 
-def _register():
+def _ordered_effect(overload):
+    """Registers an op that returns nothing as an ordered side effect (torch's effect tokens), so a
+    compiler keeps it, in order, instead of dropping it as dead code; False where this torch has no
+    such registration (a private torch API)."""
     try:
         from torch._higher_order_ops.effects import _EffectType, _register_effectful_op
+    except ImportError:
+        return False
+    _register_effectful_op(overload, _EffectType.ORDERED)
+    return True
 
-        custom_op = torch.library.custom_op
-    except (ImportError, AttributeError):
-        return None
+
+def _register():
+    custom_op = getattr(torch.library, "custom_op", None)
+    if custom_op is None or importlib.util.find_spec("torch._higher_order_ops.effects") is None:
+        return None  # without effect registration the compiler would drop the op (_ordered_effect)
 
     existing = getattr(getattr(torch.ops, "zbpp", None), "defer_wgrad", None) if _has_op() else None
     if existing is not None:  # a second copy of this module in the process (e.g. reloaded)
@@ -73,7 +83,7 @@ def _register():
     def _(x, dy, weight, bias):
         return None
 
-    _register_effectful_op(torch.ops.zbpp.defer_wgrad.default, _EffectType.ORDERED)
+    _ordered_effect(torch.ops.zbpp.defer_wgrad.default)
     return torch.ops.zbpp.defer_wgrad
 
 
@@ -145,14 +155,8 @@ def _load_stable():
     handle.zbpp_torch_release.restype = ctypes.c_int
     handle.zbpp_torch_live.argtypes = [ctypes.c_void_p]
     handle.zbpp_torch_live.restype = ctypes.c_int64
-    try:
-        from torch._higher_order_ops.effects import _EffectType, _register_effectful_op
-
-        # Returns nothing and mutates nothing the schema names (its write comes later, at W), so a
-        # compiler would drop it as dead code: it is kept, in order, as a side effect.
-        _register_effectful_op(torch.ops.zbpp.wgrad_deferred.default, _EffectType.ORDERED)
-    except (ImportError, AttributeError):
-        pass
+    # It mutates nothing its schema names (its write comes later, at W).
+    _ordered_effect(torch.ops.zbpp.wgrad_deferred.default)
     return torch.ops.zbpp, handle, ""
 
 

@@ -40,6 +40,7 @@ releasing what the last collectives used before finalization begins.
 
 import atexit
 import collections
+import concurrent.futures
 import ctypes
 import datetime
 import itertools
@@ -156,7 +157,9 @@ def _default_store():
 class _Waiter:
     """One daemon thread that runs blocking gloo waits, so the caller can watch for a peer's
     failure meanwhile. A wait stuck on a failed peer keeps the thread until gloo gives up (the
-    pairs close or its timeout passes); by then the transport has failed and takes no more work."""
+    pairs close or its timeout passes); by then the transport has failed and takes no more work.
+    (Not a ThreadPoolExecutor: its threads are joined at interpreter exit, and a stuck wait would
+    hold the exit for the whole timeout.)"""
 
     def __init__(self):
         self._jobs = queue.SimpleQueue()
@@ -164,23 +167,16 @@ class _Waiter:
 
     def _run(self):
         while True:
-            fn, done = self._jobs.get()
+            fn, future = self._jobs.get()
             try:
-                done.append((True, fn()))
+                future.set_result(fn())
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
-                done.append((False, exc))
-            done.event.set()
+                future.set_exception(exc)
 
     def submit(self, fn):
-        done = _Result()
-        self._jobs.put((fn, done))
-        return done
-
-
-class _Result(list):
-    def __init__(self):
-        super().__init__()
-        self.event = threading.Event()
+        future = concurrent.futures.Future()
+        self._jobs.put((fn, future))
+        return future
 
 
 class TorchTransport:
@@ -273,15 +269,17 @@ class TorchTransport:
         published meanwhile. Raises what the wait raised."""
         if self._waiter is None:
             self._waiter = _Waiter()
-        done = self._waiter.submit(lambda: work.wait(timeout=datetime.timedelta(seconds=timeout_s)))
-        while not done.event.wait(_ABORT_POLL_S):
-            failed = self._peer_failure()
-            if failed is not None:
-                return failed
-        ok, value = done[0]
-        if not ok:
-            raise value
-        return None
+        future = self._waiter.submit(lambda: work.wait(timeout=datetime.timedelta(seconds=timeout_s)))
+        while True:
+            try:
+                future.result(timeout=_ABORT_POLL_S)  # raises what the wait raised
+                return None
+            except concurrent.futures.TimeoutError:
+                if future.done():
+                    raise  # the wait itself raised a TimeoutError
+                failed = self._peer_failure()
+                if failed is not None:
+                    return failed
 
     def _peer_failure(self):
         """The failure some rank published under this pipeline's key, or None."""

@@ -128,18 +128,18 @@ class CustomFunctions:
         actions = order.get(self.rank, []) if order else []
         from ._order import _compute
 
-        pairs, k = [], 0
+        pairs, expanded = [], []  # expanded: the actions as the ops they run, to check against the plan
         for step, action in enumerate(actions):
             mine = _compute(action, self.rank, step)
             if action is not None and action.computation_type == _s.OVERLAP_F_B:
                 if len(mine) != 2 or mine[0][0] != "F" or mine[1][0] not in ("B", "BW"):
                     raise ValueError(f"zbpp: {action} on rank {self.rank}: a custom OVERLAP_F_B function needs "
                                      "pairs of one forward and one backward (F then I or B)")
-                pairs.append(k)
+                pairs.append(len(expanded))
                 self._pair_head.add(("F", mine[0][1], mine[0][2]))
                 self._pair_of[("B", mine[1][1], mine[1][2])] = action
-            k += len(mine)
-        if ops != [op for a_step, a in enumerate(actions) for op in _compute(a, self.rank, a_step)]:
+            expanded += mine
+        if ops != expanded:
             raise RuntimeError(f"zbpp: rank {self.rank}'s pipeline_order does not match the plan it runs; "
                                "set pipeline_order again before registering OVERLAP_F_B")
         return pairs
