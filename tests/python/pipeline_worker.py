@@ -97,7 +97,8 @@ def run_kinds(rank, world, port, cases, out_dir):
 
 
 class _Saboteur(torch.nn.Module):
-    """Passes its input through; on the given forward call it kills the process or sleeps."""
+    """Passes its input through; on the given forward call it kills the process ("die"), sleeps
+    ("silent") or raises ("raise": the process stays alive)."""
 
     def __init__(self, mode, at_call):
         super().__init__()
@@ -109,65 +110,33 @@ class _Saboteur(torch.nn.Module):
         if self.calls == self.at_call:
             if self.mode == "die":
                 os._exit(17)
+            if self.mode == "raise":
+                raise ValueError("the stage's own error")
             time.sleep(4.0)
         return self.lin(x)
 
 
 def run_failure(rank, world, port, mode, out_dir):
+    """1F1B on `world` ranks; the last rank's module fails on a forward as `mode` says. "die" and
+    "silent" run with a 1 s timeout; "raise" with the default (300 s), and the raising process then
+    stays alive for 20 s, so no connection closes: the others must learn of the failure from zbpp's
+    abort signal. Saves each rank's seconds to fail and its error."""
     import zbpp
 
     _init(rank, world, port)
     torch.manual_seed(0)
-    stage_mod = torch.nn.Linear(4, 4) if rank == 0 else _Saboteur(mode, at_call=4)
+    last = rank == world - 1
+    stage_mod = _Saboteur(mode, at_call=2 if mode == "raise" else 4) if last else torch.nn.Linear(4, 4)
     stage = zbpp.PipelineStage(stage_mod, rank, world, "cpu")
-    sched = zbpp.Schedule1F1B(stage, 4, loss_fn=lambda out, y: ((out - y) ** 2).mean(), timeout=1.0)
+    sched = zbpp.Schedule1F1B(stage, 4, loss_fn=lambda out, y: ((out - y) ** 2).mean(),
+                              timeout=300.0 if mode == "raise" else 1.0)
     x, y = torch.randn(8, 4), torch.randn(8, 4)
     text, started = "no error", time.time()
     try:
         for _ in range(3):
             if rank == 0:
                 sched.step(x)
-            else:
-                sched.step(target=y)
-    except Exception as exc:  # noqa: BLE001 - recorded for the test
-        text = f"{type(exc).__name__}: {exc}"
-    with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
-        f.write(f"{time.time() - started:.2f}\n{text}")
-    os._exit(0)  # the process group is broken; do not wait for it at exit
-
-
-class _Raiser(torch.nn.Module):
-    """Passes its input through; its second forward raises (the process stays alive)."""
-
-    def __init__(self):
-        super().__init__()
-        self.lin, self.calls = torch.nn.Linear(4, 4), 0
-
-    def forward(self, x):
-        self.calls += 1
-        if self.calls == 2:
-            raise ValueError("the stage's own error")
-        return self.lin(x)
-
-
-def run_raise(rank, world, port, out_dir):
-    """world ranks, 1F1B, the default timeout (300 s); the last rank's module raises in its second
-    forward, and that process then stays alive for 20 s, so no connection closes: the others must
-    learn of the failure from zbpp's abort signal. Saves each rank's seconds to fail and error."""
-    import zbpp
-
-    _init(rank, world, port)
-    torch.manual_seed(0)
-    stage_mod = _Raiser() if rank == world - 1 else torch.nn.Linear(4, 4)
-    stage = zbpp.PipelineStage(stage_mod, rank, world, "cpu")
-    sched = zbpp.Schedule1F1B(stage, 4, loss_fn=lambda out, y: ((out - y) ** 2).mean())
-    x, y = torch.randn(8, 4), torch.randn(8, 4)
-    text, started = "no error", time.time()
-    try:
-        for _ in range(2):
-            if rank == 0:
-                sched.step(x)
-            elif rank == world - 1:
+            elif last:
                 sched.step(target=y)
             else:
                 sched.step()
@@ -175,7 +144,7 @@ def run_raise(rank, world, port, out_dir):
         text = f"{type(exc).__name__}: {exc}"
     with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
         f.write(f"{time.time() - started:.2f}\n{text}")
-    if rank == world - 1:
+    if mode == "raise" and last:
         time.sleep(20)  # alive and silent: its pairs stay open
     os._exit(0)  # the process group is broken; do not wait for it at exit
 

@@ -244,7 +244,8 @@ def test_a_rank_whose_stage_raises_makes_every_other_rank_fail_at_once(tmp_path)
     failing rank raises its own exception."""
     ctx = mp.get_context("spawn")
     port = free_port()
-    procs = [ctx.Process(target=pipeline_worker.run_raise, args=(r, 3, port, str(tmp_path))) for r in range(3)]
+    procs = [ctx.Process(target=pipeline_worker.run_failure, args=(r, 3, port, "raise", str(tmp_path)))
+             for r in range(3)]
     for proc in procs:
         proc.start()
     for proc in procs:
