@@ -584,19 +584,39 @@ ZB_API zb_status_t zb_transport_create_callback(zb_transport_t **out,
                                                 const zb_transport_callbacks_t *callbacks,
                                                 int32_t rank, int32_t ranks);
 /* NCCL transport: moves the CUDA backend's device buffers between ranks, one process (and GPU) per
- * rank. NCCL has no tags and serialises the operations of one communicator, so each pipeline
- * channel (a stage boundary in one direction: activations forward, gradients backward) that crosses
- * ranks gets its own two-rank communicator and its own stream: forward and backward traffic, and
- * the channels of different chunks, never wait for each other, and each communicator sees its
- * sends and receives in the FIFO order the schedule's validator checked. The communicators are
- * split (ncclCommSplit) from one parent made from `unique_id`, or from the borrowed `comm`.
+ * rank. Each pair of ranks that exchange data gets one two-rank communicator and one stream (a rank
+ * has one per neighbour: one or two), non-blocking and split (ncclCommSplit with splitShare) from
+ * one parent made from `unique_id`, or from the borrowed `comm`. NCCL runs a communicator's
+ * operations in order, so both ranks of a pair issue their traffic (activations one way, gradients
+ * the other, several boundaries under V or interleaved placement) in one order computed from the
+ * schedule: a transfer's place is the simulated start of the op that consumes it. The runner may
+ * post in its own order; a request whose turn has not come waits on the host and goes out, grouped
+ * with the ones ready after it, once the ones before it are posted. A runner created on the
+ * transport sets the order from its schedule (a schedule that needs a pair of ranks the transport
+ * has no communicator for is refused). Ops run as pairs (zb_runner_config_t.pair_first) are not
+ * supported on this transport.
  *
  * Work is ordered on the device: a send waits for the compute stream's work issued before it, the
  * compute stream waits for a receive with an event, and the host only blocks at the end of an
- * iteration (for sends to leave). A watchdog thread checks ncclCommGetAsyncError and the age of the
- * oldest unfinished operation; after timeout_s (or on an NCCL error) it aborts the communicators
- * (ncclCommAbort), so stuck kernels return, and the runner fails naming the peer and the channel.
- * An aborted transport stays failed; make a new one (and a new unique id) for the next attempt.
+ * iteration (for sends to leave). A watchdog thread checks ncclCommGetAsyncError and the age of
+ * each pair's oldest unfinished transfer, counted from when it became ready on the device (a send:
+ * the work producing its data done; a receive: the compute stream reached the op that needs it),
+ * not from when the host issued it: timeout_s bounds one stall, however far the host runs ahead. It
+ * holds no lock while the host enqueues CUDA or NCCL work, so it fires even when a dead peer has
+ * filled a launch queue and the host is blocked inside an enqueue. After timeout_s (or on an NCCL
+ * error) it aborts the communicators (ncclCommAbort), so stuck kernels return, and the runner
+ * fails naming the peer and the channel. An aborted transport stays failed; make a new one (and a
+ * new unique id) for the next attempt. Every message of an iteration has its request (three CUDA
+ * events) made when the order is set, so nothing is created inside an iteration.
+ *
+ * NCCL's abort is local. With `abort_signal` set, a failure also reaches every other rank: the
+ * rank that fails first publishes its message, and every rank's watchdog polls the signal (every
+ * 0.2 s) and fails its transport with ZB_ERR_REMOTE and that message (the Python binding uses the
+ * job's c10d store). Without it, the peers of a failed rank fail at their timeout.
+ *
+ * With `unique_id`, creation is bounded: it fails with ZB_ERR_TIMEOUT after timeout_s when some
+ * rank does not call zb_transport_create_nccl (a split of a borrowed blocking `comm` is bounded by
+ * that communicator only).
  *
  * The transport only carries the runner's channels: zb_optimizer and zb_postval exchange host
  * memory, so give them a host transport (the callback transport over a torch.distributed gloo
@@ -608,19 +628,35 @@ ZB_API zb_status_t zb_transport_create_callback(zb_transport_t **out,
 /* A fresh ncclUniqueId (ncclGetUniqueId), to make on one rank and broadcast to all. */
 ZB_API zb_status_t zb_nccl_unique_id(uint8_t out[ZB_NCCL_UNIQUE_ID_BYTES]);
 
+/* An out-of-band channel that tells every rank of a job that one rank failed (a key in a shared
+ * store, a file, ...). Both functions are called from the library's threads (the watchdog's, or
+ * the one that failed) with no lock of the library held, and must not block for long. */
 typedef struct {
-  uint32_t struct_size; /* sizeof(zb_nccl_transport_config_t) */
+  /* Nonzero once some rank has published a failure; its message goes into msg (cap bytes, NUL
+   * terminated). */
+  int (*poll)(void *user, char *msg, size_t cap);
+  /* Tells the other ranks this rank failed with msg; called once, by the rank's first failure that
+   * did not come from the signal itself. The first message published should win. */
+  void (*publish)(void *user, const char *msg);
+  void *user;
+} zb_abort_signal_t;
+
+typedef struct {
+  uint32_t struct_size; /* sizeof(zb_nccl_transport_config_t); the size before abort_signal is
+                         * accepted too (no signal) */
   uint32_t version;     /* ZB_NCCL_TRANSPORT_CONFIG_VERSION */
   int32_t rank, ranks;
   const uint8_t *unique_id; /* ZB_NCCL_UNIQUE_ID_BYTES, the same on every rank; NULL with comm */
   void *comm;               /* an ncclComm_t over the same ranks to split from (borrowed), or NULL */
-  zb_backend_t *backend;    /* the rank's CUDA backend (borrowed, must outlive the transport) */
+  zb_backend_t *backend;    /* the rank's CUDA backend (the transport holds a reference) */
   const zb_schedule_t *schedule; /* decides the channels; read during the call only */
-  double timeout_s;         /* longest an operation may stay unfinished; <= 0: 300 s */
+  double timeout_s;         /* longest one transfer may take once ready, and creation; <= 0: 300 s */
+  zb_abort_signal_t abort_signal; /* optional (all NULL: failures stay local) */
 } zb_nccl_transport_config_t;
 
 #define ZB_NCCL_TRANSPORT_CONFIG_INIT                                                              \
-  { sizeof(zb_nccl_transport_config_t), ZB_NCCL_TRANSPORT_CONFIG_VERSION, 0, 1, NULL, NULL, NULL, NULL, 0.0 }
+  { sizeof(zb_nccl_transport_config_t), ZB_NCCL_TRANSPORT_CONFIG_VERSION, 0, 1, NULL, NULL, NULL, NULL, 0.0, \
+    {NULL, NULL, NULL} }
 
 ZB_API zb_status_t zb_transport_create_nccl(zb_transport_t **out, const zb_nccl_transport_config_t *config);
 

@@ -77,6 +77,7 @@ typedef struct {
   ncclResult_t (*GetVersion)(int *);
   ncclResult_t (*GetUniqueId)(ncclUniqueId *);
   ncclResult_t (*CommInitRank)(ncclComm_t *, int, ncclUniqueId, int);
+  ncclResult_t (*CommInitRankConfig)(ncclComm_t *, int, ncclUniqueId, int, ncclConfig_t *);
   ncclResult_t (*CommSplit)(ncclComm_t, int, int, ncclComm_t *, ncclConfig_t *);
   ncclResult_t (*CommAbort)(ncclComm_t);
   ncclResult_t (*CommDestroy)(ncclComm_t);
@@ -93,6 +94,26 @@ typedef struct {
 
 zb_status_t zb__cublaslt(const zb__cublaslt_t **out);
 zb_status_t zb__nccl(const zb__nccl_t **out);
+
+/* The CUDA runtime calls the NCCL transport makes, as a table: the library's own cudart in
+ * production (zb__cudart_linked), a fake in the host tests that drive the transport's request
+ * lifecycle, watchdog and abort without a GPU (tests/c/test_nccl_fake.c). */
+typedef struct {
+  cudaError_t (*GetDevice)(int *);
+  cudaError_t (*SetDevice)(int);
+  const char *(*GetErrorString)(cudaError_t);
+  cudaError_t (*EventCreateWithFlags)(cudaEvent_t *, unsigned int);
+  cudaError_t (*EventDestroy)(cudaEvent_t);
+  cudaError_t (*EventRecord)(cudaEvent_t, cudaStream_t);
+  cudaError_t (*EventQuery)(cudaEvent_t);
+  cudaError_t (*StreamCreateWithFlags)(cudaStream_t *, unsigned int);
+  cudaError_t (*StreamDestroy)(cudaStream_t);
+  cudaError_t (*StreamWaitEvent)(cudaStream_t, cudaEvent_t, unsigned int);
+  cudaError_t (*Malloc)(void **, size_t);
+  cudaError_t (*Free)(void *);
+} zb__cudart_t;
+
+const zb__cudart_t *zb__cudart_linked(void);
 
 #define ZB_CUBLAS_CHECK(lt, call)                                                                  \
   do {                                                                                             \
@@ -151,5 +172,13 @@ zb_status_t zb__cuda_scale_update(zb__cuda_t *cu, float *scale, int32_t *tracker
                                   double growth, double backoff, int32_t interval);
 zb_status_t zb__cuda_optim_step(zb__cuda_t *cu, const zb_optim_step_t *s);
 zb_status_t zb__cuda_optim_undo(zb__cuda_t *cu, const zb_optim_step_t *s);
+
+/* transport_nccl.c: zb_transport_create_nccl with its NCCL and CUDA runtime tables and the device
+ * state given (config->backend is not read and may be NULL): the seam the fake-NCCL tests use. */
+zb_status_t zb__transport_create_nccl_with(zb_transport_t **out, const zb_nccl_transport_config_t *c,
+                                           const zb__nccl_t *nc, const zb__cudart_t *rt, zb__cuda_t *cu);
+/* For the tests: requests the transport has made (each with its events), communicators it holds. */
+int zb__transport_nccl_requests(zb_transport_t *t);
+int zb__transport_nccl_comms(zb_transport_t *t);
 
 #endif /* ZB_CUDA_INTERNAL_H */

@@ -112,6 +112,7 @@ static void nccl_load(void) {
   ZB_SYM(GetVersion);
   ZB_SYM(GetUniqueId);
   ZB_SYM(CommInitRank);
+  ZB_SYM(CommInitRankConfig);
   ZB_SYM(CommSplit);
   ZB_SYM(CommAbort);
   ZB_SYM(CommDestroy);
@@ -139,3 +140,22 @@ zb_status_t zb__nccl(const zb__nccl_t **out) {
   *out = &nccl_table;
   return ZB_OK;
 }
+
+/* ---- the CUDA runtime ----------------------------------------------------------------------------- */
+
+static const zb__cudart_t cudart_linked = {
+    .GetDevice = cudaGetDevice,
+    .SetDevice = cudaSetDevice,
+    .GetErrorString = cudaGetErrorString,
+    .EventCreateWithFlags = cudaEventCreateWithFlags,
+    .EventDestroy = cudaEventDestroy,
+    .EventRecord = cudaEventRecord,
+    .EventQuery = cudaEventQuery,
+    .StreamCreateWithFlags = cudaStreamCreateWithFlags,
+    .StreamDestroy = cudaStreamDestroy,
+    .StreamWaitEvent = cudaStreamWaitEvent,
+    .Malloc = cudaMalloc,
+    .Free = cudaFree,
+};
+
+const zb__cudart_t *zb__cudart_linked(void) { return &cudart_linked; }

@@ -39,6 +39,10 @@ typedef struct {
   /* Optional (NULL: never fails). A failure noticed away from wait, such as the NCCL watchdog's
    * timeout or an asynchronous NCCL error; the runner asks between ops and after the last one. */
   zb_status_t (*check)(zb_transport_t *t);
+  /* Optional (NULL: order-free). The schedule the runner about to use the transport runs; called
+   * at zb_runner_create, between iterations. A transport that orders its transfers by the
+   * schedule (NCCL, one queue per rank pair) takes its order from here. */
+  zb_status_t (*plan)(zb_transport_t *t, const zb_schedule_t *s);
   /* Which memory the transport moves: 0 host memory only, 1 the memory of any backend (the
    * in-process transport copies with the bound backend), 2 device memory only (NCCL). */
   int memory;
@@ -101,11 +105,41 @@ zb_status_t zb__runner_buffer_plan(const zb_schedule_t *s, int32_t rank, int32_t
 /* Buffers the runner had to allocate inside iterations because the plan fell short (0 expected). */
 zb_status_t zb__runner_late_allocs(const zb_runner_t *r, int64_t *out);
 
+/* The order in which the two ranks of a pair issue the transfers between them on one shared
+ * communicator (pairorder.c says why it cannot deadlock). For one rank: the peers it exchanges
+ * with, and per channel tag, where each message of an iteration falls in its pair's order. */
+typedef struct {
+  int32_t peer;   /* the other rank */
+  int32_t length; /* transfers between the two ranks in one iteration */
+} zb__pair_t;
+
+typedef struct {
+  int32_t pair;    /* index into pairs; -1: the tag does not cross between this rank and another */
+  int32_t peer, is_send;
+  int32_t count;   /* messages per iteration */
+  int32_t *seq;    /* count: the k-th message's index in its pair's order */
+} zb__pair_chan_t;
+
+typedef struct {
+  int32_t n_pairs;
+  zb__pair_t *pairs; /* n_pairs */
+  int32_t n_tags;
+  zb__pair_chan_t *chans; /* n_tags, indexed by tag */
+} zb__pair_order_t;
+
+zb_status_t zb__pair_order_make(const zb_schedule_t *s, int32_t rank, zb__pair_order_t *out);
+void zb__pair_order_free(zb__pair_order_t *o);
+/* Every pair of ranks {a < b} with a stage boundary between them, in one order all ranks compute,
+ * each with a round: a rank's pairs fall in different rounds (one communicator split per round).
+ * The caller frees *pairs and *round. */
+zb_status_t zb__pair_list(const zb_schedule_t *s, int32_t *n_pairs, int32_t (**pairs)[2], int32_t **round,
+                          int32_t *n_rounds);
+
 /* Seconds on CLOCK_MONOTONIC: the clock the runner stamps ops with. */
 double zb__now(void);
 
 /* The rank holding a stage (zbpp.h, "the schedule model"); with one rank, every stage. */
-static inline int32_t zb__stage_rank(zb_placement_t placement, int32_t ranks, int32_t stage) {
+static inline int32_t zb__placement_rank(zb_placement_t placement, int32_t ranks, int32_t stage) {
   if (ranks == 1) return 0;
   if (placement == ZB_PLACEMENT_V) return stage < ranks ? stage : 2 * ranks - 1 - stage;
   return stage % ranks;

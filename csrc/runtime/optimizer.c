@@ -173,7 +173,7 @@ zb_status_t zb_optimizer_add(zb_optimizer_t *o, int32_t stage, float *param, con
   if (stage < 0 || stage >= c->stages)
     return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "zb_optimizer_add: stage %d; allowed: 0..%d",
                    (int)stage, (int)c->stages - 1);
-  const int32_t owner = zb__stage_rank(c->placement, c->ranks, stage);
+  const int32_t owner = zb__placement_rank(c->placement, c->ranks, stage);
   if (owner != c->rank)
     return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
                    "zb_optimizer_add: stage %d is on rank %d under the %s placement, not on this "

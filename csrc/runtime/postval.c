@@ -149,7 +149,7 @@ zb_status_t zb__postval_create(zb_postval_t **out, const zb_postval_config_t *co
     return ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory creating post-validation for %d stages",
                    (int)S);
   }
-  for (int32_t s = 0; s < S; s++) pv->mine[s] = zb__stage_rank(config->placement, p, s) == r;
+  for (int32_t s = 0; s < S; s++) pv->mine[s] = zb__placement_rank(config->placement, p, s) == r;
   *out = pv;
   return ZB_OK;
 }

@@ -361,6 +361,7 @@ zb_status_t zb_runner_create(zb_runner_t **out, const zb_runner_config_t *c) {
   /* The runner trusts the op lists (FIFO channels, no deadlock), so it checks them once here. */
   ZB_CHECK(zb_schedule_validate(c->schedule));
   if (c->transport) ZB_CHECK(zb__transport_bind(c->transport, c->backend));
+  if (c->transport && c->transport->ops->plan) ZB_CHECK(c->transport->ops->plan(c->transport, c->schedule));
 
   zb_runner_t *r = calloc(1, sizeof(*r));
   if (!r) return ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory creating a runner");
