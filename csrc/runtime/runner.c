@@ -288,6 +288,13 @@ static zb_status_t plan_pairs(zb_runner_t *r, const int32_t *first, int32_t coun
                      (int)j, (int)k + 1, op_name(r->ops[k + 1].type), (int)r->ops[k + 1].stage,
                      (int)r->ops[k + 1].mb, (int)k, op_name(r->ops[k].type), (int)r->ops[k].stage,
                      (int)r->ops[k].mb);
+    /* A transport that issues in one order per rank pair (NCCL) may need the first op's output
+     * out before the second op's input can come, and the pair waits for that input first. */
+    if (r->tr && r->tr->ops->plan && a->out_kind == IO_REMOTE && b->in_kind == IO_REMOTE)
+      return ZB_FAIL(ZB_ERR_UNSUPPORTED,
+                     "pair %d (ops %d and %d of rank %d): the %s transport cannot run a pair whose first op "
+                     "sends to another rank and whose second receives from one; run them as two ops",
+                     (int)j, (int)k, (int)k + 1, (int)r->rank, r->tr->ops->name);
     r->pair_first[k] = 1;
   }
   return ZB_OK;

@@ -73,3 +73,22 @@ def test_an_allocator_that_fails_fails_creation_with_its_exception():
         _runner((broken, lambda addr: None))
     assert isinstance(err.value.__cause__, MemoryError)
     assert "alloc_cb" in str(err.value)
+
+
+def test_the_nccl_abort_signal_over_a_store_keeps_the_first_failure(tmp_path):
+    """The NCCL transport's abort signal (zb_abort_signal_t) over a torch Store, as its watchdog
+    calls it: nothing until a rank publishes, then that rank's message on every rank; a second
+    failure does not replace the first."""
+    import torch.distributed as dist
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    poll, publish = runtime._store_signal(store, "zbpp/abort/test")
+    buf = ctypes.create_string_buffer(64)
+    assert poll(None, ctypes.addressof(buf), 64) == 0
+    publish(None, b"rank 2 aborted: the forward callback raised")
+    publish(None, b"rank 0: the send of 16 bytes to rank 1 has not finished")
+    assert poll(None, ctypes.addressof(buf), 64) == 1
+    assert buf.value == b"rank 2 aborted: the forward callback raised"
+    small = ctypes.create_string_buffer(8)  # cut to the caller's buffer, NUL-terminated
+    assert poll(None, ctypes.addressof(small), 8) == 1
+    assert small.value == b"rank 2 "

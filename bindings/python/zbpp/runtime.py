@@ -106,6 +106,8 @@ _IrecvFn = _c.CFUNCTYPE(_c.c_int, _P, _c.c_int32, _c.c_int32, _P, _c.c_size_t, _
 _WaitFn = _c.CFUNCTYPE(_c.c_int, _P, _P, _c.c_double)
 _CancelFn = _c.CFUNCTYPE(None, _P, _P)
 _AbortFn = _c.CFUNCTYPE(None, _P, _c.c_char_p)
+_SignalPollFn = _c.CFUNCTYPE(_c.c_int, _P, _P, _c.c_size_t)
+_SignalPublishFn = _c.CFUNCTYPE(None, _P, _c.c_char_p)
 
 
 class _TransportCallbacks(_c.Structure):
@@ -131,6 +133,9 @@ class _NcclConfig(_c.Structure):
         ("backend", _P),
         ("schedule", _P),
         ("timeout_s", _c.c_double),
+        ("signal_poll", _SignalPollFn),
+        ("signal_publish", _SignalPublishFn),
+        ("signal_user", _P),
     ]
 
 
@@ -631,12 +636,16 @@ class Transport(_Handle):
         return t
 
     @classmethod
-    def nccl(cls, rank, ranks, unique_id, backend, schedule, timeout=300.0):
+    def nccl(cls, rank, ranks, unique_id, backend, schedule, timeout=300.0, abort_store=None, abort_key=None):
         """The NCCL transport of pipeline rank `rank` of `ranks`: device buffers of `backend` (a
-        CUDA Backend, borrowed) between one GPU per process, one communicator and stream per channel
-        of `schedule` (the same schedule on every rank). unique_id: nccl_unique_id() of one rank,
-        the same bytes everywhere. Blocks until every rank has called it. It carries the runner's
-        channels only: give the optimizer and post-validation a host transport."""
+        CUDA Backend, borrowed) between one GPU per process, one communicator and stream per pair
+        of neighbouring ranks of `schedule` (the same schedule on every rank). unique_id:
+        nccl_unique_id() of one rank, the same bytes everywhere. Blocks until every rank has called
+        it, at most `timeout` seconds. It carries the runner's channels only: give the optimizer and
+        post-validation a host transport. abort_store and abort_key (a torch.distributed Store, such
+        as the job's c10d store, and a key every rank of the pipeline gives): the first rank that
+        fails writes its message there, and every rank's watchdog looks for it every 0.2 s and fails
+        with it, so a failure reaches every rank within a second instead of at its timeout."""
         if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
             raise ValueError(f"zbpp: Transport.nccl: ranks must be an int >= 1, got {ranks!r}")
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < ranks:
@@ -669,12 +678,38 @@ class Transport(_Handle):
         cfg.comm, cfg.backend, cfg.schedule = None, backend.handle, schedule.handle
         cfg.timeout_s = float(timeout)
         t = cls()
+        if abort_store is not None and abort_key is not None:
+            cfg.signal_poll, cfg.signal_publish = _store_signal(abort_store, str(abort_key))
+            t._signal = (cfg.signal_poll, cfg.signal_publish)  # called from C's watchdog: keep alive
         t._backend = backend  # borrowed by the transport: must outlive it
         _lib.call("zb_transport_create_nccl", [_PP, _c.POINTER(_NcclConfig)], _c.byref(t._h), _c.byref(cfg))
         return t
 
     def abort(self, reason):
         _lib.call("zb_transport_abort", [_P, _c.c_char_p], self.handle, reason.encode())
+
+
+def _store_signal(store, key):
+    """The C abort signal (zb_abort_signal_t) over a torch.distributed Store: poll reads `key`,
+    publish writes it if nobody has (compare_set: the first failure wins). Both run on the NCCL
+    watchdog's thread; a store that cannot be reached reads as no failure."""
+    def poll(_user, buf, cap):
+        try:
+            if not store.check([key]):
+                return 0
+            text = store.get(key)[: max(int(cap) - 1, 0)]
+        except Exception:  # noqa: BLE001 - the store going away is no failure of the pipeline
+            return 0
+        _c.memmove(buf, text + b"\0", len(text) + 1)
+        return 1
+
+    def publish(_user, msg):
+        try:
+            store.compare_set(key, "", (msg or b"").decode("utf-8", errors="replace"))
+        except Exception:  # noqa: BLE001 - best effort: the peers still fail at their timeout
+            pass
+
+    return _SignalPollFn(poll), _SignalPublishFn(publish)
 
 
 class Runner(_Handle):

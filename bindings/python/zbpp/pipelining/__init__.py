@@ -1181,14 +1181,18 @@ class PipelineSchedule:
     def _abort_name(self, group):
         """The key under which this pipeline's ranks publish a failure (TorchTransport): the same on
         every rank (the group's ranks, the class, the stages and microbatches, and how many such
-        pipelines this process made before), different for other pipelines of the job."""
+        pipelines this process made before), different for other pipelines of the job. Made once
+        per schedule object: its gloo and NCCL transports publish under the same key."""
+        if getattr(self, "_abort_name_made", None) is not None:
+            return self._abort_name_made
         try:
             ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
         except (AttributeError, RuntimeError, ValueError):
             return None
         sig = f"{'-'.join(map(str, ranks))}/{type(self).__name__}/{self._num_stages}/{self.n_microbatches}"
         seq = _PIPELINES_MADE[sig] = _PIPELINES_MADE.get(sig, 0) + 1
-        return f"{sig}/{seq}"
+        self._abort_name_made = f"{sig}/{seq}"
+        return self._abort_name_made
 
     def _device_scope(self):
         return torch.cuda.device(self.device) if self._cuda else contextlib.nullcontext()
@@ -1232,8 +1236,13 @@ class PipelineSchedule:
         if got[0] != 1:
             raise _lib.ZbError(runtime.ZB_ERR_REMOTE, f"rank {self.rank}: pipeline rank 0 could not make an NCCL "
                                                       "unique id (its error says why)")
+        # A failure of any rank reaches the others within a second through the job's c10d store,
+        # under this pipeline's key (the one its gloo transport uses too).
+        store = distributed._default_store()
+        name = self._abort_name(self.group) if store is not None else None
         return runtime.Transport.nccl(self.rank, self.ranks, got[1:], self._store.backend, self.schedule,
-                                      timeout=self.timeout)
+                                      timeout=self.timeout, abort_store=store,
+                                      abort_key=distributed._ABORT_PREFIX + name if name else None)
 
     # ---- measured timeline -----------------------------------------------------------------------
 
