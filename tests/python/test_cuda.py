@@ -511,6 +511,49 @@ def test_sq_norm_on_cuda_matches_float64():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("undo_memory", ["device", "host"])
+def test_post_validation_on_cuda_costs_only_its_undo_record(undo_memory):
+    """On CUDA the wrapper takes the library's kernels by default: a step needs no device memory
+    beyond its undo record (none with undo_memory='host'), copies nothing, and steps as the same
+    kernels' C reference does on the CPU."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+
+    def run(device):
+        g = torch.Generator().manual_seed(22)
+        stages = {s: [torch.nn.Parameter(torch.randn(256, 1024, generator=g).to(device)) for _ in range(2)]
+                  for s in range(2)}
+        opt = torch.optim.AdamW([p for ps in stages.values() for p in ps], lr=0.05, foreach=False)
+        post = zbpp.PostValidatedOptimizer(opt, stages, 2, clip_grad=0.5, fused=True,
+                                           undo_memory=undo_memory if device != "cpu" else "device")
+        assert post.fused
+        extra = []
+        for step in range(3):
+            for ps in stages.values():
+                for p in ps:
+                    p.grad = (torch.randn(p.shape, generator=g) * (1 + step)).to(device)
+            if device != "cpu":
+                torch.cuda.synchronize()
+                base = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+            post.step()
+            if device != "cpu":
+                torch.cuda.synchronize()
+                extra.append(torch.cuda.max_memory_allocated() - base)
+        post.close()
+        return [p.detach().cpu() for ps in stages.values() for p in ps], extra
+
+    got, extra = run(dev)
+    elems = 4 * 256 * 1024
+    record = 12 * elems if undo_memory == "device" else 0
+    # The first step makes AdamW's state (8 bytes per element) and the record; later steps nothing.
+    assert max(extra[1:]) <= 64 * 1024, f"transient device memory per step: {extra}"
+    assert extra[0] <= 8 * elems + record + 64 * 1024, f"first step: {extra[0]} bytes"
+    ref, _ = run("cpu")
+    for a, b in zip(got, ref):
+        assert torch.allclose(a, b, rtol=1e-6, atol=1e-7), f"kernel vs its C reference: {(a - b).abs().max().item():.3g}"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("clip", [0.0, 0.5])
 def test_post_validated_optimizer_on_cuda(clip):
     dev = torch.device("cuda", torch.cuda.current_device())

@@ -43,7 +43,7 @@ def placement_stages(p, placement):
 
 
 def run(p, placement, post_validation, dtype=torch.float32, opt="adamw", clip=0.0, nan_at=None, steps=3,
-        loss_scale=1.0, growth_interval=0):
+        loss_scale=1.0, growth_interval=0, fused=False, undo_memory="device", states=None):
     """Trains per-stage parameters with made-up gradients on p threads; returns
     ({stage: [params]}, {rank: [StepResult]})."""
     S, held = placement_stages(p, placement)
@@ -61,7 +61,7 @@ def run(p, placement, post_validation, dtype=torch.float32, opt="adamw", clip=0.
             pv = PostValidatedOptimizer(optimizer, mine, S, rank=r, ranks=p, placement=placement,
                                         transport=transport, clip_grad=clip, loss_scale=loss_scale,
                                         growth_interval=growth_interval, post_validation=post_validation,
-                                        timeout=20.0)
+                                        timeout=20.0, fused=fused, undo_memory=undo_memory)
             out = []
             for step in range(steps):
                 scale = pv.loss_scale
@@ -71,6 +71,8 @@ def run(p, placement, post_validation, dtype=torch.float32, opt="adamw", clip=0.
                 out.append(pv.step())
                 pv.zero_grad()
             results[r] = out
+            if states is not None:
+                states[r] = optimizer.state_dict()
             pv.close()
             if transport is not None:
                 transport.close()
@@ -237,3 +239,89 @@ def test_tensor_parallel_ranks_take_the_full_models_decision(tmp_path, bad_rank)
         if bad_rank is None:
             assert r.grad_norm == pytest.approx(norm, rel=1e-12) and r.grad_norm == pytest.approx(ref.grad_norm)
         assert torch.equal(w, W.detach().chunk(2)[rank]) and torch.equal(b, B.detach()), f"rank {rank}"
+
+
+# ---- the fused path: the library's norm and AdamW/SGD kernels (here their C reference) -------------
+
+@pytest.mark.parametrize("placement", ["loop", "v"])
+@pytest.mark.parametrize("opt", ["adamw", "sgd"])
+def test_fused_post_validation_equals_its_synchronous_path(placement, opt):
+    for clip in (0.0, 1.0):
+        pv, pv_res = run(3, placement, True, opt=opt, clip=clip, fused=True)
+        sync, sync_res = run(3, placement, False, opt=opt, clip=clip, fused=True)
+        assert_same(pv, sync)
+        rolled = sum(r.rolled_back for rs in pv_res.values() for r in rs)
+        assert rolled == (3 - 1) * (3 if clip else 0), "every speculating rank undoes each clipped step"
+        assert [r.grad_norm for r in pv_res[0]] == [r.grad_norm for r in sync_res[0]]
+
+
+@pytest.mark.parametrize("opt", ["adamw", "sgd"])
+def test_fused_path_steps_as_torchs_optimizer(opt):
+    """The kernels' update is torch's AdamW/SGD (to rounding), clipping and loss scale included."""
+    fused, fres = run(3, "loop", True, opt=opt, clip=1.0, loss_scale=4.0, fused=True, steps=4)
+    plain, pres = run(3, "loop", True, opt=opt, clip=1.0, loss_scale=4.0, fused=False, steps=4)
+    for s in plain:
+        for a, b in zip(fused[s], plain[s]):
+            assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), f"stage {s}: {(a - b).abs().max().item():.3g}"
+    for a, b in zip(fres[0], pres[0]):
+        assert a.grad_norm == pytest.approx(b.grad_norm, rel=1e-9)
+        assert (a.clipped, a.skipped, a.loss_scale) == (b.clipped, b.skipped, b.loss_scale)
+
+
+@pytest.mark.parametrize("placement", ["loop", "v"])
+def test_fused_nan_skips_everywhere_and_backs_off(placement):
+    params, results = run(3, placement, True, nan_at=1, loss_scale=1024.0, steps=3, fused=True)
+    sync, _ = run(3, placement, False, nan_at=1, loss_scale=1024.0, steps=3, fused=True)
+    assert_same(params, sync)
+    for r, rs in results.items():
+        assert [x.skipped for x in rs] == [False, True, False], f"rank {r}"
+        assert [x.loss_scale for x in rs] == [1024.0, 512.0, 512.0]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fused_half_precision_reads_gradients_in_their_dtype(dtype):
+    params, results = run(2, "loop", True, dtype=dtype, clip=1.0, loss_scale=256.0, nan_at=2, steps=4, fused=True)
+    sync, _ = run(2, "loop", False, dtype=dtype, clip=1.0, loss_scale=256.0, nan_at=2, steps=4, fused=True)
+    assert_same(params, sync)
+    assert all(q.dtype == dtype for s in params for q in params[s])
+    assert [x.skipped for x in results[0]] == [False, False, True, False]
+    plain, _ = run(2, "loop", True, dtype=dtype, clip=1.0, loss_scale=256.0, nan_at=2, steps=4)
+    for s in plain:
+        for a, b in zip(params[s], plain[s]):  # one rounding to the half type apart at most
+            assert torch.allclose(a.float(), b.float(), rtol=1e-2, atol=1e-2), f"stage {s}"
+
+
+def test_fused_undo_record_in_host_memory_steps_alike():
+    a, ares = run(3, "v", True, clip=1.0, fused=True)
+    b, bres = run(3, "v", True, clip=1.0, fused=True, undo_memory="host")
+    assert_same(a, b)
+    assert sum(r.rolled_back for rs in bres.values() for r in rs) == (3 - 1) * 3
+
+
+def test_fused_state_is_torchs_state_dict():
+    """AdamW's state keeps torch's keys and counts only the steps that stood (a skipped one not)."""
+    states = {}
+    run(2, "loop", True, nan_at=1, loss_scale=8.0, steps=3, fused=True, states=states)
+    for r, sd in states.items():
+        for k, st in sd["state"].items():
+            assert set(st) == {"step", "exp_avg", "exp_avg_sq"}, (r, k, set(st))
+            assert float(st["step"]) == 2.0
+        # and the optimizer itself can carry on from it
+        q = [torch.nn.Parameter(torch.zeros(*sh)) for sh in SHAPES]
+        opt = torch.optim.AdamW(q, lr=0.05, weight_decay=0.01, foreach=False)
+        opt.load_state_dict(sd)
+
+
+def test_fused_misuse_gets_clear_errors():
+    p = torch.nn.Parameter(torch.zeros(3))
+    with pytest.raises(ValueError, match=r"fused=True.*Adam \(the kernels implement torch.optim.AdamW and SGD\)"):
+        PostValidatedOptimizer(torch.optim.Adam([p]), {0: [p]}, 1, fused=True)
+    with pytest.raises(ValueError, match=r"AdamW with amsgrad=True"):
+        PostValidatedOptimizer(torch.optim.AdamW([p], amsgrad=True), {0: [p]}, 1, fused=True)
+    with pytest.raises(ValueError, match=r"undo_memory applies to the fused path"):
+        PostValidatedOptimizer(torch.optim.SGD([p], lr=0.1), {0: [p]}, 1, undo_memory="host")
+    with pytest.raises(ValueError, match=r"undo_memory must be 'device' or 'host'"):
+        PostValidatedOptimizer(torch.optim.SGD([p], lr=0.1), {0: [p]}, 1, fused=True, undo_memory="disk")
+    # CPU parameters keep torch's step unless asked; an optimizer the kernels lack falls back.
+    assert not PostValidatedOptimizer(torch.optim.SGD([p], lr=0.1), {0: [p]}, 1).fused
+    assert PostValidatedOptimizer(torch.optim.SGD([p], lr=0.1), {0: [p]}, 1, fused=True).fused

@@ -14,14 +14,22 @@ Precision: fp32 parameters are stepped in place. bf16 and fp16 parameters get fp
 does); gradients are read in fp32 and the stepped masters are copied back to the model in its
 dtype after the decision. Gradients come from `param.main_grad` when present, else `param.grad`.
 
-Memory: a rank that steps speculatively keeps one copy of its fp32 parameters and optimizer state
-(AdamW: 3 values per parameter; SGD with momentum: 2) to undo a step.
-
-Devices: CUDA parameters stay on the GPU: the per-tensor squared norms and inf/NaN flags are
-computed there (same formula as on CPU: each tensor's sum of squares in float64, summed over a
-stage's tensors in order on the host) and only those few numbers are copied to the host, once per
-device per step. The snapshot, the step and any undo run on the device on torch's current stream.
-CPU gradients take exactly the path they always did.
+Two paths (fused=):
+  - fused (the default when every parameter is on a GPU and the optimizer is torch.optim.AdamW or
+    SGD in a form the library's kernels implement; fused=True forces it, on the CPU too, where the
+    C reference runs): the library's kernels do it all (_fused_optim.py). Each stage's squared norm
+    and inf/NaN flag come from zb_sq_norm, the update from zb_optim_step over the fp32 masters
+    reading the gradients in their own dtype, and a refuted step is undone by zb_optim_undo from the
+    undo record the step wrote (AdamW 12 bytes per element, SGD with momentum 8, plain SGD 4; with
+    undo_memory="host" in pinned host memory, written by the kernel over the bus). Nothing is copied
+    per step: no gradient, no parameter, no optimizer state.
+  - unfused (fused=False, and any other optimizer): the wrapped optimizer's own step() after a
+    snapshot of the fp32 parameters and the optimizer state (AdamW: 3 values per parameter; SGD
+    with momentum: 2), restored to undo. CUDA gradients' per-tensor squared norms and flags are
+    computed on the device (each tensor's sum of squares in float64, summed over a stage's tensors
+    in order on the host), and only those few numbers are copied to the host, once per device per
+    step. CPU gradients take exactly the path they always did.
+Both run on torch's current stream; each equals its own synchronous path bit for bit.
 
 Tensor parallelism (Megatron): with `tensor_parallel_group=` each stage's squared norm is summed
 over the tensor-parallel ranks (parameters marked `tensor_model_parallel` are shards; the others
@@ -40,7 +48,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import _lib
+from . import _fused_optim, _lib
 
 __all__ = ["PostValidatedOptimizer", "StepResult"]
 
@@ -169,12 +177,15 @@ class PostValidatedOptimizer:
     `PostValidatedOptimizer.for_schedule(optimizer, schedule)` fills them in from a zbpp schedule.
     clip_grad: max global norm (0: none); loss_scale/backoff/growth/growth_interval: a dynamic loss
     scale as torch's GradScaler (1.0 and no growth: none); post_validation=False gives the
-    synchronous reference path.
+    synchronous reference path. fused: None (the library's kernels when every parameter is on a GPU
+    and the optimizer allows), True or False; undo_memory: 'device' or 'host' (pinned), where the
+    fused path keeps its undo record (see the module docstring).
     """
 
     def __init__(self, optimizer, stage_params, num_stages, *, rank=0, ranks=1, placement="loop",
                  transport=None, clip_grad=0.0, loss_scale=1.0, backoff=0.5, growth=2.0,
-                 growth_interval=0, post_validation=True, timeout=300.0, tensor_parallel_group=None):
+                 growth_interval=0, post_validation=True, timeout=300.0, tensor_parallel_group=None,
+                 fused=None, undo_memory="device"):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"zbpp.PostValidatedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if placement not in ("loop", "v"):
@@ -207,6 +218,14 @@ class PostValidatedOptimizer:
         if missing:
             raise ValueError(f"zbpp.PostValidatedOptimizer: {len(missing)} parameter(s) of the optimizer "
                              "belong to no stage in stage_params")
+        masters = [m for pairs in self._stages.values() for _, m in pairs]
+        if fused is None:
+            fused = bool(masters) and all(m.device.type == "cuda" for m in masters) and _fused_optim.fusable(optimizer)
+        if not fused and undo_memory != "device":
+            raise ValueError("zbpp.PostValidatedOptimizer: undo_memory applies to the fused path (fused=True); "
+                             "the unfused path keeps its snapshot beside the parameters")
+        self._fused = _fused_optim.FusedStep(optimizer, undo_memory) if fused else None
+        self._post_validation = bool(post_validation)
         self._transport = transport
         self._tp_group = tensor_parallel_group
         if tensor_parallel_group is not None:
@@ -255,8 +274,9 @@ class PostValidatedOptimizer:
 
     # ---- one step --------------------------------------------------------------------------------
 
-    def _grads(self):
-        """{stage: [(master, fp32 gradient or None)]} as the gradients are now (loss scale included)."""
+    def _grads(self, widen=True):
+        """{stage: [(master, gradient or None)]} as the gradients are now (loss scale included): fp32
+        copies where widen, else the gradients themselves (main_grad, else .grad)."""
         out = {}
         for s, pairs in self._stages.items():
             row = []
@@ -264,7 +284,7 @@ class PostValidatedOptimizer:
                 g = getattr(p, "main_grad", None)
                 if g is None:
                     g = p.grad
-                row.append((master, None if g is None else g.detach().float()))
+                row.append((master, None if g is None else (g.detach().float() if widen else g.detach())))
             out[s] = row
         return out
 
@@ -307,30 +327,59 @@ class PostValidatedOptimizer:
         StepResult. On a transport failure raises ZbError with this rank's parameters and optimizer
         state as they were before the call."""
         S = self.num_stages
-        grads = self._grads()
+        fused = self._fused
+        grads = self._grads(widen=fused is None)
         counted = None
         if self._tp_group is not None and torch.distributed.get_rank(self._tp_group) != 0:
             # Copies of a parameter (not tensor-parallel shards) are counted on rank 0 only. Their
             # inf/NaN is seen there too: the copies are equal.
             counted = _is_tp_shard
-        sq, bad = _stage_state(grads, S, counted)
+        sq, bad = (_stage_state if fused is None else fused.stage_state)(grads, S, counted)
         if self._tp_group is not None:
             _tp_reduce(sq, bad, self._tp_group)
         d = _Decision()
         _lib.call("zb_postval_begin", [_P, _c.POINTER(_c.c_double), _c.POINTER(_c.c_int32), _c.POINTER(_Decision)],
                   self._handle(), sq, bad, _c.byref(d))
-        snap = None
-        if d.step:
-            snap = self._snapshot()
-            self._apply(grads, d.factor)
-        status = _lib.function("zb_postval_end", [_P, _c.POINTER(_Decision)])(self._handle(), _c.byref(d))
-        if d.undo and snap is not None:
-            self._restore(snap)
-        _lib.check(status)
-        if d.step:
-            self._apply(grads, d.factor)
+        if fused is not None:
+            self._step_fused(d, grads)
+        else:
+            snap = None
+            if d.step:
+                snap = self._snapshot()
+                self._apply(grads, d.factor)
+            status = _lib.function("zb_postval_end", [_P, _c.POINTER(_Decision)])(self._handle(), _c.byref(d))
+            if d.undo and snap is not None:
+                self._restore(snap)
+            _lib.check(status)
+            if d.step:
+                self._apply(grads, d.factor)
         self._publish()
         return StepResult(bool(d.skipped), bool(d.clipped), bool(d.undo), float(d.grad_norm), float(d.loss_scale))
+
+    def _step_fused(self, d, grads):
+        """The decision's steps through the library's kernels: speculatively with an undo record,
+        undone bit for bit if the full state refutes it, redone with the right factor."""
+        fused, calls, ran = self._fused, None, False
+        if d.step:
+            calls = fused.plan(grads)
+            fused.run(calls, d.factor, undoable=self._post_validation)
+            ran = True
+        status = _lib.function("zb_postval_end", [_P, _c.POINTER(_Decision)])(self._handle(), _c.byref(d))
+        if d.undo and ran:
+            fused.undo(calls)
+            ran = False
+        _lib.check(status)
+        if d.step:
+            calls = calls if calls is not None else fused.plan(grads)
+            fused.run(calls, d.factor, undoable=False)
+            ran = True
+        if ran:
+            fused.commit(calls)
+
+    @property
+    def fused(self):
+        """True when steps run through the library's kernels (see the module docstring)."""
+        return self._fused is not None
 
     def zero_grad(self, set_to_none=True):
         for pairs in self._stages.values():
