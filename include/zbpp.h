@@ -729,12 +729,24 @@ typedef struct {
   zb_status_t (*alloc_cb)(void *alloc_user, size_t bytes, void **out);
   void (*free_cb)(void *alloc_user, void *ptr);
   void *alloc_user;
+  /* Zero-copy stages. With release_cb set, the runner keeps no buffer for an op's output:
+   * forward_cb and backward_cb get output == NULL (grad_input == NULL) and hand over their own
+   * buffer, holding the output laid out as the boundary's bytes, with zb_runner_lend_output during
+   * the call. The runner sends from it (or gives it to the op of this rank that takes it as input)
+   * and calls release_cb(user, token) once nothing reads it any more: its send finished, or its
+   * consumer's inputs were let go (below). Until then the caller keeps it alive and unchanged. In
+   * the same mode an op's input stays valid after its callback: the inputs of F(s, mb) and B(s, mb)
+   * until W(s, mb) or BW(s, mb) has run, or until the iteration ends, which is as long as autograd
+   * keeps a stage's input and output gradient for its weight gradient; so the caller copies
+   * nothing. The buffer plan counts those receive buffers. Not with pair_first. Callers whose
+   * struct_size ends before this field get the copying mode. */
+  void (*release_cb)(void *user, uint64_t token);
 } zb_runner_config_t;
 
 #define ZB_RUNNER_CONFIG_INIT                                                                      \
   {                                                                                                \
     sizeof(zb_runner_config_t), ZB_RUNNER_CONFIG_VERSION, 0, NULL, NULL, NULL, NULL, NULL, 0,      \
-        NULL, NULL, NULL, 0.0, 0, NULL, 0, NULL, NULL, NULL                                        \
+        NULL, NULL, NULL, 0.0, 0, NULL, 0, NULL, NULL, NULL, NULL                                  \
   }
 
 typedef struct zb_runner zb_runner_t;
@@ -745,6 +757,11 @@ ZB_API zb_status_t zb_runner_create(zb_runner_t **out, const zb_runner_config_t 
  * its transport so the peers fail too (naming this rank, its op and microbatch), drops what is left
  * in the W store, and the message says which op failed and why. */
 ZB_API zb_status_t zb_runner_run(zb_runner_t *runner);
+/* Inside a forward_cb or backward_cb of a runner made with release_cb: this op's output is in buf
+ * (the caller's backend memory, the boundary's size; NULL only for a boundary of 0 bytes), to be
+ * released with `token` through release_cb. Fails with ZB_ERR_INVALID_ARGUMENT outside such a
+ * call, for an op without an output, or a second time for one op. Does not block. */
+ZB_API zb_status_t zb_runner_lend_output(zb_runner_t *runner, void *buf, uint64_t token);
 /* The last iteration's op times, aligned with zb_schedule_rank_ops (seconds, CLOCK_MONOTONIC).
  * On the CUDA backend they are device times (events around each op's work on the compute stream,
  * counted from the iteration's start on the host clock), since the host only issues the work.

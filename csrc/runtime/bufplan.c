@@ -218,3 +218,38 @@ zb_status_t zb__runner_buffer_plan(const zb_schedule_t *s, int32_t rank, int32_t
   free(alive), free(order);
   return send_bounds(s, info.ranks, S, rank, sends);
 }
+
+zb_status_t zb__runner_held_inputs(const zb_schedule_t *s, int32_t rank, int32_t *held) {
+  zb_schedule_info_t info;
+  ZB_CHECK(zb_schedule_get_info(s, &info));
+  const int32_t S = info.stages, m = info.microbatches, T = S > 1 ? 2 * (S - 1) : 0;
+  const zb_op_t *ops;
+  int32_t n;
+  ZB_CHECK(zb_schedule_rank_ops(s, rank, &ops, &n));
+  int32_t *cur = calloc((size_t)(T ? T : 1), sizeof *cur);
+  int32_t *tag_of = malloc((size_t)S * (size_t)m * 2 * sizeof *tag_of); /* (stage, mb, F/B) -> tag held or -1 */
+  if (!cur || !tag_of) {
+    free(cur), free(tag_of);
+    return ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory planning the runner's buffers");
+  }
+  for (size_t k = 0; k < (size_t)S * (size_t)m * 2; k++) tag_of[k] = -1;
+  for (int32_t t = 0; t < T; t++) held[t] = 0;
+  zb_status_t st = ZB_OK;
+  for (int32_t k = 0; k < n && st == ZB_OK; k++) {
+    const zb_op_t *op = &ops[k];
+    size_t key = ((size_t)op->stage * (size_t)m + (size_t)op->mb) * 2;
+    zb__link_t in, out;
+    st = zb__op_links(s, S, op, &in, &out);
+    if (st != ZB_OK) break;
+    if (op->type != ZB_OP_W && in.tag >= 0 && in.peer != rank) {
+      int32_t t = in.tag;
+      tag_of[key + (op->type == ZB_OP_F ? 0 : 1)] = t;
+      if (++cur[t] > held[t]) held[t] = cur[t];
+    }
+    if (op->type == ZB_OP_W || op->type == ZB_OP_BW)
+      for (int j = 0; j < 2; j++)
+        if (tag_of[key + j] >= 0) cur[tag_of[key + j]]--, tag_of[key + j] = -1;
+  }
+  free(cur), free(tag_of);
+  return st;
+}

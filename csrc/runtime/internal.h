@@ -102,6 +102,9 @@ zb_status_t zb__op_links(const zb_schedule_t *s, int32_t S, const zb_op_t *op, z
  * the runner's (NULL: no pairs). */
 zb_status_t zb__runner_buffer_plan(const zb_schedule_t *s, int32_t rank, int32_t depth, const uint8_t *pair_first,
                                    int32_t *sends, int32_t *recvs, int32_t *locals);
+/* Zero-copy stages (release_cb): per tag, the most receive buffers this rank keeps after their op
+ * at once, an input being kept from its F or B until the W or BW of its (stage, microbatch). */
+zb_status_t zb__runner_held_inputs(const zb_schedule_t *s, int32_t rank, int32_t *held);
 /* Buffers the runner had to allocate inside iterations because the plan fell short (0 expected). */
 zb_status_t zb__runner_late_allocs(const zb_runner_t *r, int64_t *out);
 

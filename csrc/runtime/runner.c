@@ -43,8 +43,18 @@ typedef struct {
 
 typedef struct {
   void *buf;
+  uint64_t token; /* lent buffers (release_cb): the caller's token */
   zb__request_t req;
 } send_t;
+
+/* An input kept after its op for the weight gradient (release_cb mode): a receive buffer (back to
+ * pool `pool`) or a buffer this rank's previous stage lent (released with `token`). */
+typedef struct {
+  void *buf;
+  int32_t pool; /* -1: lent */
+  int used;
+  uint64_t token;
+} held_t;
 
 /* A channel's buffers of one kind, allocated at creation (the buffer plan, bufplan.c). */
 typedef struct {
@@ -90,6 +100,15 @@ struct zb_runner {
   zb_status_t (*alloc_cb)(void *, size_t, void **); /* the caller's allocator, or NULL: the backend's */
   void (*free_cb)(void *, void *);
   void *alloc_user;
+  /* Zero-copy stages (zb_runner_config_t.release_cb): outputs are the caller's buffers, inputs are
+   * kept until the microbatch's W. lend_*: the op whose callback is running and what it lent. */
+  void (*release_cb)(void *, uint64_t);
+  uint64_t *local_token; /* like local: the token of a lent buffer waiting for this rank's next stage */
+  held_t *held;          /* (stage * m + mb) * 2 + (0: F's input, 1: B's input) */
+  int32_t lend_k;        /* op index of the running callback, -1 outside one */
+  int lend_got;
+  void *lend_buf;
+  uint64_t lend_token;
   /* Device timing (backends with timing events): a base event, then a start and an end event per
    * op, turned into seconds after the iteration; NULL on the host, which stamps with its clock. */
   zb__event_t *ev_base, **ev_op;
@@ -196,6 +215,13 @@ static zb_status_t plan_buffers(zb_runner_t *r, const zb_runner_config_t *c) {
       r->sendq[t].cap = sends[t];
       if (!r->sendq[t].ring) st = ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory for the runner's buffer plan");
     }
+  }
+  if (st == ZB_OK && r->release_cb) {
+    /* Outputs are the caller's; receive buffers are kept until the microbatch's W. */
+    int32_t *held = calloc(T, sizeof(int32_t));
+    st = held ? zb__runner_held_inputs(r->schedule, r->rank, held) : ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory");
+    for (int32_t t = 0; st == ZB_OK && t < r->T; t++) recvs[t] += held[t], sends[t] = locals[t] = 0;
+    free(held);
   }
   if (st == ZB_OK) st = pool_fill(r, POOL_SEND, sends, bytes);
   if (st == ZB_OK) st = pool_fill(r, POOL_RECV, recvs, bytes);
@@ -316,6 +342,7 @@ zb_status_t zb_runner_destroy(zb_runner_t *r) {
   zb__transport_unref(r->tr);
   free(r->pools), free(r->io), free(r->start), free(r->end), free(r->recv_op), free(r->recv_req);
   free(r->recv_buf), free(r->local), free(r->sendq), free(r->pair_first), free(r->send_tags);
+  free(r->local_token), free(r->held);
   free(r);
   return ZB_OK;
 }
@@ -324,10 +351,14 @@ zb_status_t zb_runner_create(zb_runner_t **out, const zb_runner_config_t *c) {
   ZB_ARG_NOT_NULL(out);
   *out = NULL;
   ZB_ARG_NOT_NULL(c);
-  /* Callers built before the pair fields existed pass the size that ends before them. */
+  /* Callers built before the pair (and allocator) fields existed pass the size that ends before
+   * them; those built before release_cb, the size that ends before it. */
   const size_t before_pairs = offsetof(zb_runner_config_t, pair_first);
-  const int has_pairs = c->struct_size >= sizeof(zb_runner_config_t); /* and the allocator fields */
-  if ((!has_pairs && c->struct_size != before_pairs) || c->version != ZB_RUNNER_CONFIG_VERSION)
+  const size_t before_release = offsetof(zb_runner_config_t, release_cb);
+  const int has_pairs = c->struct_size >= before_release; /* and the allocator fields */
+  const int has_release = c->struct_size >= sizeof(zb_runner_config_t);
+  if ((c->struct_size != before_pairs && c->struct_size != before_release && !has_release) ||
+      c->version != ZB_RUNNER_CONFIG_VERSION)
     return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
                    "zb_runner_config_t has struct_size %u, version %u; initialise it with "
                    "ZB_RUNNER_CONFIG_INIT (size %zu, version %d)",
@@ -376,6 +407,8 @@ zb_status_t zb_runner_create(zb_runner_t **out, const zb_runner_config_t *c) {
   r->schedule = c->schedule, r->be = c->backend, r->tr = c->transport, r->ws = c->wstore;
   r->forward = c->forward_cb, r->backward = c->backward_cb, r->user = c->user;
   if (has_pairs) r->alloc_cb = c->alloc_cb, r->free_cb = c->free_cb, r->alloc_user = c->alloc_user;
+  if (has_release) r->release_cb = c->release_cb;
+  r->lend_k = -1;
   r->timeout = c->timeout_s > 0 ? c->timeout_s : 300.0;
   r->depth = c->recv_depth > 0 ? c->recv_depth : 4;
   r->T = r->S > 1 ? 2 * (r->S - 1) : 0; /* channels: the pool ids plan() gives ops depend on it */
@@ -391,10 +424,17 @@ zb_status_t zb_runner_create(zb_runner_t **out, const zb_runner_config_t *c) {
     r->recv_req = calloc(n, sizeof(zb__request_t));
     r->recv_buf = calloc(n, sizeof(void *));
     r->local = calloc(slots, sizeof(void *));
+    if (r->release_cb) {
+      r->local_token = calloc(slots, sizeof(uint64_t));
+      r->held = calloc((size_t)r->S * 2 * (size_t)r->m, sizeof(held_t)); /* 2 per (stage, mb) */
+      if (!r->local_token || !r->held) st = ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory for rank %d", (int)r->rank);
+    }
     if (!r->io || !r->start || !r->end || !r->recv_op || !r->recv_req || !r->recv_buf || !r->local)
       st = ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory planning %d ops for rank %d", (int)r->n, (int)r->rank);
   }
   if (st == ZB_OK) st = plan(r, c);
+  if (st == ZB_OK && has_pairs && c->n_pairs > 0 && r->release_cb)
+    st = ZB_FAIL(ZB_ERR_UNSUPPORTED, "zb_runner_config_t: release_cb (zero-copy stages) does not go with pair_first");
   if (st == ZB_OK && has_pairs && c->n_pairs > 0) st = plan_pairs(r, c->pair_first, c->n_pairs);
   if (st == ZB_OK) st = plan_buffers(r, c);
   if (st == ZB_OK && r->be->ops->timing_event_create) {
@@ -422,7 +462,7 @@ static zb_status_t post_recv(zb_runner_t *r, int32_t j) {
 /* A channel's sends go in its ring, oldest first; the plan sized it (it grows only if the plan
  * fell short). Finished ones at the front are recycled per channel, so a slow channel holds only
  * its own buffers. */
-static zb_status_t push_send(zb_runner_t *r, void *buf, const op_io_t *io) {
+static zb_status_t push_send(zb_runner_t *r, void *buf, uint64_t token, const op_io_t *io) {
   sendq_t *q = &r->sendq[io->out_tag];
   if (q->count == q->cap) {
     int32_t cap = q->cap ? 2 * q->cap : 4;
@@ -433,7 +473,7 @@ static zb_status_t push_send(zb_runner_t *r, void *buf, const op_io_t *io) {
     q->ring = ns, q->cap = cap, q->head = 0;
   }
   send_t *sd = &q->ring[(q->head + q->count) % q->cap];
-  sd->buf = buf;
+  sd->buf = buf, sd->token = token;
   q->count++;
   return zb__transport_isend(r->tr, &sd->req, io->out_peer, io->out_tag, buf, io->out_bytes);
 }
@@ -443,7 +483,10 @@ static zb_status_t push_send(zb_runner_t *r, void *buf, const op_io_t *io) {
 static void drop_front(zb_runner_t *r, int32_t tag) {
   sendq_t *q = &r->sendq[tag];
   send_t *sd = &q->ring[q->head];
-  pool_put(r, pool_id(r, POOL_SEND, tag), sd->buf);
+  if (r->release_cb)
+    r->release_cb(r->user, sd->token); /* the caller's buffer: the send has finished reading it */
+  else
+    pool_put(r, pool_id(r, POOL_SEND, tag), sd->buf);
   sd->buf = NULL;
   q->head = (q->head + 1) % q->cap;
   q->count--;
@@ -478,6 +521,20 @@ static zb_status_t reap_sends(zb_runner_t *r, double timeout) {
   return ZB_OK;
 }
 
+/* Lets go of the inputs kept for the weight gradient of (stage, mb), or of all with stage -1. */
+static void release_held(zb_runner_t *r, int32_t stage, int32_t mb) {
+  if (!r->held) return;
+  size_t a = 0, b = (size_t)r->S * 2 * (size_t)r->m;
+  if (stage >= 0) a = ((size_t)stage * (size_t)r->m + (size_t)mb) * 2, b = a + 2;
+  for (size_t k = a; k < b; k++) {
+    held_t *h = &r->held[k];
+    if (!h->used) continue;
+    if (h->pool >= 0) pool_put(r, h->pool, h->buf);
+    else r->release_cb(r->user, h->token);
+    memset(h, 0, sizeof *h);
+  }
+}
+
 /* Undoes whatever the failed iteration left: requests, buffers, W-store entries. */
 static void cleanup_after_failure(zb_runner_t *r) {
   for (int32_t j = 0; j < r->n_recv; j++) {
@@ -494,9 +551,13 @@ static void cleanup_after_failure(zb_runner_t *r) {
   size_t slots = (size_t)(r->S > 1 ? r->S - 1 : 1) * 2 * (size_t)r->m;
   for (size_t k = 0; k < slots; k++)
     if (r->local[k]) {
-      pool_put(r, pool_id(r, POOL_LOCAL, (int32_t)(k / (size_t)r->m)), r->local[k]);
+      if (r->release_cb)
+        r->release_cb(r->user, r->local_token[k]);
+      else
+        pool_put(r, pool_id(r, POOL_LOCAL, (int32_t)(k / (size_t)r->m)), r->local[k]);
       r->local[k] = NULL;
     }
+  release_held(r, -1, -1);
   zb_wstore_clear(r->ws);
 }
 
@@ -508,14 +569,17 @@ static zb_status_t run_compute(zb_runner_t *r, const zb_op_t *op, const void *in
   char inner[1536];
   const char *what = op->type == ZB_OP_F ? "forward" : "backward";
   zb__clear_error();
+  r->lend_k = (int32_t)(op - r->ops), r->lend_got = 0; /* zb_runner_lend_output's window */
   switch (op->type) {
     case ZB_OP_F:
       st = r->forward(r->user, op->stage, op->mb, in, out);
+      r->lend_k = -1;
       break;
     case ZB_OP_B:
     case ZB_OP_BW:
       ZB_CHECK(zb_wstore_begin(r->ws, op->stage, op->mb));
       st = r->backward(r->user, op->stage, op->mb, in, out);
+      r->lend_k = -1;
       ZB_CHECK(zb_wstore_end(r->ws));
       if (st == ZB_OK && op->type == ZB_OP_BW) {
         what = "W part of the fused backward";
@@ -527,6 +591,7 @@ static zb_status_t run_compute(zb_runner_t *r, const zb_op_t *op, const void *in
       }
       break;
     default:
+      r->lend_k = -1;
       st = zb_wstore_pop_run(r->ws, op->stage, NULL);
       if (st != ZB_OK) {
         take_error(inner, sizeof inner);
@@ -545,7 +610,8 @@ static zb_status_t run_compute(zb_runner_t *r, const zb_op_t *op, const void *in
 /* Takes op k's input (waiting for its receive, or the buffer an earlier op of this rank left) and
  * a buffer for its output. On failure the message says what the op was waiting for, and nothing is
  * held. */
-static zb_status_t op_acquire(zb_runner_t *r, int32_t k, int32_t *next_post, void **in, void **out) {
+static zb_status_t op_acquire(zb_runner_t *r, int32_t k, int32_t *next_post, void **in, uint64_t *in_token,
+                              void **out) {
   const zb_op_t *op = &r->ops[k];
   const op_io_t *io = &r->io[k];
   char inner[1536];
@@ -574,10 +640,11 @@ static zb_status_t op_acquire(zb_runner_t *r, int32_t k, int32_t *next_post, voi
   } else if (io->in_kind == IO_LOCAL) {
     *in = r->local[io->in_slot];
     r->local[io->in_slot] = NULL;
+    if (r->local_token) *in_token = r->local_token[io->in_slot];
     if (!*in)
       return ZB_FAIL(ZB_ERR_INTERNAL, "the input this rank should have produced itself is missing");
   }
-  if (io->out_kind != IO_NONE) {
+  if (io->out_kind != IO_NONE && !r->release_cb) { /* with release_cb the callback lends it */
     zb_status_t st = pool_get(r, io->out_pool, out);
     if (st != ZB_OK) {
       pool_put(r, io->in_pool, *in);
@@ -599,13 +666,14 @@ static zb_status_t op_compute(zb_runner_t *r, int32_t k, const void *in, void *o
 }
 
 /* Hands op k's output on: to the op of this rank that needs it, or to the transport. */
-static zb_status_t op_deliver(zb_runner_t *r, int32_t k, void *out) {
+static zb_status_t op_deliver(zb_runner_t *r, int32_t k, void *out, uint64_t token) {
   const op_io_t *io = &r->io[k];
   char inner[1536];
   if (io->out_kind == IO_LOCAL) {
     r->local[io->out_slot] = out;
+    if (r->local_token) r->local_token[io->out_slot] = token;
   } else if (io->out_kind == IO_REMOTE) {
-    zb_status_t st = push_send(r, out, io);
+    zb_status_t st = push_send(r, out, token, io);
     if (st != ZB_OK) {
       take_error(inner, sizeof inner);
       return ZB_FAIL(st, "sending the %s to rank %d: %s", r->ops[k].type == ZB_OP_F ? "activation" : "gradient",
@@ -615,34 +683,67 @@ static zb_status_t op_deliver(zb_runner_t *r, int32_t k, void *out) {
   return ZB_OK;
 }
 
+/* An op's input after its callback: back to its pool at once, or, with release_cb, kept until the
+ * microbatch's W (F's and B's inputs are what autograd saves for it), which lets both go. */
+static void release_input(zb_runner_t *r, int32_t k, void *in, uint64_t token) {
+  const op_io_t *io = &r->io[k];
+  const zb_op_t *op = &r->ops[k];
+  if (!r->release_cb) {
+    pool_put(r, io->in_pool, in); /* NULL: none */
+    return;
+  }
+  if (io->in_kind != IO_NONE) {
+    held_t *h = &r->held[((size_t)op->stage * (size_t)r->m + (size_t)op->mb) * 2 + (op->type == ZB_OP_F ? 0 : 1)];
+    h->buf = in, h->used = 1;
+    h->pool = io->in_kind == IO_REMOTE ? io->in_pool : -1;
+    h->token = token;
+  }
+  if (op->type == ZB_OP_W || op->type == ZB_OP_BW) release_held(r, op->stage, op->mb);
+}
+
 /* Runs op k once its input is there, or, when k starts a pair, ops k and k+1 as one unit: both
  * inputs first, both callbacks back to back, both outputs after. *ran is how many ops it ran; on
  * failure, 1 + the position in the pair of the op that failed (the caller names that op). */
 static zb_status_t run_op(zb_runner_t *r, int32_t k, int32_t *next_post, int32_t *ran) {
   const int32_t count = r->pair_first && r->pair_first[k] ? 2 : 1;
   void *in[2] = {NULL, NULL}, *out[2] = {NULL, NULL};
+  uint64_t in_token[2] = {0, 0}, out_token[2] = {0, 0};
   zb_status_t st = ZB_OK;
   int32_t got = 0, failed = -1;
   for (; got < count; got++) {
-    st = op_acquire(r, k + got, next_post, &in[got], &out[got]);
+    st = op_acquire(r, k + got, next_post, &in[got], &in_token[got], &out[got]);
     if (st != ZB_OK) {
       failed = got;
       break;
     }
   }
   for (int32_t j = 0; st == ZB_OK && j < count; j++) {
+    r->lend_got = 0;
     st = op_compute(r, k + j, in[j], out[j]);
     if (st != ZB_OK) failed = j;
+    if (r->release_cb && r->io[k + j].out_kind != IO_NONE && r->ops[k + j].type != ZB_OP_W) {
+      if (r->lend_got) {
+        out[j] = r->lend_buf, out_token[j] = r->lend_token;
+        if (st != ZB_OK) r->release_cb(r->user, out_token[j]); /* lent, but never delivered */
+      } else if (st == ZB_OK) {
+        const zb_op_t *op = &r->ops[k + j];
+        failed = j;
+        st = ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
+                     "the %s callback of stage %d, mb %d returned without zb_runner_lend_output; a runner made "
+                     "with release_cb sends the caller's own output buffer",
+                     op->type == ZB_OP_F ? "forward" : "backward", (int)op->stage, (int)op->mb);
+      }
+    }
   }
-  for (int32_t j = 0; j < got; j++) pool_put(r, r->io[k + j].in_pool, in[j]); /* NULL: none */
+  for (int32_t j = 0; j < got; j++) release_input(r, k + j, in[j], in_token[j]);
   for (int32_t j = 0; j < got; j++) {
     if (st == ZB_OK) {
-      st = op_deliver(r, k + j, out[j]);
+      st = op_deliver(r, k + j, out[j], out_token[j]);
       if (st == ZB_OK) continue;
       failed = j; /* a failed send still owns its buffer (cleanup_after_failure returns it) */
       if (r->io[k + j].out_kind == IO_REMOTE) continue;
     }
-    pool_put(r, r->io[k + j].out_pool, out[j]);
+    if (!r->release_cb) pool_put(r, r->io[k + j].out_pool, out[j]);
   }
   *ran = st == ZB_OK ? count : failed + 1;
   if (st != ZB_OK) return st;
@@ -714,6 +815,7 @@ zb_status_t zb_runner_run(zb_runner_t *r) {
     ZB_CHECK_GOTO(r->be->ops->elapsed(r->be, r->ev_base, r->ev_op[2 * j + 1], &b), st, fail);
     r->start[j] = r->host_base + a, r->end[j] = r->host_base + b;
   }
+  release_held(r, -1, -1); /* inputs of microbatches without a W here (forward-only runs) */
   ZB_CHECK_GOTO(zb_wstore_pending(r->ws, -1, &pending), st, fail);
   if (pending > 0) {
     st = ZB_FAIL(ZB_ERR_INVALID_SCHEDULE,
@@ -731,6 +833,31 @@ fail:
   /* The abort and the cleanup must not replace the message that says what went wrong. */
   zb__error_restore(full);
   return st;
+}
+
+zb_status_t zb_runner_lend_output(zb_runner_t *r, void *buf, uint64_t token) {
+  ZB_ARG_NOT_NULL(r);
+  if (!r->release_cb)
+    return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
+                   "zb_runner_lend_output: rank %d's runner was made without release_cb; its callbacks write "
+                   "into the output buffer they are given",
+                   (int)r->rank);
+  if (r->lend_k < 0)
+    return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "zb_runner_lend_output is called from a forward or backward callback");
+  const zb_op_t *op = &r->ops[r->lend_k];
+  const op_io_t *io = &r->io[r->lend_k];
+  if (io->out_kind == IO_NONE)
+    return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
+                   "zb_runner_lend_output: %s(stage %d, mb %d) has no output to hand on (the last stage's forward "
+                   "and the first stage's backward have none)",
+                   op_name(op->type), (int)op->stage, (int)op->mb);
+  if (r->lend_got)
+    return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "zb_runner_lend_output: called twice for %s(stage %d, mb %d)",
+                   op_name(op->type), (int)op->stage, (int)op->mb);
+  if (!buf && io->out_bytes > 0)
+    return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "zb_runner_lend_output: NULL for an output of %zu bytes", io->out_bytes);
+  r->lend_got = 1, r->lend_buf = buf, r->lend_token = token;
+  return ZB_OK;
 }
 
 zb_status_t zb_runner_times(const zb_runner_t *r, const double **start, const double **end, int32_t *count) {

@@ -100,6 +100,7 @@ ForwardFn = _c.CFUNCTYPE(_c.c_int, _P, _c.c_int32, _c.c_int32, _P, _P)
 BackwardFn = _c.CFUNCTYPE(_c.c_int, _P, _c.c_int32, _c.c_int32, _P, _P)
 AllocFn = _c.CFUNCTYPE(_c.c_int, _P, _c.c_size_t, _PP)
 FreeFn = _c.CFUNCTYPE(None, _P, _P)
+LendReleaseFn = _c.CFUNCTYPE(None, _P, _c.c_uint64)
 
 _IsendFn = _c.CFUNCTYPE(_c.c_int, _P, _c.c_int32, _c.c_int32, _P, _c.c_size_t, _PP)
 _IrecvFn = _c.CFUNCTYPE(_c.c_int, _P, _c.c_int32, _c.c_int32, _P, _c.c_size_t, _PP)
@@ -163,6 +164,7 @@ class _RunnerConfig(_c.Structure):
         ("alloc_cb", AllocFn),
         ("free_cb", FreeFn),
         ("alloc_user", _P),
+        ("release_cb", LendReleaseFn),
     ]
 
 
@@ -720,12 +722,15 @@ class Runner(_Handle):
     _destroy = "zb_runner_destroy"
 
     def __init__(self, schedule, rank, backend, wstore, transport, boundary_bytes, forward, backward,
-                 timeout_s=300.0, recv_depth=0, pairs=(), allocator=None):
+                 timeout_s=300.0, recv_depth=0, pairs=(), allocator=None, release=None):
         """pairs: indices k into this rank's op list where ops k and k+1 run as one unit (both
         inputs first, both callbacks back to back, both outputs after; zb_runner_config_t).
         allocator: (alloc(nbytes) -> address, free(address)) for the runner's message buffers, all
         taken at creation and given back at close (zb_runner_config_t.alloc_cb); None: the
-        backend's."""
+        backend's. release: release(token), for zero-copy stages (zb_runner_config_t.release_cb):
+        the callbacks get out_addr 0 and hand their own output with lend_output(addr, token), and
+        each input stays valid until its microbatch's W; the runner calls release(token) when it is
+        done with a lent buffer."""
         super().__init__()
         self._keep = (schedule, backend, wstore, transport)
         self._error = None
@@ -771,6 +776,15 @@ class Runner(_Handle):
 
             self._alloc_fns = (AllocFn(on_alloc), FreeFn(on_free))  # alive as long as the runner
             cfg.alloc_cb, cfg.free_cb = self._alloc_fns
+        if release is not None:
+            def on_release(_user, token):
+                try:
+                    release(int(token))
+                except BaseException:  # noqa: BLE001 - must not unwind into C; a leak at worst
+                    pass
+
+            self._release_fn = LendReleaseFn(on_release)
+            cfg.release_cb = self._release_fn
         try:
             _lib.call("zb_runner_create", [_PP, _c.POINTER(_RunnerConfig)], _c.byref(self._h), _c.byref(cfg))
         except _lib.ZbError as err:
@@ -778,6 +792,11 @@ class Runner(_Handle):
                 raise err from self._alloc_error  # the allocator's own exception, as the cause
             raise
         self._count = len(schedule.rank_ops(rank))
+
+    def lend_output(self, addr, token):
+        """From inside a forward or backward callback of a runner made with release=: this op's
+        output is at addr (the caller's memory, kept alive and unchanged until release(token))."""
+        _lib.call("zb_runner_lend_output", [_P, _P, _c.c_uint64], self.handle, addr or None, int(token))
 
     def _on_forward(self, _user, stage, mb, inp, out):
         try:

@@ -48,6 +48,7 @@ What this is not: a tracer or a model splitter. Each rank builds its own stage m
 import contextlib
 import ctypes
 import hashlib
+import itertools
 import logging
 import os
 import statistics
@@ -519,6 +520,11 @@ class PipelineSchedule:
         self._nccl = None
         self._store = default_store(self.device if self._cuda else None) if self._runnable else None
         self._dviews = cuda.DeviceViews(self.device) if self._cuda else None
+        # Zero-copy stages (the runner's release_cb): outputs lent to the runner, by token, and the
+        # typed tensors over each lent buffer, by address (a lent buffer that comes back as this
+        # rank's next stage's input is that stage's input, as it is).
+        self._lending = False
+        self._lent, self._lent_at, self._lend_ids = {}, {}, itertools.count(1)
         self._msg = None  # (group, device) of shape inference and the NCCL unique id; see _messages
         self._last_times = None
         self._last_schedule = None  # the schedule the last step ran (timeline() draws it)
@@ -704,8 +710,10 @@ class PipelineSchedule:
             inputs, kwargs = self._first_inputs(i)
         else:
             inputs = []
-            for t in self._views(in_addr, s - 1):
-                t = t.clone()
+            for t in self._in_views(in_addr, s - 1):
+                # Lending: the runner keeps the buffer until this microbatch's W, as long as autograd
+                # needs it; a fresh tensor object still, for requires_grad and .grad of its own.
+                t = t.detach() if self._lending else t.clone()
                 if t.is_floating_point():
                     t.requires_grad_(True)
                 inputs.append(t)
@@ -729,10 +737,47 @@ class PipelineSchedule:
             raise _shape_error()(f"zbpp: stage {s} {what}: it returned {[(str(d), sh) for d, sh in got]} for "
                                  f"microbatch {i}, but the boundary was set up for "
                                  f"{[(str(d), sh) for d, sh in meta]}; shapes and dtypes must not change")
-        for view, t in zip(self._views(out_addr, s), outs):
-            view.copy_(t.detach())
+        if self._lending:
+            self._lend(s, [t.detach() for t in outs])
+        else:
+            for view, t in zip(self._views(out_addr, s), outs):
+                view.copy_(t.detach())
         self._ctx[(s, i)] = (inputs, outs, None)
         return out
+
+    def _lend(self, boundary, tensors):
+        """Hands the runner this op's output for `boundary` without a copy: the tensor itself when
+        the boundary is one contiguous tensor, else one buffer they are packed into (a copy each).
+        Kept alive here until the runner releases it."""
+        meta = self._meta[boundary]
+        _, size = _layout(meta)
+        t0 = tensors[0] if len(tensors) == 1 else None
+        if t0 is not None and t0.is_contiguous() and t0.numel() * t0.element_size() == size:
+            keep, typed = t0, [t0]
+        else:
+            keep = torch.empty(size, dtype=torch.uint8, device=self.device if self._cuda else "cpu")
+            typed = _typed(keep, meta)
+            for view, t in zip(typed, tensors):
+                view.copy_(t)
+        token = next(self._lend_ids)
+        addr = keep.data_ptr() if size else 0
+        self._lent[token] = (keep, typed, addr)
+        if addr:
+            self._lent_at[addr] = typed
+        self._runner.lend_output(addr, token)
+
+    def _release_lent(self, token):
+        """The runner is done with a lent buffer: its send has finished, or the stage of this rank
+        that took it as input has run its W."""
+        keep, typed, addr = self._lent.pop(token, (None, None, 0))
+        if addr and self._lent_at.get(addr) is typed:
+            del self._lent_at[addr]
+
+    def _in_views(self, addr, boundary):
+        """An op's input: the tensors this rank lent for it (a stage of this rank produced it), or
+        views of the runner's buffer."""
+        lent = self._lent_at.get(addr) if addr else None
+        return lent if lent is not None else self._views(addr, boundary)
 
     def _meter(self, s):
         """Measures the activations one microbatch's forward of stage s keeps (microbatch 0 of a
@@ -762,10 +807,14 @@ class PipelineSchedule:
             if loss is not None:
                 self._loss_backward(loss)
             else:
-                pairs = [(o, g) for o, g in zip(outs, self._views(gout_addr, s))
+                pairs = [(o, g) for o, g in zip(outs, self._in_views(gout_addr, s))
                          if o.requires_grad]
                 if pairs:
-                    torch.autograd.backward([o for o, _ in pairs], [g.clone() for _, g in pairs])
+                    # Lending: the gradients stay valid until this microbatch's W (the W store reads
+                    # them there). They are held in `pairs` meanwhile, so autograd cannot take one
+                    # over as a parameter's .grad.
+                    torch.autograd.backward([o for o, _ in pairs],
+                                            [g if self._lending else g.clone() for _, g in pairs])
             dw_builder = getattr(self._by_index.get(s), "dw_builder", None)
             if dw_builder is not None:
                 # torch's dw_builder: the stage's weight gradients are this function's work, run
@@ -773,7 +822,9 @@ class PipelineSchedule:
                 store.push_action(_marked(dw_builder()))
         finally:
             store.capturing = False
-        if s > 0:
+        if s > 0 and self._lending:
+            self._lend(s - 1, [x.grad if x.grad is not None else torch.zeros_like(x) for x in inputs])
+        elif s > 0:
             for view, x in zip(self._views(gin_addr, s - 1), inputs):
                 if x.grad is not None:
                     view.copy_(x.grad)
@@ -1216,9 +1267,14 @@ class PipelineSchedule:
             st._zb_schedule = weakref.ref(self)  # what the stage's torch calls run (forward_one_chunk, ...)
         # On CUDA the runner's message buffers are torch's memory (its caching allocator).
         allocator = cuda.torch_allocator(self.device) if self._cuda else None
+        # Zero-copy stages: the runner sends the tensors the stages produced and keeps each input
+        # until its microbatch's W, so nothing is copied on the way (not with OVERLAP_F_B pairs,
+        # whose callbacks the runner cannot tell apart: those copy).
+        self._lending = not pairs
         self._runner = runtime.Runner(self.schedule, self.rank, self._store.backend, self._store.store,
                                       transport, sizes, _marked(self._on_forward), _marked(self._on_backward),
-                                      timeout_s=self.timeout, pairs=pairs, allocator=allocator)
+                                      timeout_s=self.timeout, pairs=pairs, allocator=allocator,
+                                      release=self._release_lent if self._lending else None)
 
     def _make_nccl(self):
         """The NCCL transport: rank 0 makes the unique id and sends it to every rank (with a flag,
