@@ -20,7 +20,11 @@
  * transport orders the receive after it), so the host can run ahead of the device safely. The host
  * blocks only at the end: for the sends to leave and for the compute stream to finish.
  *
- * What it is not: a model. Buffers handed to callbacks are the runner's and live only for the call.
+ * Its buffers (the plan's pools, the send queues, the inputs kept in zero-copy mode) are
+ * runner_buffers.c's; the state both share is in runner.h.
+ *
+ * What it is not: a model. Buffers handed to callbacks are the runner's and live only for the call,
+ * except in zero-copy mode (zb_runner_config_t.release_cb), where inputs live until their W.
  */
 #include <stddef.h>
 #include <stdio.h>
@@ -28,92 +32,7 @@
 #include <string.h>
 
 #include "internal.h"
-
-enum { IO_NONE = 0, IO_LOCAL = 1, IO_REMOTE = 2 };
-
-typedef struct {
-  int in_kind, out_kind;
-  int32_t in_peer, out_peer; /* ranks, for IO_REMOTE */
-  int32_t in_tag, out_tag;
-  int32_t in_slot, out_slot; /* local handoff slots, for IO_LOCAL */
-  int32_t recv;              /* index into the receive plan, for IO_REMOTE input */
-  int32_t in_pool, out_pool; /* the buffer pools of the input and the output (see pool_id) */
-  size_t in_bytes, out_bytes;
-} op_io_t;
-
-typedef struct {
-  void *buf;
-  uint64_t token; /* lent buffers (release_cb): the caller's token */
-  zb__request_t req;
-} send_t;
-
-/* An input kept after its op for the weight gradient (release_cb mode): a receive buffer (back to
- * pool `pool`) or a buffer this rank's previous stage lent (released with `token`). */
-typedef struct {
-  void *buf;
-  int32_t pool; /* -1: lent */
-  int used;
-  uint64_t token;
-} held_t;
-
-/* A channel's buffers of one kind, allocated at creation (the buffer plan, bufplan.c). */
-typedef struct {
-  size_t bytes;
-  void **free_bufs;
-  int n, cap; /* free ones; cap is every buffer the pool owns */
-} pool_t;
-
-/* The sends of one channel not yet seen complete, oldest first. */
-typedef struct {
-  send_t *ring;
-  int32_t head, count, cap;
-} sendq_t;
-
-struct zb_runner {
-  int32_t rank, p, S, m;
-  const zb_schedule_t *schedule;
-  zb_backend_t *be;
-  zb_transport_t *tr;
-  zb_wstore_t *ws;
-  zb_forward_cb forward;
-  zb_backward_cb backward;
-  void *user;
-  double timeout;
-  int32_t depth;
-
-  const zb_op_t *ops;
-  int32_t n;
-  op_io_t *io;
-  uint8_t *pair_first; /* n: 1 where ops k and k+1 run as a pair (zb_runner_config_t.pair_first) */
-  double *start, *end;
-
-  int32_t n_recv;
-  int32_t *recv_op;         /* op index of each receive, in op order */
-  zb__request_t *recv_req;  /* n_recv */
-  void **recv_buf;          /* n_recv */
-  void **local;             /* (boundary * 2 + dir) * m + mb */
-  sendq_t *sendq;           /* per channel (tag): its pending sends */
-  int32_t T;                /* channels: 2 (S - 1) tags */
-  int32_t *send_tags, n_send_tags; /* the channels this rank sends on (reaped after every op) */
-  pool_t *pools;            /* 3 T: sends, receives and local hand-offs of each tag (pool_id) */
-  int64_t late_allocs;      /* buffers allocated inside an iteration (the plan fell short: never) */
-  zb_status_t (*alloc_cb)(void *, size_t, void **); /* the caller's allocator, or NULL: the backend's */
-  void (*free_cb)(void *, void *);
-  void *alloc_user;
-  /* Zero-copy stages (zb_runner_config_t.release_cb): outputs are the caller's buffers, inputs are
-   * kept until the microbatch's W. lend_*: the op whose callback is running and what it lent. */
-  void (*release_cb)(void *, uint64_t);
-  uint64_t *local_token; /* like local: the token of a lent buffer waiting for this rank's next stage */
-  held_t *held;          /* (stage * m + mb) * 2 + (0: F's input, 1: B's input) */
-  int32_t lend_k;        /* op index of the running callback, -1 outside one */
-  int lend_got;
-  void *lend_buf;
-  uint64_t lend_token;
-  /* Device timing (backends with timing events): a base event, then a start and an end event per
-   * op, turned into seconds after the iteration; NULL on the host, which stamps with its clock. */
-  zb__event_t *ev_base, **ev_op;
-  double host_base;
-};
+#include "runner.h"
 
 static const char *op_name(int type) {
   switch (type) {
@@ -122,119 +41,6 @@ static const char *op_name(int type) {
     case ZB_OP_W: return "W";
     default: return "BW";
   }
-}
-
-/* ---- buffers: planned per channel at creation, recycled per channel ------------------------- */
-
-enum { POOL_SEND = 0, POOL_RECV = 1, POOL_LOCAL = 2 };
-static int32_t pool_id(const zb_runner_t *r, int kind, int32_t tag) { return kind * r->T + tag; }
-
-static zb_status_t reap_oldest(zb_runner_t *r, int32_t tag);
-
-/* Message buffers come from the caller's allocator when it gave one, else from the backend. */
-static zb_status_t buf_alloc(zb_runner_t *r, size_t bytes, void **out) {
-  if (!r->alloc_cb) return r->be->ops->alloc(r->be, bytes, out);
-  *out = NULL;
-  zb_status_t st = r->alloc_cb(r->alloc_user, bytes, out);
-  if (st != ZB_OK) return ZB_FAIL(st, "the runner's alloc_cb failed for %zu bytes", bytes);
-  if (!*out && bytes) return ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "the runner's alloc_cb gave NULL for %zu bytes", bytes);
-  return ZB_OK;
-}
-
-static void buf_free(zb_runner_t *r, void *ptr) {
-  if (!ptr) return;
-  if (r->free_cb)
-    r->free_cb(r->alloc_user, ptr);
-  else
-    r->be->ops->release(r->be, ptr);
-}
-
-/* A buffer of the pool. A send pool that is empty waits for its channel's oldest send (the plan
- * counted it as received by now, so the wait is short); only if the plan fell short is a buffer
- * allocated, and counted (late_allocs), so the pool grows to what the run needs. */
-static zb_status_t pool_get(zb_runner_t *r, int32_t id, void **out) {
-  pool_t *pl = &r->pools[id];
-  if (pl->n == 0 && id < r->T && r->sendq[id].count > 0) ZB_CHECK(reap_oldest(r, id));
-  if (pl->n > 0) {
-    *out = pl->free_bufs[--pl->n];
-    return ZB_OK;
-  }
-  void **nb = realloc(pl->free_bufs, (size_t)(pl->cap + 1) * sizeof(void *));
-  if (!nb) return ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory tracking the runner's buffers");
-  pl->free_bufs = nb;
-  ZB_CHECK(buf_alloc(r, pl->bytes, out));
-  pl->cap++;
-  r->late_allocs++;
-  return ZB_OK;
-}
-
-/* Every buffer a pool hands out comes back to it; the free list has room for all of them. NULL (an
- * op without that input or output) is ignored. */
-static void pool_put(zb_runner_t *r, int32_t id, void *buf) {
-  if (!buf) return;
-  pool_t *pl = &r->pools[id];
-  pl->free_bufs[pl->n++] = buf;
-}
-
-/* Allocates the plan's buffers: count[t] of pool kind `kind` for every tag. */
-static zb_status_t pool_fill(zb_runner_t *r, int kind, const int32_t *count, const int64_t *bytes) {
-  for (int32_t t = 0; t < r->T; t++) {
-    pool_t *pl = &r->pools[pool_id(r, kind, t)];
-    pl->bytes = (size_t)bytes[t / 2];
-    if (count[t] <= 0) continue;
-    pl->free_bufs = calloc((size_t)count[t], sizeof(void *));
-    if (!pl->free_bufs) return ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory for the runner's buffer plan");
-    for (; pl->cap < count[t]; pl->cap++) {
-      ZB_CHECK(buf_alloc(r, pl->bytes, &pl->free_bufs[pl->cap]));
-      pl->n++;
-    }
-  }
-  return ZB_OK;
-}
-
-/* The buffer plan (bufplan.c) for this rank, allocated now: nothing is allocated inside an
- * iteration unless the plan fell short (it cannot when the transport completes a send no later
- * than its receive). */
-static zb_status_t plan_buffers(zb_runner_t *r, const zb_runner_config_t *c) {
-  size_t T = (size_t)(r->T ? r->T : 1);
-  r->pools = calloc(3 * T, sizeof(pool_t));
-  r->sendq = calloc(T, sizeof(sendq_t));
-  int32_t *sends = calloc(T, sizeof(int32_t)), *recvs = calloc(T, sizeof(int32_t));
-  int32_t *locals = calloc(T, sizeof(int32_t));
-  int64_t *bytes = calloc(T, sizeof(int64_t));
-  zb_status_t st = ZB_OK;
-  if (!r->pools || !r->sendq || !sends || !recvs || !locals || !bytes)
-    st = ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory for the runner's buffer plan");
-  if (st == ZB_OK && r->T > 0) {
-    for (int32_t b = 0; b < r->S - 1; b++) bytes[b] = c->boundary_bytes ? c->boundary_bytes[b] : c->boundary_bytes_all;
-    st = zb__runner_buffer_plan(r->schedule, r->rank, r->depth, r->pair_first, sends, recvs, locals);
-  }
-  for (int32_t t = 0; st == ZB_OK && t < r->T; t++) {
-    if (sends[t] > 0) {
-      r->sendq[t].ring = calloc((size_t)sends[t], sizeof(send_t));
-      r->sendq[t].cap = sends[t];
-      if (!r->sendq[t].ring) st = ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory for the runner's buffer plan");
-    }
-  }
-  if (st == ZB_OK && r->release_cb) {
-    /* Outputs are the caller's; receive buffers are kept until the microbatch's W. */
-    int32_t *held = calloc(T, sizeof(int32_t));
-    st = held ? zb__runner_held_inputs(r->schedule, r->rank, held) : ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory");
-    for (int32_t t = 0; st == ZB_OK && t < r->T; t++) recvs[t] += held[t], sends[t] = locals[t] = 0;
-    free(held);
-  }
-  if (st == ZB_OK) st = pool_fill(r, POOL_SEND, sends, bytes);
-  if (st == ZB_OK) st = pool_fill(r, POOL_RECV, recvs, bytes);
-  if (st == ZB_OK) st = pool_fill(r, POOL_LOCAL, locals, bytes);
-  free(sends), free(recvs), free(locals), free(bytes);
-  return st;
-}
-
-zb_status_t zb__runner_late_allocs(const zb_runner_t *r, int64_t *out) {
-  ZB_ARG_NOT_NULL(r);
-  ZB_ARG_NOT_NULL(out);
-  *out = r->late_allocs;
-  return ZB_OK;
 }
 
 /* ---- create / destroy ------------------------------------------------------------------------ */
@@ -329,7 +135,7 @@ static zb_status_t plan_pairs(zb_runner_t *r, const int32_t *first, int32_t coun
 zb_status_t zb_runner_destroy(zb_runner_t *r) {
   if (!r) return ZB_OK;
   for (int32_t k = 0; r->pools && k < 3 * r->T; k++) {
-    for (int j = 0; j < r->pools[k].n; j++) buf_free(r, r->pools[k].free_bufs[j]);
+    for (int j = 0; j < r->pools[k].n; j++) zb__runner_buf_free(r, r->pools[k].free_bufs[j]);
     free(r->pools[k].free_bufs);
   }
   for (int32_t t = 0; r->sendq && t < r->T; t++) free(r->sendq[t].ring);
@@ -436,7 +242,7 @@ zb_status_t zb_runner_create(zb_runner_t **out, const zb_runner_config_t *c) {
   if (st == ZB_OK && has_pairs && c->n_pairs > 0 && r->release_cb)
     st = ZB_FAIL(ZB_ERR_UNSUPPORTED, "zb_runner_config_t: release_cb (zero-copy stages) does not go with pair_first");
   if (st == ZB_OK && has_pairs && c->n_pairs > 0) st = plan_pairs(r, c->pair_first, c->n_pairs);
-  if (st == ZB_OK) st = plan_buffers(r, c);
+  if (st == ZB_OK) st = zb__runner_plan_buffers(r, c);
   if (st == ZB_OK && r->be->ops->timing_event_create) {
     r->ev_op = calloc(2 * n, sizeof(zb__event_t *));
     if (!r->ev_op) st = ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory for %d timing events", 2 * (int)n);
@@ -455,98 +261,23 @@ zb_status_t zb_runner_create(zb_runner_t **out, const zb_runner_config_t *c) {
 
 static zb_status_t post_recv(zb_runner_t *r, int32_t j) {
   const op_io_t *io = &r->io[r->recv_op[j]];
-  ZB_CHECK(pool_get(r, io->in_pool, &r->recv_buf[j]));
+  ZB_CHECK(zb__runner_pool_get(r, io->in_pool, &r->recv_buf[j]));
   return zb__transport_irecv(r->tr, &r->recv_req[j], io->in_peer, io->in_tag, r->recv_buf[j], io->in_bytes);
 }
 
-/* A channel's sends go in its ring, oldest first; the plan sized it (it grows only if the plan
- * fell short). Finished ones at the front are recycled per channel, so a slow channel holds only
- * its own buffers. */
-static zb_status_t push_send(zb_runner_t *r, void *buf, uint64_t token, const op_io_t *io) {
-  sendq_t *q = &r->sendq[io->out_tag];
-  if (q->count == q->cap) {
-    int32_t cap = q->cap ? 2 * q->cap : 4;
-    send_t *ns = calloc((size_t)cap, sizeof(send_t));
-    if (!ns) return ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory tracking %d sends", (int)cap);
-    for (int32_t k = 0; k < q->count; k++) ns[k] = q->ring[(q->head + k) % q->cap];
-    free(q->ring);
-    q->ring = ns, q->cap = cap, q->head = 0;
-  }
-  send_t *sd = &q->ring[(q->head + q->count) % q->cap];
-  sd->buf = buf, sd->token = token;
-  q->count++;
-  return zb__transport_isend(r->tr, &sd->req, io->out_peer, io->out_tag, buf, io->out_bytes);
-}
-
-/* Gives the buffer of the channel's oldest send back to its pool and drops the send (finished,
- * or cancelled after a failure). */
-static void drop_front(zb_runner_t *r, int32_t tag) {
-  sendq_t *q = &r->sendq[tag];
-  send_t *sd = &q->ring[q->head];
-  if (r->release_cb)
-    r->release_cb(r->user, sd->token); /* the caller's buffer: the send has finished reading it */
-  else
-    pool_put(r, pool_id(r, POOL_SEND, tag), sd->buf);
-  sd->buf = NULL;
-  q->head = (q->head + 1) % q->cap;
-  q->count--;
-}
-
-/* Recycles the channel's finished sends from the front; timeout 0 only looks, a positive one waits
- * for every send of the channel. */
-static zb_status_t reap_channel(zb_runner_t *r, int32_t tag, double timeout) {
-  sendq_t *q = &r->sendq[tag];
-  while (q->count > 0) {
-    send_t *sd = &q->ring[q->head];
-    if (sd->req.active) {
-      zb_status_t st = zb__transport_wait(r->tr, &sd->req, timeout);
-      if (st == ZB_ERR_TIMEOUT && timeout == 0) return ZB_OK; /* still in flight */
-      if (st != ZB_OK) return st;
-    }
-    drop_front(r, tag);
-  }
-  return ZB_OK;
-}
-
-/* Waits for the channel's oldest send only: the newer ones may wait on a receiver that waits on us. */
-static zb_status_t reap_oldest(zb_runner_t *r, int32_t tag) {
-  send_t *sd = &r->sendq[tag].ring[r->sendq[tag].head];
-  if (sd->req.active) ZB_CHECK(zb__transport_wait(r->tr, &sd->req, r->timeout));
-  drop_front(r, tag);
-  return ZB_OK;
-}
-
-static zb_status_t reap_sends(zb_runner_t *r, double timeout) {
-  for (int32_t j = 0; j < r->n_send_tags; j++) ZB_CHECK(reap_channel(r, r->send_tags[j], timeout));
-  return ZB_OK;
-}
-
-/* Lets go of the inputs kept for the weight gradient of (stage, mb), or of all with stage -1. */
-static void release_held(zb_runner_t *r, int32_t stage, int32_t mb) {
-  if (!r->held) return;
-  size_t a = 0, b = (size_t)r->S * 2 * (size_t)r->m;
-  if (stage >= 0) a = ((size_t)stage * (size_t)r->m + (size_t)mb) * 2, b = a + 2;
-  for (size_t k = a; k < b; k++) {
-    held_t *h = &r->held[k];
-    if (!h->used) continue;
-    if (h->pool >= 0) pool_put(r, h->pool, h->buf);
-    else r->release_cb(r->user, h->token);
-    memset(h, 0, sizeof *h);
-  }
-}
 
 /* Undoes whatever the failed iteration left: requests, buffers, W-store entries. */
 static void cleanup_after_failure(zb_runner_t *r) {
   for (int32_t j = 0; j < r->n_recv; j++) {
     if (r->recv_req[j].active) zb__transport_cancel(r->tr, &r->recv_req[j]);
-    if (r->recv_buf[j]) pool_put(r, r->io[r->recv_op[j]].in_pool, r->recv_buf[j]);
+    if (r->recv_buf[j]) zb__runner_pool_put(r, r->io[r->recv_op[j]].in_pool, r->recv_buf[j]);
     r->recv_buf[j] = NULL;
   }
   for (int32_t j = 0; j < r->n_send_tags; j++)
     for (int32_t t = r->send_tags[j]; r->sendq[t].count > 0;) {
       send_t *sd = &r->sendq[t].ring[r->sendq[t].head];
       if (sd->req.active) zb__transport_cancel(r->tr, &sd->req);
-      drop_front(r, t);
+      zb__runner_drop_front(r, t);
     }
   size_t slots = (size_t)(r->S > 1 ? r->S - 1 : 1) * 2 * (size_t)r->m;
   for (size_t k = 0; k < slots; k++)
@@ -554,10 +285,10 @@ static void cleanup_after_failure(zb_runner_t *r) {
       if (r->release_cb)
         r->release_cb(r->user, r->local_token[k]);
       else
-        pool_put(r, pool_id(r, POOL_LOCAL, (int32_t)(k / (size_t)r->m)), r->local[k]);
+        zb__runner_pool_put(r, pool_id(r, POOL_LOCAL, (int32_t)(k / (size_t)r->m)), r->local[k]);
       r->local[k] = NULL;
     }
-  release_held(r, -1, -1);
+  zb__runner_release_held(r, -1, -1);
   zb_wstore_clear(r->ws);
 }
 
@@ -631,7 +362,7 @@ static zb_status_t op_acquire(zb_runner_t *r, int32_t k, int32_t *next_post, voi
     if (*next_post < r->n_recv) {
       st = post_recv(r, *next_post);
       if (st != ZB_OK) {
-        pool_put(r, io->in_pool, *in);
+        zb__runner_pool_put(r, io->in_pool, *in);
         *in = NULL;
         return st;
       }
@@ -645,9 +376,9 @@ static zb_status_t op_acquire(zb_runner_t *r, int32_t k, int32_t *next_post, voi
       return ZB_FAIL(ZB_ERR_INTERNAL, "the input this rank should have produced itself is missing");
   }
   if (io->out_kind != IO_NONE && !r->release_cb) { /* with release_cb the callback lends it */
-    zb_status_t st = pool_get(r, io->out_pool, out);
+    zb_status_t st = zb__runner_pool_get(r, io->out_pool, out);
     if (st != ZB_OK) {
-      pool_put(r, io->in_pool, *in);
+      zb__runner_pool_put(r, io->in_pool, *in);
       *in = NULL;
       return st;
     }
@@ -673,7 +404,7 @@ static zb_status_t op_deliver(zb_runner_t *r, int32_t k, void *out, uint64_t tok
     r->local[io->out_slot] = out;
     if (r->local_token) r->local_token[io->out_slot] = token;
   } else if (io->out_kind == IO_REMOTE) {
-    zb_status_t st = push_send(r, out, token, io);
+    zb_status_t st = zb__runner_push_send(r, out, token, io);
     if (st != ZB_OK) {
       take_error(inner, sizeof inner);
       return ZB_FAIL(st, "sending the %s to rank %d: %s", r->ops[k].type == ZB_OP_F ? "activation" : "gradient",
@@ -683,23 +414,6 @@ static zb_status_t op_deliver(zb_runner_t *r, int32_t k, void *out, uint64_t tok
   return ZB_OK;
 }
 
-/* An op's input after its callback: back to its pool at once, or, with release_cb, kept until the
- * microbatch's W (F's and B's inputs are what autograd saves for it), which lets both go. */
-static void release_input(zb_runner_t *r, int32_t k, void *in, uint64_t token) {
-  const op_io_t *io = &r->io[k];
-  const zb_op_t *op = &r->ops[k];
-  if (!r->release_cb) {
-    pool_put(r, io->in_pool, in); /* NULL: none */
-    return;
-  }
-  if (io->in_kind != IO_NONE) {
-    held_t *h = &r->held[((size_t)op->stage * (size_t)r->m + (size_t)op->mb) * 2 + (op->type == ZB_OP_F ? 0 : 1)];
-    h->buf = in, h->used = 1;
-    h->pool = io->in_kind == IO_REMOTE ? io->in_pool : -1;
-    h->token = token;
-  }
-  if (op->type == ZB_OP_W || op->type == ZB_OP_BW) release_held(r, op->stage, op->mb);
-}
 
 /* Runs op k once its input is there, or, when k starts a pair, ops k and k+1 as one unit: both
  * inputs first, both callbacks back to back, both outputs after. *ran is how many ops it ran; on
@@ -735,7 +449,7 @@ static zb_status_t run_op(zb_runner_t *r, int32_t k, int32_t *next_post, int32_t
       }
     }
   }
-  for (int32_t j = 0; j < got; j++) release_input(r, k + j, in[j], in_token[j]);
+  for (int32_t j = 0; j < got; j++) zb__runner_release_input(r, k + j, in[j], in_token[j]);
   for (int32_t j = 0; j < got; j++) {
     if (st == ZB_OK) {
       st = op_deliver(r, k + j, out[j], out_token[j]);
@@ -743,11 +457,11 @@ static zb_status_t run_op(zb_runner_t *r, int32_t k, int32_t *next_post, int32_t
       failed = j; /* a failed send still owns its buffer (cleanup_after_failure returns it) */
       if (r->io[k + j].out_kind == IO_REMOTE) continue;
     }
-    if (!r->release_cb) pool_put(r, r->io[k + j].out_pool, out[j]);
+    if (!r->release_cb) zb__runner_pool_put(r, r->io[k + j].out_pool, out[j]);
   }
   *ran = st == ZB_OK ? count : failed + 1;
   if (st != ZB_OK) return st;
-  return reap_sends(r, 0);
+  return zb__runner_reap_sends(r, 0);
 }
 
 zb_status_t zb_runner_run(zb_runner_t *r) {
@@ -791,7 +505,7 @@ zb_status_t zb_runner_run(zb_runner_t *r) {
     goto fail;
   }
 
-  st = reap_sends(r, r->timeout);
+  st = zb__runner_reap_sends(r, r->timeout);
   if (st != ZB_OK) {
     take_error(inner, sizeof inner);
     st = ZB_FAIL(st, "rank %d, after its last op, waiting for its sends to leave: %s", (int)r->rank, inner);
@@ -815,7 +529,7 @@ zb_status_t zb_runner_run(zb_runner_t *r) {
     ZB_CHECK_GOTO(r->be->ops->elapsed(r->be, r->ev_base, r->ev_op[2 * j + 1], &b), st, fail);
     r->start[j] = r->host_base + a, r->end[j] = r->host_base + b;
   }
-  release_held(r, -1, -1); /* inputs of microbatches without a W here (forward-only runs) */
+  zb__runner_release_held(r, -1, -1); /* inputs of microbatches without a W here (forward-only runs) */
   ZB_CHECK_GOTO(zb_wstore_pending(r->ws, -1, &pending), st, fail);
   if (pending > 0) {
     st = ZB_FAIL(ZB_ERR_INVALID_SCHEDULE,
