@@ -18,8 +18,8 @@
 
 namespace {
 
-constexpr int kCols = 32;  /* columns per block: one warp's width */
-constexpr int kLanes = 16; /* row lanes per block */
+constexpr int kCols = ZB__BIAS_GRAD_COLS;
+constexpr int kLanes = ZB__BIAS_GRAD_LANES;
 
 template <typename T> __device__ __forceinline__ float to_f32(T v);
 template <> __device__ __forceinline__ float to_f32<float>(float v) { return v; }
@@ -35,8 +35,7 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(flo
   return __float2bfloat16_rn(v);
 }
 
-template <typename TY, typename TB>
-__global__ void __launch_bounds__(kCols * kLanes) bias_grad_kernel(zb__bias_grad_params_t p) {
+template <typename TY, typename TB> __device__ __forceinline__ void bias_grad_body(const zb__bias_grad_params_t &p) {
   __shared__ float part[kLanes][kCols + 1];
   const int tx = threadIdx.x, ty = threadIdx.y;
   const int64_t c = (int64_t)blockIdx.x * kCols + tx;
@@ -55,27 +54,16 @@ __global__ void __launch_bounds__(kCols * kLanes) bias_grad_kernel(zb__bias_grad
   }
 }
 
-template <typename TY, typename TB> cudaError_t launch(const zb__bias_grad_params_t *p, cudaStream_t s) {
-  const dim3 block(kCols, kLanes);
-  const dim3 grid((unsigned)((p->cols + kCols - 1) / kCols));
-  bias_grad_kernel<TY, TB><<<grid, block, 0, s>>>(*p);
-  return cudaGetLastError();
-}
-
-template <typename TY> cudaError_t launch_for(const zb__bias_grad_params_t *p, cudaStream_t s) {
-  /* db is fp32 (Megatron's main_grad) or the input type; the caller has checked which. */
-  return p->db_dtype == ZB_DTYPE_F32 ? launch<TY, float>(p, s) : launch<TY, TY>(p, s);
-}
-
 }  // namespace
 
-extern "C" int zb_launch_bias_grad(const zb__bias_grad_params_t *p, cudaStream_t stream) {
-  if (p->cols < 1) return (int)cudaSuccess;
-  if (p->db_dtype != ZB_DTYPE_F32 && p->db_dtype != p->dy_dtype) return (int)cudaErrorInvalidValue;
-  switch (p->dy_dtype) {
-    case ZB_DTYPE_F32: return (int)launch_for<float>(p, stream);
-    case ZB_DTYPE_F16: return (int)launch_for<__half>(p, stream);
-    case ZB_DTYPE_BF16: return (int)launch_for<__nv_bfloat16>(p, stream);
+/* The kernels the C side launches by name (csrc/cuda/launch.c): per dy dtype, db in fp32 or in
+ * dy's dtype. Blocks of ZB__BIAS_GRAD_COLS x ZB__BIAS_GRAD_LANES threads, one per ZB__BIAS_GRAD_COLS columns. */
+#define ZB__BIAS_GRAD_KERNEL(name, TY, TB)                                                          \
+  extern "C" __global__ void __launch_bounds__(kCols * kLanes) name(const zb__bias_grad_params_t p) { \
+    bias_grad_body<TY, TB>(p);                                                                      \
   }
-  return (int)cudaErrorInvalidValue;
-}
+ZB__BIAS_GRAD_KERNEL(bias_grad_f32_f32_kernel, float, float)
+ZB__BIAS_GRAD_KERNEL(bias_grad_f16_f32_kernel, __half, float)
+ZB__BIAS_GRAD_KERNEL(bias_grad_f16_f16_kernel, __half, __half)
+ZB__BIAS_GRAD_KERNEL(bias_grad_bf16_f32_kernel, __nv_bfloat16, float)
+ZB__BIAS_GRAD_KERNEL(bias_grad_bf16_bf16_kernel, __nv_bfloat16, __nv_bfloat16)

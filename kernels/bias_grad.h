@@ -1,8 +1,8 @@
 /*
  * bias_grad.h - the bias gradient of the W store's entries: db[c] (+)= sum over rows r of dy[r, c].
  *
- * What it is: the launcher's params struct and its extern "C" prototype, includable from C11 (the
- * CUDA backend's gemm.c) and from the .cu that defines it. What it is not: a GEMM epilogue; it is a
+ * What it is: the kernel's params struct and launch shape, includable from C11 (the CUDA backend's
+ * launch.c) and from the .cu that defines the kernels. What it is not: a GEMM epilogue; it is a
  * separate launch after the weight GEMM on the same stream, so its sums are deterministic and do
  * not depend on which cuBLASLt algorithm was picked.
  */
@@ -11,21 +11,11 @@
 
 #include <stdint.h>
 
-#include <cuda_runtime_api.h>
 
 #include "zbpp.h"
 
 #ifdef __cplusplus
 extern "C" {
-#endif
-
-/* Hidden even in builds without CMake's visibility preset (the same definition as launch.h's). */
-#ifndef ZB__LAUNCH_API
-#if defined(__GNUC__)
-#define ZB__LAUNCH_API __attribute__((visibility("hidden")))
-#else
-#define ZB__LAUNCH_API
-#endif
 #endif
 
 typedef struct {
@@ -38,10 +28,12 @@ typedef struct {
   int32_t accumulate;  /* 1: db += sums (the old value is widened, added in fp32, rounded once); 0: db = sums */
 } zb__bias_grad_params_t;
 
-/* Enqueues the bias gradient on `stream`. Every column is summed in fp32 in one fixed order (row
- * lanes in a fixed interleave, then the lanes in index order), so the same inputs give the same bits
- * on every run. Returns the cudaError_t of the launch as an int (0: cudaSuccess); does not block. */
-ZB__LAUNCH_API int zb_launch_bias_grad(const zb__bias_grad_params_t *p, cudaStream_t stream);
+/* The kernels, by name (bias_grad_<dy>_<db>_kernel: f32_f32, f16_f32, f16_f16, bf16_f32, bf16_bf16),
+ * take these params by value. Every column is summed in fp32 in one fixed order (row lanes in a
+ * fixed interleave, then the lanes in index order), so the same inputs give the same bits on every
+ * run. A block is ZB__BIAS_GRAD_COLS x ZB__BIAS_GRAD_LANES threads and owns ZB__BIAS_GRAD_COLS
+ * columns; csrc/cuda/launch.c launches them. */
+enum { ZB__BIAS_GRAD_COLS = 32, ZB__BIAS_GRAD_LANES = 16 };
 
 #ifdef __cplusplus
 }

@@ -1,7 +1,7 @@
 /*
- * launch.h - the optimizer kernels' params structs and their extern "C" launchers, includable from
- * C11 (csrc/cuda/kernels.c builds the structs) and from the .cu files that define the launchers
- * (sq_norm.cu, loss_scale.cu, optim.cu).
+ * launch.h - the optimizer kernels' params structs and names, includable from C11 (csrc/cuda/kernels.c
+ * builds the structs, csrc/cuda/launch.c launches the kernels by name) and from the .cu files that
+ * define the kernels (sq_norm.cu, loss_scale.cu, optim.cu).
  *
  * What it is: the one contract between the C core and the device code of zb_sq_norm, zb_unscale,
  * zb_loss_scale_update, zb_optim_step and zb_optim_undo. What it is not: a general multi-tensor
@@ -16,27 +16,19 @@
  * list longer than a table (ZB__LIST_MAX_PIECES, ZB__OPTIM_MAX_PIECES) takes several launches, in
  * list order on the same stream. Empty tensors get no piece.
  *
- * Every launcher enqueues on `stream`, never blocks, and returns the cudaError_t of the launch
- * (cudaGetLastError right after it) as an int, 0 being cudaSuccess. All symbols are hidden (CMake
- * builds with hidden visibility; ZB__LAUNCH_API says so again for builds that do not).
+ * The kernels are compiled into fatbins only (no host code, no CUDA runtime), embedded in the
+ * library and loaded per device with the driver API, so libzbpp.so links no cudart.
  */
 #ifndef ZB_KERNELS_LAUNCH_H
 #define ZB_KERNELS_LAUNCH_H
 
 #include <stdint.h>
 
-#include <cuda_runtime_api.h>
 
 #include "zbpp.h"
 
 #ifdef __cplusplus
 extern "C" {
-#endif
-
-#if defined(__GNUC__)
-#define ZB__LAUNCH_API __attribute__((visibility("hidden")))
-#else
-#define ZB__LAUNCH_API
 #endif
 
 enum {
@@ -141,14 +133,10 @@ ZB__LAUNCH_ASSERT(sizeof(zb__optim_step_params_t) <= ZB__KERNEL_PARAM_LIMIT, "st
 ZB__LAUNCH_ASSERT(sizeof(zb__optim_undo_params_t) <= ZB__KERNEL_PARAM_LIMIT, "undo params too big");
 #undef ZB__LAUNCH_ASSERT
 
-/* grid: first_block[count - 1] + the last piece's blocks (passed so the kernels need not rederive it). */
-ZB__LAUNCH_API int zb_launch_sq_norm(const zb__sq_norm_params_t *p, int32_t blocks, cudaStream_t stream);
-ZB__LAUNCH_API int zb_launch_unscale(const zb__unscale_params_t *p, int32_t blocks, cudaStream_t stream);
-ZB__LAUNCH_API int zb_launch_scale_update(const zb__scale_update_params_t *p, cudaStream_t stream);
-ZB__LAUNCH_API int zb_launch_optim_step(const zb__optim_step_params_t *p, int32_t blocks,
-                                        cudaStream_t stream);
-ZB__LAUNCH_API int zb_launch_optim_undo(const zb__optim_undo_params_t *p, int32_t blocks,
-                                        cudaStream_t stream);
+/* The kernels, by name, as csrc/cuda/launch.c launches them through the driver (grid: the blocks
+ * of the table's pieces, ZB__KERNEL_THREADS threads, the params by value):
+ *   sq_norm_<dtype>_kernel, unscale_<dtype>_kernel (dtype f32, f16, bf16), scale_update_kernel (one
+ *   thread), optim_step_<grad dtype>_kernel, optim_undo_kernel. */
 
 #ifdef __cplusplus
 }

@@ -17,9 +17,7 @@ namespace {
 
 constexpr int kThreads = ZB__KERNEL_THREADS;
 
-template <typename T>
-__global__ void __launch_bounds__(kThreads)
-    unscale_kernel(const __grid_constant__ zb__unscale_params_t p) {
+template <typename T> __device__ __forceinline__ void unscale_body(const zb__unscale_params_t &p) {
   const int32_t b = (int32_t)blockIdx.x;
   const int k = zb__piece_of(p.t.first_block, p.t.count, b);
   int64_t lo, hi;
@@ -35,7 +33,7 @@ __global__ void __launch_bounds__(kThreads)
 
 /* One thread: the scale and the tracker are single values in device memory. The tracker test is
  * >= (torch: ==), as in the reference; the same for every tracker GradScaler produces. */
-__global__ void scale_update_kernel(const zb__scale_update_params_t p) {
+__device__ __forceinline__ void scale_update_body(const zb__scale_update_params_t &p) {
   if (*p.nonfinite) {
     *p.scale = __double2float_rn(__dmul_rn((double)*p.scale, p.backoff));
     *p.tracker = 0;
@@ -51,24 +49,16 @@ __global__ void scale_update_kernel(const zb__scale_update_params_t p) {
   }
 }
 
-template <typename T> cudaError_t launch(const zb__unscale_params_t *p, int32_t blocks, cudaStream_t s) {
-  unscale_kernel<T><<<(unsigned)blocks, kThreads, 0, s>>>(*p);
-  return cudaGetLastError();
-}
-
 }  // namespace
 
-extern "C" int zb_launch_unscale(const zb__unscale_params_t *p, int32_t blocks, cudaStream_t stream) {
-  if (blocks < 1 || p->t.count < 1) return (int)cudaErrorInvalidValue;
-  switch (p->dtype) {
-    case ZB_DTYPE_F32: return (int)launch<float>(p, blocks, stream);
-    case ZB_DTYPE_F16: return (int)launch<__half>(p, blocks, stream);
-    case ZB_DTYPE_BF16: return (int)launch<__nv_bfloat16>(p, blocks, stream);
-  }
-  return (int)cudaErrorInvalidValue;
+/* The kernels the C side launches by name (csrc/cuda/launch.c). */
+extern "C" __global__ void __launch_bounds__(kThreads) unscale_f32_kernel(const __grid_constant__ zb__unscale_params_t p) {
+  unscale_body<float>(p);
 }
-
-extern "C" int zb_launch_scale_update(const zb__scale_update_params_t *p, cudaStream_t stream) {
-  scale_update_kernel<<<1, 1, 0, stream>>>(*p);
-  return (int)cudaGetLastError();
+extern "C" __global__ void __launch_bounds__(kThreads) unscale_f16_kernel(const __grid_constant__ zb__unscale_params_t p) {
+  unscale_body<__half>(p);
 }
+extern "C" __global__ void __launch_bounds__(kThreads) unscale_bf16_kernel(const __grid_constant__ zb__unscale_params_t p) {
+  unscale_body<__nv_bfloat16>(p);
+}
+extern "C" __global__ void scale_update_kernel(const zb__scale_update_params_t p) { scale_update_body(p); }

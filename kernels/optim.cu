@@ -22,9 +22,7 @@ namespace {
 
 constexpr int kThreads = ZB__KERNEL_THREADS;
 
-template <typename G>
-__global__ void __launch_bounds__(kThreads)
-    optim_step_kernel(const __grid_constant__ zb__optim_step_params_t p) {
+template <typename G> __device__ __forceinline__ void optim_step_body(const zb__optim_step_params_t &p) {
   const int32_t b = (int32_t)blockIdx.x;
   const int k = zb__piece_of(p.t.first_block, p.t.count, b);
   int64_t lo, hi;
@@ -70,8 +68,7 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 /* The inverse of the saves above: every block of the undo buffer back where it came from. */
-__global__ void __launch_bounds__(kThreads)
-    optim_undo_kernel(const __grid_constant__ zb__optim_undo_params_t p) {
+__device__ __forceinline__ void optim_undo_body(const zb__optim_undo_params_t &p) {
   const int32_t b = (int32_t)blockIdx.x;
   const int k = zb__piece_of(p.t.first_block, p.t.count, b);
   int64_t lo, hi;
@@ -86,28 +83,22 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-template <typename G>
-cudaError_t launch_step(const zb__optim_step_params_t *p, int32_t blocks, cudaStream_t s) {
-  optim_step_kernel<G><<<(unsigned)blocks, kThreads, 0, s>>>(*p);
-  return cudaGetLastError();
-}
-
 }  // namespace
 
-extern "C" int zb_launch_optim_step(const zb__optim_step_params_t *p, int32_t blocks,
-                                    cudaStream_t stream) {
-  if (blocks < 1 || p->t.count < 1) return (int)cudaErrorInvalidValue;
-  switch (p->grad_dtype) {
-    case ZB_DTYPE_F32: return (int)launch_step<float>(p, blocks, stream);
-    case ZB_DTYPE_F16: return (int)launch_step<__half>(p, blocks, stream);
-    case ZB_DTYPE_BF16: return (int)launch_step<__nv_bfloat16>(p, blocks, stream);
-  }
-  return (int)cudaErrorInvalidValue;
+/* The kernels the C side launches by name (csrc/cuda/launch.c), one step per gradient dtype. */
+extern "C" __global__ void __launch_bounds__(kThreads)
+    optim_step_f32_kernel(const __grid_constant__ zb__optim_step_params_t p) {
+  optim_step_body<float>(p);
 }
-
-extern "C" int zb_launch_optim_undo(const zb__optim_undo_params_t *p, int32_t blocks,
-                                    cudaStream_t stream) {
-  if (blocks < 1 || p->t.count < 1 || !p->undo) return (int)cudaErrorInvalidValue;
-  optim_undo_kernel<<<(unsigned)blocks, kThreads, 0, stream>>>(*p);
-  return (int)cudaGetLastError();
+extern "C" __global__ void __launch_bounds__(kThreads)
+    optim_step_f16_kernel(const __grid_constant__ zb__optim_step_params_t p) {
+  optim_step_body<__half>(p);
+}
+extern "C" __global__ void __launch_bounds__(kThreads)
+    optim_step_bf16_kernel(const __grid_constant__ zb__optim_step_params_t p) {
+  optim_step_body<__nv_bfloat16>(p);
+}
+extern "C" __global__ void __launch_bounds__(kThreads)
+    optim_undo_kernel(const __grid_constant__ zb__optim_undo_params_t p) {
+  optim_undo_body(p);
 }

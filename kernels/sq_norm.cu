@@ -36,9 +36,7 @@ __device__ double block_sum(double v, double *sh) {
   return sh[0];
 }
 
-template <typename T>
-__global__ void __launch_bounds__(kThreads)
-    sq_norm_kernel(const __grid_constant__ zb__sq_norm_params_t p) {
+template <typename T> __device__ __forceinline__ void sq_norm_body(const zb__sq_norm_params_t &p) {
   __shared__ double sh[kThreads];
   __shared__ bool last;
   const int32_t b = (int32_t)blockIdx.x;
@@ -79,19 +77,15 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-template <typename T> cudaError_t launch(const zb__sq_norm_params_t *p, int32_t blocks, cudaStream_t s) {
-  sq_norm_kernel<T><<<(unsigned)blocks, kThreads, 0, s>>>(*p);
-  return cudaGetLastError();
-}
-
 }  // namespace
 
-extern "C" int zb_launch_sq_norm(const zb__sq_norm_params_t *p, int32_t blocks, cudaStream_t stream) {
-  if (blocks < 1 || p->t.count < 1) return (int)cudaErrorInvalidValue;
-  switch (p->dtype) {
-    case ZB_DTYPE_F32: return (int)launch<float>(p, blocks, stream);
-    case ZB_DTYPE_F16: return (int)launch<__half>(p, blocks, stream);
-    case ZB_DTYPE_BF16: return (int)launch<__nv_bfloat16>(p, blocks, stream);
-  }
-  return (int)cudaErrorInvalidValue;
+/* The kernels the C side launches by name (csrc/cuda/launch.c), one per gradient dtype. */
+extern "C" __global__ void __launch_bounds__(kThreads) sq_norm_f32_kernel(const __grid_constant__ zb__sq_norm_params_t p) {
+  sq_norm_body<float>(p);
+}
+extern "C" __global__ void __launch_bounds__(kThreads) sq_norm_f16_kernel(const __grid_constant__ zb__sq_norm_params_t p) {
+  sq_norm_body<__half>(p);
+}
+extern "C" __global__ void __launch_bounds__(kThreads) sq_norm_bf16_kernel(const __grid_constant__ zb__sq_norm_params_t p) {
+  sq_norm_body<__nv_bfloat16>(p);
 }

@@ -5,9 +5,12 @@
  * What it is: the production backend of the runner (DESIGN.md section 4). Every operation is
  * enqueued on the compute stream and returns; only sync blocks the host. Communication streams are
  * the NCCL transport's, which orders them against this stream with events on the device.
+ * Every runtime call goes through the table libs.c fills from the cudart the process has (torch's);
+ * zb_backend_create_cuda loads it, so the other functions here find it loaded.
  * What it is not: a memory pool. alloc is cudaMalloc; the runner keeps its own free lists so a warm
  * iteration allocates nothing, and torch tensors come from torch's caching allocator anyway.
  */
+#include <stdio.h>
 #include <stdlib.h>
 
 #include "internal.h"
@@ -20,20 +23,20 @@ static zb__cuda_t *cu_of(zb_backend_t *be) { return (zb__cuda_t *)be->impl; }
 
 zb_status_t zb__cuda_enter(const zb__cuda_t *cu) {
   int cur = -1;
-  ZB_CUDA_CHECK(cudaGetDevice(&cur));
-  if (cur != cu->device) ZB_CUDA_CHECK(cudaSetDevice(cu->device));
+  ZB_CUDA_CHECK(zb__rt()->GetDevice(&cur));
+  if (cur != cu->device) ZB_CUDA_CHECK(zb__rt()->SetDevice(cu->device));
   return ZB_OK;
 }
 
 static zb_status_t cuda_alloc(zb_backend_t *be, size_t bytes, void **out) {
   zb__cuda_t *cu = cu_of(be);
   ZB_CHECK(zb__cuda_enter(cu));
-  cudaError_t e = cudaMalloc(out, bytes ? bytes : 1);
+  cudaError_t e = zb__rt()->Malloc(out, bytes ? bytes : 1);
   if (e != cudaSuccess) {
     *out = NULL;
-    cudaGetLastError(); /* an allocation failure is not sticky; do not leave it for the next call */
+    zb__rt()->GetLastError(); /* an allocation failure is not sticky; do not leave it for the next call */
     return ZB_FAIL(ZB_ERR_CUDA, "cudaMalloc of %zu bytes on device %d failed: %s", bytes, cu->device,
-                   cudaGetErrorString(e));
+                   zb__cuda_error_text(e));
   }
   return ZB_OK;
 }
@@ -41,7 +44,7 @@ static zb_status_t cuda_alloc(zb_backend_t *be, size_t bytes, void **out) {
 static void cuda_release(zb_backend_t *be, void *ptr) {
   if (!ptr) return;
   zb__cuda_enter(cu_of(be));
-  cudaFree(ptr); /* synchronises the device: freed memory is never reused under running work */
+  zb__rt()->Free(ptr); /* synchronises the device: freed memory is never reused under running work */
 }
 
 static zb_status_t cuda_wgrad(zb_backend_t *be, const zb_wgrad_t *e) {
@@ -55,7 +58,7 @@ static zb_status_t cuda_timing_event_create(zb_backend_t *be, zb__event_t **out)
   ZB_CHECK(zb__cuda_enter(cu));
   zb__event_t *ev = calloc(1, sizeof *ev);
   if (!ev) return ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory for a CUDA event");
-  cudaError_t e = cudaEventCreate(&ev->ev);
+  cudaError_t e = zb__rt()->EventCreate(&ev->ev);
   if (e != cudaSuccess) {
     free(ev);
     return ZB_CUDA_FAIL(e, "cudaEventCreate");
@@ -66,26 +69,26 @@ static zb_status_t cuda_timing_event_create(zb_backend_t *be, zb__event_t **out)
 
 static zb_status_t cuda_elapsed(zb_backend_t *be, zb__event_t *from, zb__event_t *to, double *seconds) {
   float ms = 0;
-  ZB_CUDA_CHECK(cudaEventElapsedTime(&ms, from->ev, to->ev));
+  ZB_CUDA_CHECK(zb__rt()->EventElapsedTime(&ms, from->ev, to->ev));
   *seconds = 1e-3 * (double)ms;
   return ZB_OK;
 }
 
 static void cuda_event_destroy(zb_backend_t *be, zb__event_t *ev) {
   if (!ev) return;
-  cudaEventDestroy(ev->ev);
+  zb__rt()->EventDestroy(ev->ev);
   free(ev);
 }
 
 static zb_status_t cuda_event_record(zb_backend_t *be, zb__event_t *ev) {
-  ZB_CUDA_CHECK(cudaEventRecord(ev->ev, cu_of(be)->compute));
+  ZB_CUDA_CHECK(zb__rt()->EventRecord(ev->ev, cu_of(be)->compute));
   return ZB_OK;
 }
 
 static zb_status_t cuda_sync(zb_backend_t *be) {
   zb__cuda_t *cu = cu_of(be);
   ZB_CHECK(zb__cuda_enter(cu));
-  ZB_CUDA_CHECK(cudaStreamSynchronize(cu->compute));
+  ZB_CUDA_CHECK(zb__rt()->StreamSynchronize(cu->compute));
   return ZB_OK;
 }
 
@@ -94,12 +97,13 @@ static void cuda_destroy(zb_backend_t *be) {
   if (cu) {
     if (zb__cuda_enter(cu) == ZB_OK) {
       /* Work may still be queued on a borrowed stream that uses our workspace. */
-      if (cu->compute) cudaStreamSynchronize(cu->compute);
+      if (cu->compute) zb__rt()->StreamSynchronize(cu->compute);
       zb__wgemm_destroy(cu);
-      cudaFree(cu->workspace);
-      cudaFree(cu->norm_scratch);
-      if (cu->order) cudaEventDestroy(cu->order);
-      if (cu->own_stream) cudaStreamDestroy(cu->own_stream);
+      zb__cuda_unload(cu);
+      zb__rt()->Free(cu->workspace);
+      zb__rt()->Free(cu->norm_scratch);
+      if (cu->order) zb__rt()->EventDestroy(cu->order);
+      if (cu->own_stream) zb__rt()->StreamDestroy(cu->own_stream);
     }
     free(cu);
   }
@@ -113,8 +117,8 @@ static zb_status_t cuda_set_stream(zb_backend_t *be, void *stream) {
   cudaStream_t next = stream ? (cudaStream_t)stream : cu->own_stream;
   if (next == cu->compute) return ZB_OK;
   ZB_CHECK(zb__cuda_enter(cu));
-  ZB_CUDA_CHECK(cudaEventRecord(cu->order, cu->compute));
-  ZB_CUDA_CHECK(cudaStreamWaitEvent(next, cu->order, 0));
+  ZB_CUDA_CHECK(zb__rt()->EventRecord(cu->order, cu->compute));
+  ZB_CUDA_CHECK(zb__rt()->StreamWaitEvent(next, cu->order, 0));
   cu->compute = next;
   return ZB_OK;
 }
@@ -122,7 +126,7 @@ static zb_status_t cuda_set_stream(zb_backend_t *be, void *stream) {
 static zb_status_t cuda_copy(zb_backend_t *be, void *dst, const void *src, size_t bytes) {
   zb__cuda_t *cu = cu_of(be);
   ZB_CHECK(zb__cuda_enter(cu));
-  ZB_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, cu->compute));
+  ZB_CUDA_CHECK(zb__rt()->MemcpyAsync(dst, src, bytes, cudaMemcpyDefault, cu->compute));
   return ZB_OK;
 }
 
@@ -179,9 +183,13 @@ int zb_cuda_built(void) { return 1; }
 zb_status_t zb_cuda_device_count(int32_t *out) {
   ZB_ARG_NOT_NULL(out);
   int n = 0;
-  /* No driver or no device is an answer (0), not an error; clear CUDA's sticky "last error". */
-  if (cudaGetDeviceCount(&n) != cudaSuccess) {
-    cudaGetLastError();
+  const zb__cudart_t *rt;
+  /* No runtime, no driver or no device is an answer (0), not an error; clear CUDA's sticky "last
+   * error". */
+  if (zb__cudart(&rt) != ZB_OK) {
+    zb__clear_error();
+  } else if (rt->GetDeviceCount(&n) != cudaSuccess) {
+    zb__rt()->GetLastError();
     n = 0;
   }
   *out = n;
@@ -199,10 +207,17 @@ zb_status_t zb_backend_create_cuda(zb_backend_t **out, const zb_cuda_backend_con
                    (unsigned)c->struct_size, (unsigned)c->version, sizeof(zb_cuda_backend_config_t),
                    ZB_CUDA_BACKEND_CONFIG_VERSION);
   int n = 0;
-  cudaError_t e = cudaGetDeviceCount(&n);
+  const zb__cudart_t *rt;
+  zb_status_t lst = zb__cudart(&rt);
+  if (lst != ZB_OK) {
+    char why[512];
+    snprintf(why, sizeof why, "%s", zb__error_body());
+    return ZB_FAIL(lst, "no CUDA device to create the CUDA backend on: %s", why);
+  }
+  cudaError_t e = rt->GetDeviceCount(&n);
   if (e != cudaSuccess) {
-    cudaGetLastError();
-    return ZB_FAIL(ZB_ERR_CUDA, "no CUDA device to create the CUDA backend on: %s", cudaGetErrorString(e));
+    zb__rt()->GetLastError();
+    return ZB_FAIL(ZB_ERR_CUDA, "no CUDA device to create the CUDA backend on: %s", zb__cuda_error_text(e));
   }
   if (c->device < 0 || c->device >= n)
     return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "CUDA device %d does not exist; this process sees %d (0..%d)",
@@ -220,15 +235,15 @@ zb_status_t zb_backend_create_cuda(zb_backend_t **out, const zb_cuda_backend_con
   cu->workspace_bytes = c->workspace_bytes ? c->workspace_bytes : (size_t)32 << 20;
   zb_status_t st = zb__cuda_enter(cu);
   if (st != ZB_OK) goto fail;
-  ZB_CUDA_CHECK_GOTO(cudaStreamCreateWithFlags(&cu->own_stream, cudaStreamNonBlocking), st, fail);
-  ZB_CUDA_CHECK_GOTO(cudaEventCreateWithFlags(&cu->order, cudaEventDisableTiming), st, fail);
-  ZB_CUDA_CHECK_GOTO(cudaMalloc(&cu->workspace, cu->workspace_bytes), st, fail);
+  ZB_CUDA_CHECK_GOTO(zb__rt()->StreamCreateWithFlags(&cu->own_stream, cudaStreamNonBlocking), st, fail);
+  ZB_CUDA_CHECK_GOTO(zb__rt()->EventCreateWithFlags(&cu->order, cudaEventDisableTiming), st, fail);
+  ZB_CUDA_CHECK_GOTO(zb__rt()->Malloc(&cu->workspace, cu->workspace_bytes), st, fail);
   cu->compute = c->stream ? (cudaStream_t)c->stream : cu->own_stream;
   *out = be;
   return ZB_OK;
 
 fail:
-  cudaGetLastError();
+  zb__rt()->GetLastError();
   cuda_destroy(be);
   return st;
 }

@@ -244,11 +244,11 @@ zb_status_t zb__wgemm_run(zb__cuda_t *cu, const zb_wgrad_t *e) {
     /* An empty sum: overwrite writes zeros (all-zero bits are +0 in every dtype), accumulate keeps
      * dw and db as they are. cuBLASLt is not asked: k = 0 is not a shape every algorithm accepts. */
     if (!overwrite) return ZB_OK;
-    cudaError_t ce = cudaMemsetAsync(e->dw, 0, (size_t)(k.out * k.in) * out_size, cu->compute);
-    if (ce == cudaSuccess && e->db) ce = cudaMemsetAsync(e->db, 0, (size_t)k.out * out_size, cu->compute);
+    cudaError_t ce = zb__rt()->MemsetAsync(e->dw, 0, (size_t)(k.out * k.in) * out_size, cu->compute);
+    if (ce == cudaSuccess && e->db) ce = zb__rt()->MemsetAsync(e->db, 0, (size_t)k.out * out_size, cu->compute);
     if (ce != cudaSuccess)
       return ZB_FAIL(ZB_ERR_CUDA, "cudaMemsetAsync zeroing the %s failed: %s (%s)", describe(&k, d, sizeof d),
-                     cudaGetErrorString(ce), cudaGetErrorName(ce));
+                     zb__cuda_error_text(ce), zb__cuda_error_name(ce));
     return ZB_OK;
   }
 
@@ -264,10 +264,17 @@ zb_status_t zb__wgemm_run(zb__cuda_t *cu, const zb_wgrad_t *e) {
 
   if (e->db) {
     zb__bias_grad_params_t bp = {e->dy, k.rows, k.out, k.ldy, e->dtype, e->db, dw_dtype, !overwrite};
-    cudaError_t ce = (cudaError_t)zb_launch_bias_grad(&bp, cu->compute);
-    if (ce != cudaSuccess)
-      st = ZB_FAIL(ZB_ERR_CUDA, "bias_grad_kernel launch for the %s failed: %s (%s)", describe(&k, d, sizeof d),
-                   cudaGetErrorString(ce), cudaGetErrorName(ce));
+    /* db in fp32 (main_grad) or in dy's dtype (zb__wgrad_check allowed only those). */
+    const int f32_db = dw_dtype == ZB_DTYPE_F32;
+    const int id = e->dtype == ZB_DTYPE_F32   ? ZB__KERNEL_BIAS_GRAD_F32_F32
+                   : e->dtype == ZB_DTYPE_F16 ? (f32_db ? ZB__KERNEL_BIAS_GRAD_F16_F32 : ZB__KERNEL_BIAS_GRAD_F16_F16)
+                                              : (f32_db ? ZB__KERNEL_BIAS_GRAD_BF16_F32 : ZB__KERNEL_BIAS_GRAD_BF16_BF16);
+    const unsigned grid = (unsigned)((k.out + ZB__BIAS_GRAD_COLS - 1) / ZB__BIAS_GRAD_COLS);
+    if (k.out >= 1 && (st = zb__cuda_launch(cu, id, grid, ZB__BIAS_GRAD_COLS, ZB__BIAS_GRAD_LANES, &bp)) != ZB_OK) {
+      char inner[1024];
+      snprintf(inner, sizeof inner, "%s", zb__error_body());
+      st = ZB_FAIL(st, "the bias gradient of the %s: %s", describe(&k, d, sizeof d), inner);
+    }
   }
 done:
   return st;

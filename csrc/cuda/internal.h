@@ -4,13 +4,16 @@
  * and the NCCL transport (transport_nccl.c) reach into. Private to csrc/cuda/; compiled only when
  * CMake found nvcc (ZB_HAVE_CUDA).
  *
- * Only C headers of the toolkit are included here (cuda_runtime_api.h, cublasLt.h, nccl.h): the C11
- * core never sees CUDA C++; device code lives in kernels/ behind extern "C" launchers.
+ * Only C headers of the toolkit are included here (cuda.h, cuda_runtime_api.h, cublasLt.h, nccl.h),
+ * for their types: no function of theirs is linked, every call goes through a table filled at run
+ * time (libs.c). The C11 core never sees CUDA C++; device code lives in kernels/, compiled to
+ * fatbins that launch.c loads and launches by name.
  */
 #ifndef ZB_CUDA_INTERNAL_H
 #define ZB_CUDA_INTERNAL_H
 
 #include <cublasLt.h>
+#include <cuda.h>
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
@@ -19,7 +22,7 @@
 /* ---- check macros: a foreign status becomes a zb_status_t with the library's own text --------- */
 
 #define ZB_CUDA_FAIL(err, what)                                                                    \
-  ZB_FAIL(ZB_ERR_CUDA, "%s failed: %s (%s)", (what), cudaGetErrorString(err), cudaGetErrorName(err))
+  ZB_FAIL(ZB_ERR_CUDA, "%s failed: %s (%s)", (what), zb__cuda_error_text(err), zb__cuda_error_name(err))
 
 #define ZB_CUDA_CHECK(call)                                                                        \
   do {                                                                                             \
@@ -95,25 +98,55 @@ typedef struct {
 zb_status_t zb__cublaslt(const zb__cublaslt_t **out);
 zb_status_t zb__nccl(const zb__nccl_t **out);
 
-/* The CUDA runtime calls the NCCL transport makes, as a table: the library's own cudart in
- * production (zb__cudart_linked), a fake in the host tests that drive the transport's request
- * lifecycle, watchdog and abort without a GPU (tests/c/test_nccl_fake.c). */
+/* The CUDA runtime, found at run time (libs.c: the copy torch loaded, libcudart.so.13 or .12): every
+ * runtime call of the CUDA parts goes through this table. The NCCL transport takes it as an
+ * argument, so its host tests can hand it a fake device (tests/c/test_transport_nccl.c). */
 typedef struct {
+  const char *path;
+  cudaError_t (*GetDeviceCount)(int *);
   cudaError_t (*GetDevice)(int *);
   cudaError_t (*SetDevice)(int);
   const char *(*GetErrorString)(cudaError_t);
+  const char *(*GetErrorName)(cudaError_t);
+  cudaError_t (*GetLastError)(void);
+  cudaError_t (*EventCreate)(cudaEvent_t *);
   cudaError_t (*EventCreateWithFlags)(cudaEvent_t *, unsigned int);
   cudaError_t (*EventDestroy)(cudaEvent_t);
   cudaError_t (*EventRecord)(cudaEvent_t, cudaStream_t);
   cudaError_t (*EventQuery)(cudaEvent_t);
+  cudaError_t (*EventElapsedTime)(float *, cudaEvent_t, cudaEvent_t);
   cudaError_t (*StreamCreateWithFlags)(cudaStream_t *, unsigned int);
   cudaError_t (*StreamDestroy)(cudaStream_t);
+  cudaError_t (*StreamSynchronize)(cudaStream_t);
   cudaError_t (*StreamWaitEvent)(cudaStream_t, cudaEvent_t, unsigned int);
   cudaError_t (*Malloc)(void **, size_t);
   cudaError_t (*Free)(void *);
+  cudaError_t (*MallocAsync)(void **, size_t, cudaStream_t);
+  cudaError_t (*FreeAsync)(void *, cudaStream_t);
+  cudaError_t (*MemsetAsync)(void *, int, size_t, cudaStream_t);
+  cudaError_t (*MemcpyAsync)(void *, const void *, size_t, enum cudaMemcpyKind, cudaStream_t);
 } zb__cudart_t;
 
-const zb__cudart_t *zb__cudart_linked(void);
+/* Loads the runtime once per process; fails (ZB_ERR_CUDA) with the names tried. */
+zb_status_t zb__cudart(const zb__cudart_t **out);
+/* The loaded table, for code that runs only after zb__cudart succeeded (a CUDA backend exists). */
+const zb__cudart_t *zb__rt(void);
+/* cudaGetErrorString / cudaGetErrorName through the table (a placeholder text if none is loaded). */
+const char *zb__cuda_error_text(cudaError_t e);
+const char *zb__cuda_error_name(cudaError_t e);
+
+/* The driver calls that load and launch the embedded device code (libcuda.so.1). */
+typedef struct {
+  const char *path;
+  CUresult (*GetErrorString)(CUresult, const char **);
+  CUresult (*ModuleLoadData)(CUmodule *, const void *);
+  CUresult (*ModuleUnload)(CUmodule);
+  CUresult (*ModuleGetFunction)(CUfunction *, CUmodule, const char *);
+  CUresult (*LaunchKernel)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                           CUstream, void **, void **);
+} zb__cudrv_t;
+
+zb_status_t zb__cudrv(const zb__cudrv_t **out);
 
 #define ZB_CUBLAS_CHECK(lt, call)                                                                  \
   do {                                                                                             \
@@ -132,6 +165,39 @@ const zb__cudart_t *zb__cudart_linked(void);
 
 typedef struct zb__wgemm_cache zb__wgemm_cache_t;
 
+/* The device code's modules (one fatbin per .cu file of kernels/) and kernels, by name: launch.c. */
+#define ZB__MODULE_LIST(X) X(SQ_NORM, sq_norm) X(LOSS_SCALE, loss_scale) X(OPTIM, optim) X(BIAS_GRAD, bias_grad)
+#define ZB__KERNEL_LIST(X)                                                                         \
+  X(SQ_NORM_F32, SQ_NORM, "sq_norm_f32_kernel")                                                   \
+  X(SQ_NORM_F16, SQ_NORM, "sq_norm_f16_kernel")                                                   \
+  X(SQ_NORM_BF16, SQ_NORM, "sq_norm_bf16_kernel")                                                 \
+  X(UNSCALE_F32, LOSS_SCALE, "unscale_f32_kernel")                                                \
+  X(UNSCALE_F16, LOSS_SCALE, "unscale_f16_kernel")                                                \
+  X(UNSCALE_BF16, LOSS_SCALE, "unscale_bf16_kernel")                                              \
+  X(SCALE_UPDATE, LOSS_SCALE, "scale_update_kernel")                                              \
+  X(OPTIM_STEP_F32, OPTIM, "optim_step_f32_kernel")                                               \
+  X(OPTIM_STEP_F16, OPTIM, "optim_step_f16_kernel")                                               \
+  X(OPTIM_STEP_BF16, OPTIM, "optim_step_bf16_kernel")                                             \
+  X(OPTIM_UNDO, OPTIM, "optim_undo_kernel")                                                       \
+  X(BIAS_GRAD_F32_F32, BIAS_GRAD, "bias_grad_f32_f32_kernel")                                     \
+  X(BIAS_GRAD_F16_F32, BIAS_GRAD, "bias_grad_f16_f32_kernel")                                     \
+  X(BIAS_GRAD_F16_F16, BIAS_GRAD, "bias_grad_f16_f16_kernel")                                     \
+  X(BIAS_GRAD_BF16_F32, BIAS_GRAD, "bias_grad_bf16_f32_kernel")                                   \
+  X(BIAS_GRAD_BF16_BF16, BIAS_GRAD, "bias_grad_bf16_bf16_kernel")
+
+enum {
+#define ZB__X(id, file) ZB__MODULE_##id,
+  ZB__MODULE_LIST(ZB__X)
+#undef ZB__X
+  ZB__MODULES
+};
+enum {
+#define ZB__X(id, module, name) ZB__KERNEL_##id,
+  ZB__KERNEL_LIST(ZB__X)
+#undef ZB__X
+  ZB__KERNELS
+};
+
 typedef struct {
   int device;
   cudaStream_t compute;    /* borrowed (zb_backend_set_stream) or own_stream */
@@ -148,6 +214,9 @@ typedef struct {
   const zb__cublaslt_t *lt;
   cublasLtHandle_t lt_handle;
   zb__wgemm_cache_t *gemm;
+  /* launch.c's: the device code's modules on this device and its kernels, loaded at first use. */
+  CUmodule modules[ZB__MODULES];
+  CUfunction kernels[ZB__KERNELS];
 } zb__cuda_t;
 
 /* The backend's state, or NULL when `be` is not a CUDA backend. */
@@ -161,6 +230,12 @@ zb_status_t zb__cuda_enter(const zb__cuda_t *cu);
 zb_status_t zb__wgemm_run(zb__cuda_t *cu, const zb_wgrad_t *e);
 /* Frees the cache, its descriptors and the cuBLASLt handle (not the workspace: backend.c owns it). */
 void zb__wgemm_destroy(zb__cuda_t *cu);
+
+/* launch.c: launches kernel `id` (ZB__KERNEL_LIST) on cu->compute with one params struct by value;
+ * grid (x) blocks of block_x * block_y threads. Loads the kernel's module on first use. Never blocks. */
+zb_status_t zb__cuda_launch(zb__cuda_t *cu, int id, unsigned grid, unsigned block_x, unsigned block_y, void *params);
+/* Unloads the modules (at backend destroy). */
+void zb__cuda_unload(zb__cuda_t *cu);
 
 /* kernels.c, the C side of the kernels/ code: builds each launch's params and launches on cu->compute.
  * Arguments were checked by the public entry points (csrc/backend/ops.c). */

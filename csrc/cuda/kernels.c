@@ -85,9 +85,9 @@ static int32_t fill_optim(zb__optim_table_t *t, cursor_t *c, const zb_optim_step
   return (int32_t)blocks;
 }
 
-/* The launchers already took the error with cudaGetLastError, so nothing is left for later calls. */
-static zb_status_t launch_failed(int err, const char *kernel) {
-  return ZB_CUDA_FAIL((cudaError_t)err, kernel);
+/* The kernel of a dtype among three consecutive ids (f32, f16, bf16). */
+static int by_dtype(int f32_id, zb_dtype_t dtype) {
+  return f32_id + (dtype == ZB_DTYPE_F32 ? 0 : dtype == ZB_DTYPE_F16 ? 1 : 2);
 }
 
 /* The most blocks any launch over the list can have: the scratch size of zb_sq_norm. */
@@ -114,20 +114,20 @@ zb_status_t zb__cuda_sq_norm(zb__cuda_t *cu, zb_dtype_t dtype, const zb_tensor_l
     size_t want = 4096;
     while (want < slots) want *= 2;
     if (cu->norm_scratch) {
-      cudaError_t fe = cudaFreeAsync(cu->norm_scratch, cu->compute);
+      cudaError_t fe = zb__rt()->FreeAsync(cu->norm_scratch, cu->compute);
       cu->norm_scratch = NULL, cu->norm_slots = 0;
       if (fe != cudaSuccess) {
         free(p);
         return ZB_CUDA_FAIL(fe, "cudaFreeAsync of the old sq_norm scratch");
       }
     }
-    cudaError_t e = cudaMallocAsync(&cu->norm_scratch, want + sizeof(double), cu->compute);
+    cudaError_t e = zb__rt()->MallocAsync(&cu->norm_scratch, want + sizeof(double), cu->compute);
     if (e != cudaSuccess) {
-      cudaGetLastError();
+      zb__rt()->GetLastError();
       cu->norm_scratch = NULL;
       free(p);
       return ZB_FAIL(ZB_ERR_CUDA, "zb_sq_norm: cudaMallocAsync of %zu bytes of scratch failed: %s (%s)",
-                     want + sizeof(double), cudaGetErrorString(e), cudaGetErrorName(e));
+                     want + sizeof(double), zb__cuda_error_text(e), zb__cuda_error_name(e));
     }
     cu->norm_slots = want;
   }
@@ -138,13 +138,10 @@ zb_status_t zb__cuda_sq_norm(zb__cuda_t *cu, zb_dtype_t dtype, const zb_tensor_l
   p->nonfinite = nonfinite;
   p->partials = scratch;
   p->done = (unsigned int *)((char *)scratch + slots);
-  ZB_CUDA_CHECK_GOTO(cudaMemsetAsync(p->done, 0, sizeof(unsigned int), cu->compute), st, out);
+  ZB_CUDA_CHECK_GOTO(zb__rt()->MemsetAsync(p->done, 0, sizeof(unsigned int), cu->compute), st, out);
   for (int32_t blocks; (blocks = fill_list(&p->t, &c, zb__dtype_size(dtype))) > 0;) {
-    const int err = zb_launch_sq_norm(p, blocks, cu->compute);
-    if (err != 0) {
-      st = launch_failed(err, "sq_norm_kernel launch");
-      break;
-    }
+    st = zb__cuda_launch(cu, by_dtype(ZB__KERNEL_SQ_NORM_F32, dtype), (unsigned)blocks, ZB__KERNEL_THREADS, 1, p);
+    if (st != ZB_OK) break;
   }
 out:
   free(p);
@@ -161,11 +158,8 @@ zb_status_t zb__cuda_unscale(zb__cuda_t *cu, zb_dtype_t dtype, const zb_tensor_l
   zb_status_t st = ZB_OK;
   cursor_t c = {t, 0, 0, 0};
   for (int32_t blocks; (blocks = fill_list(&p->t, &c, zb__dtype_size(dtype))) > 0;) {
-    const int err = zb_launch_unscale(p, blocks, cu->compute);
-    if (err != 0) {
-      st = launch_failed(err, "unscale_kernel launch");
-      break;
-    }
+    st = zb__cuda_launch(cu, by_dtype(ZB__KERNEL_UNSCALE_F32, dtype), (unsigned)blocks, ZB__KERNEL_THREADS, 1, p);
+    if (st != ZB_OK) break;
   }
   free(p);
   return st;
@@ -173,10 +167,8 @@ zb_status_t zb__cuda_unscale(zb__cuda_t *cu, zb_dtype_t dtype, const zb_tensor_l
 
 zb_status_t zb__cuda_scale_update(zb__cuda_t *cu, float *scale, int32_t *tracker, const int32_t *nonfinite,
                                   double growth, double backoff, int32_t interval) {
-  const zb__scale_update_params_t p = {scale, tracker, nonfinite, growth, backoff, interval};
-  const int err = zb_launch_scale_update(&p, cu->compute);
-  if (err != 0) return launch_failed(err, "scale_update_kernel launch");
-  return ZB_OK;
+  zb__scale_update_params_t p = {scale, tracker, nonfinite, growth, backoff, interval};
+  return zb__cuda_launch(cu, ZB__KERNEL_SCALE_UPDATE, 1, 1, 1, &p);
 }
 
 static int64_t list_total(const zb_tensor_list_t *l) {
@@ -203,11 +195,9 @@ zb_status_t zb__cuda_optim_step(zb__cuda_t *cu, const zb_optim_step_t *s) {
   zb_status_t st = ZB_OK;
   cursor_t c = {&s->params, 0, 0, 0};
   for (int32_t blocks; (blocks = fill_optim(&p->t, &c, s, p->nstate, 1)) > 0;) {
-    const int err = zb_launch_optim_step(p, blocks, cu->compute);
-    if (err != 0) {
-      st = launch_failed(err, "optim_step_kernel launch");
-      break;
-    }
+    st = zb__cuda_launch(cu, by_dtype(ZB__KERNEL_OPTIM_STEP_F32, s->grad_dtype), (unsigned)blocks,
+                         ZB__KERNEL_THREADS, 1, p);
+    if (st != ZB_OK) break;
   }
   free(p);
   return st;
@@ -222,11 +212,8 @@ zb_status_t zb__cuda_optim_undo(zb__cuda_t *cu, const zb_optim_step_t *s) {
   zb_status_t st = ZB_OK;
   cursor_t c = {&s->params, 0, 0, 0};
   for (int32_t blocks; (blocks = fill_optim(&p->t, &c, s, p->nstate, 0)) > 0;) {
-    const int err = zb_launch_optim_undo(p, blocks, cu->compute);
-    if (err != 0) {
-      st = launch_failed(err, "optim_undo_kernel launch");
-      break;
-    }
+    st = zb__cuda_launch(cu, ZB__KERNEL_OPTIM_UNDO, (unsigned)blocks, ZB__KERNEL_THREADS, 1, p);
+    if (st != ZB_OK) break;
   }
   free(p);
   return st;

@@ -141,21 +141,107 @@ zb_status_t zb__nccl(const zb__nccl_t **out) {
   return ZB_OK;
 }
 
-/* ---- the CUDA runtime ----------------------------------------------------------------------------- */
+/* ---- the CUDA runtime and driver ----------------------------------------------------------------
+ * Not linked either: the library uses the cudart torch already loaded (libcudart.so.13 or .12; the
+ * calls below have the same names and signatures in both), so one build runs beside a CUDA 12 and a
+ * CUDA 13 torch, and there is one runtime state per process, not a second static copy. The device
+ * code (kernels/, compiled to fatbins embedded in the library) is loaded and launched through the
+ * driver (libcuda.so.1), which every CUDA install has. */
 
-static const zb__cudart_t cudart_linked = {
-    .GetDevice = cudaGetDevice,
-    .SetDevice = cudaSetDevice,
-    .GetErrorString = cudaGetErrorString,
-    .EventCreateWithFlags = cudaEventCreateWithFlags,
-    .EventDestroy = cudaEventDestroy,
-    .EventRecord = cudaEventRecord,
-    .EventQuery = cudaEventQuery,
-    .StreamCreateWithFlags = cudaStreamCreateWithFlags,
-    .StreamDestroy = cudaStreamDestroy,
-    .StreamWaitEvent = cudaStreamWaitEvent,
-    .Malloc = cudaMalloc,
-    .Free = cudaFree,
-};
+static pthread_once_t rt_once = PTHREAD_ONCE_INIT;
+static zb__cudart_t rt_table;
+static char rt_error[512];
 
-const zb__cudart_t *zb__cudart_linked(void) { return &cudart_linked; }
+static void rt_load(void) {
+  static const char *const names[] = {"libcudart.so.13", "libcudart.so.12", "libcudart.so",
+                                      "/usr/local/cuda/lib64/libcudart.so", NULL};
+  char tried[384] = "";
+  void *h = open_first(names, &rt_table.path, tried, sizeof tried);
+  if (!h) {
+    snprintf(rt_error, sizeof rt_error,
+             "the CUDA runtime was not found (tried %s: %s); import torch (with CUDA) before zbpp, or "
+             "install the CUDA runtime",
+             tried, dlerror());
+    return;
+  }
+  const char *missing = NULL;
+#define ZB_SYM(field) need(h, "cuda" #field, (void **)&rt_table.field, &missing)
+  ZB_SYM(GetDeviceCount);
+  ZB_SYM(GetDevice);
+  ZB_SYM(SetDevice);
+  ZB_SYM(GetErrorString);
+  ZB_SYM(GetErrorName);
+  ZB_SYM(GetLastError);
+  ZB_SYM(EventCreate);
+  ZB_SYM(EventCreateWithFlags);
+  ZB_SYM(EventDestroy);
+  ZB_SYM(EventRecord);
+  ZB_SYM(EventQuery);
+  ZB_SYM(EventElapsedTime);
+  ZB_SYM(StreamCreateWithFlags);
+  ZB_SYM(StreamDestroy);
+  ZB_SYM(StreamSynchronize);
+  ZB_SYM(StreamWaitEvent);
+  ZB_SYM(Malloc);
+  ZB_SYM(Free);
+  ZB_SYM(MallocAsync);
+  ZB_SYM(FreeAsync);
+  ZB_SYM(MemsetAsync);
+  ZB_SYM(MemcpyAsync);
+#undef ZB_SYM
+  if (missing) {
+    snprintf(rt_error, sizeof rt_error, "%s has no symbol %s; zbpp needs the CUDA 12 or 13 runtime", rt_table.path,
+             missing);
+    rt_table.path = NULL;
+  }
+}
+
+zb_status_t zb__cudart(const zb__cudart_t **out) {
+  pthread_once(&rt_once, rt_load);
+  if (!rt_table.path) return ZB_FAIL(ZB_ERR_CUDA, "%s", rt_error);
+  *out = &rt_table;
+  return ZB_OK;
+}
+
+const zb__cudart_t *zb__rt(void) { return &rt_table; }
+
+const char *zb__cuda_error_text(cudaError_t e) {
+  return rt_table.GetErrorString ? rt_table.GetErrorString(e) : "CUDA error (no CUDA runtime loaded)";
+}
+
+const char *zb__cuda_error_name(cudaError_t e) {
+  return rt_table.GetErrorName ? rt_table.GetErrorName(e) : "?";
+}
+
+static pthread_once_t drv_once = PTHREAD_ONCE_INIT;
+static zb__cudrv_t drv_table;
+static char drv_error[512];
+
+static void drv_load(void) {
+  static const char *const names[] = {"libcuda.so.1", "libcuda.so", NULL};
+  char tried[128] = "";
+  void *h = open_first(names, &drv_table.path, tried, sizeof tried);
+  if (!h) {
+    snprintf(drv_error, sizeof drv_error, "the CUDA driver was not found (tried %s: %s)", tried, dlerror());
+    return;
+  }
+  const char *missing = NULL;
+#define ZB_SYM(field) need(h, "cu" #field, (void **)&drv_table.field, &missing)
+  ZB_SYM(GetErrorString);
+  ZB_SYM(ModuleLoadData);
+  ZB_SYM(ModuleUnload);
+  ZB_SYM(ModuleGetFunction);
+  ZB_SYM(LaunchKernel);
+#undef ZB_SYM
+  if (missing) {
+    snprintf(drv_error, sizeof drv_error, "%s has no symbol %s", drv_table.path, missing);
+    drv_table.path = NULL;
+  }
+}
+
+zb_status_t zb__cudrv(const zb__cudrv_t **out) {
+  pthread_once(&drv_once, drv_load);
+  if (!drv_table.path) return ZB_FAIL(ZB_ERR_CUDA, "%s", drv_error);
+  *out = &drv_table;
+  return ZB_OK;
+}

@@ -960,7 +960,7 @@ zb_status_t zb_transport_create_nccl(zb_transport_t **out, const zb_nccl_transpo
                    c->backend ? zb_backend_name(c->backend) : "NULL");
   const zb__nccl_t *nc;
   ZB_CHECK(zb__nccl(&nc));
-  ZB_CHECK(zb__transport_create_nccl_with(out, c, nc, zb__cudart_linked(), zb__cuda_of(c->backend)));
+  ZB_CHECK(zb__transport_create_nccl_with(out, c, nc, zb__rt(), zb__cuda_of(c->backend)));
   (*out)->be = c->backend;
   zb__backend_ref(c->backend); /* zb_transport_destroy drops it */
   return ZB_OK;
