@@ -27,8 +27,9 @@
  * signal so every rank fails within a second, and the runner fails with the message, which names
  * the peer and the channel. The failure is sticky: make a new transport to go on.
  *
- * Every CUDA runtime and NCCL call goes through a table (zb__cudart_t, zb__nccl_t), so the host
- * tests drive all of this against a fake device (tests/c/test_transport_nccl.c).
+ * Every CUDA runtime and NCCL call goes through a table (zb__cudart_t, zb__nccl_state_t), so the host
+ * tests drive all of this against a fake device (tests/c/test_transport_nccl.c). Creation (the
+ * communicators, their connections, the watchdog's start) is transport_nccl_setup.c's.
  *
  * What it is not: a general NCCL wrapper. It carries the runner's channels only (device memory);
  * the optimizer's and post-validation's host-memory exchange goes over a host transport.
@@ -42,64 +43,10 @@
 #include <string.h>
 #include <time.h>
 
-#include "../runtime/internal.h"
-#include "internal.h"
-
-#define RT_FAIL(n, e, what) \
-  ZB_FAIL(ZB_ERR_CUDA, "%s failed: %s (error %d)", (what), (n)->rt->GetErrorString(e), (int)(e))
-
-enum { REQ_FREE = 0, REQ_POSTED = 1, REQ_ISSUED = 2 };
-
-typedef struct nreq {
-  struct nreq *next;          /* in the in-flight list (issue order) or the free list */
-  cudaEvent_t ready, need, done;
-  uint64_t gen;               /* bumped at each reuse: the watchdog's snapshots check it */
-  int pair, tag, is_send, state;
-  void *buf;
-  size_t bytes;
-  int needed;   /* a receive the runner waited for: `need` was recorded on the compute stream */
-  double clock; /* when the watchdog saw it ready at the head of its pair; 0 until then */
-  int released; /* the runner is done with it (waited or cancelled) */
-  int finished; /* done event seen complete */
-} nreq_t;
-
-typedef struct {
-  int32_t peer, peer_local; /* the other rank, globally and inside comm */
-  ncclComm_t comm;          /* NULL once aborted */
-  cudaStream_t stream;
-  /* The issue order (the runner thread's only): slot[i] holds the i-th transfer of the iteration
-   * once posted; next is the first not issued yet. */
-  nreq_t **slot;
-  int32_t length, next;
-} pair_t;
+#include "nccl.h"
 
 /* A posted zero-byte message: it takes its place in the order but nothing moves. */
-static nreq_t zero_bytes;
-
-typedef struct {
-  const zb__nccl_t *nc;
-  const zb__cudart_t *rt;
-  zb__cuda_t *cu;
-  int32_t rank;
-  pair_t *pairs;
-  int n_pairs;
-  zb__pair_order_t order;
-  int32_t *posted; /* per tag: messages posted this iteration */
-  double timeout;
-  zb_abort_signal_t signal;
-
-  pthread_mutex_t mu; /* guards what follows; never held across a CUDA or NCCL call */
-  pthread_cond_t cv;
-  pthread_t watchdog;
-  int watchdog_started, stop;
-  nreq_t *inflight, *inflight_tail, *free_list;
-  int n_reqs;    /* requests ever made (their events are the transport's), for the tests */
-  int failed, aborted;
-  zb_status_t fail_status;
-  char fail_msg[1024];
-} nccl_t;
-
-static nccl_t *impl_of(zb_transport_t *t) { return (nccl_t *)t->impl; }
+static zb__nccl_req_t zero_bytes;
 
 /* "the activations of boundary 2 (stage 2 -> 3)" */
 static void describe_tag(int32_t tag, char *buf, size_t cap) {
@@ -110,7 +57,7 @@ static void describe_tag(int32_t tag, char *buf, size_t cap) {
     snprintf(buf, cap, "the gradients of boundary %d (stage %d -> %d)", (int)b, (int)b + 1, (int)b);
 }
 
-static zb_status_t enter(const nccl_t *n) {
+zb_status_t zb__nccl_enter(const zb__nccl_state_t *n) {
   int cur = -1;
   cudaError_t e = n->rt->GetDevice(&cur);
   if (e == cudaSuccess && cur != n->cu->device) e = n->rt->SetDevice(n->cu->device);
@@ -119,12 +66,12 @@ static zb_status_t enter(const nccl_t *n) {
 
 /* ---- failure --------------------------------------------------------------------------------- */
 
-static zb_status_t failure_locked(const nccl_t *n) { return ZB_FAIL(n->fail_status, "%s", n->fail_msg); }
+static zb_status_t failure_locked(const zb__nccl_state_t *n) { return ZB_FAIL(n->fail_status, "%s", n->fail_msg); }
 
 /* Marks the transport failed (the first failure is the one kept) and wakes the watchdog, which
  * aborts the communicators. A failure of this rank's own (publish = 1) goes out on the abort
  * signal, after the lock is dropped. */
-static void fail(nccl_t *n, zb_status_t status, const char *msg, int publish) {
+static void fail(zb__nccl_state_t *n, zb_status_t status, const char *msg, int publish) {
   pthread_mutex_lock(&n->mu);
   int first = !n->failed;
   if (first) {
@@ -139,7 +86,7 @@ static void fail(nccl_t *n, zb_status_t status, const char *msg, int publish) {
 
 /* Aborts every communicator once (no lock held while NCCL aborts). ncclCommAbort makes kernels
  * waiting on a peer return, and an enqueue blocked on a full launch queue come back. */
-static void abort_comms(nccl_t *n) {
+void zb__nccl_abort_comms(zb__nccl_state_t *n) {
   ncclComm_t comms[64];
   int k = 0;
   pthread_mutex_lock(&n->mu);
@@ -158,14 +105,14 @@ static void abort_comms(nccl_t *n) {
 /* ---- the watchdog ---------------------------------------------------------------------------- */
 
 typedef struct {
-  nreq_t *q;
+  zb__nccl_req_t *q;
   uint64_t gen;
   int is_send, needed;
   ncclComm_t comm;
 } snap_t;
 
 static void watch_once(zb_transport_t *t, snap_t *snap) {
-  nccl_t *n = impl_of(t);
+  zb__nccl_state_t *n = zb__nccl_of(t);
   char what[128], msg[1024];
   /* 1. Under the lock: each pair's oldest unfinished transfer and its communicator. */
   pthread_mutex_lock(&n->mu);
@@ -173,7 +120,7 @@ static void watch_once(zb_transport_t *t, snap_t *snap) {
     snap[i].q = NULL;
     snap[i].comm = n->failed ? NULL : n->pairs[i].comm;
   }
-  for (nreq_t *q = n->inflight; q; q = q->next)
+  for (zb__nccl_req_t *q = n->inflight; q; q = q->next)
     if (!q->finished && !snap[q->pair].q) {
       snap[q->pair].q = q, snap[q->pair].gen = q->gen;
       snap[q->pair].is_send = q->is_send, snap[q->pair].needed = q->needed;
@@ -189,7 +136,7 @@ static void watch_once(zb_transport_t *t, snap_t *snap) {
                n->nc->GetErrorString(e), (int)n->pairs[i].peer);
       fail(n, e == ncclRemoteError ? ZB_ERR_REMOTE : ZB_ERR_NCCL, msg, 1);
     }
-    nreq_t *q = snap[i].q;
+    zb__nccl_req_t *q = snap[i].q;
     if (!q) continue;
     int done = n->rt->EventQuery(q->done) == cudaSuccess;
     int ready = !done && n->rt->EventQuery(snap[i].is_send ? q->ready : q->need) == cudaSuccess;
@@ -216,11 +163,11 @@ static void watch_once(zb_transport_t *t, snap_t *snap) {
   }
 }
 
-static void *watchdog_main(void *arg) {
+void *zb__nccl_watchdog_main(void *arg) {
   zb_transport_t *t = arg;
-  nccl_t *n = impl_of(t);
+  zb__nccl_state_t *n = zb__nccl_of(t);
   /* Event queries need the backend's device current on this thread too. */
-  enter(n);
+  zb__nccl_enter(n);
   snap_t *snap = calloc((size_t)(n->n_pairs ? n->n_pairs : 1), sizeof *snap);
   char msg[1024];
   int tick = 0;
@@ -229,7 +176,7 @@ static void *watchdog_main(void *arg) {
     int stop = n->stop, failed = n->failed, aborted = n->aborted;
     pthread_mutex_unlock(&n->mu);
     if (stop) break;
-    if (failed && !aborted) abort_comms(n);
+    if (failed && !aborted) zb__nccl_abort_comms(n);
     if (!failed && snap) watch_once(t, snap);
     /* The job's abort signal, every 0.2 s: another rank's failure fails this one within a second. */
     if (!failed && n->signal.poll && tick++ % 10 == 0) {
@@ -254,17 +201,17 @@ static void *watchdog_main(void *arg) {
 
 /* Moves finished, released requests to the free list. Runner thread only: it is the one thread
  * that changes the lists' shape, so it may walk them and query events without the lock. */
-static void reclaim(nccl_t *n) {
-  for (nreq_t *q = n->inflight; q; q = q->next)
+static void reclaim(zb__nccl_state_t *n) {
+  for (zb__nccl_req_t *q = n->inflight; q; q = q->next)
     if (!q->finished && q->released && n->rt->EventQuery(q->done) == cudaSuccess) {
       pthread_mutex_lock(&n->mu);
       q->finished = 1;
       pthread_mutex_unlock(&n->mu);
     }
   pthread_mutex_lock(&n->mu);
-  nreq_t **pp = &n->inflight, *prev = NULL;
+  zb__nccl_req_t **pp = &n->inflight, *prev = NULL;
   while (*pp) {
-    nreq_t *q = *pp;
+    zb__nccl_req_t *q = *pp;
     if (q->released && (q->finished || n->aborted)) {
       *pp = q->next;
       q->state = REQ_FREE;
@@ -280,8 +227,8 @@ static void reclaim(nccl_t *n) {
 }
 
 /* A new request with its three events. */
-static zb_status_t make_req(nccl_t *n, nreq_t **out) {
-  nreq_t *q = calloc(1, sizeof *q);
+static zb_status_t make_req(zb__nccl_state_t *n, zb__nccl_req_t **out) {
+  zb__nccl_req_t *q = calloc(1, sizeof *q);
   if (!q) return ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory for an NCCL request");
   cudaError_t e = n->rt->EventCreateWithFlags(&q->ready, cudaEventDisableTiming);
   if (e == cudaSuccess) {
@@ -303,10 +250,10 @@ static zb_status_t make_req(nccl_t *n, nreq_t **out) {
   return ZB_OK;
 }
 
-static zb_status_t get_req(nccl_t *n, nreq_t **out) {
+static zb_status_t get_req(zb__nccl_state_t *n, zb__nccl_req_t **out) {
   reclaim(n);
   pthread_mutex_lock(&n->mu);
-  nreq_t *q = n->free_list;
+  zb__nccl_req_t *q = n->free_list;
   if (q) n->free_list = q->next;
   pthread_mutex_unlock(&n->mu);
   /* nccl_plan made one per message of an iteration, and an iteration ends with all of them
@@ -322,7 +269,7 @@ static zb_status_t get_req(nccl_t *n, nreq_t **out) {
   return ZB_OK;
 }
 
-static void put_free(nccl_t *n, nreq_t *q) {
+static void put_free(zb__nccl_state_t *n, zb__nccl_req_t *q) {
   pthread_mutex_lock(&n->mu);
   q->state = REQ_FREE;
   q->next = n->free_list;
@@ -332,8 +279,8 @@ static void put_free(nccl_t *n, nreq_t *q) {
 
 /* A posted request that will never be issued (after a failure): out of the order, back to the free
  * list. */
-static void drop_posted(nccl_t *n, nreq_t *q) {
-  pair_t *pr = &n->pairs[q->pair];
+static void drop_posted(zb__nccl_state_t *n, zb__nccl_req_t *q) {
+  zb__nccl_pair_t *pr = &n->pairs[q->pair];
   for (int32_t i = 0; i < pr->length; i++)
     if (pr->slot[i] == q) pr->slot[i] = NULL;
   put_free(n, q);
@@ -341,7 +288,7 @@ static void drop_posted(nccl_t *n, nreq_t *q) {
 
 /* Waits out ncclInProgress on a non-blocking communicator (no lock held); fails when the watchdog
  * has failed the transport meanwhile. */
-static zb_status_t settle(nccl_t *n, ncclComm_t comm, ncclResult_t r, const char *what) {
+static zb_status_t settle(zb__nccl_state_t *n, ncclComm_t comm, ncclResult_t r, const char *what) {
   while (r == ncclInProgress) {
     pthread_mutex_lock(&n->mu);
     int failed = n->failed;
@@ -363,11 +310,11 @@ static zb_status_t settle(nccl_t *n, ncclComm_t comm, ncclResult_t r, const char
 
 /* Issues the pair's requests whose turn has come, in one NCCL group. Runner thread only. */
 static zb_status_t issue_ready(zb_transport_t *t, int pi) {
-  nccl_t *n = impl_of(t);
-  pair_t *pr = &n->pairs[pi];
+  zb__nccl_state_t *n = zb__nccl_of(t);
+  zb__nccl_pair_t *pr = &n->pairs[pi];
   for (;;) {
     while (pr->next < pr->length && pr->slot[pr->next] == &zero_bytes) pr->slot[pr->next++] = NULL;
-    nreq_t *batch[32];
+    zb__nccl_req_t *batch[32];
     int nb = 0;
     int32_t at = pr->next;
     while (nb < 32 && at < pr->length && pr->slot[at] && pr->slot[at] != &zero_bytes) batch[nb++] = pr->slot[at++];
@@ -387,7 +334,7 @@ static zb_status_t issue_ready(zb_transport_t *t, int pi) {
     } else {
       ncclResult_t r = n->nc->GroupStart();
       for (int i = 0; i < nb && r == ncclSuccess; i++) {
-        nreq_t *q = batch[i];
+        zb__nccl_req_t *q = batch[i];
         r = q->is_send ? n->nc->Send(q->buf, q->bytes, ncclUint8, pr->peer_local, comm, pr->stream)
                        : n->nc->Recv(q->buf, q->bytes, ncclUint8, pr->peer_local, comm, pr->stream);
         if (r != ncclSuccess && r != ncclInProgress) {
@@ -416,7 +363,7 @@ static zb_status_t issue_ready(zb_transport_t *t, int pi) {
     pthread_mutex_lock(&n->mu);
     if (st == ZB_OK)
       for (int i = 0; i < nb; i++) {
-        nreq_t *q = batch[i];
+        zb__nccl_req_t *q = batch[i];
         q->state = REQ_ISSUED;
         q->next = NULL;
         if (n->inflight_tail) n->inflight_tail->next = q;
@@ -432,7 +379,7 @@ static zb_status_t issue_ready(zb_transport_t *t, int pi) {
 }
 
 static zb_status_t nccl_start(zb_transport_t *t, zb__request_t *req) {
-  nccl_t *n = impl_of(t);
+  zb__nccl_state_t *n = zb__nccl_of(t);
   char what[128];
   req->handle = NULL;
   const zb__pair_chan_t *c = req->tag >= 0 && req->tag < n->order.n_tags ? &n->order.chans[req->tag] : NULL;
@@ -445,7 +392,7 @@ static zb_status_t nccl_start(zb_transport_t *t, zb__request_t *req) {
                    (int)t->rank, req->is_send ? "send" : "receive", req->is_send ? "to" : "from",
                    (int)req->peer, (int)req->tag);
   }
-  pair_t *pr = &n->pairs[c->pair];
+  zb__nccl_pair_t *pr = &n->pairs[c->pair];
   int32_t k = n->posted[req->tag];
   int32_t seq = c->seq[k];
   if (pr->slot[seq] || seq < pr->next)
@@ -455,12 +402,12 @@ static zb_status_t nccl_start(zb_transport_t *t, zb__request_t *req) {
   zb_status_t st = n->failed ? failure_locked(n) : ZB_OK;
   pthread_mutex_unlock(&n->mu);
   if (st != ZB_OK) return st;
-  ZB_CHECK(enter(n));
+  ZB_CHECK(zb__nccl_enter(n));
   if (req->bytes == 0) {
     /* Both ends know the size: nothing moves, but the place in the order is taken. */
     pr->slot[seq] = &zero_bytes;
   } else {
-    nreq_t *q = NULL;
+    zb__nccl_req_t *q = NULL;
     ZB_CHECK(get_req(n, &q));
     q->pair = c->pair, q->tag = req->tag, q->is_send = req->is_send, q->buf = req->buf, q->bytes = req->bytes;
     /* Now, not at issue time: the compute work issued so far is exactly what the data (a send)
@@ -480,8 +427,8 @@ static zb_status_t nccl_start(zb_transport_t *t, zb__request_t *req) {
 
 /* A request the runner now blocks on must be out; if its turn has not come the runner waited out
  * of the order pairorder.c assumes (a bug, not a hang: say so). */
-static zb_status_t must_be_issued(zb_transport_t *t, nreq_t *q) {
-  nccl_t *n = impl_of(t);
+static zb_status_t must_be_issued(zb_transport_t *t, zb__nccl_req_t *q) {
+  zb__nccl_state_t *n = zb__nccl_of(t);
   if (q->state == REQ_ISSUED) return ZB_OK;
   ZB_CHECK(issue_ready(t, q->pair));
   if (q->state == REQ_ISSUED) return ZB_OK;
@@ -494,10 +441,10 @@ static zb_status_t must_be_issued(zb_transport_t *t, nreq_t *q) {
 }
 
 static zb_status_t nccl_wait(zb_transport_t *t, zb__request_t *req, double timeout_s) {
-  nccl_t *n = impl_of(t);
-  nreq_t *q = req->handle;
+  zb__nccl_state_t *n = zb__nccl_of(t);
+  zb__nccl_req_t *q = req->handle;
   if (!q) return ZB_OK;
-  ZB_CHECK(enter(n));
+  ZB_CHECK(zb__nccl_enter(n));
   if (!req->is_send) {
     zb_status_t st = must_be_issued(t, q);
     /* The device waits, not the host: compute work issued from now on sees the data. `need`
@@ -554,8 +501,8 @@ static zb_status_t nccl_wait(zb_transport_t *t, zb__request_t *req, double timeo
 }
 
 static void nccl_cancel(zb_transport_t *t, zb__request_t *req) {
-  nccl_t *n = impl_of(t);
-  nreq_t *q = req->handle;
+  zb__nccl_state_t *n = zb__nccl_of(t);
+  zb__nccl_req_t *q = req->handle;
   if (!q) return;
   if (q->state == REQ_POSTED) {
     drop_posted(n, q);
@@ -567,14 +514,14 @@ static void nccl_cancel(zb_transport_t *t, zb__request_t *req) {
 }
 
 static void nccl_abort(zb_transport_t *t, const char *reason) {
-  nccl_t *n = impl_of(t);
+  zb__nccl_state_t *n = zb__nccl_of(t);
   char msg[1024];
   snprintf(msg, sizeof msg, "rank %d aborted: %s", (int)t->rank, reason);
   fail(n, ZB_ERR_REMOTE, msg, 1);
 }
 
 static zb_status_t nccl_check(zb_transport_t *t) {
-  nccl_t *n = impl_of(t);
+  zb__nccl_state_t *n = zb__nccl_of(t);
   pthread_mutex_lock(&n->mu);
   zb_status_t st = n->failed ? failure_locked(n) : ZB_OK;
   pthread_mutex_unlock(&n->mu);
@@ -583,8 +530,8 @@ static zb_status_t nccl_check(zb_transport_t *t) {
 
 /* The order for a schedule (the one at creation, then each runner's). Its pairs must be ones this
  * transport has a communicator for. Between iterations only. */
-static zb_status_t nccl_plan(zb_transport_t *t, const zb_schedule_t *s) {
-  nccl_t *n = impl_of(t);
+zb_status_t zb__nccl_plan(zb_transport_t *t, const zb_schedule_t *s) {
+  zb__nccl_state_t *n = zb__nccl_of(t);
   for (int i = 0; i < n->n_pairs; i++)
     for (int32_t k = 0; k < n->pairs[i].length; k++)
       if (n->pairs[i].slot[k])
@@ -592,7 +539,7 @@ static zb_status_t nccl_plan(zb_transport_t *t, const zb_schedule_t *s) {
   zb__pair_order_t o;
   ZB_CHECK(zb__pair_order_make(s, t->rank, &o));
   zb_status_t st = ZB_OK;
-  nreq_t ***slots = calloc((size_t)(o.n_pairs ? o.n_pairs : 1), sizeof *slots);
+  zb__nccl_req_t ***slots = calloc((size_t)(o.n_pairs ? o.n_pairs : 1), sizeof *slots);
   int32_t *posted = calloc((size_t)(o.n_tags ? o.n_tags : 1), sizeof *posted);
   int *which = calloc((size_t)(o.n_pairs ? o.n_pairs : 1), sizeof *which);
   if (!slots || !posted || !which) st = ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory for the NCCL transport's order");
@@ -629,9 +576,9 @@ static zb_status_t nccl_plan(zb_transport_t *t, const zb_schedule_t *s) {
      * nothing is created inside an iteration. */
     int want = 0;
     for (int i = 0; i < n->n_pairs; i++) want += n->pairs[i].length;
-    ZB_CHECK(enter(n));
+    ZB_CHECK(zb__nccl_enter(n));
     while (n->n_reqs < want && st == ZB_OK) {
-      nreq_t *q = NULL;
+      zb__nccl_req_t *q = NULL;
       st = make_req(n, &q);
       if (st == ZB_OK) put_free(n, q);
     }
@@ -643,9 +590,9 @@ static zb_status_t nccl_plan(zb_transport_t *t, const zb_schedule_t *s) {
   return st;
 }
 
-static void free_reqs(nccl_t *n, nreq_t *q) {
+static void free_reqs(zb__nccl_state_t *n, zb__nccl_req_t *q) {
   while (q) {
-    nreq_t *next = q->next;
+    zb__nccl_req_t *next = q->next;
     n->rt->EventDestroy(q->ready);
     n->rt->EventDestroy(q->need);
     n->rt->EventDestroy(q->done);
@@ -654,8 +601,8 @@ static void free_reqs(nccl_t *n, nreq_t *q) {
   }
 }
 
-static void nccl_destroy(zb_transport_t *t) {
-  nccl_t *n = impl_of(t);
+void zb__nccl_destroy(zb_transport_t *t) {
+  zb__nccl_state_t *n = zb__nccl_of(t);
   if (n) {
     if (n->watchdog_started) {
       pthread_mutex_lock(&n->mu);
@@ -664,13 +611,13 @@ static void nccl_destroy(zb_transport_t *t) {
       pthread_mutex_unlock(&n->mu);
       pthread_join(n->watchdog, NULL);
     }
-    enter(n);
+    zb__nccl_enter(n);
     /* Work still in flight (a destroy after a failure) would keep kernels waiting on a peer
      * forever; abort first so the streams drain. */
     reclaim(n);
-    if (n->inflight || n->failed) abort_comms(n);
+    if (n->inflight || n->failed) zb__nccl_abort_comms(n);
     for (int i = 0; i < n->n_pairs; i++) {
-      pair_t *pr = &n->pairs[i];
+      zb__nccl_pair_t *pr = &n->pairs[i];
       if (pr->comm) n->nc->CommDestroy(pr->comm);
       if (pr->stream) {
         /* Without a device sync: poll the last events, so a dead device cannot hang a destroy. */
@@ -692,276 +639,25 @@ static void nccl_destroy(zb_transport_t *t) {
   free(t);
 }
 
-static const zb__transport_ops_t nccl_ops = {
+const zb__transport_ops_t zb__nccl_ops = {
     .name = "NCCL",
     .isend = nccl_start,
     .irecv = nccl_start,
     .wait = nccl_wait,
     .cancel = nccl_cancel,
     .abort = nccl_abort,
-    .destroy = nccl_destroy,
+    .destroy = zb__nccl_destroy,
     .check = nccl_check,
-    .plan = nccl_plan,
+    .plan = zb__nccl_plan,
     .memory = ZB__TRANSPORT_DEVICE_MEMORY,
 };
 
 int zb__transport_nccl_requests(zb_transport_t *t) {
-  nccl_t *n = impl_of(t);
+  zb__nccl_state_t *n = zb__nccl_of(t);
   pthread_mutex_lock(&n->mu);
   int k = n->n_reqs;
   pthread_mutex_unlock(&n->mu);
   return k;
 }
 
-int zb__transport_nccl_comms(zb_transport_t *t) { return impl_of(t)->n_pairs; }
-
-/* ---- creation -------------------------------------------------------------------------------- */
-
-zb_status_t zb_nccl_unique_id(uint8_t out[ZB_NCCL_UNIQUE_ID_BYTES]) {
-  ZB_ARG_NOT_NULL(out);
-  const zb__nccl_t *nc;
-  ZB_CHECK(zb__nccl(&nc));
-  ncclUniqueId id;
-  ncclResult_t r = nc->GetUniqueId(&id);
-  if (r != ncclSuccess) return ZB_NCCL_FAIL(nc, r, NULL, "ncclGetUniqueId");
-  memcpy(out, id.internal, ZB_NCCL_UNIQUE_ID_BYTES);
-  return ZB_OK;
-}
-
-/* The config as this library's layout, from a caller's of this or the previous size. */
-static zb_status_t check_config(const zb_nccl_transport_config_t *c, zb_nccl_transport_config_t *full,
-                                zb_schedule_info_t *info) {
-  const size_t old = offsetof(zb_nccl_transport_config_t, abort_signal);
-  if ((c->struct_size != sizeof(zb_nccl_transport_config_t) && c->struct_size != old) ||
-      c->version != ZB_NCCL_TRANSPORT_CONFIG_VERSION)
-    return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
-                   "zb_nccl_transport_config_t has struct_size %u, version %u; initialise it with "
-                   "ZB_NCCL_TRANSPORT_CONFIG_INIT (size %zu, version %d)",
-                   (unsigned)c->struct_size, (unsigned)c->version, sizeof(zb_nccl_transport_config_t),
-                   ZB_NCCL_TRANSPORT_CONFIG_VERSION);
-  memset(full, 0, sizeof *full);
-  memcpy(full, c, c->struct_size);
-  if (c->ranks < 1 || c->rank < 0 || c->rank >= c->ranks)
-    return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "NCCL transport rank %d of %d; allowed: 0 <= rank < ranks",
-                   (int)c->rank, (int)c->ranks);
-  if (!c->unique_id == !c->comm)
-    return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
-                   "the NCCL transport needs exactly one of unique_id (from zb_nccl_unique_id, the "
-                   "same on every rank) and comm (an ncclComm_t to borrow); got %s",
-                   c->unique_id ? "both" : "neither");
-  if (!c->schedule)
-    return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "the NCCL transport needs the schedule (its channels)");
-  if (!full->abort_signal.poll != !full->abort_signal.publish)
-    return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "the NCCL transport's abort_signal needs both poll and publish, or neither");
-  ZB_CHECK(zb_schedule_get_info(c->schedule, info));
-  if (info->ranks != c->ranks)
-    return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "the schedule has %d ranks but the NCCL transport %d",
-                   (int)info->ranks, (int)c->ranks);
-  return ZB_OK;
-}
-
-/* Waits until a non-blocking communicator is ready, at most until the deadline. */
-static zb_status_t await_comm(nccl_t *n, ncclComm_t comm, ncclResult_t r, double deadline, const char *what) {
-  while (r == ncclInProgress && zb__now() < deadline) {
-    struct timespec nap = {0, 200 * 1000};
-    nanosleep(&nap, NULL);
-    if (n->nc->CommGetAsyncError(comm, &r) != ncclSuccess) break;
-  }
-  if (r == ncclSuccess) return ZB_OK;
-  if (r == ncclInProgress)
-    return ZB_FAIL(ZB_ERR_TIMEOUT,
-                   "rank %d: %s did not finish within %.3g s: some rank did not call zb_transport_create_nccl "
-                   "(dead, stuck, or given another unique id)",
-                   (int)n->rank, what, n->timeout);
-  return ZB_NCCL_FAIL(n->nc, r, comm, what);
-}
-
-/* One two-rank communicator per pair, split from the parent with splitShare in rounds (a rank
- * takes part in one split per round; ranks outside every pair of a round pass NCCL_SPLIT_NOCOLOR). */
-static zb_status_t split_pairs(nccl_t *n, ncclComm_t parent, const zb_nccl_transport_config_t *c, double deadline) {
-  int32_t np, (*pairs)[2], *round, rounds;
-  ZB_CHECK(zb__pair_list(c->schedule, &np, &pairs, &round, &rounds));
-  zb_status_t st = ZB_OK;
-  n->pairs = calloc((size_t)(np ? np : 1), sizeof *n->pairs);
-  if (!n->pairs) st = ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory for the NCCL transport");
-  for (int32_t rd = 0; rd < rounds && st == ZB_OK; rd++) {
-    int color = NCCL_SPLIT_NOCOLOR, key = 0;
-    int32_t peer = -1;
-    for (int32_t i = 0; i < np; i++)
-      if (round[i] == rd && (pairs[i][0] == c->rank || pairs[i][1] == c->rank)) {
-        color = (int)i, key = pairs[i][0] == c->rank ? 0 : 1;
-        peer = pairs[i][0] == c->rank ? pairs[i][1] : pairs[i][0];
-      }
-    ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
-    cfg.blocking = 0;
-    cfg.splitShare = 1;
-    ncclComm_t child = NULL;
-    ncclResult_t r = n->nc->CommSplit(parent, color, key, &child, &cfg);
-    if (r == ncclInProgress) {
-      /* Non-blocking: the split finishes in the background; the parent says when. */
-      st = await_comm(n, parent, r, deadline, "splitting the pair communicators (ncclCommSplit)");
-      r = st == ZB_OK ? ncclSuccess : r;
-    } else if (r != ncclSuccess) {
-      st = ZB_NCCL_FAIL(n->nc, r, parent, "ncclCommSplit for a pair of ranks");
-    }
-    if (st == ZB_OK && child)
-      st = await_comm(n, child, ncclInProgress, deadline, "creating a pair communicator (ncclCommSplit)");
-    if (child) {
-      pair_t *pr = &n->pairs[n->n_pairs++];
-      pr->peer = peer, pr->peer_local = key == 0 ? 1 : 0, pr->comm = child;
-      if (st == ZB_OK) {
-        cudaError_t e = n->rt->StreamCreateWithFlags(&pr->stream, cudaStreamNonBlocking);
-        if (e != cudaSuccess) st = RT_FAIL(n, e, "cudaStreamCreateWithFlags");
-      }
-    }
-  }
-  free(pairs), free(round);
-  return st;
-}
-
-/* One byte each way on every pair, in one group, so every connection is set up now, while all
- * ranks are known to be here, and never inside a later transfer. Bounded by the deadline. */
-static zb_status_t connect_pairs(nccl_t *n, double deadline) {
-  if (n->n_pairs == 0) return ZB_OK;
-  void *scratch = NULL;
-  cudaEvent_t *ev = calloc((size_t)n->n_pairs, sizeof *ev);
-  if (!ev) return ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory connecting the NCCL pairs");
-  zb_status_t st = ZB_OK;
-  cudaError_t e = n->rt->Malloc(&scratch, 2 * (size_t)n->n_pairs);
-  if (e != cudaSuccess) {
-    free(ev);
-    return RT_FAIL(n, e, "cudaMalloc of the connection scratch");
-  }
-  ncclResult_t r = n->nc->GroupStart();
-  for (int k = 0; k < n->n_pairs && (r == ncclSuccess || r == ncclInProgress); k++) {
-    pair_t *pr = &n->pairs[k];
-    char *p = (char *)scratch + 2 * k;
-    r = n->nc->Send(p, 1, ncclUint8, pr->peer_local, pr->comm, pr->stream);
-    if (r == ncclSuccess || r == ncclInProgress) r = n->nc->Recv(p + 1, 1, ncclUint8, pr->peer_local, pr->comm, pr->stream);
-  }
-  ncclResult_t r2 = n->nc->GroupEnd();
-  if (r == ncclSuccess || r == ncclInProgress) r = r2;
-  for (int k = 0; k < n->n_pairs && st == ZB_OK; k++)
-    st = await_comm(n, n->pairs[k].comm, r == ncclSuccess ? ncclInProgress : r, deadline, "connecting a pair of ranks");
-  for (int k = 0; k < n->n_pairs && st == ZB_OK; k++) {
-    if ((e = n->rt->EventCreateWithFlags(&ev[k], cudaEventDisableTiming)) != cudaSuccess ||
-        (e = n->rt->EventRecord(ev[k], n->pairs[k].stream)) != cudaSuccess)
-      st = RT_FAIL(n, e, "cudaEventRecord after connecting");
-  }
-  for (int k = 0; k < n->n_pairs && st == ZB_OK; k++) {
-    while ((e = n->rt->EventQuery(ev[k])) == cudaErrorNotReady && zb__now() < deadline) {
-      struct timespec nap = {0, 200 * 1000};
-      nanosleep(&nap, NULL);
-    }
-    if (e == cudaErrorNotReady)
-      st = ZB_FAIL(ZB_ERR_TIMEOUT, "rank %d: connecting to rank %d did not finish within %.3g s", (int)n->rank,
-                   (int)n->pairs[k].peer, n->timeout);
-    else if (e != cudaSuccess)
-      st = RT_FAIL(n, e, "connecting a pair of ranks");
-  }
-  if (st != ZB_OK) abort_comms(n); /* the kernels must not outlive the scratch */
-  for (int k = 0; k < n->n_pairs; k++)
-    if (ev[k]) n->rt->EventDestroy(ev[k]);
-  free(ev);
-  n->rt->Free(scratch);
-  return st;
-}
-
-zb_status_t zb__transport_create_nccl_with(zb_transport_t **out, const zb_nccl_transport_config_t *config,
-                                           const zb__nccl_t *nc, const zb__cudart_t *rt, zb__cuda_t *cu) {
-  ZB_ARG_NOT_NULL(out);
-  *out = NULL;
-  ZB_ARG_NOT_NULL(config);
-  zb_nccl_transport_config_t cf;
-  zb_schedule_info_t info;
-  ZB_CHECK(check_config(config, &cf, &info));
-  const zb_nccl_transport_config_t *c = &cf;
-
-  zb_transport_t *t = calloc(1, sizeof *t);
-  nccl_t *n = calloc(1, sizeof *n);
-  if (!t || !n) {
-    free(t), free(n);
-    return ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory creating the NCCL transport");
-  }
-  t->ops = &nccl_ops, t->rank = c->rank, t->ranks = c->ranks, t->impl = n;
-  n->nc = nc, n->rt = rt, n->cu = cu, n->rank = c->rank;
-  n->timeout = c->timeout_s > 0 ? c->timeout_s : 300.0;
-  n->signal = c->abort_signal;
-  pthread_mutex_init(&n->mu, NULL);
-  pthread_condattr_t ca;
-  pthread_condattr_init(&ca);
-  pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-  pthread_cond_init(&n->cv, &ca);
-  pthread_condattr_destroy(&ca);
-
-  zb_status_t st = enter(n);
-  double deadline = zb__now() + n->timeout;
-  ncclComm_t parent = (ncclComm_t)c->comm;
-  if (st != ZB_OK) goto fail;
-  if (parent) {
-    int count = 0, me = -1;
-    if (nc->CommCount(parent, &count) != ncclSuccess || nc->CommUserRank(parent, &me) != ncclSuccess ||
-        count != c->ranks || me != c->rank) {
-      st = ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
-                   "the borrowed NCCL communicator is rank %d of %d, but the transport was asked for "
-                   "rank %d of %d",
-                   me, count, (int)c->rank, (int)c->ranks);
-      goto fail;
-    }
-  } else {
-    /* Non-blocking, so a rank that never comes makes this fail at the deadline, not hang. */
-    ncclUniqueId id;
-    memcpy(id.internal, c->unique_id, ZB_NCCL_UNIQUE_ID_BYTES);
-    ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
-    cfg.blocking = 0;
-    ncclResult_t r = nc->CommInitRankConfig(&parent, c->ranks, id, c->rank, &cfg);
-    if (r != ncclSuccess && r != ncclInProgress) {
-      st = ZB_NCCL_FAIL(nc, r, NULL, "ncclCommInitRankConfig (every rank must call zb_transport_create_nccl with the same unique id)");
-      parent = NULL;
-      goto fail;
-    }
-    st = await_comm(n, parent, ncclInProgress, deadline, "ncclCommInitRankConfig");
-    if (st != ZB_OK) {
-      nc->CommAbort(parent);
-      goto fail;
-    }
-  }
-  st = split_pairs(n, parent, c, deadline);
-  /* Our own parent only served the splits (its children share its resources and outlive it). */
-  if (!c->comm) st == ZB_OK ? nc->CommDestroy(parent) : nc->CommAbort(parent);
-  if (st != ZB_OK) goto fail;
-  ZB_CHECK_GOTO(nccl_plan(t, c->schedule), st, fail);
-  ZB_CHECK_GOTO(connect_pairs(n, deadline), st, fail);
-  if (pthread_create(&n->watchdog, NULL, watchdog_main, t) != 0) {
-    st = ZB_FAIL(ZB_ERR_INTERNAL, "could not start the NCCL watchdog thread");
-    goto fail;
-  }
-  n->watchdog_started = 1;
-  *out = t;
-  return ZB_OK;
-
-fail:
-  /* The peers may be inside the same collective calls; aborting our ends makes them fail too. */
-  abort_comms(n);
-  nccl_destroy(t);
-  return st;
-}
-
-zb_status_t zb_transport_create_nccl(zb_transport_t **out, const zb_nccl_transport_config_t *c) {
-  ZB_ARG_NOT_NULL(out);
-  *out = NULL;
-  ZB_ARG_NOT_NULL(c);
-  zb_nccl_transport_config_t full;
-  zb_schedule_info_t info;
-  ZB_CHECK(check_config(c, &full, &info)); /* the layout and the fields first, then the backend */
-  if (!c->backend || !zb__cuda_of(c->backend))
-    return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
-                   "the NCCL transport needs the rank's CUDA backend (zb_backend_create_cuda); got %s",
-                   c->backend ? zb_backend_name(c->backend) : "NULL");
-  const zb__nccl_t *nc;
-  ZB_CHECK(zb__nccl(&nc));
-  ZB_CHECK(zb__transport_create_nccl_with(out, c, nc, zb__rt(), zb__cuda_of(c->backend)));
-  (*out)->be = c->backend;
-  zb__backend_ref(c->backend); /* zb_transport_destroy drops it */
-  return ZB_OK;
-}
+int zb__transport_nccl_comms(zb_transport_t *t) { return zb__nccl_of(t)->n_pairs; }
