@@ -185,6 +185,7 @@ typedef struct {
   zb_status_t st;
   char err[1024];
   double seconds;
+  int64_t late; /* buffers the runner allocated inside the iteration: 0 (its plan covers all) */
   /* In-process: every rank waits here once its runner is gone, then destroys its own transport
    * before its backend (a transport holds its backend: destroying the backend first is refused). */
   pthread_barrier_t *done;
@@ -220,6 +221,7 @@ static void *rank_main(void *arg) {
   if (c->st == ZB_OK) c->st = zb_runner_create(&run, &rc);
   if (c->st == ZB_OK) c->st = zb_runner_run(run);
   c->seconds = zb__now() - t0;
+  if (c->st == ZB_OK) zb__runner_late_allocs(run, &c->late);
   if (c->st != ZB_OK) snprintf(c->err, sizeof c->err, "%s", zb_last_error());
   if (c->st == ZB_OK)
     for (int k = 0; k < n_own; k++) {
@@ -264,13 +266,15 @@ static void check_schedule(zb_kind_t kind, int p, int m) {
   pthread_barrier_t done;
   pthread_barrier_init(&done, NULL, (unsigned)p);
   for (int r = 0; r < p; r++) {
-    ctx[r] = (rank_ctx_t){sched, NULL, NULL, r, S, m, -1, got, ZB_OK, "", 0, &done};
+    ctx[r] = (rank_ctx_t){sched, NULL, NULL, r, S, m, -1, got, ZB_OK, "", 0, 0, &done};
     ZB_ASSERT_OK(zb_transport_create_inproc(&ctx[r].tr, g, r));
   }
   for (int r = 0; r < p; r++) pthread_create(&th[r], NULL, rank_main, &ctx[r]);
   for (int r = 0; r < p; r++) pthread_join(th[r], NULL);
   for (int r = 0; r < p; r++) {
     if (ctx[r].st != ZB_OK) fail_msg("%s p=%d m=%d rank %d: %s", zb_kind_name(kind), p, m, r, ctx[r].err);
+    if (ctx[r].late) fail_msg("%s p=%d rank %d: %lld buffers allocated inside the iteration", zb_kind_name(kind), p, r,
+                              (long long)ctx[r].late);
   }
   pthread_barrier_destroy(&done);
   ZB_ASSERT_OK(zb_inproc_group_destroy(g));
@@ -311,13 +315,15 @@ static void test_nccl_two_gpus(void **state) {
       ZB_ASSERT_OK(zb_nccl_unique_id(id));
       rank_ctx_t ctx[2];
       pthread_t th[2];
-      for (int r = 0; r < 2; r++) ctx[r] = (rank_ctx_t){sched, NULL, id, r, info.stages, 4, -1, got, ZB_OK, "", 0, NULL};
+      for (int r = 0; r < 2; r++) ctx[r] = (rank_ctx_t){sched, NULL, id, r, info.stages, 4, -1, got, ZB_OK, "", 0, 0, NULL};
       if (fail) ctx[1].fail_mb = 1;
       for (int r = 0; r < 2; r++) pthread_create(&th[r], NULL, rank_main, &ctx[r]);
       for (int r = 0; r < 2; r++) pthread_join(th[r], NULL);
       if (!fail) {
         for (int r = 0; r < 2; r++)
           if (ctx[r].st != ZB_OK) fail_msg("%s over NCCL, rank %d: %s", zb_kind_name(kinds[kk]), r, ctx[r].err);
+          if (ctx[r].late) fail_msg("%s over NCCL, rank %d: %lld late buffers", zb_kind_name(kinds[kk]), r,
+                                    (long long)ctx[r].late);
         for (int s = 0; s < info.stages; s++)
           if (memcmp(got[s], want[s], sizeof got[s]) != 0)
             fail_msg("%s over NCCL: stage %d gradients differ from the sequential loop", zb_kind_name(kinds[kk]), s);
