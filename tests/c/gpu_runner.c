@@ -320,10 +320,11 @@ static void test_nccl_two_gpus(void **state) {
       for (int r = 0; r < 2; r++) pthread_create(&th[r], NULL, rank_main, &ctx[r]);
       for (int r = 0; r < 2; r++) pthread_join(th[r], NULL);
       if (!fail) {
-        for (int r = 0; r < 2; r++)
+        for (int r = 0; r < 2; r++) {
           if (ctx[r].st != ZB_OK) fail_msg("%s over NCCL, rank %d: %s", zb_kind_name(kinds[kk]), r, ctx[r].err);
           if (ctx[r].late) fail_msg("%s over NCCL, rank %d: %lld late buffers", zb_kind_name(kinds[kk]), r,
                                     (long long)ctx[r].late);
+        }
         for (int s = 0; s < info.stages; s++)
           if (memcmp(got[s], want[s], sizeof got[s]) != 0)
             fail_msg("%s over NCCL: stage %d gradients differ from the sequential loop", zb_kind_name(kinds[kk]), s);
