@@ -139,6 +139,7 @@ const char *zb__cuda_error_name(cudaError_t e);
 typedef struct {
   const char *path;
   CUresult (*GetErrorString)(CUresult, const char **);
+  CUresult (*CtxGetCurrent)(CUcontext *);
   CUresult (*ModuleLoadData)(CUmodule *, const void *);
   CUresult (*ModuleUnload)(CUmodule);
   CUresult (*ModuleGetFunction)(CUfunction *, CUmodule, const char *);

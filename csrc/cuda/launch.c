@@ -78,6 +78,13 @@ static zb_status_t function_of(zb__cuda_t *cu, const zb__cudrv_t *d, int id, CUf
 zb_status_t zb__cuda_launch(zb__cuda_t *cu, int id, unsigned grid, unsigned block_x, unsigned block_y, void *params) {
   const zb__cudrv_t *d;
   ZB_CHECK(zb__cudrv(&d));
+  /* The driver needs a current context, which runtime calls make lazily: on a thread whose first
+   * CUDA work is this launch, make the device's primary context current (cudaSetDevice does). */
+  CUcontext ctx = NULL;
+  if (d->CtxGetCurrent(&ctx) != CUDA_SUCCESS || !ctx) {
+    cudaError_t e = zb__rt()->SetDevice(cu->device);
+    if (e != cudaSuccess) return ZB_CUDA_FAIL(e, "cudaSetDevice before a kernel launch");
+  }
   CUfunction f = NULL;
   ZB_CHECK(function_of(cu, d, id, &f));
   void *args[1] = {params};

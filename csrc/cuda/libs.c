@@ -228,6 +228,7 @@ static void drv_load(void) {
   const char *missing = NULL;
 #define ZB_SYM(field) need(h, "cu" #field, (void **)&drv_table.field, &missing)
   ZB_SYM(GetErrorString);
+  ZB_SYM(CtxGetCurrent);
   ZB_SYM(ModuleLoadData);
   ZB_SYM(ModuleUnload);
   ZB_SYM(ModuleGetFunction);

@@ -59,6 +59,9 @@ typedef struct {
   zb__nccl_req_t *inflight, *inflight_tail, *free_list;
   int n_reqs;    /* requests ever made (their events are the transport's), for the tests */
   int failed, aborted;
+  /* The runner thread is inside NCCL calls on the communicators (issue_ready): the abort waits for
+   * it to come out (bounded: a host stuck inside an enqueue is aborted anyway). */
+  int inuse;
   zb_status_t fail_status;
   char fail_msg[1024];
 } zb__nccl_state_t;

@@ -85,13 +85,21 @@ static void fail(zb__nccl_state_t *n, zb_status_t status, const char *msg, int p
 }
 
 /* Aborts every communicator once (no lock held while NCCL aborts). ncclCommAbort makes kernels
- * waiting on a peer return, and an enqueue blocked on a full launch queue come back. */
+ * waiting on a peer return, and an enqueue blocked on a full launch queue come back. NCCL does not
+ * allow a communicator to be used by two threads at once, so the abort first waits for the runner
+ * thread to leave its NCCL calls (it sees `failed` and stops within microseconds); only a host
+ * stuck inside an enqueue for a second is aborted under its feet, the one way to free it. */
 void zb__nccl_abort_comms(zb__nccl_state_t *n) {
   ncclComm_t comms[64];
   int k = 0;
   pthread_mutex_lock(&n->mu);
   if (!n->aborted) {
     n->aborted = 1;
+    struct timespec until;
+    clock_gettime(CLOCK_MONOTONIC, &until);
+    until.tv_sec += 1;
+    while (n->inuse > 0 && pthread_cond_timedwait(&n->cv, &n->mu, &until) != ETIMEDOUT) {
+    }
     for (int i = 0; i < n->n_pairs && k < 64; i++)
       if (n->pairs[i].comm) comms[k++] = n->pairs[i].comm;
   }
@@ -107,7 +115,8 @@ void zb__nccl_abort_comms(zb__nccl_state_t *n) {
 typedef struct {
   zb__nccl_req_t *q;
   uint64_t gen;
-  int is_send, needed;
+  int is_send, needed, tag;
+  size_t bytes;
   ncclComm_t comm;
 } snap_t;
 
@@ -124,6 +133,7 @@ static void watch_once(zb_transport_t *t, snap_t *snap) {
     if (!q->finished && !snap[q->pair].q) {
       snap[q->pair].q = q, snap[q->pair].gen = q->gen;
       snap[q->pair].is_send = q->is_send, snap[q->pair].needed = q->needed;
+      snap[q->pair].tag = q->tag, snap[q->pair].bytes = q->bytes;
     }
   pthread_mutex_unlock(&n->mu);
 
@@ -151,13 +161,14 @@ static void watch_once(zb_transport_t *t, snap_t *snap) {
     }
     pthread_mutex_unlock(&n->mu);
     if (late) {
-      describe_tag(q->tag, what, sizeof what);
+      const snap_t *sn = &snap[i]; /* q may be reused by now: its fields as they were */
+      describe_tag(sn->tag, what, sizeof what);
       snprintf(msg, sizeof msg,
                "rank %d: the %s of %zu bytes %s rank %d (%s) has not finished within %.3g s of %s; rank %d is "
                "dead, stuck or behind (the watchdog aborted the NCCL communicators)",
-               (int)t->rank, q->is_send ? "send" : "receive", q->bytes, q->is_send ? "to" : "from",
+               (int)t->rank, sn->is_send ? "send" : "receive", sn->bytes, sn->is_send ? "to" : "from",
                (int)n->pairs[i].peer, what, n->timeout,
-               q->is_send ? "its data being ready" : "the compute stream needing it", (int)n->pairs[i].peer);
+               sn->is_send ? "its data being ready" : "the compute stream needing it", (int)n->pairs[i].peer);
       fail(n, ZB_ERR_TIMEOUT, msg, 1);
     }
   }
@@ -290,12 +301,12 @@ static void drop_posted(zb__nccl_state_t *n, zb__nccl_req_t *q) {
  * has failed the transport meanwhile. */
 static zb_status_t settle(zb__nccl_state_t *n, ncclComm_t comm, ncclResult_t r, const char *what) {
   while (r == ncclInProgress) {
-    pthread_mutex_lock(&n->mu);
-    int failed = n->failed;
-    pthread_mutex_unlock(&n->mu);
-    if (failed) break;
     struct timespec nap = {0, 20 * 1000};
     nanosleep(&nap, NULL);
+    pthread_mutex_lock(&n->mu);
+    int failed = n->failed; /* then the watchdog is about to abort: touch the communicator no more */
+    pthread_mutex_unlock(&n->mu);
+    if (failed) break;
     if (n->nc->CommGetAsyncError(comm, &r) != ncclSuccess) break;
   }
   if (r == ncclSuccess) return ZB_OK;
@@ -323,6 +334,7 @@ static zb_status_t issue_ready(zb_transport_t *t, int pi) {
     pthread_mutex_lock(&n->mu);
     zb_status_t st = n->failed ? failure_locked(n) : ZB_OK;
     ncclComm_t comm = pr->comm;
+    if (st == ZB_OK) n->inuse++;
     pthread_mutex_unlock(&n->mu);
     if (st != ZB_OK) return st;
 
@@ -333,7 +345,7 @@ static zb_status_t issue_ready(zb_transport_t *t, int pi) {
       st = RT_FAIL(n, e, "ordering an NCCL transfer after the compute stream");
     } else {
       ncclResult_t r = n->nc->GroupStart();
-      for (int i = 0; i < nb && r == ncclSuccess; i++) {
+      for (int i = 0; i < nb && (r == ncclSuccess || r == ncclInProgress); i++) {
         zb__nccl_req_t *q = batch[i];
         r = q->is_send ? n->nc->Send(q->buf, q->bytes, ncclUint8, pr->peer_local, comm, pr->stream)
                        : n->nc->Recv(q->buf, q->bytes, ncclUint8, pr->peer_local, comm, pr->stream);
@@ -355,6 +367,10 @@ static zb_status_t issue_ready(zb_transport_t *t, int pi) {
           st = RT_FAIL(n, e, "cudaEventRecord after an NCCL transfer");
     }
 
+    pthread_mutex_lock(&n->mu);
+    n->inuse--;
+    pthread_cond_broadcast(&n->cv); /* an abort may be waiting for this */
+    pthread_mutex_unlock(&n->mu);
     if (st != ZB_OK) {
       /* Part of the group may be out: the pair's order is broken for good. */
       fail(n, st, zb__error_body(), 1);
@@ -513,11 +529,21 @@ static void nccl_cancel(zb_transport_t *t, zb__request_t *req) {
   pthread_mutex_unlock(&n->mu);
 }
 
+/* The runner's abort, before it gives its buffers back: fail, abort the communicators now (not at
+ * the watchdog's next look), and wait a bounded time for the transfers in flight to come out of
+ * their kernels, so no NCCL kernel still reads a buffer the caller is about to reuse. */
 static void nccl_abort(zb_transport_t *t, const char *reason) {
   zb__nccl_state_t *n = zb__nccl_of(t);
   char msg[1024];
   snprintf(msg, sizeof msg, "rank %d aborted: %s", (int)t->rank, reason);
   fail(n, ZB_ERR_REMOTE, msg, 1);
+  zb__nccl_abort_comms(n);
+  double until = zb__now() + 2.0;
+  for (zb__nccl_req_t *q = n->inflight; q; q = q->next) /* the runner thread's: the list is its */
+    while (!q->finished && n->rt->EventQuery(q->done) == cudaErrorNotReady && zb__now() < until) {
+      struct timespec nap = {0, 200 * 1000};
+      nanosleep(&nap, NULL);
+    }
 }
 
 static zb_status_t nccl_check(zb_transport_t *t) {
@@ -576,16 +602,16 @@ zb_status_t zb__nccl_plan(zb_transport_t *t, const zb_schedule_t *s) {
      * nothing is created inside an iteration. */
     int want = 0;
     for (int i = 0; i < n->n_pairs; i++) want += n->pairs[i].length;
-    ZB_CHECK(zb__nccl_enter(n));
+    st = zb__nccl_enter(n);
     while (n->n_reqs < want && st == ZB_OK) {
       zb__nccl_req_t *q = NULL;
       st = make_req(n, &q);
       if (st == ZB_OK) put_free(n, q);
     }
   } else {
+    for (int32_t j = 0; slots && j < o.n_pairs; j++) free(slots[j]); /* before the order forgets n_pairs */
     zb__pair_order_free(&o);
   }
-  for (int32_t j = 0; slots && j < o.n_pairs; j++) free(slots[j]);
   free(slots), free(posted), free(which);
   return st;
 }

@@ -300,15 +300,18 @@ static zb_status_t run_compute(zb_runner_t *r, const zb_op_t *op, const void *in
   char inner[1536];
   const char *what = op->type == ZB_OP_F ? "forward" : "backward";
   zb__clear_error();
-  r->lend_k = (int32_t)(op - r->ops), r->lend_got = 0; /* zb_runner_lend_output's window */
+  const int32_t k = (int32_t)(op - r->ops);
+  r->lend_got = 0;
   switch (op->type) {
     case ZB_OP_F:
+      r->lend_k = k; /* zb_runner_lend_output's window: the callback, nothing else */
       st = r->forward(r->user, op->stage, op->mb, in, out);
       r->lend_k = -1;
       break;
     case ZB_OP_B:
     case ZB_OP_BW:
       ZB_CHECK(zb_wstore_begin(r->ws, op->stage, op->mb));
+      r->lend_k = k;
       st = r->backward(r->user, op->stage, op->mb, in, out);
       r->lend_k = -1;
       ZB_CHECK(zb_wstore_end(r->ws));
@@ -322,7 +325,6 @@ static zb_status_t run_compute(zb_runner_t *r, const zb_op_t *op, const void *in
       }
       break;
     default:
-      r->lend_k = -1;
       st = zb_wstore_pop_run(r->ws, op->stage, NULL);
       if (st != ZB_OK) {
         take_error(inner, sizeof inner);

@@ -367,3 +367,34 @@ def run_close_order(rank, world, port, out_dir):
     torch.save(out, os.path.join(out_dir, f"close{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def run_pass_through(rank, world, port, out_dir):
+    """3 ranks over gloo: Linear, Identity, Identity. The middle stage hands on its input and the
+    last returns its input: both are views of the runner's receive buffers, which zero-copy stages
+    reuse after the microbatch's W. Saves the merged output and the first stage's gradients."""
+    import zbpp
+
+    _init(rank, world, port)
+    out = {}
+    try:
+        torch.manual_seed(0)
+        mods = [torch.nn.Linear(6, 6), torch.nn.Identity(), torch.nn.Identity()]
+        g = torch.Generator().manual_seed(3)
+        x, y = torch.randn(16, 6, generator=g), torch.randn(16, 6, generator=g)
+        stage = zbpp.PipelineStage(mods[rank], rank, world, "cpu")
+        sched = zbpp.ScheduleZBH1(stage, 8, loss_fn=torch.nn.MSELoss()) if hasattr(zbpp, "ScheduleZBH1") else \
+            zbpp.get_schedule_class("zb-h1")(stage, 8, loss_fn=torch.nn.MSELoss())
+        for _ in range(2):
+            mods[rank].zero_grad()
+            got = sched.step(x) if rank == 0 else sched.step(target=y) if rank == world - 1 else sched.step()
+        out["output"] = got
+        out["x"], out["y"] = x, y
+        if rank == 0:
+            out["grads"] = [p.grad.clone() for p in mods[0].parameters()]
+            out["params"] = [p.detach().clone() for p in mods[0].parameters()]
+    except BaseException:  # noqa: BLE001 - the test reads the traceback
+        out["error"] = traceback.format_exc()
+    torch.save(out, os.path.join(out_dir, f"pass{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()

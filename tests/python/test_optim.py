@@ -325,3 +325,32 @@ def test_fused_misuse_gets_clear_errors():
     # CPU parameters keep torch's step unless asked; an optimizer the kernels lack falls back.
     assert not PostValidatedOptimizer(torch.optim.SGD([p], lr=0.1), {0: [p]}, 1).fused
     assert PostValidatedOptimizer(torch.optim.SGD([p], lr=0.1), {0: [p]}, 1, fused=True).fused
+
+
+@pytest.mark.parametrize("opt", ["adamw", "sgd"])
+def test_fused_steps_a_parameter_that_missed_a_gradient_as_torch_does(opt):
+    """A parameter without a gradient in one step is left alone (as torch's optimizers do) and is a
+    step behind its group afterwards; the fused kernels then step it with its own count."""
+    def make():
+        g = torch.Generator().manual_seed(7)
+        ps = [torch.nn.Parameter(torch.randn(5, 3, generator=g)), torch.nn.Parameter(torch.randn(4, generator=g))]
+        o = (torch.optim.AdamW(ps, lr=0.05, weight_decay=0.01, foreach=False) if opt == "adamw"
+             else torch.optim.SGD(ps, lr=0.1, momentum=0.9, foreach=False))
+        return ps, o
+    fused_ps, fused_opt = make()
+    ref_ps, ref_opt = make()
+    pv = PostValidatedOptimizer(fused_opt, {0: fused_ps}, 1, fused=True)
+    g = torch.Generator().manual_seed(8)
+    for step in range(4):
+        grads = [torch.randn(p.shape, generator=g) for p in fused_ps]
+        for k, (a, b) in enumerate(zip(fused_ps, ref_ps)):
+            missing = step == 1 and k == 1
+            a.grad = None if missing else grads[k].clone()
+            b.grad = None if missing else grads[k].clone()
+        pv.step()
+        ref_opt.step()
+        pv.zero_grad()
+        ref_opt.zero_grad()
+    for a, b in zip(fused_ps, ref_ps):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), (a - b).abs().max().item()
+    pv.close()

@@ -310,3 +310,26 @@ def test_step_keywords_as_torchs():
     with pytest.raises(ValueError, match="different sizes"):
         sched.step(torch.randn(4, 10), scale=2.0, target=torch.randn(10, 3))
     sched.close()
+
+
+def test_stages_that_pass_their_input_on_give_the_loops_results(tmp_path):
+    """Zero-copy stages over gloo: an Identity in the middle and one as the loss stage return views
+    of the runner's receive buffers; the output the schedule returns and the gradients are still
+    the sequential loop's (the pass-through outputs are copied, not lent or kept as views)."""
+    spawn(pipeline_worker.run_pass_through, 3, str(tmp_path))
+    got = [torch.load(tmp_path / f"pass{r}.pt") for r in range(3)]
+    for r, g in enumerate(got):
+        assert "error" not in g, g.get("error")
+    x, y = got[0]["x"], got[0]["y"]
+    lin = torch.nn.Linear(6, 6)
+    with torch.no_grad():
+        for p, q in zip(lin.parameters(), got[0]["params"]):
+            p.copy_(q)
+        want = lin(x)
+    torch.testing.assert_close(got[2]["output"], want)
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(6, 6)
+    for xi, yi in zip(x.chunk(8), y.chunk(8)):
+        torch.nn.functional.mse_loss(ref(xi), yi).backward()
+    for a, b in zip(got[0]["grads"], ref.parameters()):
+        torch.testing.assert_close(a, b.grad / 8)

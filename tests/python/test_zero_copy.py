@@ -88,3 +88,34 @@ def test_stages_on_one_rank_hand_their_tensors_on_without_copies(one_process_gro
     for mod, r in zip(mods, ref):
         for p, q in zip(mod.parameters(), r.parameters()):
             torch.testing.assert_close(p.grad, q.grad / M)
+
+
+def test_a_stage_that_passes_its_input_on_keeps_its_own_copy(one_process_group):
+    """A middle stage that returns its input (a view of the runner's buffer) and a last stage that
+    returns its input both still give the right outputs: those are copied, not lent or kept as views
+    of memory the runner reuses."""
+    torch.manual_seed(0)
+    mods = [torch.nn.Linear(D, D), torch.nn.Identity(), torch.nn.Linear(D, D), torch.nn.Identity()]
+    ref = copy.deepcopy(mods)
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(MB * M, D, generator=g), torch.randn(MB * M, D, generator=g)
+    loss_fn = torch.nn.MSELoss()
+    stages = [zp.PipelineStage(mods[s], s, 4, "cpu") for s in range(4)]
+    sched = zp.ScheduleLoopedBFS(stages, M, loss_fn=loss_fn)
+    for _ in range(2):
+        for mod in mods:
+            mod.zero_grad()
+        out = sched.step(x, target=y)
+    with torch.no_grad():
+        want = x
+        for mod in ref:
+            want = mod(want)
+    torch.testing.assert_close(out, want)
+    for xi, yi in zip(x.chunk(M), y.chunk(M)):
+        h = xi
+        for mod in ref:
+            h = mod(h)
+        loss_fn(h, yi).backward()
+    for mod, r in zip(mods, ref):
+        for p, q in zip(mod.parameters(), r.parameters()):
+            torch.testing.assert_close(p.grad, q.grad / M)

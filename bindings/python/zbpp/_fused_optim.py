@@ -21,11 +21,24 @@ to rounding; the fused and unfused paths of this wrapper each equal their own sy
 for bit, not each other.
 """
 
+from typing import Any, NamedTuple
+
 import torch
 
 from . import cuda, runtime
 
 __all__ = ["FusedStep", "fusable"]
+
+
+class _Call(NamedTuple):
+    """One zb_optim_step of a step: its lists, and the tensors whose addresses they hold."""
+    key: Any
+    op: Any
+    backend: Any
+    step: int
+    masters: list
+    device: Any
+    keep: list
 
 
 def _why_not(optimizer):
@@ -119,46 +132,42 @@ class FusedStep:
         return [], [], st.get("_zbpp_step", 1 if st.get("momentum_buffer") is not None else 0)
 
     def plan(self, grads):
-        """The calls of one step: [(key, OptimStep, backend, step number, masters, SGD buffers to make)],
-        one per parameter group, device and gradient dtype, over the masters that have a gradient."""
+        """The calls of one step, one per parameter group, device, gradient dtype and step count,
+        over the masters that have a gradient (a parameter without one this step is left alone, as
+        torch does, and may then be a step behind its group: it gets a call of its own)."""
         grad_of = {id(m): g for row in grads.values() for m, g in row if g is not None}
         calls = []
         for gi, group in enumerate(self.optimizer.param_groups):
+            momentum = float(group.get("momentum", 0.0)) if self.kind == "sgd" else 0.0
             by = {}
             for m in group["params"]:
                 g = grad_of.get(id(m))
-                if g is not None:
-                    by.setdefault((m.device, g.dtype), []).append((m, g if g.is_contiguous() else g.contiguous()))
-            for (dev, gdtype), items in sorted(by.items(), key=lambda kv: str(kv[0])):
-                masters = [m for m, _ in items]
-                s1, s2, steps = [], [], set()
-                for m in masters:
-                    a, b, n = self._state(m)
-                    s1 += a
-                    s2 += b
-                    steps.add(n)
-                momentum = float(group.get("momentum", 0.0)) if self.kind == "sgd" else 0.0
+                if g is None:
+                    continue
+                s1, s2, steps = self._state(m)
                 if self.kind == "sgd" and momentum != 0:
                     # The momentum buffer exists from the first step on (the kernel sets it to the
                     # gradient then); made here so the kernel has somewhere to write it.
-                    for m in masters:
-                        st = self.optimizer.state[m]
-                        if "momentum_buffer" not in st:
-                            st["momentum_buffer"] = torch.zeros_like(m)
-                        s1.append(st["momentum_buffer"])
-                if len(steps) > 1:
-                    raise ValueError("zbpp.PostValidatedOptimizer: the parameters of one group have stepped a "
-                                     "different number of times; the fused kernels need one step count per group")
-                step = steps.pop() + 1
+                    st = self.optimizer.state[m]
+                    if st.get("momentum_buffer") is None:
+                        st["momentum_buffer"] = torch.zeros_like(m, memory_format=torch.contiguous_format)
+                    s1 = [st["momentum_buffer"]]
+                by.setdefault((m.device, g.dtype, steps), []).append((m, g.contiguous(), s1, s2))
+            for (dev, gdtype, steps), items in sorted(by.items(), key=lambda kv: str(kv[0])):
+                masters = [m for m, _, _, _ in items]
+                grads_now = [g for _, g, _, _ in items]  # kept in the call: the kernels read them
+                s1 = [t for _, _, a, _ in items for t in a]
+                s2 = [t for _, _, _, b in items for t in b]
                 betas = group.get("betas", (0.9, 0.999))
                 op = runtime.OptimStep(
                     self.kind, cuda.tensor_pairs(masters, "params", dev, torch.float32),
-                    cuda.tensor_pairs([g for _, g in items], "grads", dev, gdtype),
+                    cuda.tensor_pairs(grads_now, "grads", dev, gdtype),
                     cuda.tensor_pairs(s1, "state", dev), cuda.tensor_pairs(s2, "state", dev),
                     grad_dtype=cuda._dtype_name(gdtype, "gradients"), lr=float(group["lr"]), momentum=momentum,
                     beta1=float(betas[0]), beta2=float(betas[1]), eps=float(group.get("eps", 1e-8)),
                     weight_decay=float(group.get("weight_decay", 0.0)))
-                calls.append(((gi, str(dev), str(gdtype)), op, cuda.backend_for(dev), step, masters, dev))
+                calls.append(_Call((gi, str(dev), str(gdtype), steps), op, cuda.backend_for(dev), steps + 1,
+                                   masters, dev, grads_now + s1 + s2))
         return calls
 
     def _undo_buffer(self, key, op, dev):
@@ -171,19 +180,20 @@ class FusedStep:
         return buf
 
     def run(self, calls, factor, undoable):
-        for key, op, backend, step, _, dev in calls:
-            cuda.use_current_stream(backend, dev)
-            undo = self._undo_buffer(key, op, dev).data_ptr() if undoable else None
-            op.run(backend, step, factor, undo)
+        for c in calls:
+            cuda.use_current_stream(c.backend, c.device)
+            undo = self._undo_buffer(c.key, c.op, c.device).data_ptr() if undoable else None
+            c.op.run(c.backend, c.step, factor, undo)
 
     def undo(self, calls):
-        for key, op, backend, step, _, dev in reversed(calls):
-            cuda.use_current_stream(backend, dev)
-            op.undo(backend, self._undo[key].data_ptr(), step=step)
+        for c in reversed(calls):
+            cuda.use_current_stream(c.backend, c.device)
+            c.op.undo(c.backend, self._undo[c.key].data_ptr(), step=c.step)
 
     def commit(self, calls):
         """Counts the step that stands in the optimizer's state."""
-        for _, _, _, step, masters, _ in calls:
+        for c in calls:
+            step, masters = c.step, c.masters
             for m in masters:
                 st = self.optimizer.state[m]
                 if self.kind == "adamw":

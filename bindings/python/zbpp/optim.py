@@ -220,7 +220,11 @@ class PostValidatedOptimizer:
                              "belong to no stage in stage_params")
         masters = [m for pairs in self._stages.values() for _, m in pairs]
         if fused is None:
-            fused = bool(masters) and all(m.device.type == "cuda" for m in masters) and _fused_optim.fusable(optimizer)
+            fused = (bool(masters) and all(m.device.type == "cuda" and m.is_contiguous() for m in masters)
+                     and _fused_optim.fusable(optimizer))
+        elif fused and not all(m.is_contiguous() for m in masters):
+            raise ValueError("zbpp.PostValidatedOptimizer(fused=True): the fused kernels step contiguous "
+                             "parameters; one is not (channels_last?); pass fused=False")
         if not fused and undo_memory != "device":
             raise ValueError("zbpp.PostValidatedOptimizer: undo_memory applies to the fused path (fused=True); "
                              "the unfused path keeps its snapshot beside the parameters")
@@ -253,7 +257,7 @@ class PostValidatedOptimizer:
                    transport=schedule.transport, timeout=schedule.timeout, **kwargs)
 
     def _master(self, p):
-        master = torch.nn.Parameter(p.detach().float().clone())
+        master = torch.nn.Parameter(p.detach().float().clone(memory_format=torch.contiguous_format))
         for g in self.optimizer.param_groups:
             g["params"] = [master if q is p else q for q in g["params"]]
         if p in self.optimizer.state:
@@ -335,13 +339,16 @@ class PostValidatedOptimizer:
             # inf/NaN is seen there too: the copies are equal.
             counted = _is_tp_shard
         sq, bad = (_stage_state if fused is None else fused.stage_state)(grads, S, counted)
+        # The fused step's calls are made before the exchange starts: nothing between
+        # zb_postval_begin and zb_postval_end may raise, or the other ranks would wait for this one.
+        calls = fused.plan(grads) if fused is not None else None
         if self._tp_group is not None:
             _tp_reduce(sq, bad, self._tp_group)
         d = _Decision()
         _lib.call("zb_postval_begin", [_P, _c.POINTER(_c.c_double), _c.POINTER(_c.c_int32), _c.POINTER(_Decision)],
                   self._handle(), sq, bad, _c.byref(d))
         if fused is not None:
-            self._step_fused(d, grads)
+            self._step_fused(d, calls)
         else:
             snap = None
             if d.step:
@@ -356,12 +363,11 @@ class PostValidatedOptimizer:
         self._publish()
         return StepResult(bool(d.skipped), bool(d.clipped), bool(d.undo), float(d.grad_norm), float(d.loss_scale))
 
-    def _step_fused(self, d, grads):
+    def _step_fused(self, d, calls):
         """The decision's steps through the library's kernels: speculatively with an undo record,
         undone bit for bit if the full state refutes it, redone with the right factor."""
-        fused, calls, ran = self._fused, None, False
+        fused, ran = self._fused, False
         if d.step:
-            calls = fused.plan(grads)
             fused.run(calls, d.factor, undoable=self._post_validation)
             ran = True
         status = _lib.function("zb_postval_end", [_P, _c.POINTER(_Decision)])(self._handle(), _c.byref(d))
@@ -370,7 +376,6 @@ class PostValidatedOptimizer:
             ran = False
         _lib.check(status)
         if d.step:
-            calls = calls if calls is not None else fused.plan(grads)
             fused.run(calls, d.factor, undoable=False)
             ran = True
         if ran:

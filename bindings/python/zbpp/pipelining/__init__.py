@@ -271,6 +271,15 @@ def _buffer(addr, nbytes):
     return torch.frombuffer((ctypes.c_char * nbytes).from_address(addr), dtype=torch.uint8)
 
 
+def _shares_storage(t, others):
+    """Whether tensor t lives in the memory of any tensor of `others`."""
+    try:
+        mine = t.untyped_storage().data_ptr()
+        return any(isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() == mine for o in others)
+    except (RuntimeError, AttributeError):  # a tensor without storage (meta, some subclasses)
+        return False
+
+
 def _views(addr, meta):
     return _typed(_buffer(addr, _layout(meta)[1]), meta)
 
@@ -723,6 +732,11 @@ class PipelineSchedule:
             out = self._run_stage(s, i, inputs, kwargs)
             if s == self.loss_stage:
                 loss = self._compute_loss(i, out)
+                if self._lending and s > 0 and isinstance(self._outputs[i], torch.Tensor) and \
+                        _shares_storage(self._outputs[i], inputs):
+                    # An output that is its input (or a view of it) would be a runner buffer, reused
+                    # after this microbatch's W: the merged output keeps a copy.
+                    self._outputs[i] = self._outputs[i].clone()
                 self._ctx[(s, i)] = (inputs, None, loss)
                 if meter is not None:
                     meter.roots = [loss]
@@ -738,21 +752,23 @@ class PipelineSchedule:
                                  f"microbatch {i}, but the boundary was set up for "
                                  f"{[(str(d), sh) for d, sh in meta]}; shapes and dtypes must not change")
         if self._lending:
-            self._lend(s, [t.detach() for t in outs])
+            self._lend(s, [t.detach() for t in outs], inputs)
         else:
             for view, t in zip(self._views(out_addr, s), outs):
                 view.copy_(t.detach())
         self._ctx[(s, i)] = (inputs, outs, None)
         return out
 
-    def _lend(self, boundary, tensors):
+    def _lend(self, boundary, tensors, inputs=()):
         """Hands the runner this op's output for `boundary` without a copy: the tensor itself when
-        the boundary is one contiguous tensor, else one buffer they are packed into (a copy each).
-        Kept alive here until the runner releases it."""
+        the boundary is one contiguous tensor, else one buffer they are packed into (a copy each),
+        and a copy too when the output is the op's input (a stage that passes its input on), whose
+        memory may be the runner's. Kept alive here until the runner releases it."""
         meta = self._meta[boundary]
         _, size = _layout(meta)
         t0 = tensors[0] if len(tensors) == 1 else None
-        if t0 is not None and t0.is_contiguous() and t0.numel() * t0.element_size() == size:
+        if (t0 is not None and t0.is_contiguous() and t0.numel() * t0.element_size() == size
+                and not _shares_storage(t0, inputs)):
             keep, typed = t0, [t0]
         else:
             keep = torch.empty(size, dtype=torch.uint8, device=self.device if self._cuda else "cpu")
@@ -761,10 +777,10 @@ class PipelineSchedule:
                 view.copy_(t)
         token = next(self._lend_ids)
         addr = keep.data_ptr() if size else 0
+        self._runner.lend_output(addr, token)  # recorded only once the runner has it
         self._lent[token] = (keep, typed, addr)
         if addr:
             self._lent_at[addr] = typed
-        self._runner.lend_output(addr, token)
 
     def _release_lent(self, token):
         """The runner is done with a lent buffer: its send has finished, or the stage of this rank
@@ -823,7 +839,8 @@ class PipelineSchedule:
         finally:
             store.capturing = False
         if s > 0 and self._lending:
-            self._lend(s - 1, [x.grad if x.grad is not None else torch.zeros_like(x) for x in inputs])
+            self._lend(s - 1, [x.grad if x.grad is not None else torch.zeros_like(x) for x in inputs],
+                       [g for _, g in pairs] if loss is None else ())
         elif s > 0:
             for view, x in zip(self._views(gin_addr, s - 1), inputs):
                 if x.grad is not None:
