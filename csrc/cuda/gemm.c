@@ -22,8 +22,11 @@
 #include "bias_grad.h"
 #include "internal.h"
 
-/* Plans kept per backend. A model has a handful of distinct W shapes (a few linear layers, maybe a
- * shorter last microbatch), so a linear search over a few dozen is cheaper than the GEMM launch. */
+/* Plans kept per backend. A model has a handful of distinct W shapes (a few linear layers), so a
+ * linear search over a few dozen is cheaper than the GEMM launch. The number of rows (tokens of a
+ * microbatch) varies with variable sequence lengths, so a plan is kept per power-of-two bucket of
+ * rows, not per row count: a new count in the bucket only changes the layouts' row count and checks
+ * the algorithm (cublasLtMatmulAlgoCheck), and picks another only if that one does not fit. */
 enum { PLAN_CAP = 64 };
 
 typedef struct {
@@ -32,7 +35,8 @@ typedef struct {
 } plan_key_t;
 
 typedef struct {
-  plan_key_t key;
+  plan_key_t key;      /* rows: the bucket (a power of two) */
+  int64_t rows;        /* the rows the layouts and the algorithm are set for now */
   uint64_t last_used; /* cache clock at the last hit, for LRU eviction */
   cublasLtMatmulDesc_t desc;
   cublasLtMatrixLayout_t a, b, c; /* c describes both C and D (the same buffer, dw) */
@@ -104,6 +108,8 @@ static void plan_free(const zb__cublaslt_t *lt, plan_t *p) {
   memset(p, 0, sizeof *p);
 }
 
+static zb_status_t pick_algo(const zb__cuda_t *cu, const plan_key_t *k, plan_t *p);
+
 /* Builds the descriptor, the layouts and the algorithm for key k into p (freed again on failure).
  *
  * The row-major to column-major mapping. cuBLASLt is column-major: a row-major [r, c] matrix with
@@ -117,7 +123,6 @@ static void plan_free(const zb__cublaslt_t *lt, plan_t *p) {
 static zb_status_t plan_build(const zb__cuda_t *cu, const plan_key_t *k, plan_t *p) {
   const zb__cublaslt_t *lt = cu->lt;
   zb_status_t st = ZB_OK;
-  cublasLtMatmulPreference_t pref = NULL;
   memset(p, 0, sizeof *p);
   p->key = *k;
   /* CUBLAS_COMPUTE_32F, not CUBLAS_COMPUTE_32F_FAST_TF32: for fp32 inputs the products and sums are
@@ -135,7 +140,21 @@ static zb_status_t plan_build(const zb__cuda_t *cu, const plan_key_t *k, plan_t 
          k, st, fail);
   LT_TRY(lt, lt->MatrixLayoutCreate(&p->c, cuda_type(k->dw_dtype), (uint64_t)k->in, (uint64_t)k->out, k->in),
          k, st, fail);
+  p->rows = k->rows;
+  ZB_CHECK_GOTO(pick_algo(cu, k, p), st, fail);
+  return ZB_OK;
 
+fail:
+  plan_free(lt, p);
+  return st;
+}
+
+/* The first algorithm cuBLASLt's heuristic gives for the plan's descriptor and layouts (set for
+ * k->rows rows), within the workspace and the pointers' alignments. */
+static zb_status_t pick_algo(const zb__cuda_t *cu, const plan_key_t *k, plan_t *p) {
+  const zb__cublaslt_t *lt = cu->lt;
+  zb_status_t st = ZB_OK;
+  cublasLtMatmulPreference_t pref = NULL;
   LT_TRY(lt, lt->MatmulPreferenceCreate(&pref), k, st, fail);
   const uint64_t ws = cu->workspace_bytes;
   LT_TRY(lt, lt->MatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws),
@@ -174,17 +193,48 @@ static zb_status_t plan_build(const zb__cuda_t *cu, const plan_key_t *k, plan_t 
 
 fail:
   if (pref) lt->MatmulPreferenceDestroy(pref);
-  plan_free(lt, p);
   return st;
 }
 
-/* The plan for k: a hit, or a new one built into a free slot or over the least recently used. */
+/* A plan of the bucket for another row count: the layouts' rows set to it, the algorithm checked
+ * for it, and replaced by the heuristic's if it does not fit (or needs more workspace). */
+static zb_status_t plan_resize(const zb__cuda_t *cu, const plan_key_t *k, plan_t *p) {
+  const zb__cublaslt_t *lt = cu->lt;
+  zb_status_t st = ZB_OK;
+  const uint64_t rows = (uint64_t)k->rows;
+  p->rows = -1; /* until the layouts and the algorithm agree again */
+  LT_TRY(lt, lt->MatrixLayoutSetAttribute(p->a, CUBLASLT_MATRIX_LAYOUT_COLS, &rows, sizeof rows), k, st, fail);
+  LT_TRY(lt, lt->MatrixLayoutSetAttribute(p->b, CUBLASLT_MATRIX_LAYOUT_COLS, &rows, sizeof rows), k, st, fail);
+  cublasLtMatmulHeuristicResult_t res;
+  memset(&res, 0, sizeof res);
+  if (lt->MatmulAlgoCheck(cu->lt_handle, p->desc, p->a, p->b, p->c, p->c, &p->algo, &res) != CUBLAS_STATUS_SUCCESS ||
+      res.state != CUBLAS_STATUS_SUCCESS || res.workspaceSize > cu->workspace_bytes)
+    ZB_CHECK_GOTO(pick_algo(cu, k, p), st, fail);
+  p->rows = k->rows;
+fail:
+  return st;
+}
+
+static int64_t bucket_of(int64_t rows) {
+  int64_t b = 1;
+  while (b < rows) b <<= 1;
+  return b;
+}
+
+/* The plan for k, set for k->rows: a hit in k's bucket (resized to these rows if need be), or a new
+ * one built into a free slot or over the least recently used. */
 static zb_status_t plan_get(zb__cuda_t *cu, const plan_key_t *k, const plan_t **out) {
   zb__wgemm_cache_t *c = cu->gemm;
+  plan_key_t ck = *k;
+  ck.rows = bucket_of(k->rows);
   c->clock++;
   for (int i = 0; i < c->n; i++)
-    if (memcmp(&c->plans[i].key, k, sizeof *k) == 0) {
+    if (memcmp(&c->plans[i].key, &ck, sizeof ck) == 0) {
       c->plans[i].last_used = c->clock;
+      if (c->plans[i].rows != k->rows) {
+        zb_status_t st = plan_resize(cu, k, &c->plans[i]);
+        if (st != ZB_OK) return st; /* the plan stays, marked as set for no row count */
+      }
       *out = &c->plans[i];
       return ZB_OK;
     }
@@ -207,6 +257,7 @@ static zb_status_t plan_get(zb__cuda_t *cu, const plan_key_t *k, const plan_t **
     }
     return st;
   }
+  c->plans[slot].key = ck;
   c->plans[slot].last_used = c->clock;
   *out = &c->plans[slot];
   return ZB_OK;
@@ -263,17 +314,39 @@ zb_status_t zb__wgemm_run(zb__cuda_t *cu, const zb_wgrad_t *e) {
          &k, st, done);
 
   if (e->db) {
-    zb__bias_grad_params_t bp = {e->dy, k.rows, k.out, k.ldy, e->dtype, e->db, dw_dtype, !overwrite};
+    zb__bias_grad_params_t bp = {e->dy, k.rows, k.out, k.ldy, e->dtype, e->db, dw_dtype, !overwrite, 1, k.rows, NULL};
     /* db in fp32 (main_grad) or in dy's dtype (zb__wgrad_check allowed only those). */
     const int f32_db = dw_dtype == ZB_DTYPE_F32;
     const int id = e->dtype == ZB_DTYPE_F32   ? ZB__KERNEL_BIAS_GRAD_F32_F32
                    : e->dtype == ZB_DTYPE_F16 ? (f32_db ? ZB__KERNEL_BIAS_GRAD_F16_F32 : ZB__KERNEL_BIAS_GRAD_F16_F16)
                                               : (f32_db ? ZB__KERNEL_BIAS_GRAD_BF16_F32 : ZB__KERNEL_BIAS_GRAD_BF16_BF16);
-    const unsigned grid = (unsigned)((k.out + ZB__BIAS_GRAD_COLS - 1) / ZB__BIAS_GRAD_COLS);
-    if (k.out >= 1 && (st = zb__cuda_launch(cu, id, grid, ZB__BIAS_GRAD_COLS, ZB__BIAS_GRAD_LANES, &bp)) != ZB_OK) {
-      char inner[1024];
-      snprintf(inner, sizeof inner, "%s", zb__error_body());
-      st = ZB_FAIL(st, "the bias gradient of the %s: %s", describe(&k, d, sizeof d), inner);
+    const int64_t col_blocks = (k.out + ZB__BIAS_GRAD_COLS - 1) / ZB__BIAS_GRAD_COLS;
+    /* Few columns, many rows: split the rows into ranges so about 256 blocks run, at least 1024
+     * rows a range, at most 64 ranges, their fp32 partial sums in the GEMM's workspace (free again
+     * once the GEMM before it on this stream is done). A function of rows and cols only, so the
+     * order of the sums, and so the bits, never change between runs. */
+    int64_t splits = k.rows / 1024;
+    if (splits > 256 / col_blocks) splits = 256 / col_blocks;
+    if (splits > 64) splits = 64;
+    while (splits > 1 && (size_t)splits * (size_t)k.out * sizeof(float) > cu->workspace_bytes) splits /= 2;
+    if (splits > 1) {
+      bp.splits = (int32_t)splits, bp.chunk = (k.rows + splits - 1) / splits, bp.partial = cu->workspace;
+    }
+    if (k.out >= 1) {
+      st = zb__cuda_launch(cu, id, (unsigned)col_blocks, (unsigned)bp.splits, ZB__BIAS_GRAD_COLS, ZB__BIAS_GRAD_LANES,
+                           &bp);
+      if (st == ZB_OK && bp.splits > 1) {
+        const int cid = !f32_db && e->dtype == ZB_DTYPE_F16   ? ZB__KERNEL_BIAS_COMBINE_F16
+                        : !f32_db && e->dtype == ZB_DTYPE_BF16 ? ZB__KERNEL_BIAS_COMBINE_BF16
+                                                               : ZB__KERNEL_BIAS_COMBINE_F32;
+        st = zb__cuda_launch(cu, cid, (unsigned)((k.out + ZB__BIAS_COMBINE_THREADS - 1) / ZB__BIAS_COMBINE_THREADS),
+                             1, ZB__BIAS_COMBINE_THREADS, 1, &bp);
+      }
+      if (st != ZB_OK) {
+        char inner[1024];
+        snprintf(inner, sizeof inner, "%s", zb__error_body());
+        st = ZB_FAIL(st, "the bias gradient of the %s: %s", describe(&k, d, sizeof d), inner);
+      }
     }
   }
 done:

@@ -68,6 +68,9 @@ typedef struct {
                                            cublasLtMatrixLayout_t, cublasLtMatrixLayout_t,
                                            cublasLtMatmulPreference_t, int,
                                            cublasLtMatmulHeuristicResult_t[], int *);
+  cublasStatus_t (*MatmulAlgoCheck)(cublasLtHandle_t, cublasLtMatmulDesc_t, cublasLtMatrixLayout_t,
+                                    cublasLtMatrixLayout_t, cublasLtMatrixLayout_t, cublasLtMatrixLayout_t,
+                                    const cublasLtMatmulAlgo_t *, cublasLtMatmulHeuristicResult_t *);
   cublasStatus_t (*Matmul)(cublasLtHandle_t, cublasLtMatmulDesc_t, const void *, const void *,
                            cublasLtMatrixLayout_t, const void *, cublasLtMatrixLayout_t,
                            const void *, const void *, cublasLtMatrixLayout_t, void *,
@@ -184,7 +187,10 @@ typedef struct zb__wgemm_cache zb__wgemm_cache_t;
   X(BIAS_GRAD_F16_F32, BIAS_GRAD, "bias_grad_f16_f32_kernel")                                     \
   X(BIAS_GRAD_F16_F16, BIAS_GRAD, "bias_grad_f16_f16_kernel")                                     \
   X(BIAS_GRAD_BF16_F32, BIAS_GRAD, "bias_grad_bf16_f32_kernel")                                   \
-  X(BIAS_GRAD_BF16_BF16, BIAS_GRAD, "bias_grad_bf16_bf16_kernel")
+  X(BIAS_GRAD_BF16_BF16, BIAS_GRAD, "bias_grad_bf16_bf16_kernel")                                 \
+  X(BIAS_COMBINE_F32, BIAS_GRAD, "bias_combine_f32_kernel")                                       \
+  X(BIAS_COMBINE_F16, BIAS_GRAD, "bias_combine_f16_kernel")                                       \
+  X(BIAS_COMBINE_BF16, BIAS_GRAD, "bias_combine_bf16_kernel")
 
 enum {
 #define ZB__X(id, file) ZB__MODULE_##id,
@@ -233,8 +239,10 @@ zb_status_t zb__wgemm_run(zb__cuda_t *cu, const zb_wgrad_t *e);
 void zb__wgemm_destroy(zb__cuda_t *cu);
 
 /* launch.c: launches kernel `id` (ZB__KERNEL_LIST) on cu->compute with one params struct by value;
- * grid (x) blocks of block_x * block_y threads. Loads the kernel's module on first use. Never blocks. */
-zb_status_t zb__cuda_launch(zb__cuda_t *cu, int id, unsigned grid, unsigned block_x, unsigned block_y, void *params);
+ * grid_x * grid_y blocks of block_x * block_y threads. Loads the kernel's module on first use.
+ * Never blocks. */
+zb_status_t zb__cuda_launch(zb__cuda_t *cu, int id, unsigned grid_x, unsigned grid_y, unsigned block_x,
+                            unsigned block_y, void *params);
 /* Unloads the modules (at backend destroy). */
 void zb__cuda_unload(zb__cuda_t *cu);
 

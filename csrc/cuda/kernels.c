@@ -140,7 +140,7 @@ zb_status_t zb__cuda_sq_norm(zb__cuda_t *cu, zb_dtype_t dtype, const zb_tensor_l
   p->done = (unsigned int *)((char *)scratch + slots);
   ZB_CUDA_CHECK_GOTO(zb__rt()->MemsetAsync(p->done, 0, sizeof(unsigned int), cu->compute), st, out);
   for (int32_t blocks; (blocks = fill_list(&p->t, &c, zb__dtype_size(dtype))) > 0;) {
-    st = zb__cuda_launch(cu, by_dtype(ZB__KERNEL_SQ_NORM_F32, dtype), (unsigned)blocks, ZB__KERNEL_THREADS, 1, p);
+    st = zb__cuda_launch(cu, by_dtype(ZB__KERNEL_SQ_NORM_F32, dtype), (unsigned)blocks, 1, ZB__KERNEL_THREADS, 1, p);
     if (st != ZB_OK) break;
   }
 out:
@@ -158,7 +158,7 @@ zb_status_t zb__cuda_unscale(zb__cuda_t *cu, zb_dtype_t dtype, const zb_tensor_l
   zb_status_t st = ZB_OK;
   cursor_t c = {t, 0, 0, 0};
   for (int32_t blocks; (blocks = fill_list(&p->t, &c, zb__dtype_size(dtype))) > 0;) {
-    st = zb__cuda_launch(cu, by_dtype(ZB__KERNEL_UNSCALE_F32, dtype), (unsigned)blocks, ZB__KERNEL_THREADS, 1, p);
+    st = zb__cuda_launch(cu, by_dtype(ZB__KERNEL_UNSCALE_F32, dtype), (unsigned)blocks, 1, ZB__KERNEL_THREADS, 1, p);
     if (st != ZB_OK) break;
   }
   free(p);
@@ -168,7 +168,7 @@ zb_status_t zb__cuda_unscale(zb__cuda_t *cu, zb_dtype_t dtype, const zb_tensor_l
 zb_status_t zb__cuda_scale_update(zb__cuda_t *cu, float *scale, int32_t *tracker, const int32_t *nonfinite,
                                   double growth, double backoff, int32_t interval) {
   zb__scale_update_params_t p = {scale, tracker, nonfinite, growth, backoff, interval};
-  return zb__cuda_launch(cu, ZB__KERNEL_SCALE_UPDATE, 1, 1, 1, &p);
+  return zb__cuda_launch(cu, ZB__KERNEL_SCALE_UPDATE, 1, 1, 1, 1, &p);
 }
 
 static int64_t list_total(const zb_tensor_list_t *l) {
@@ -195,7 +195,7 @@ zb_status_t zb__cuda_optim_step(zb__cuda_t *cu, const zb_optim_step_t *s) {
   zb_status_t st = ZB_OK;
   cursor_t c = {&s->params, 0, 0, 0};
   for (int32_t blocks; (blocks = fill_optim(&p->t, &c, s, p->nstate, 1)) > 0;) {
-    st = zb__cuda_launch(cu, by_dtype(ZB__KERNEL_OPTIM_STEP_F32, s->grad_dtype), (unsigned)blocks,
+    st = zb__cuda_launch(cu, by_dtype(ZB__KERNEL_OPTIM_STEP_F32, s->grad_dtype), (unsigned)blocks, 1,
                          ZB__KERNEL_THREADS, 1, p);
     if (st != ZB_OK) break;
   }
@@ -212,7 +212,7 @@ zb_status_t zb__cuda_optim_undo(zb__cuda_t *cu, const zb_optim_step_t *s) {
   zb_status_t st = ZB_OK;
   cursor_t c = {&s->params, 0, 0, 0};
   for (int32_t blocks; (blocks = fill_optim(&p->t, &c, s, p->nstate, 0)) > 0;) {
-    st = zb__cuda_launch(cu, ZB__KERNEL_OPTIM_UNDO, (unsigned)blocks, ZB__KERNEL_THREADS, 1, p);
+    st = zb__cuda_launch(cu, ZB__KERNEL_OPTIM_UNDO, (unsigned)blocks, 1, ZB__KERNEL_THREADS, 1, p);
     if (st != ZB_OK) break;
   }
   free(p);

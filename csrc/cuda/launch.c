@@ -75,7 +75,8 @@ static zb_status_t function_of(zb__cuda_t *cu, const zb__cudrv_t *d, int id, CUf
   return ZB_OK;
 }
 
-zb_status_t zb__cuda_launch(zb__cuda_t *cu, int id, unsigned grid, unsigned block_x, unsigned block_y, void *params) {
+zb_status_t zb__cuda_launch(zb__cuda_t *cu, int id, unsigned grid_x, unsigned grid_y, unsigned block_x,
+                            unsigned block_y, void *params) {
   const zb__cudrv_t *d;
   ZB_CHECK(zb__cudrv(&d));
   /* The driver needs a current context, which runtime calls make lazily: on a thread whose first
@@ -88,10 +89,10 @@ zb_status_t zb__cuda_launch(zb__cuda_t *cu, int id, unsigned grid, unsigned bloc
   CUfunction f = NULL;
   ZB_CHECK(function_of(cu, d, id, &f));
   void *args[1] = {params};
-  CUresult r = d->LaunchKernel(f, grid, 1, 1, block_x, block_y, 1, 0, (CUstream)cu->compute, args, NULL);
+  CUresult r = d->LaunchKernel(f, grid_x, grid_y, 1, block_x, block_y, 1, 0, (CUstream)cu->compute, args, NULL);
   if (r != CUDA_SUCCESS)
-    return ZB_FAIL(ZB_ERR_CUDA, "launching %s (%u blocks of %u threads) failed: %s (error %d)", kernel_names[id],
-                   grid, block_x * block_y, drv_text(d, r), (int)r);
+    return ZB_FAIL(ZB_ERR_CUDA, "launching %s (%u x %u blocks of %u threads) failed: %s (error %d)", kernel_names[id],
+                   grid_x, grid_y, block_x * block_y, drv_text(d, r), (int)r);
   return ZB_OK;
 }
 

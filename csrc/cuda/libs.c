@@ -73,6 +73,7 @@ static void lt_load(void) {
   ZB_SYM(MatmulPreferenceDestroy);
   ZB_SYM(MatmulPreferenceSetAttribute);
   ZB_SYM(MatmulAlgoGetHeuristic);
+  ZB_SYM(MatmulAlgoCheck);
   ZB_SYM(Matmul);
 #undef ZB_SYM
   if (missing) {

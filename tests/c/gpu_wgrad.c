@@ -211,6 +211,8 @@ static void test_every_mode_against_float64(void **state) {
       {1, 1, 1, 0, 0, 0},          /* one product: TF32 would show as a 2^-11 relative error */
       {3, 5, 7, 0, 0, 0},
       {37, 19, 23, 0, 0, 0},       /* odd sizes */
+      {60, 19, 23, 0, 0, 0},       /* the same bucket of rows (64): the plan resized, its algorithm checked */
+      {5000, 16, 40, 0, 0, 0},     /* few columns, many rows: the bias sums split over row ranges */
       {33, 17, 9, 24, 13, 0},      /* leading dimensions above the row lengths */
       {45, 31, 29, 33, 35, 1},     /* odd leading dimensions, x and dy one element off alignment */
       {0, 5, 7, 0, 0, 0},          /* an empty sum */
