@@ -206,6 +206,9 @@ def _tp_worker(rank, key, out_dir, bad_rank):
         r = post.step()
         with open(f"{out_dir}/{rank}.pkl", "wb") as f:
             pickle.dump((r, w.detach().clone(), b.detach().clone()), f)
+        # Both ranks done before either tears gloo down: a rank that destroys its group while the
+        # other still reads the last all_reduce's connection makes gloo abort that one.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
