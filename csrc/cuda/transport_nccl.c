@@ -86,9 +86,10 @@ static void fail(zb__nccl_state_t *n, zb_status_t status, const char *msg, int p
 
 /* Aborts every communicator once (no lock held while NCCL aborts). ncclCommAbort makes kernels
  * waiting on a peer return, and an enqueue blocked on a full launch queue come back. NCCL does not
- * allow a communicator to be used by two threads at once, so the abort first waits for the runner
- * thread to leave its NCCL calls (it sees `failed` and stops within microseconds); only a host
- * stuck inside an enqueue for a second is aborted under its feet, the one way to free it. */
+ * allow a communicator to be used by two threads at once, so the abort first waits for the other
+ * thread (the runner's enqueues, or the watchdog's error polls) to leave its NCCL calls (it sees
+ * `failed` and stops within microseconds); only a host stuck inside an enqueue for a second is
+ * aborted under its feet, the one way to free it. */
 void zb__nccl_abort_comms(zb__nccl_state_t *n) {
   ncclComm_t comms[64];
   int k = 0;
@@ -123,11 +124,14 @@ typedef struct {
 static void watch_once(zb_transport_t *t, snap_t *snap) {
   zb__nccl_state_t *n = zb__nccl_of(t);
   char what[128], msg[1024];
-  /* 1. Under the lock: each pair's oldest unfinished transfer and its communicator. */
+  /* 1. Under the lock: each pair's oldest unfinished transfer and its communicator, held in use
+   * (the runner's abort may free the communicators, and waits for this). */
   pthread_mutex_lock(&n->mu);
+  const int use = !n->failed && !n->aborted;
+  if (use) n->inuse++;
   for (int i = 0; i < n->n_pairs; i++) {
     snap[i].q = NULL;
-    snap[i].comm = n->failed ? NULL : n->pairs[i].comm;
+    snap[i].comm = use ? n->pairs[i].comm : NULL;
   }
   for (zb__nccl_req_t *q = n->inflight; q; q = q->next)
     if (!q->finished && !snap[q->pair].q) {
@@ -137,7 +141,7 @@ static void watch_once(zb_transport_t *t, snap_t *snap) {
     }
   pthread_mutex_unlock(&n->mu);
 
-  /* 2. Without it: NCCL's asynchronous errors and the device's progress. */
+  /* 2. Without it: NCCL's asynchronous errors, then the device's progress. */
   for (int i = 0; i < n->n_pairs; i++) {
     ncclResult_t e = ncclSuccess;
     if (snap[i].comm && n->nc->CommGetAsyncError(snap[i].comm, &e) == ncclSuccess && e != ncclSuccess &&
@@ -146,6 +150,14 @@ static void watch_once(zb_transport_t *t, snap_t *snap) {
                n->nc->GetErrorString(e), (int)n->pairs[i].peer);
       fail(n, e == ncclRemoteError ? ZB_ERR_REMOTE : ZB_ERR_NCCL, msg, 1);
     }
+  }
+  if (use) {
+    pthread_mutex_lock(&n->mu);
+    n->inuse--;
+    pthread_cond_broadcast(&n->cv);
+    pthread_mutex_unlock(&n->mu);
+  }
+  for (int i = 0; i < n->n_pairs; i++) {
     zb__nccl_req_t *q = snap[i].q;
     if (!q) continue;
     int done = n->rt->EventQuery(q->done) == cudaSuccess;
@@ -262,6 +274,8 @@ static zb_status_t make_req(zb__nccl_state_t *n, zb__nccl_req_t **out) {
 }
 
 static zb_status_t get_req(zb__nccl_state_t *n, zb__nccl_req_t **out) {
+  /* Each post reclaims: the in-flight list then holds only transfers still out (a few per
+   * channel), which keeps this cheap and the watchdog's oldest-per-pair current. */
   reclaim(n);
   pthread_mutex_lock(&n->mu);
   zb__nccl_req_t *q = n->free_list;

@@ -265,7 +265,6 @@ static zb_status_t post_recv(zb_runner_t *r, int32_t j) {
   return zb__transport_irecv(r->tr, &r->recv_req[j], io->in_peer, io->in_tag, r->recv_buf[j], io->in_bytes);
 }
 
-
 /* Undoes whatever the failed iteration left: requests, buffers, W-store entries. */
 static void cleanup_after_failure(zb_runner_t *r) {
   for (int32_t j = 0; j < r->n_recv; j++) {
@@ -415,7 +414,6 @@ static zb_status_t op_deliver(zb_runner_t *r, int32_t k, void *out, uint64_t tok
   }
   return ZB_OK;
 }
-
 
 /* Runs op k once its input is there, or, when k starts a pair, ops k and k+1 as one unit: both
  * inputs first, both callbacks back to back, both outputs after. *ran is how many ops it ran; on

@@ -97,12 +97,6 @@ static __thread item_t *tl_group[16]; /* per stream, the group's pending item */
 static __thread fstream_t *tl_group_stream[16];
 static __thread int tl_group_n;
 
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
 static void nap_us(long us) {
   struct timespec ts = {us / 1000000, (us % 1000000) * 1000};
   nanosleep(&ts, NULL);
@@ -132,7 +126,7 @@ static xop_t *find_match(const xop_t *x) {
 /* One pass over the streams' heads; 1 when something moved. Device lock held. */
 static int step_once(void) {
   int moved = 0;
-  double t = now_s();
+  double t = zb__now();
   for (fstream_t *s = dev.live; s; s = s->next_live) {
     item_t *it = s->head;
     if (!it) continue;
@@ -581,8 +575,8 @@ static void drain(cudaStream_t st, double limit) {
   cudaEvent_t e;
   f_event_create(&e, 0);
   f_event_record(e, st);
-  double t0 = now_s();
-  while (f_event_query(e) != cudaSuccess && now_s() - t0 < limit) nap_us(200);
+  double t0 = zb__now();
+  while (f_event_query(e) != cudaSuccess && zb__now() - t0 < limit) nap_us(200);
   f_event_destroy(e);
 }
 
@@ -674,7 +668,7 @@ static void *rank_main(void *arg) {
   job_t *J = a->job;
   int32_t r = a->rank;
   tl_rank = r;
-  double t0 = now_s();
+  double t0 = zb__now();
   cudaStream_t compute;
   f_stream_create(&compute, 0);
   zb__cuda_t cu;
@@ -692,15 +686,15 @@ static void *rank_main(void *arg) {
       st = t->ops->check(t);
     } else if (r == J->dead_rank) {
       /* Alive enough to make the transport, then silent: it only notices failure. */
-      double until = now_s() + 20 * J->timeout + 5;
-      while ((st = t->ops->check(t)) == ZB_OK && now_s() < until) nap_us(1000);
+      double until = zb__now() + 20 * J->timeout + 5;
+      while ((st = t->ops->check(t)) == ZB_OK && zb__now() < until) nap_us(1000);
     } else {
       st = run_iterations(J, r, t, compute);
     }
   }
   J->st[r] = st;
   snprintf(J->msg[r], sizeof J->msg[r], "%s", st == ZB_OK ? "" : zb_last_error());
-  J->took[r] = now_s() - t0;
+  J->took[r] = zb__now() - t0;
   drain(compute, 5);
   zb_transport_destroy(t);
   f_stream_destroy(compute);
