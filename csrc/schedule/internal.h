@@ -58,8 +58,15 @@ void zb__oplists_free(zb__oplists_t *l);
  * with every op timed, also the times as s's simulation results. */
 zb_status_t zb__schedule_take_ops(zb_schedule_t *s, zb__oplists_t *l);
 
+/* Checks the cost part of a spec with S stages (spec_costs.c): finite times >= 0, w_share in
+ * [0, 1], a finite mem_limit. Shared by create, create_from_ops and import. */
+zb_status_t zb__spec_check_costs(const zb_schedule_spec_t *spec, int S);
+/* Refuses costs whose schedule could not have a finite length: m times the work of every stage
+ * plus every hop's time_comm must stay at most a limit far below DBL_MAX (spec_costs.c says why).
+ * The message names the largest input of `named`, the spec the caller gave. */
+zb_status_t zb__schedule_check_total(const zb_schedule_t *s, const zb_schedule_spec_t *named);
 /* Allocates a handle with p, v, m, placement and costs filled from spec (kind-independent parts).
- * spec times are per rank (divided by v here); stage arrays are absolute. */
+ * spec times are per rank (divided by v here); stage arrays are absolute. Runs both checks above. */
 zb_status_t zb__schedule_alloc(zb_schedule_t **out, const zb_schedule_spec_t *spec, int p, int v,
                                int m, zb_placement_t placement);
 /* The same over an explicit map of S stages to ranks (ZB_PLACEMENT_CUSTOM; map is copied): per-rank

@@ -214,47 +214,6 @@ void zb__schedule_free(zb_schedule_t *s) {
   free(s);
 }
 
-static int bad_number(double x) { return isnan(x) || isinf(x) || x < 0; }
-
-/* Checks the cost part of a spec (shared by create, create_from_ops and import). */
-static zb_status_t check_costs(const zb_schedule_spec_t *spec, int S) {
-  const struct {
-    const char *name;
-    double v;
-  } scalars[] = {{"time_f", spec->time_f},     {"time_b", spec->time_b},
-                 {"time_w", spec->time_w},     {"time_comm", spec->time_comm}};
-  for (size_t i = 0; i < sizeof scalars / sizeof scalars[0]; i++)
-    if (bad_number(scalars[i].v))
-      return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "%s is %g; times must be finite and >= 0",
-                     scalars[i].name, scalars[i].v);
-  if (isnan(spec->time_bw) || isinf(spec->time_bw))
-    return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
-                   "time_bw is %g; give a finite time, or <= 0 for time_b + time_w", spec->time_bw);
-  const struct {
-    const char *name;
-    const double *a;
-  } arrays[] = {{"stage_time_f", spec->stage_time_f},
-                {"stage_time_b", spec->stage_time_b},
-                {"stage_time_w", spec->stage_time_w},
-                {"stage_time_bw", spec->stage_time_bw}};
-  for (size_t i = 0; i < 4; i++) {
-    if (!arrays[i].a) continue;
-    for (int st = 0; st < S; st++)
-      if (bad_number(arrays[i].a[st]))
-        return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "%s[%d] is %g; times must be finite and >= 0",
-                       arrays[i].name, st, arrays[i].a[st]);
-  }
-  if (isnan(spec->w_share) || spec->w_share < 0 || spec->w_share > 1)
-    return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
-                   "w_share is %g; it is the share of activations only W needs, in [0, 1]",
-                   spec->w_share);
-  if (isnan(spec->mem_limit) || isinf(spec->mem_limit))
-    return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
-                   "mem_limit is %g; give a finite limit in microbatches, or <= 0 for none",
-                   spec->mem_limit);
-  return ZB_OK;
-}
-
 static zb_status_t check_spec_header(const zb_schedule_spec_t *spec) {
   if (spec->struct_size < sizeof(zb_schedule_spec_t) || spec->version != ZB_SCHEDULE_SPEC_VERSION)
     return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
@@ -265,10 +224,13 @@ static zb_status_t check_spec_header(const zb_schedule_spec_t *spec) {
   return ZB_OK;
 }
 
-zb_status_t zb__schedule_alloc(zb_schedule_t **out, const zb_schedule_spec_t *spec, int p, int v,
-                               int m, zb_placement_t placement) {
+/* zb__schedule_alloc, naming the times of `named` (the caller's spec) when the total is too long:
+ * alloc_mapped passes per-stage arrays of its own making, which the user never saw. */
+static zb_status_t alloc_named(zb_schedule_t **out, const zb_schedule_spec_t *spec,
+                               const zb_schedule_spec_t *named, int p, int v, int m,
+                               zb_placement_t placement) {
   *out = NULL;
-  ZB_CHECK(check_costs(spec, p * v));
+  ZB_CHECK(zb__spec_check_costs(spec, p * v));
   zb_schedule_t *s = calloc(1, sizeof *s);
   if (!s) return ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory allocating a schedule");
   s->kind = spec->kind;
@@ -305,8 +267,18 @@ zb_status_t zb__schedule_alloc(zb_schedule_t **out, const zb_schedule_spec_t *sp
     else
       s->tbw[st] = s->tb[st] + s->tw[st];
   }
+  zb_status_t st = zb__schedule_check_total(s, named);
+  if (st != ZB_OK) {
+    zb__schedule_free(s);
+    return st;
+  }
   *out = s;
   return ZB_OK;
+}
+
+zb_status_t zb__schedule_alloc(zb_schedule_t **out, const zb_schedule_spec_t *spec, int p, int v,
+                               int m, zb_placement_t placement) {
+  return alloc_named(out, spec, spec, p, v, m, placement);
 }
 
 zb_status_t zb__schedule_alloc_mapped(zb_schedule_t **out, const zb_schedule_spec_t *spec, int p, int S,
@@ -337,7 +309,7 @@ zb_status_t zb__schedule_alloc_mapped(zb_schedule_t **out, const zb_schedule_spe
     copy.stage_time_bw = t + 3 * S;
     /* alloc sizes the stage arrays by p * v: as one rank with S chunks they are S long, and the
      * per-stage times above are read as given; the per-rank arrays and the shape are set below. */
-    st = zb__schedule_alloc(out, &copy, 1, S, m, ZB_PLACEMENT_CUSTOM);
+    st = alloc_named(out, &copy, spec, 1, S, m, ZB_PLACEMENT_CUSTOM);
   }
   free(t);
   zb_schedule_t *s = *out;
@@ -633,7 +605,7 @@ zb_status_t zb_schedule_create_from_ops_mapped(zb_schedule_t **out, const zb_sch
     if (empty >= 0)
       return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "the stage map puts no stage on rank %d; every rank must hold one",
                      empty);
-    ZB_CHECK(check_costs(spec, S));
+    ZB_CHECK(zb__spec_check_costs(spec, S));
     st = zb__schedule_alloc_mapped(&s, &copy, p, S, m, stage_ranks);
   }
   if (st == ZB_OK) st = copy_ops(s, rank_ops, rank_counts);

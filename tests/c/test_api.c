@@ -8,6 +8,7 @@
  * code under test. What this is not: a test of the generators' shapes, the validator's rules or
  * the exporters; those have their own test files.
  */
+#include <float.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -297,6 +298,65 @@ static zb_schedule_t *create_ok(const zb_schedule_spec_t *spec) {
   ZB_ASSERT_OK(zb_schedule_create(&s, spec));
   assert_non_null(s);
   return s;
+}
+
+/* Each time finite, but m of them summed not: the library must refuse the costs by name, not
+ * return a cost of inf, a NaN bubble, or a scheduler stall (issue 24). */
+static void test_create_costs_too_long(void **state) {
+  (void)state;
+  zb_schedule_spec_t spec = zb_test_spec(ZB_KIND_1F1B, 4, 8, 1);
+  spec.time_f = 1e308;
+  expect_create_fails("1f1b, time_f 1e308", &spec, ZB_ERR_INVALID_ARGUMENT, "time_f is 1e+308",
+                      "finite", NULL);
+  spec = zb_test_spec(ZB_KIND_ZB_AUTO, 4, 8, 1);
+  spec.time_f = 1e308;
+  expect_create_fails("zb-auto, time_f 1e308", &spec, ZB_ERR_INVALID_ARGUMENT, "time_f is 1e+308",
+                      NULL);
+  spec = zb_test_spec(ZB_KIND_ZB_V, 4, 8, 2);
+  spec.time_comm = 1e308;
+  expect_create_fails("zb-v, time_comm 1e308", &spec, ZB_ERR_INVALID_ARGUMENT,
+                      "time_comm is 1e+308", NULL);
+  /* 1e307 is finite, and so is 4 of it; m = 64 of them is not. */
+  double tw[4] = {1, 1, 1, 1e307};
+  spec = zb_test_spec(ZB_KIND_ZB_V, 2, 64, 2);
+  spec.stage_time_w = tw;
+  expect_create_fails("stage_time_w[3] 1e307, m = 64", &spec, ZB_ERR_INVALID_ARGUMENT,
+                      "stage_time_w[3] is 1e+307", NULL);
+
+  /* Explicit op lists over a custom map: the message names the spec's scalar the caller gave, not
+   * the per-stage arrays made from it. */
+  const zb_op_t r0[4] = {{ZB_OP_F, 0, 0}, {ZB_OP_F, 2, 0}, {ZB_OP_BW, 2, 0}, {ZB_OP_BW, 0, 0}};
+  const zb_op_t r1[2] = {{ZB_OP_F, 1, 0}, {ZB_OP_BW, 1, 0}};
+  const zb_op_t *lists[2] = {r0, r1};
+  const int32_t counts[2] = {4, 2}, map[3] = {0, 1, 0};
+  spec = zb_test_spec(ZB_KIND_CUSTOM, 2, 1, 1);
+  spec.time_b = DBL_MAX;
+  zb_schedule_t *s = NULL;
+  ASSERT_STATUS(zb_schedule_create_from_ops_mapped(&s, &spec, map, 3, lists, counts),
+                ZB_ERR_INVALID_ARGUMENT);
+  assert_null(s);
+  ASSERT_CONTAINS(zb_last_error(), "time_b is 1.79769e+308");
+  if (strstr(zb_last_error(), "stage_time"))
+    fail_msg("the message names an array the caller did not give: %s", zb_last_error());
+
+  /* The same from a CSV. */
+  const char csv[] = "0F0,0I0,0W0\n";
+  zb_schedule_spec_t plain = ZB_SCHEDULE_SPEC_INIT;
+  spec = plain;
+  spec.time_w = 1e308;
+  ASSERT_STATUS(zb_schedule_import(&s, ZB_FORMAT_CSV, csv, sizeof csv - 1, &spec), ZB_ERR_INVALID_ARGUMENT);
+  assert_null(s);
+  ASSERT_CONTAINS(zb_last_error(), "time_w is 1e+308");
+
+  /* Huge but within the limit: the plan is made, and its figures are finite. */
+  spec = zb_test_spec(ZB_KIND_ZB_AUTO, 4, 8, 1);
+  spec.time_f = 1e297;
+  s = create_ok(&spec);
+  zb_sim_result_t r;
+  ZB_ASSERT_OK(zb_schedule_simulate(s, &r));
+  if (!isfinite(r.cost) || !(r.cost >= 8 * 1e297) || !(r.bubble_rate >= 0 && r.bubble_rate < 1))
+    fail_msg("time_f 1e297: cost %g (want finite, >= 8e297), bubble rate %g", r.cost, r.bubble_rate);
+  ZB_ASSERT_OK(zb_schedule_destroy(s));
 }
 
 static void test_destroy_null(void **state) {
@@ -658,6 +718,7 @@ int main(void) {
       cmocka_unit_test(test_create_null_and_header),
       cmocka_unit_test(test_create_bad_shape),
       cmocka_unit_test(test_create_bad_costs),
+      cmocka_unit_test(test_create_costs_too_long),
       cmocka_unit_test(test_destroy_null),
       cmocka_unit_test(test_accessor_errors),
       cmocka_unit_test(test_format_names),
