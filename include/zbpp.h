@@ -954,6 +954,36 @@ ZB_API zb_status_t zb_postval_end(zb_postval_t *pv, zb_postval_decision_t *out);
 /* The scale the current gradients must carry (the loss multiplied by it); changes only in end. */
 ZB_API zb_status_t zb_postval_loss_scale(const zb_postval_t *pv, double *out);
 
+/* Checkpoints. What a resumed run needs so that its handle takes the decisions an uninterrupted
+ * one would: the loss scale, the count of good iterations toward its next growth (GradScaler's
+ * growth tracker), and the iteration counts. The config (clipping, backoff, growth, the pipeline)
+ * is not state: a new handle's config stands. Each rank saves and restores its own (the scale and
+ * the counts are the same on every rank, except undone). Nothing here blocks or talks to a peer. */
+#define ZB_POSTVAL_STATE_VERSION 1
+
+typedef struct {
+  uint32_t struct_size; /* sizeof(zb_postval_state_t) as the caller compiled it */
+  uint32_t version;     /* ZB_POSTVAL_STATE_VERSION */
+  double loss_scale;    /* the scale the next iteration's gradients carry */
+  int64_t good_steps;   /* iterations without inf/NaN in a row since the scale last changed */
+  int64_t steps;        /* iterations ended (zb_postval_end returned ZB_OK), skipped ones included */
+  int64_t skipped;      /* of those: inf/NaN somewhere, no step */
+  int64_t clipped;      /* of those: the factor included a clipping coefficient < 1 */
+  int64_t undone;       /* of those: this rank undid its speculative step (d.undo) */
+} zb_postval_state_t;
+
+#define ZB_POSTVAL_STATE_INIT                                                                      \
+  { sizeof(zb_postval_state_t), ZB_POSTVAL_STATE_VERSION, 1.0, 0, 0, 0, 0, 0 }
+
+/* Copies the handle's state (as of the last zb_postval_end) into the caller's *out, whose
+ * struct_size and version must be set (ZB_POSTVAL_STATE_INIT); nothing is kept. */
+ZB_API zb_status_t zb_postval_get_state(const zb_postval_t *pv, zb_postval_state_t *out);
+/* Replaces the handle's state with a copy of *state (nothing is kept). Fails with
+ * ZB_ERR_INVALID_ARGUMENT, the handle unchanged, unless loss_scale is finite and > 0, good_steps
+ * and steps >= 0 and skipped, clipped, undone in 0..steps; with ZB_ERR_BUSY between
+ * zb_postval_begin and zb_postval_end (begin decided with the current scale). */
+ZB_API zb_status_t zb_postval_set_state(zb_postval_t *pv, const zb_postval_state_t *state);
+
 #ifdef __cplusplus
 }
 #endif

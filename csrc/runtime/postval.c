@@ -8,7 +8,9 @@
  * the Python binding): begin and end here, the snapshot, the step and the undo there.
  *
  * What it is not: an optimizer. It never sees a parameter or a gradient, only per-stage sums of
- * squares and inf/NaN flags; it keeps no undo copy and cannot undo anything itself.
+ * squares and inf/NaN flags; it keeps no undo copy and cannot undo anything itself. Its only state
+ * between iterations is the loss scale, its growth count and the iteration counts, which
+ * zb_postval_get_state and zb_postval_set_state hand to and take from a checkpoint.
  *
  * Bit-for-bit reproducibility depends on two rules kept here:
  *  - the global state is exchanged as the whole per-stage vector, not as a running scalar, and the
@@ -44,8 +46,10 @@ struct zb_postval {
   int32_t prev, next; /* the chain neighbours' ranks, -1 at the ends */
   uint8_t *mine;      /* [S]: 1 for the stages this rank holds */
 
+  /* What a checkpoint carries (zb_postval_get_state / zb_postval_set_state); changes only in end. */
   double scale;       /* the loss scale the current gradients carry */
-  int32_t good_steps; /* good steps in a row since the scale last changed */
+  int64_t good_steps; /* good steps in a row since the scale last changed */
+  int64_t steps, skipped, clipped, undone; /* iterations ended, and how many of them did what */
 
   /* The exchanged vectors, 2*S doubles each: sq[0..S) then flags[0..S) (0.0 or 1.0). `partial`
    * is what this rank sends forward, `full` what comes back; they stay untouched while a send of
@@ -186,6 +190,69 @@ zb_status_t zb_postval_loss_scale(const zb_postval_t *pv, double *out) {
   ZB_ARG_NOT_NULL(pv);
   ZB_ARG_NOT_NULL(out);
   *out = pv->scale;
+  return ZB_OK;
+}
+
+/* ---- checkpoints ---------------------------------------------------------------------------- */
+
+static zb_status_t check_state_struct(const zb_postval_state_t *s, const char *call) {
+  if (s->struct_size < sizeof(zb_postval_state_t) || s->version != ZB_POSTVAL_STATE_VERSION)
+    return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
+                   "%s: the state struct has struct_size %u and version %u; this library needs %zu "
+                   "and %d (initialise it with ZB_POSTVAL_STATE_INIT)",
+                   call, s->struct_size, s->version, sizeof(zb_postval_state_t),
+                   ZB_POSTVAL_STATE_VERSION);
+  return ZB_OK;
+}
+
+zb_status_t zb_postval_get_state(const zb_postval_t *pv, zb_postval_state_t *out) {
+  ZB_ARG_NOT_NULL(pv);
+  ZB_ARG_NOT_NULL(out);
+  ZB_CHECK(check_state_struct(out, "zb_postval_get_state"));
+  out->struct_size = sizeof(zb_postval_state_t);
+  out->loss_scale = pv->scale;
+  out->good_steps = pv->good_steps;
+  out->steps = pv->steps;
+  out->skipped = pv->skipped;
+  out->clipped = pv->clipped;
+  out->undone = pv->undone;
+  return ZB_OK;
+}
+
+zb_status_t zb_postval_set_state(zb_postval_t *pv, const zb_postval_state_t *state) {
+  ZB_ARG_NOT_NULL(pv);
+  ZB_ARG_NOT_NULL(state);
+  ZB_CHECK(check_state_struct(state, "zb_postval_set_state"));
+  if (pv->begun)
+    return ZB_FAIL(ZB_ERR_BUSY,
+                   "zb_postval_set_state on rank %d between zb_postval_begin and zb_postval_end: "
+                   "begin decided with the current loss scale; call zb_postval_end first",
+                   (int)pv->cfg.rank);
+  const zb_postval_state_t *s = state;
+  /* Written so that NaN fails it, as the config's checks. */
+  if (!(s->loss_scale > 0) || isinf(s->loss_scale))
+    return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
+                   "zb_postval_set_state: loss_scale is %g; allowed: a finite value > 0",
+                   s->loss_scale);
+  if (s->good_steps < 0 || s->steps < 0)
+    return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
+                   "zb_postval_set_state: good_steps is %lld and steps %lld; allowed: >= 0",
+                   (long long)s->good_steps, (long long)s->steps);
+  const struct {
+    const char *name;
+    int64_t v;
+  } counts[] = {{"skipped", s->skipped}, {"clipped", s->clipped}, {"undone", s->undone}};
+  for (size_t i = 0; i < sizeof counts / sizeof counts[0]; i++)
+    if (counts[i].v < 0 || counts[i].v > s->steps)
+      return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
+                     "zb_postval_set_state: %s is %lld; allowed: 0..steps (%lld)", counts[i].name,
+                     (long long)counts[i].v, (long long)s->steps);
+  pv->scale = s->loss_scale;
+  pv->good_steps = s->good_steps;
+  pv->steps = s->steps;
+  pv->skipped = s->skipped;
+  pv->clipped = s->clipped;
+  pv->undone = s->undone;
   return ZB_OK;
 }
 
@@ -412,6 +479,10 @@ zb_status_t zb_postval_end(zb_postval_t *pv, zb_postval_decision_t *out) {
   out->grad_norm = fd.total;
   update_scale(pv, &fd);
   out->loss_scale = pv->scale;
+  pv->steps += 1;
+  pv->skipped += fd.nan;
+  pv->clipped += fd.clipped;
+  pv->undone += undo;
   reset(pv, NULL);
   return ZB_OK;
 

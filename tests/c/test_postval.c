@@ -13,7 +13,10 @@
  *    back off; growth_interval good steps in a row grow it;
  *  - calls out of order, bad arguments and bad configs get clear errors; a silent peer makes begin
  *    or end fail within the timeout, naming the peer and the phase, with undo set when the caller
- *    had stepped.
+ *    had stepped;
+ *  - every rank's zb_postval_get_state counts the iterations as it was told them, and ranks that
+ *    checkpoint mid-run (get_state, destroy, a new handle, set_state) are told what the
+ *    uninterrupted run is told, the loss scale's growth and backoff included.
  *
  * Expected values come from the header's rules, written here: the total squared norm is the sum of
  * the per-stage sums in stage order, the factor (float)(1/scale * coef) with torch's clip_grad_norm_
@@ -150,6 +153,7 @@ typedef struct {
   zb_placement_t pl;
   grad_fn g;
   zb_postval_config_t cfg; /* clip, scale rules, post_validation; the pipeline fields are set here */
+  int resume_at; /* > 0: every rank moves to a new handle from a checkpoint before this step */
 } setup_t;
 
 /* Runs the steps in one thread with the global state, and says what every rank must be told. */
@@ -211,6 +215,7 @@ typedef struct {
   zb_inproc_group_t *group;
   model_t *m;
   told_t told[MAXSTEPS];
+  zb_postval_state_t at_resume, at_end; /* zb_postval_get_state before resume_at and at the end */
   zb_step_result_t res[MAXSTEPS];
   zb_status_t st;
   char msg[1024];
@@ -218,7 +223,7 @@ typedef struct {
 
 /* The caller's loop through the protocol: begin, snapshot and step if told, end, undo and step if
  * told. No cmocka assertions here: they cannot fail from another thread. */
-static zb_status_t caller_loop(worker_t *w, zb_postval_t *pv) {
+static zb_status_t caller_loop(worker_t *w, zb_postval_t *pv, int k0, int k1) {
   const setup_t *su = w->su;
   model_t *m = w->m;
   float *snap[MAXS] = {NULL};
@@ -229,7 +234,7 @@ static zb_status_t caller_loop(worker_t *w, zb_postval_t *pv) {
       st = ZB_ERR_OUT_OF_MEMORY;
       goto done;
     }
-  for (int k = 0; k < su->steps; k++) {
+  for (int k = k0; k < k1; k++) {
     double scale, sq[MAXS] = {0};
     int32_t bad[MAXS] = {0};
     if ((st = zb_postval_loss_scale(pv, &scale)) != ZB_OK) goto done;
@@ -303,7 +308,24 @@ static void *worker(void *arg) {
     cfg.stages = w->su->S, cfg.rank = w->rank, cfg.ranks = w->su->p, cfg.placement = w->su->pl;
     cfg.transport = tr;
     cfg.timeout_s = 60;
-    if ((st = zb_postval_create(&pv, &cfg)) == ZB_OK) st = caller_loop(w, pv);
+    const int k = w->su->resume_at;
+    if ((st = zb_postval_create(&pv, &cfg)) != ZB_OK) goto done;
+    if (k > 0) {
+      /* A checkpoint: the state goes to a new handle; the old one goes away first, as in a job
+       * that restarts. */
+      w->at_resume = (zb_postval_state_t)ZB_POSTVAL_STATE_INIT;
+      if ((st = caller_loop(w, pv, 0, k)) != ZB_OK ||
+          (st = zb_postval_get_state(pv, &w->at_resume)) != ZB_OK ||
+          (st = zb_postval_destroy(pv)) != ZB_OK)
+        goto done;
+      pv = NULL;
+      if ((st = zb_postval_create(&pv, &cfg)) != ZB_OK ||
+          (st = zb_postval_set_state(pv, &w->at_resume)) != ZB_OK)
+        goto done;
+    }
+    w->at_end = (zb_postval_state_t)ZB_POSTVAL_STATE_INIT;
+    if ((st = caller_loop(w, pv, k, w->su->steps)) == ZB_OK)
+      st = zb_postval_get_state(pv, &w->at_end);
   }
 done:
   w->st = st;
@@ -370,6 +392,31 @@ static void expect_told(const worker_t *w, told_t want[MAXR][MAXSTEPS], const se
     }
 }
 
+/* Each rank's final zb_postval_get_state: the iterations it was told, counted here, and the growth
+ * tracker by GradScaler's rule over them. */
+static void expect_counts(const worker_t *w, told_t want[MAXR][MAXSTEPS], const setup_t *su) {
+  for (int r = 0; r < su->p; r++) {
+    int64_t skipped = 0, clipped = 0, undone = 0, good = 0;
+    for (int k = 0; k < su->steps; k++) {
+      const zb_postval_decision_t *e = &want[r][k].end;
+      skipped += e->skipped, clipped += e->clipped, undone += e->undo;
+      good = e->skipped ? 0 : good + 1;
+      if (good == su->cfg.growth_interval) good = 0;
+    }
+    const zb_postval_state_t *g = &w[r].at_end;
+    if (g->steps != su->steps || g->skipped != skipped || g->clipped != clipped ||
+        g->undone != undone || g->good_steps != good ||
+        memcmp(&g->loss_scale, &want[r][su->steps - 1].end.loss_scale, sizeof(double)) != 0)
+      fail_msg("p=%d %s resume_at %d, rank %d's state: steps %lld skipped %lld clipped %lld "
+               "undone %lld good_steps %lld scale %g; expected %d %lld %lld %lld %lld %g",
+               su->p, pl_name(su->pl), su->resume_at, r, (long long)g->steps,
+               (long long)g->skipped, (long long)g->clipped, (long long)g->undone,
+               (long long)g->good_steps, g->loss_scale, su->steps, (long long)skipped,
+               (long long)clipped, (long long)undone, (long long)good,
+               want[r][su->steps - 1].end.loss_scale);
+  }
+}
+
 /* Runs the setup through postval (every rank told as the rules say, parameters equal to the
  * reference's) and, when with_optimizer, through zb_optimizer (same parameters, same results).
  * Returns the reference's parameters and decisions for the caller's own checks. */
@@ -380,6 +427,7 @@ static void check_setup(const setup_t *su, int with_optimizer, model_t *ref,
   run_ranks(su, 0, &got, w);
   expect_told(w, want, su);
   expect_same_params(&got, ref, su, "postval");
+  expect_counts(w, want, su);
   model_free(&got);
   if (!with_optimizer) return;
   worker_t wo[MAXR];
@@ -444,7 +492,7 @@ static void test_matches_global_reference(void **state) {
   int undos = 0;
   for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++)
     for (int pv = 0; pv <= 1; pv++) {
-      setup_t su = {shapes[i].p, shapes[i].S, 7, shapes[i].pl, mixed_grads, base_config()};
+      setup_t su = {shapes[i].p, shapes[i].S, 7, shapes[i].pl, mixed_grads, base_config(), 0};
       su.cfg.post_validation = pv;
       model_t ref;
       told_t want[MAXR][MAXSTEPS];
@@ -474,7 +522,7 @@ static void test_clip_only_in_full_state(void **state) {
   const zb_placement_t pls[] = {ZB_PLACEMENT_LOOP, ZB_PLACEMENT_V};
   for (int pi = 0; pi < 2; pi++)
     for (int p = 2; p <= 4; p++) {
-      setup_t su = {p, 2 * p, 1, pls[pi], late_clip_grads, base_config()};
+      setup_t su = {p, 2 * p, 1, pls[pi], late_clip_grads, base_config(), 0};
       su.cfg.post_validation = 1;
       model_t ref;
       told_t want[MAXR][MAXSTEPS];
@@ -523,7 +571,7 @@ static void test_nan_in_last_stage_skips_everywhere(void **state) {
   const zb_placement_t pls[] = {ZB_PLACEMENT_LOOP, ZB_PLACEMENT_V};
   for (int pi = 0; pi < 2; pi++)
     for (int p = 2; p <= 4; p++) {
-      setup_t su = {p, 2 * p, 2, pls[pi], nan_last_grads, base_config()};
+      setup_t su = {p, 2 * p, 2, pls[pi], nan_last_grads, base_config(), 0};
       su.cfg.post_validation = 1;
       su.cfg.backoff = 0.25;
       model_t ref, init;
@@ -563,7 +611,7 @@ static float growth_grads(int s, int S, int k, int i) {
  * norm stays that of the unscaled gradients while the scale moves. */
 static void test_loss_scale_grows(void **state) {
   (void)state;
-  setup_t su = {2, 4, 8, ZB_PLACEMENT_V, growth_grads, base_config()};
+  setup_t su = {2, 4, 8, ZB_PLACEMENT_V, growth_grads, base_config(), 0};
   su.cfg.post_validation = 1;
   su.cfg.growth_interval = 3;
   su.cfg.clip_grad = 0;
@@ -588,6 +636,21 @@ static void test_loss_scale_grows(void **state) {
     }
   }
   model_free(&ref);
+
+  /* Resumed from a checkpoint before step 4 (scale 16, where a new handle would start at 8) and
+   * before step 6 (one good step counted: the growth at step 7 needs it): told the same, same
+   * parameters, same counts. */
+  for (int resume_at = 4; resume_at <= 6; resume_at += 2) {
+    su.resume_at = resume_at;
+    check_setup(&su, 0, &ref, want, w);
+    model_free(&ref);
+    for (int r = 0; r < 2; r++) {
+      ASSERT_DOUBLE_EQ(w[r].at_resume.loss_scale, want_scale[resume_at - 1]);
+      assert_int_equal(w[r].at_resume.good_steps, 1);
+      assert_int_equal(w[r].at_resume.steps, resume_at);
+    }
+  }
+  su.resume_at = 0;
 
   /* One rank, no transport: begin never speculates, the scale moves the same way. */
   zb_postval_config_t cfg = su.cfg;
@@ -755,6 +818,65 @@ static void test_misuse(void **state) {
   ASSERT_STATUS(zb_postval_loss_scale(NULL, &scale), ZB_ERR_INVALID_ARGUMENT);
   ZB_ASSERT_OK(zb_postval_loss_scale(pv, &scale));
   ASSERT_DOUBLE_EQ(scale, 4 * 0.5 * 0.5);
+
+  /* Checkpoints: a struct of another size or version, a state no run can reach, or a set between
+   * begin and end fail with the handle unchanged. */
+  zb_postval_state_t ps = ZB_POSTVAL_STATE_INIT, bad_ps;
+  ZB_ASSERT_OK(zb_postval_get_state(pv, &ps));
+  assert_int_equal(ps.steps, 3);
+  assert_int_equal(ps.skipped, 2);
+  ASSERT_STATUS(zb_postval_get_state(pv, NULL), ZB_ERR_INVALID_ARGUMENT);
+  ASSERT_STATUS(zb_postval_set_state(NULL, &ps), ZB_ERR_INVALID_ARGUMENT);
+  static const struct {
+    int field;
+    double value;
+    const char *text;
+  } bad_states[] = {
+      {0, 8, "struct_size 8 and version 1; this library needs"},
+      {1, 2, "version 2; this library needs"},
+      {2, NAN, "loss_scale is nan; allowed"},
+      {2, INFINITY, "loss_scale is inf; allowed"},
+      {3, -1, "good_steps is -1 and steps 3"},
+      {4, 4, "skipped is 4; allowed: 0..steps (3)"},
+      {5, -1, "undone is -1"},
+  };
+  for (size_t i = 0; i < sizeof bad_states / sizeof bad_states[0]; i++) {
+    bad_ps = ps;
+    const double v = bad_states[i].value;
+    switch (bad_states[i].field) {
+      case 0: bad_ps.struct_size = (uint32_t)v; break;
+      case 1: bad_ps.version = (uint32_t)v; break;
+      case 2: bad_ps.loss_scale = v; break;
+      case 3: bad_ps.good_steps = (int64_t)v; break;
+      case 4: bad_ps.skipped = (int64_t)v; break;
+      default: bad_ps.undone = (int64_t)v; break;
+    }
+    ASSERT_STATUS(zb_postval_set_state(pv, &bad_ps), ZB_ERR_INVALID_ARGUMENT);
+    ASSERT_CONTAINS(zb_last_error(), bad_states[i].text);
+    if (bad_states[i].field < 2) {
+      ASSERT_STATUS(zb_postval_get_state(pv, &bad_ps), ZB_ERR_INVALID_ARGUMENT);
+      ASSERT_CONTAINS(zb_last_error(), "ZB_POSTVAL_STATE_INIT");
+    }
+  }
+  bad_ps = ps;
+  bad_ps.loss_scale = 64;
+  ZB_ASSERT_OK(zb_postval_begin(pv, sq, bad, &d));
+  ASSERT_STATUS(zb_postval_set_state(pv, &bad_ps), ZB_ERR_BUSY);
+  ASSERT_CONTAINS(zb_last_error(), "between zb_postval_begin and zb_postval_end");
+  ZB_ASSERT_OK(zb_postval_end(pv, &d));
+  ASSERT_DOUBLE_EQ(d.loss_scale, 1); /* still 4 * 0.5 * 0.5 */
+  bad_ps = (zb_postval_state_t)ZB_POSTVAL_STATE_INIT;
+  ZB_ASSERT_OK(zb_postval_get_state(pv, &bad_ps));
+  assert_int_equal(bad_ps.steps, 4);
+  assert_int_equal(bad_ps.skipped, 2);
+  assert_int_equal(bad_ps.good_steps, 1);
+  /* A good one takes: the next iteration's decision uses the restored scale and tracker. */
+  ps.loss_scale = 64, ps.good_steps = 1;
+  ZB_ASSERT_OK(zb_postval_set_state(pv, &ps));
+  ZB_ASSERT_OK(zb_postval_begin(pv, sq, bad, &d));
+  ZB_ASSERT_OK(zb_postval_end(pv, &d));
+  assert_true(d.factor == 1.0f / 64);
+  ASSERT_DOUBLE_EQ(d.loss_scale, 128); /* growth_interval 2: the restored good step counted */
   ZB_ASSERT_OK(zb_postval_destroy(pv));
 }
 
