@@ -29,17 +29,17 @@ process group cannot be used for further point-to-point traffic.
 Shutdown: gloo's worker threads drop their last reference to a finished request's tensors a moment
 after the request completes, and dropping a tensor that has a Python object needs the GIL. A script
 that ends right after its last step (or right after destroy_process_group, with zbpp still holding
-its groups) can start interpreter finalization in that moment; a gloo thread that then asks for the
+its groups) can start interpreter finalization in that moment; a thread that then asks for the
 GIL is ended by Python inside C++ code that must not unwind, and the process dies with
-"terminate called without an active exception" (SIGABRT; seen 1 run in 16 with torch's own
-pipelining test script on a 2-core machine). So the transport keeps its finished requests (tensor
-views, no copies) until it is closed or collected by the main thread, and the first transport made
-registers an exit hook that gives gloo's threads a short while, with the GIL free, to finish
-releasing what the last collectives used before finalization begins.
+"terminate called without an active exception" (SIGABRT). So the transport keeps its finished
+requests (tensor views, no copies) for one more step (end_step; memory stays flat), and the first
+transport made registers an exit hook (_at_exit) that gives gloo's threads a short while, with the
+GIL free, to finish releasing what the last collectives used before finalization begins. The same
+hook ends the waits a failure left stuck on zbpp's helper threads (see _Waiter): that was the
+SIGABRT of a rank that caught a peer's failure and returned normally.
 """
 
 import atexit
-import collections
 import concurrent.futures
 import ctypes
 import datetime
@@ -47,6 +47,7 @@ import itertools
 import queue
 import threading
 import time
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -122,7 +123,7 @@ def _view(addr, nbytes):
     return torch.frombuffer((ctypes.c_char * nbytes).from_address(addr), dtype=torch.uint8)
 
 
-# Finished requests a transport keeps (about a large step's transfers of one rank).
+# Finished requests a transport keeps at most in one generation, when no step ends (end_step).
 _KEEP_DONE = 16384
 # How long the exit hook leaves gloo's threads to finish: they need microseconds, more on a loaded
 # machine; this is paid once, at exit, by processes that used a transport.
@@ -130,15 +131,11 @@ _EXIT_GRACE_S = 0.2
 _exit_grace_registered = False
 
 
-def _exit_grace():
-    time.sleep(_EXIT_GRACE_S)  # sleeping releases the GIL for gloo's threads
-
-
 def _register_exit_grace():
     global _exit_grace_registered
     if not _exit_grace_registered:
         _exit_grace_registered = True
-        atexit.register(_exit_grace)
+        atexit.register(_at_exit)
 
 
 # How often a blocked wait looks for a peer's failure in the c10d store.
@@ -157,26 +154,102 @@ def _default_store():
 class _Waiter:
     """One daemon thread that runs blocking gloo waits, so the caller can watch for a peer's
     failure meanwhile. A wait stuck on a failed peer keeps the thread until gloo gives up (the
-    pairs close or its timeout passes); by then the transport has failed and takes no more work.
+    pairs close or its timeout passes); by then its owner has failed and takes no more work.
     (Not a ThreadPoolExecutor: its threads are joined at interpreter exit, and a stuck wait would
-    hold the exit for the whole timeout.)"""
+    hold the exit for the whole timeout.)
+
+    Exit: a thread that comes back from a gloo wait while the interpreter finalizes is ended by
+    Python (pthread_exit) inside pybind11's C++ frames, which must not unwind: the process dies
+    with "terminate called without an active exception" (SIGABRT). That is what killed a surviving
+    rank at exit after a peer failed: its helper was still inside the wait for that peer, and the
+    wait ended (its timeout, or the peer's connections closing) during finalization. So the exit
+    hook (_at_exit) ends such waits first, while the interpreter still runs: it fails every
+    operation pending on their groups (_unstick) and waits for the helpers to come back."""
 
     def __init__(self):
         self._jobs = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._pending = {}  # job id -> (group, peer) of the waits submitted and not finished
+        self._ids = itertools.count(1)
+        _waiters.add(self)
         threading.Thread(target=self._run, name="zbpp-gloo-wait", daemon=True).start()
 
     def _run(self):
         while True:
-            fn, future = self._jobs.get()
+            jid, fn, future = self._jobs.get()
             try:
                 future.set_result(fn())
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
                 future.set_exception(exc)
+            finally:
+                with self._lock:
+                    self._pending.pop(jid, None)
 
-    def submit(self, fn):
+    def submit(self, fn, group, peer):
         future = concurrent.futures.Future()
-        self._jobs.put((fn, future))
+        jid = next(self._ids)
+        with self._lock:
+            self._pending[jid] = (group, peer)
+        self._jobs.put((jid, fn, future))
         return future
+
+    def stuck(self):
+        """(group, peer) of the waits still running or queued."""
+        with self._lock:
+            return list(self._pending.values())
+
+
+_waiters = weakref.WeakSet()  # every _Waiter made (their threads keep them alive)
+# A tag no channel of the runner or the optimizer uses (they count up from 0; shape inference
+# uses 1 << 20): the receive _unstick posts to fail a group's pending operations.
+_UNSTICK_TAG = (1 << 30) + 7
+# How long the exit hook waits for the helpers to come back from the waits it ended.
+_UNSTICK_WAIT_S = 2.0
+
+
+def _unstick(group, peer):
+    """Fails every gloo operation pending on `group`'s connections: a receive whose wait times out
+    makes gloo signal the timeout to every pair of the group's context, which fails all their
+    pending operations at once (gloo's UnboundBuffer::waitRecv). Used at exit only, on a group a
+    failure already broke for point-to-point traffic; collectives on it fail afterwards too."""
+    buf = torch.empty(1, dtype=torch.uint8)
+    try:
+        work = dist.irecv(buf, src=global_rank(group, peer), group=group, tag=_UNSTICK_TAG)
+        work.wait(timeout=datetime.timedelta(milliseconds=1))
+    except Exception:  # noqa: BLE001 - the timeout is the point; a destroyed group has nothing pending
+        pass
+
+
+def wait_watched(waiter, work, group, peer, timeout_s, failure):
+    """work.wait(timeout_s) on `waiter`'s thread; returns None once it finished, or the text
+    failure() returns (a peer's published failure) as soon as it is not None, checked every
+    _ABORT_POLL_S. Raises what the wait raised."""
+    future = waiter.submit(lambda: work.wait(timeout=datetime.timedelta(seconds=timeout_s)), group, peer)
+    while True:
+        try:
+            future.result(timeout=_ABORT_POLL_S)  # raises what the wait raised
+            return None
+        except concurrent.futures.TimeoutError:
+            if future.done():
+                raise  # the wait itself raised a TimeoutError
+            failed = failure()
+            if failed is not None:
+                return failed
+
+
+def _at_exit():
+    """Before finalization: ends the gloo waits a failure left stuck (see _Waiter), then gives
+    gloo's own threads a moment (see the module docstring's Shutdown)."""
+    stuck = {}
+    for waiter in list(_waiters):
+        for group, peer in waiter.stuck():
+            stuck.setdefault(id(group), (group, peer))
+    for group, peer in stuck.values():
+        _unstick(group, peer)
+    deadline = time.monotonic() + _UNSTICK_WAIT_S
+    while any(w.stuck() for w in list(_waiters)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(_EXIT_GRACE_S)  # sleeping releases the GIL for gloo's threads
 
 
 class TorchTransport:
@@ -194,8 +267,9 @@ class TorchTransport:
         self.timeout = timeout
         self._requests = {}
         # Finished requests, kept so that gloo's threads never drop the last reference to their
-        # tensors (see the module docstring); the oldest go first, long after gloo is done with them.
-        self._done = collections.deque(maxlen=_KEEP_DONE)
+        # tensors (see the module docstring): those of this step and of the step before, which
+        # gloo finished with long ago (end_step drops the older ones, so memory stays flat).
+        self._done, self._done_before = [], []
         self._ids = itertools.count(1)
         _register_exit_grace()
         self.last_error = None
@@ -238,9 +312,9 @@ class TorchTransport:
             # yet"; the runner then waits properly at the end of the iteration.
             if not work.is_completed():
                 return runtime.ZB_ERR_TIMEOUT
-            self._done.append(self._requests.pop(rid))
+            self._keep(self._requests.pop(rid))
             return runtime.ZB_OK
-        self._done.append(self._requests.pop(rid))
+        self._keep(self._requests.pop(rid))
         if self._failed is not None:
             self.last_error = self._failed
             return runtime.ZB_ERR_REMOTE
@@ -248,7 +322,7 @@ class TorchTransport:
             if self._abort_key is None:
                 work.wait(timeout=datetime.timedelta(seconds=timeout_s))
             else:
-                failed = self._wait_watching(work, timeout_s)
+                failed = self._wait_watching(work, peer, timeout_s)
                 if failed is not None:
                     self.last_error = f"torch.distributed {what} rank {peer} (channel {tag}) stopped: {failed}"
                     return runtime.ZB_ERR_REMOTE
@@ -264,22 +338,12 @@ class TorchTransport:
             return runtime.ZB_ERR_TIMEOUT if timed_out else runtime.ZB_ERR_REMOTE
         return runtime.ZB_OK
 
-    def _wait_watching(self, work, timeout_s):
+    def _wait_watching(self, work, peer, timeout_s):
         """work.wait on the helper thread; returns None once it finished, or the failure a peer
         published meanwhile. Raises what the wait raised."""
         if self._waiter is None:
             self._waiter = _Waiter()
-        future = self._waiter.submit(lambda: work.wait(timeout=datetime.timedelta(seconds=timeout_s)))
-        while True:
-            try:
-                future.result(timeout=_ABORT_POLL_S)  # raises what the wait raised
-                return None
-            except concurrent.futures.TimeoutError:
-                if future.done():
-                    raise  # the wait itself raised a TimeoutError
-                failed = self._peer_failure()
-                if failed is not None:
-                    return failed
+        return wait_watched(self._waiter, work, self.group, peer, timeout_s, self._peer_failure)
 
     def _peer_failure(self):
         """The failure some rank published under this pipeline's key, or None."""
@@ -293,11 +357,20 @@ class TorchTransport:
                 return None
         return self._failed
 
+    def _keep(self, request):
+        self._done.append(request)
+        if len(self._done) > _KEEP_DONE:  # a caller that never ends a step: keep a bounded number
+            self.end_step()
+
+    def end_step(self):
+        """A step is over: the requests finished before the previous step's end are dropped."""
+        self._done_before, self._done = self._done, []
+
     def cancel(self, rid):
         # gloo cannot withdraw a posted request; dropping it is all we can do. The pairs are
         # closed after the failure that led here anyway.
         if rid in self._requests:
-            self._done.append(self._requests.pop(rid))
+            self._keep(self._requests.pop(rid))
 
     def abort(self, reason):
         # gloo has no side channel: the failure goes to the peers through the c10d store (the first

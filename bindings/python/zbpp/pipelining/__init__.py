@@ -47,13 +47,10 @@ What this is not: a tracer or a model splitter. Each rank builds its own stage m
 
 import contextlib
 import ctypes
-import hashlib
 import itertools
 import logging
 import os
-import statistics
 import weakref
-from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -61,9 +58,14 @@ import torch.distributed as dist
 from .. import _lib, cuda, distributed, runtime
 from ..costs import ActivationMeter, StageCosts, parse_mem_limit
 from ..distributed import TorchTransport, group_rank, group_size
-from ..schedule import Schedule, SimResult
+from ..schedule import Schedule
 from ..split import default_store
+from ._boundary import _as_tuple, _layout, _meta_of, _shape_error, _shares_storage, _split, _typed, _views
 from ._custom import CustomFunctions
+from ._agree import _Agreement, pipeline_key
+from ._ir import _TorchIR
+from ._setup import _SetUp
+from ._plan import DEFAULT_PROFILE_STEPS, PLANNED_KINDS, REPLAN_MIN_GAIN, PlanInfo, _Planning, _profile_window  # noqa: F401
 
 __all__ = [
     "PipelineStage",
@@ -98,19 +100,7 @@ __all__ = [
 ]
 
 _V_KINDS = ("zb-v", "v-half", "v-min", "dualpipe-v")
-# Kinds whose plan depends on the costs: replanned from measured costs (fixed orders never are).
-PLANNED_KINDS = ("zb-auto", "zb-h1", "zb-h2", "zb-v", "v-half", "v-min")
-DEFAULT_PROFILE_STEPS = (2, 3)
-# A plan from measured costs replaces the one in force only if it is shorter by this share of its
-# simulated time on those costs: measured costs are noisy, and a swap that buys nothing is a risk.
-REPLAN_MIN_GAIN = 0.01
 _log = logging.getLogger("zbpp")
-_KEEP = object()
-_META_TAG = 1 << 20  # shape inference messages; the runner's channels use small tags
-_META_LEN = 64
-_ALIGN = 16
-_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
-           torch.int16, torch.int8, torch.uint8, torch.bool]
 
 
 class PipelineStage:
@@ -233,90 +223,6 @@ def _adopt(stage, who):
                     f"or a list of them; got {type(stage).__name__}")
 
 
-# ---- packing activations into the runner's boundary buffers ----------------------------------------
-
-def _as_tuple(x):
-    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
-
-
-def _meta_of(tensors, stage):
-    meta = []
-    for t in tensors:
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"zbpp: stage {stage} must return tensors (or a tuple of them) to pass to "
-                            f"the next stage; got {type(t).__name__}")
-        if t.dtype not in _DTYPES:
-            raise TypeError(f"zbpp: stage {stage} returns a {t.dtype} tensor; allowed: "
-                            + ", ".join(str(d) for d in _DTYPES))
-        meta.append((t.dtype, tuple(t.shape)))
-    return meta
-
-
-def _layout(meta):
-    """Byte offsets of each tensor in a boundary buffer and its total size."""
-    offsets, size = [], 0
-    for dtype, shape in meta:
-        size = (size + _ALIGN - 1) // _ALIGN * _ALIGN
-        offsets.append(size)
-        n = 1
-        for d in shape:
-            n *= d
-        size += n * torch.empty((), dtype=dtype).element_size()
-    return offsets, size
-
-
-def _buffer(addr, nbytes):
-    if nbytes == 0:
-        return torch.empty(0, dtype=torch.uint8)
-    return torch.frombuffer((ctypes.c_char * nbytes).from_address(addr), dtype=torch.uint8)
-
-
-def _shares_storage(t, others):
-    """Whether tensor t lives in the memory of any tensor of `others`."""
-    try:
-        mine = t.untyped_storage().data_ptr()
-        return any(isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() == mine for o in others)
-    except (RuntimeError, AttributeError):  # a tensor without storage (meta, some subclasses)
-        return False
-
-
-def _views(addr, meta):
-    return _typed(_buffer(addr, _layout(meta)[1]), meta)
-
-
-def _typed(raw, meta):
-    """Typed, shaped views of a uint8 buffer laid out by _layout."""
-    offsets, _ = _layout(meta)
-    out = []
-    for (dtype, shape), off in zip(meta, offsets):
-        n = 1
-        for d in shape:
-            n *= d
-        nbytes = n * torch.empty((), dtype=dtype).element_size()
-        out.append(raw[off:off + nbytes].view(dtype).view(shape))
-    return out
-
-
-def _encode(meta):
-    enc = [len(meta)]
-    for dtype, shape in meta:
-        enc += [_DTYPES.index(dtype), len(shape), *shape]
-    if len(enc) > _META_LEN:
-        raise ValueError(f"zbpp: a stage output with {len(meta)} tensors is too large to describe "
-                         f"(at most {_META_LEN} numbers of metadata)")
-    return torch.tensor(enc + [0] * (_META_LEN - len(enc)), dtype=torch.int64)
-
-
-def _decode(t):
-    v = t.tolist()
-    n, k, meta = v[0], 1, []
-    for _ in range(n):
-        dtype, ndim = _DTYPES[v[k]], v[k + 1]
-        meta.append((dtype, tuple(v[k + 2:k + 2 + ndim])))
-        k += 2 + ndim
-    return meta
-
-
 def _marked(callback):
     """The runner's callback, marking what it raises as the stage's own failure (_run_iteration
     raises those themselves, not the runner's ZbError)."""
@@ -330,43 +236,9 @@ def _marked(callback):
     return call
 
 
-_SHAPE_ERROR = []
-_PIPELINES_MADE = {}  # pipeline signature -> how many this process made (PipelineSchedule._abort_name)
-
-
-def _shape_error():
-    """The error for a boundary whose shape or dtype changed: torch's PipeliningShapeError (its
-    PipeliningMetadataError on a torch that has only that name), also a ValueError."""
-    if not _SHAPE_ERROR:
-        try:
-            from ._utils import PipeliningShapeError as base
-        except ImportError:
-            base = RuntimeError
-        _SHAPE_ERROR.append(type("PipeliningShapeError", (base, ValueError), {"__module__": __name__}))
-    return _SHAPE_ERROR[0]
-
-
-def _split(value, m, what):
-    """Splits a tensor (dim 0) or a tuple/list/dict of them into m microbatches; other values are
-    handed to every microbatch unchanged."""
-    if isinstance(value, torch.Tensor):
-        if value.dim() == 0 or value.shape[0] % m != 0:
-            size = "a scalar" if value.dim() == 0 else f"batch size {value.shape[0]}"
-            raise ValueError(f"zbpp: {what} has {size}, which does not split into n_microbatches={m} "
-                             f"equal microbatches along dim 0; make the batch a multiple of {m}")
-        return list(value.chunk(m, dim=0))
-    if isinstance(value, (tuple, list)):
-        parts = [_split(v, m, f"{what}[{i}]") for i, v in enumerate(value)]
-        return [type(value)(p[i] for p in parts) for i in range(m)]
-    if isinstance(value, dict):
-        parts = {k: _split(v, m, f"{what}[{k!r}]") for k, v in value.items()}
-        return [{k: p[i] for k, p in parts.items()} for i in range(m)]
-    return [value] * m
-
-
 # ---- the schedules ---------------------------------------------------------------------------------
 
-class PipelineSchedule:
+class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning):
     """Base class: a zbpp schedule kind run by the C runner over this rank's stages.
 
     Subclasses fix `kind`. Extra keyword arguments beyond torch's: mem_limit (zb-auto's memory limit,
@@ -476,6 +348,9 @@ class PipelineSchedule:
         if costs is not None:
             costs.check_shape(p, v, what=f"this pipeline ({name})")
         self._kind_arg = kind
+        # What the handshake compares as "the schedule" (_agree.py).
+        self._kind_label = ("a schedule from CSV" if csv is not None else
+                            "an order set through pipeline_order" if kind is None else _kind_name(kind))
         self._plan_kind = _kind_name(kind) if csv is None and kind is not None else None
         if self._plan_kind not in PLANNED_KINDS:
             self._plan_kind = None
@@ -543,6 +418,17 @@ class PipelineSchedule:
         self._profile_mem = {}  # stage -> (saved bytes, W-only bytes, CUDA bytes) of one microbatch
         self.plan_info = None
         self.steps = 0
+        # Agreement and failures between the ranks (_agree.py): the pipeline's key in the job's
+        # store, made here so that every rank names its n-th pipeline over a group the same way.
+        self._store_c10d = None
+        self._failed = self._failed_step = None
+        self._exchanges = 0
+        self._agreed, self._agreed_on, self._loss_anywhere = False, None, None
+        self._post_validation = None  # set by PostValidatedOptimizer.for_schedule
+        self._infer_running = False
+        self._setup_waiter = None
+        self._key = (pipeline_key(group, _group_ranks) if self._runnable and p > 1 and dist.is_available()
+                     and dist.is_initialized() else None)
 
     # torch's custom functions: _PipelineScheduleRuntime takes them (_custom.py); the others run
     # their own work in the runner's callbacks.
@@ -592,102 +478,6 @@ class PipelineSchedule:
         self.stage_index_to_group_rank = mapping
         for s in self.stages:
             s.stage_index_to_group_rank = mapping
-
-    # ---- shape inference -------------------------------------------------------------------------
-
-    def _holder(self, stage):
-        return self.schedule.stage_rank(stage)
-
-    def _infer_shapes(self):
-        """Runs microbatch 0 forward through every stage once, in stage order, without gradients,
-        passing the real activations on, so every rank learns its boundaries' shapes."""
-        S = self.stages[0].num_stages
-        # The extra forward must not move the random streams (dropout): the first step then draws
-        # the same numbers as a run without inference would.
-        rng = torch.get_rng_state()
-        cuda_rng = torch.cuda.get_rng_state(self.device) if self._cuda else None
-        # Nor may it move the modules' buffers (BatchNorm's running statistics and its counter): the
-        # first step must start from the state the user built.
-        buffers = [(b, b.detach().clone()) for st in self.stages for b in st.submod.buffers()]
-        try:
-            self._infer_loop(S)
-        finally:
-            torch.set_rng_state(rng)
-            if cuda_rng is not None:
-                torch.cuda.set_rng_state(cuda_rng, self.device)
-            with torch.no_grad():
-                for b, saved in buffers:
-                    b.copy_(saved)
-
-    def _infer_loop(self, S):
-        carry = None
-        for s in range(S):
-            holder = self._holder(s)
-            if holder != self.rank:
-                carry = None
-                continue
-            if s == 0:
-                inputs, kwargs = self._first_inputs(0)
-            else:
-                prev = self._holder(s - 1)
-                if prev == self.rank:
-                    inputs = carry
-                else:
-                    inputs, self._meta[s - 1] = self._recv_activation(prev)
-                kwargs = {}
-            if s == S - 1:
-                break
-            with torch.no_grad():
-                out = _as_tuple(self._run_stage(s, 0, inputs, kwargs))
-            meta = _meta_of(out, s)
-            self._meta[s] = meta
-            nxt = self._holder(s + 1)
-            if nxt == self.rank:
-                carry = tuple(t.detach() for t in out)
-            else:
-                self._send(_encode(meta), nxt)
-                for t in out:
-                    self._send(t.detach().contiguous(), nxt)
-
-    def _recv_activation(self, rank):
-        """An activation `rank` sends with its description first (shape inference, forward-only
-        runs): (tensors, [(dtype, shape)])."""
-        meta_t = torch.zeros(_META_LEN, dtype=torch.int64)
-        self._recv(meta_t, rank)
-        meta = _decode(meta_t)
-        inputs = tuple(torch.empty(shape, dtype=dtype, device=self.device) for dtype, shape in meta)
-        for t in inputs:
-            self._recv(t, rank)
-        return inputs, meta
-
-    def _messages(self):
-        """Where the set-up messages go: CPU tensors over the pipeline's group when it takes them
-        (gloo), else over the gloo group of cpu_group= or one made over the world (when the pipeline
-        is the whole world; a collective, made at the first step, where every rank is); a
-        non-gloo subgroup without cpu_group= gets device tensors over itself (NCCL), since making a
-        gloo group over part of the world needs every process of the world."""
-        if self._msg is None:
-            cpu = torch.device("cpu")
-            if not self._cuda or self.ranks == 1 or distributed.takes_cpu(self.group):
-                self._msg = (self.group, cpu)
-            elif self._cpu_group_given is not None:
-                self._msg = (self._cpu_group_given, cpu)
-            elif dist.get_world_size(self.group) == dist.get_world_size():
-                self._msg = (distributed.cpu_group(self.group), cpu)
-            else:
-                self._msg = (self.group, self.device)
-        return self._msg
-
-    def _send(self, t, rank):
-        group, device = self._messages()
-        dist.send(t.to(device), dst=_global(self.group, rank), group=group, tag=_META_TAG)
-
-    def _recv(self, t, rank):
-        group, device = self._messages()
-        buf = t if t.device == device else torch.empty_like(t, device=device)
-        dist.recv(buf, src=_global(self.group, rank), group=group, tag=_META_TAG)
-        if buf is not t:
-            t.copy_(buf)
 
     # ---- the runner's callbacks ------------------------------------------------------------------
 
@@ -857,7 +647,14 @@ class PipelineSchedule:
         rank (losses is cleared, then gets each microbatch's loss; loss_kwargs go to loss_fn).
         Returns the merged output of the last stage on its rank (output_merge_spec, dim 0 by
         default) unless return_outputs is False, None elsewhere. Gradients accumulate into .grad
-        (or main_grad). Without a loss_fn on any rank the step runs forward only, as torch's does."""
+        (or main_grad). Without a loss_fn on any rank the step runs forward only, as torch's does.
+        With several ranks, a step that fails on one rank fails on every rank and closes the
+        pipeline (README, "Failures"; _agree.py)."""
+        self._check_open()
+        with self._failing():
+            return self._step(args, kwargs, target, losses, return_outputs, loss_kwargs)
+
+    def _step(self, args, kwargs, target, losses, return_outputs, loss_kwargs):
         trains = self._trains()
         if trains and self._backward_requires_autograd and not torch.is_grad_enabled():
             raise RuntimeError("step() requires gradients to be enabled for backward computation; it should "
@@ -885,14 +682,12 @@ class PipelineSchedule:
     def _trains(self):
         """Whether steps run backward: when some rank of the pipeline was given a loss_fn (torch
         asks each rank for one; zbpp needs it only where the loss is computed). Agreed once, at
-        the first step, by every rank, so no rank runs a backward its peers do not."""
+        the first step, by every rank (the handshake, _agree), so no rank runs a backward its
+        peers do not."""
         if self._backward_agreed is None:
-            mine = self._loss_fn is not None
-            if self.ranks > 1:
-                with self._device_scope():  # a NCCL message group stages on the current device
-                    self._backward_agreed = any(self._all_gather(mine))
-            else:
-                self._backward_agreed = mine
+            with self._device_scope():
+                self._agree()
+            self._backward_agreed = self._loss_anywhere
         return self._backward_agreed
 
     def _step_microbatches(self, arg_mbs=None, kwarg_mbs=None, target_mbs=None, losses=None, return_outputs=True,
@@ -900,6 +695,11 @@ class PipelineSchedule:
         """One iteration over microbatches the caller split (torch's _step_microbatches): arg_mbs
         and kwarg_mbs (lists of n_microbatches tuples and dicts) on the rank holding stage 0,
         target_mbs on the loss stage's rank."""
+        self._check_open()
+        with self._failing():
+            return self._step_split(arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs)
+
+    def _step_split(self, arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs):
         m = self.n_microbatches
         for mbs, what in ((arg_mbs, "arg_mbs"), (kwarg_mbs, "kwarg_mbs"), (target_mbs, "target_mbs")):
             if mbs is not None:
@@ -912,8 +712,10 @@ class PipelineSchedule:
         if not self._runnable:
             raise RuntimeError(f"zbpp.{type(self).__name__}: its stages carry no modules (stage_index and submod); "
                                "it can show its pipeline_order but not run")
-        trains = self._trains()  # a collective at the first step: before anything that may fail on one rank
+        trains = self._trains()  # the handshake at the first step: before anything that may fail on one rank
         self._sync_order()
+        with self._device_scope():
+            self._agree()  # again when the order the user set changed the plan
         for st in self.stages:
             st.has_backward = trains
             st.clear_runtime_states()
@@ -965,192 +767,6 @@ class PipelineSchedule:
             return torch.cat([o if o.dim() else o.reshape(1) for o in outs])
         return outs
 
-    def _forward_only(self):
-        """Every microbatch forward through every stage, without gradients, passing activations
-        on with their shapes (so they may change between eval steps): eval(), _ScheduleForwardOnly
-        and pipelines without a loss_fn. The loss stage keeps the outputs and, with a loss_fn and a
-        target, the losses. Stages run in microbatch, then stage order on every rank; sends do not
-        wait, so rank r works on microbatch i+1 while rank r+1 has microbatch i."""
-        S, m = self._num_stages, self.n_microbatches
-        self._outputs, self._losses = [None] * m, [None] * m
-        group, device = self._messages()
-        pending = []
-
-        def send(t, rank):
-            t = t.to(device)
-            pending.append((t, dist.isend(t, dst=_global(self.group, rank), group=group, tag=_META_TAG)))
-
-        with torch.no_grad():
-            for i in range(m):
-                carry = None
-                for s in range(S):
-                    if self._holder(s) != self.rank:
-                        continue
-                    if s == 0:
-                        inputs, kwargs = self._first_inputs(i)
-                    else:
-                        prev = self._holder(s - 1)
-                        if prev == self.rank:
-                            inputs = carry
-                        else:
-                            inputs, _ = self._recv_activation(prev)
-                        kwargs = {}
-                    out = self._run_stage(s, i, inputs, kwargs)
-                    if s == S - 1:
-                        self._outputs[i] = out
-                        if self._loss_fn is not None and self._mb_target is not None:
-                            self._losses[i] = self._loss_fn(out, self._mb_target[i], **self._loss_kwargs)
-                        continue
-                    outs = _as_tuple(out)
-                    nxt = self._holder(s + 1)
-                    if nxt == self.rank:
-                        carry = outs
-                    elif self.ranks > 1:
-                        send(_encode(_meta_of(outs, s)), nxt)
-                        for t in outs:
-                            send(t.contiguous(), nxt)
-        for _, work in pending:
-            work.wait()
-
-    # ---- torch's schedule IR: pipeline_order -----------------------------------------------------
-
-    @property
-    def pipeline_order(self):
-        """The plan as torch's IR: {rank: [_Action, ...]} for every rank (F, I, W and B for full
-        backward; no idle steps), made from the plan in force. Setting it (or _load_csv, or
-        _prepare_schedule_with_comms) makes the next step run that order instead, once the C
-        library has validated it (zbpp/pipelining/_order.py says what it reads); an order that was
-        set may then be changed in place too."""
-        if not self._order_user and self.schedule is not None and self._order_schedule is not self.schedule:
-            from ._order import to_actions
-
-            self._order = to_actions(self.schedule)
-            self._order_schedule = self.schedule
-        return self._order
-
-    @pipeline_order.setter
-    def pipeline_order(self, order):
-        self._order = order
-        self._order_user = True
-        self._order_seen = None
-        self._order_comms = self._order_comms_from = None
-
-    @property
-    def pipeline_order_with_comms(self):
-        """The order with torch's transfer actions (torch's own lowering of pipeline_order, or
-        what was set). Setting it runs that order: its transfers are dropped (the runner makes
-        its own), the rest is as setting pipeline_order."""
-        order = self.pipeline_order
-        if order is None:
-            return None
-        if self._order_comms is not None and self._order_comms_from is None:
-            return self._order_comms  # as the user set it
-        made_from = (self.schedule, {r: list(a) for r, a in order.items()})
-        if self._order_comms is None or self._order_comms_from[0] is not made_from[0] \
-                or self._order_comms_from[1] != made_from[1]:
-            # made again after a replan or a change to the order
-            from ._order import with_comms
-
-            current = not self._order_user or self._order_schedule is self.schedule  # the plan runs this order
-            self._order_comms = with_comms(order, self.schedule if current else None, self.ranks, self._num_stages,
-                                           self.n_microbatches)
-            self._order_comms_from = made_from
-        return self._order_comms
-
-    @pipeline_order_with_comms.setter
-    def pipeline_order_with_comms(self, actions):
-        self.pipeline_order = {r: list(a) for r, a in actions.items()}
-        self._order_comms = actions
-        self._order_comms_from = None  # the user's own: kept as given
-
-    def _sync_order(self):
-        """Before a step: runs the pipeline_order the user set or changed, as a zbpp schedule."""
-        order = self._order
-        if order is None:
-            if self.schedule is None:
-                raise RuntimeError(f"zbpp.{type(self).__name__}: no schedule to run: set pipeline_order "
-                                   "(rank -> list of _Action) or call _load_csv(...) first")
-            return
-        if not self._order_user:
-            # Made from the plan: a view. Changing it in place changes nothing, as with torch's
-            # runtime schedules, which lower their order once (torch's own helpers such as
-            # _add_send_recv consume the lists they are given).
-            return
-        if order == self._order_seen and self._order_schedule is self.schedule:
-            return  # as set, and run before
-        from ._order import schedule_from_actions
-
-        new = schedule_from_actions(order, self.ranks, self._num_stages, self.n_microbatches, **self._cost_args)
-        self._switch_schedule(new)
-        self._order_seen = None  # recorded once the stages are checked: a failed check fails every step
-        self._check_stages()
-        self._order_seen = {r: list(a) for r, a in order.items()}
-        self._order_schedule = new
-        self._plan_kind = None  # the user's order is run as given, never replanned
-        self._profile = None
-
-    def _switch_schedule(self, new):
-        """Runs `new` from the next step on: the runner is made again for its op lists (the shapes,
-        the transport, the W store and everything about training stay)."""
-        if self._runner is not None:
-            self._runner.close()
-            self._runner = None
-        if self._dviews is not None:
-            self._dviews.clear()
-        if self.schedule is not None and self.schedule is not self._last_schedule:
-            self.schedule.close()
-        self.schedule = new
-
-    def _validate_and_set_stage_mapping(self, actions):
-        """torch's: checks `actions` with torch's own _validate_schedule (every stage's F, I, W and
-        B counted, I before W) and takes the stage-to-rank map from it; the order itself runs once
-        it is pipeline_order (the C library validates it again, deadlocks included)."""
-        from .schedules import _validate_schedule
-
-        mapping = _validate_schedule(actions, self.ranks, self._num_stages, self.n_microbatches)
-        self.stage_index_to_group_rank = mapping
-        for st in self.stages:
-            st.stage_index_to_group_rank = mapping
-        return mapping
-
-    def _prepare_schedule_with_comms(self, actions, format="compute_only"):
-        """torch's: takes an order in the compute-only form (F, I, W, B) or with its transfers
-        (SEND_F, RECV_F, SEND_B, RECV_B: the runner makes its own, so they are dropped) and
-        validates it at once."""
-        if format not in ("compute_only", "compute_comms"):
-            raise NotImplementedError(f"format={format!r} is not implemented; use 'compute_only' or 'compute_comms'")
-        self.pipeline_order = {r: list(a) for r, a in actions.items()}
-        if format == "compute_comms":
-            self._order_comms, self._order_comms_from = {r: list(a) for r, a in actions.items()}, None
-        self._sync_order()
-
-    def _load_csv(self, filename, format="compute_only"):
-        """Reads an order from torch's CSV (one row per rank, cells such as 0F1, 1I0, 2W3, 0B1, and
-        in the compute_comms form 0SEND_F1, 1RECV_B0, ...) and validates it."""
-        import csv as _csv
-
-        from .schedules import _Action
-
-        with open(filename, newline="") as f:
-            actions = {r: [_Action.from_str(c) for c in row] for r, row in enumerate(_csv.reader(f))}
-        self._prepare_schedule_with_comms(actions, format=format)
-
-    def _dump_csv(self, filename, format="compute_only"):
-        """Writes pipeline_order (or, format="compute_comms", the order with torch's transfer
-        actions added) as torch's CSV."""
-        import csv as _csv
-
-        if format == "compute_only":
-            order = self.pipeline_order
-        elif format == "compute_comms":
-            order = self.pipeline_order_with_comms
-        else:
-            raise NotImplementedError(f"format={format!r} is not implemented; use 'compute_only' or 'compute_comms'")
-        with open(filename, "w", newline="") as f:
-            writer = _csv.writer(f)
-            for r in sorted(order):
-                writer.writerow(order[r])
-
     def _split_inputs(self, args, kwargs):
         """The batch as n_microbatches (args, kwargs) pairs. Without chunk specs, tensors split
         along dim 0 into equal parts (an error says what to change otherwise); with them, torch's
@@ -1176,13 +792,22 @@ class PipelineSchedule:
 
     def _run_iteration(self):
         """Runs this rank's op list once (the runner calls _forward/_backward); after the last
-        profiled step, plans again from the measured costs (a collective, see _plan_from_profile)."""
+        profiled step, plans again from the measured costs (a collective, see _plan_from_profile).
+        The Megatron adapter calls it directly: it checks and publishes failures as step() does."""
+        self._check_open()
+        with self._failing():
+            self._run_iteration_agreed()
+
+    def _run_iteration_agreed(self):
         m = self.n_microbatches
         window = self._profile
         profiling = window is not None and window[0] <= self.steps + 1 <= window[1]
         with self._device_scope():
+            self._agree()
             if self._runner is None:
                 self._start()
+            if self._transport is not None:
+                self._transport.end_step()  # keeps memory flat (distributed.py, Shutdown)
             self._ctx, self._outputs, self._losses = {}, [None] * m, [None] * m
             if self._cuda:
                 # The runner's copies and W GEMMs go on torch's current stream, the stream the
@@ -1217,14 +842,26 @@ class PipelineSchedule:
 
     def _scale_grads(self, divisor):
         """Divides the gradients by the number of microbatches, as torch's scale_grads does (a
-        division, not a multiplication by 1/m, so the bits match torch's)."""
+        division, not a multiplication by 1/m, so the bits match torch's). Once per parameter: a
+        parameter that several stages of this rank share (a tied embedding and LM head at both ends
+        of a V, both on rank 0) holds one gradient, summed over its uses, and is divided once, as
+        a sequential loop divides it. Sharing across ranks is the user's to reduce, as in torch."""
+        done = set()
         for st in self.stages:
-            if st.stage_index not in self._scaled:  # a custom function scaled it (stage.scale_grads)
-                self._scale_stage(st, divisor)
+            if st.stage_index in self._scaled:  # a custom function scaled it (stage.scale_grads)
+                done.update(id(prm) for prm in st.submod.parameters())
+        for st in self.stages:
+            if st.stage_index not in self._scaled:
+                self._scale_stage(st, divisor, done)
 
     @staticmethod
-    def _scale_stage(st, divisor):
+    def _scale_stage(st, divisor, done=None):
+        """Divides the gradients of st's parameters not in `done` (ids; those divided are added)."""
         for prm in st.submod.parameters():
+            if done is not None:
+                if id(prm) in done:
+                    continue
+                done.add(id(prm))
             if prm.grad is not None:
                 prm.grad.div_(divisor)
             main = getattr(prm, "main_grad", None)
@@ -1246,21 +883,11 @@ class PipelineSchedule:
             self._transport = TorchTransport(group, self.timeout, name=self._abort_name(group))
         return self._transport
 
-    def _abort_name(self, group):
-        """The key under which this pipeline's ranks publish a failure (TorchTransport): the same on
-        every rank (the group's ranks, the class, the stages and microbatches, and how many such
-        pipelines this process made before), different for other pipelines of the job. Made once
-        per schedule object: its gloo and NCCL transports publish under the same key."""
-        if getattr(self, "_abort_name_made", None) is not None:
-            return self._abort_name_made
-        try:
-            ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
-        except (AttributeError, RuntimeError, ValueError):
-            return None
-        sig = f"{'-'.join(map(str, ranks))}/{type(self).__name__}/{self._num_stages}/{self.n_microbatches}"
-        seq = _PIPELINES_MADE[sig] = _PIPELINES_MADE.get(sig, 0) + 1
-        self._abort_name_made = f"{sig}/{seq}"
-        return self._abort_name_made
+    def _abort_name(self, group=None):
+        """The key under which this pipeline's ranks publish a failure (TorchTransport, the NCCL
+        transport, _agree.py): made when the schedule was built (_agree.pipeline_key), the same on
+        every rank whatever each was given, so that ranks that disagree still meet."""
+        return self._key
 
     def _device_scope(self):
         return torch.cuda.device(self.device) if self._cuda else contextlib.nullcontext()
@@ -1289,7 +916,8 @@ class PipelineSchedule:
         # whose callbacks the runner cannot tell apart: those copy).
         self._lending = not pairs
         self._runner = runtime.Runner(self.schedule, self.rank, self._store.backend, self._store.store,
-                                      transport, sizes, _marked(self._on_forward), _marked(self._on_backward),
+                                      transport, sizes, self._stage_callback(self._on_forward, "F"),
+                                      self._stage_callback(self._on_backward, "B"),
                                       timeout_s=self.timeout, pairs=pairs, allocator=allocator,
                                       release=self._release_lent if self._lending else None)
 
@@ -1326,12 +954,9 @@ class PipelineSchedule:
         host (as with CPU runs over gloo)."""
         if self._last_times is None:
             raise RuntimeError("zbpp: timeline() needs a finished step()")
-        mine = self._last_times
-        if self.ranks > 1:
-            gathered = [None] * self.ranks
-            dist.all_gather_object(gathered, mine, group=self.group)
-        else:
-            gathered = [mine]
+        self._check_open()
+        with self._failing():
+            gathered = self._exchange(self._last_times, "timeline()")
         copy = Schedule.from_csv(self._last_schedule.to_csv())
         # .measured: span, busy and bubble rate of the measured times (the paper's definitions)
         copy.measured = copy.set_times([g[0] for g in gathered], [g[1] for g in gathered])
@@ -1353,220 +978,6 @@ class PipelineSchedule:
             self._last_schedule.close()
         self.schedule.close()
 
-    # ---- plans from measured costs ---------------------------------------------------------------
-
-    def _all_gather(self, obj):
-        """obj of every rank of the pipeline, in rank order (a collective over the set-up group)."""
-        if self.ranks == 1:
-            return [obj]
-        out = [None] * self.ranks
-        dist.all_gather_object(out, obj, group=self._messages()[0])
-        return out
-
-    def _plan_from_profile(self):
-        """After the last profiled step: every rank's op times and activation memory go to every
-        rank, which turns them into the same StageCosts and plans again (replan)."""
-        runs, self._profile_runs = self._profile_runs, []
-        gathered = self._all_gather({"runs": [(a, b) for _, a, b in runs], "mem": dict(self._profile_mem)})
-        timelines, bubbles = [], []
-        try:
-            for k, (text, _, _) in enumerate(runs):
-                t = Schedule.from_csv(text)
-                timelines.append(t)
-                bubbles.append(t.set_times([g["runs"][k][0] for g in gathered],
-                                           [g["runs"][k][1] for g in gathered]).bubble_rate)
-            S = self.stages[0].num_stages
-            mem = {}
-            for g in gathered:
-                mem.update(g["mem"])
-            saved = [mem.get(s, (0, 0, 0)) for s in range(S)]
-            mem_f = [c if c > 0 else b for b, _, c in saved]
-            total = sum(b for b, _, _ in saved)
-            costs = StageCosts.from_timelines(
-                timelines, mem_f_bytes=mem_f if any(mem_f) else None,
-                w_share=(sum(w for _, w, _ in saved) / total) if total > 0 else None)
-        finally:
-            for t in timelines:
-                t.close()
-        self.replan(costs, only_if_faster=True, _measured=statistics.median(bubbles) if bubbles else None)
-
-    def replan(self, costs=None, mem_limit=_KEEP, *, only_if_faster=False, _measured=None):
-        """Plans this schedule's kind again and runs the new plan from the next step on.
-
-        costs: a zbpp.StageCosts (default: the last ones measured or given; without any, the
-        times= of the constructor); mem_limit: a new memory limit (microbatches, "2p", or bytes;
-        default: the one in force). only_if_faster: keep the plan in force unless the new one is
-        shorter on `costs` by REPLAN_MIN_GAIN of its simulated time (and the plan in force needs no
-        more memory than the new one or the limit); what follows the profiled steps does this, so
-        that a plan is never swapped for one that measured costs say is no better. A collective:
-        every rank of the pipeline calls it between two steps, with the same arguments. Every rank
-        plans on its own and the ranks compare digests of the op lists; a difference raises
-        RuntimeError on every rank. Returns plan_info."""
-        name = type(self).__name__
-        if self._plan_kind is None:
-            raise ValueError(f"zbpp.{name}: {self.schedule.kind} is a fixed order; only "
-                             + ", ".join(PLANNED_KINDS) + " are planned from costs")
-        if mem_limit is not _KEEP:
-            try:
-                parse_mem_limit(mem_limit)
-            except ValueError as exc:
-                raise ValueError(f"zbpp.{name}: {exc}") from None
-            self._mem_limit_arg = mem_limit
-        costs = costs if costs is not None else self.costs
-        limit = self._mem_limit_arg
-        p, m = self.ranks, self.n_microbatches
-        v = self.stages[0].num_stages // p
-        if costs is not None:
-            costs.check_shape(p, v, self.schedule.placement, what=f"this pipeline ({name})")
-            new = costs.plan(self._kind_arg, m, limit)
-        else:
-            if parse_mem_limit(limit)[0] == "bytes":
-                raise ValueError(f"zbpp.{name}: mem_limit={limit!r} is in bytes, which needs measured costs "
-                                 "(mem_f_bytes) to plan")
-            new = Schedule.generate(self._kind_arg, p=p, m=m, v=v, times=self._times_arg, mem_limit=limit,
-                                    placement=self._placement_arg)
-        try:
-            text = new.to_csv()
-            digest = hashlib.sha256(text.encode()).hexdigest()
-            digests = self._all_gather(digest)
-            if len(set(digests)) != 1:
-                detail = ", ".join(f"rank {r}: {d[:12]}" for r, d in enumerate(digests))
-                raise RuntimeError(f"zbpp.{name}: the ranks planned different {new.kind} schedules from the same "
-                                   f"costs ({detail}); every rank must load the same zbpp library. Every rank "
-                                   "keeps its previous plan")
-            mine = [s.stage_index for s in self.stages]
-            if new.rank_stages(self.rank) != mine:
-                raise RuntimeError(f"zbpp.{name}: the new plan puts stages {new.rank_stages(self.rank)} on rank "
-                                   f"{self.rank}, which holds {mine}")
-            sim = new.simulate()
-            before = expected_new = expected_old = None
-            if costs is not None:
-                expected_new = costs.expected_bubble(new)
-                with Schedule.from_csv(self.schedule.to_csv(), times=costs.times(), comm=costs.time_comm,
-                                       w_share=costs.w_share) as old:
-                    before = old.simulate()
-                    expected_old = costs.expected_bubble(old)
-        except BaseException:
-            new.close()
-            raise
-        if only_if_faster and before is not None:
-            room = max(sim.max_peak_memory, new.mem_limit or 0.0) + 1e-9
-            if before.cost <= sim.cost / (1.0 - REPLAN_MIN_GAIN) and before.max_peak_memory <= room:
-                # The plan in force is as good on the measured costs (within the margin): keep it.
-                self.costs = costs
-                self.plan_info = PlanInfo(step=self.steps, kind=new.kind, mem_limit=new.mem_limit, costs=costs,
-                                          simulated=before, before=before, measured_bubble=_measured,
-                                          profile_steps=self._profile if _measured is not None else None,
-                                          digest=hashlib.sha256(self.schedule.to_csv().encode()).hexdigest(),
-                                          files=self._save_plan(costs, self.schedule), switched=False,
-                                          candidate=sim, expected_bubble=expected_old)
-                new.close()
-                if self.rank == 0:
-                    _log.info("%s", self.plan_info.summary())
-                return self.plan_info
-        self._switch_schedule(new)
-        self.costs = costs
-        self.plan_info = PlanInfo(step=self.steps, kind=new.kind, mem_limit=new.mem_limit, costs=costs,
-                                  simulated=sim, before=before, measured_bubble=_measured,
-                                  profile_steps=self._profile if _measured is not None else None,
-                                  digest=digest, files=self._save_plan(costs, new), switched=True, candidate=sim,
-                                  expected_bubble=expected_new)
-        if self.rank == 0:
-            _log.info("%s", self.plan_info.summary())
-        return self.plan_info
-
-    def _save_plan(self, costs, new):
-        if not self._save_dir or self.rank != 0:
-            return []
-        os.makedirs(self._save_dir, exist_ok=True)
-        files = []
-        if costs is not None:
-            files.append(costs.save(os.path.join(self._save_dir, "zbpp-costs.json")))
-        for ext in ("csv", "svg"):
-            path = os.path.join(self._save_dir, f"zbpp-plan-{new.kind}.{ext}")
-            new.save(path)
-            files.append(path)
-        return files
-
-
-class PlanInfo(NamedTuple):
-    """What the last replan did: after `step` steps, `kind` was planned under mem_limit (microbatches,
-    None for the kind's default) for `costs` (a StageCosts; None when planned without measured
-    costs). `switched`: whether the schedule changed to the new plan (False: the plan in force was
-    as fast on the measured costs, see replan's only_if_faster, and stays). `simulated` is the
-    SimResult on those costs of the plan that runs from now on, `candidate` the new plan's,
-    `before` the previous plan's; `measured_bubble` the median bubble rate measured over
-    `profile_steps`; `digest` the SHA-256 of the op lists that run now (equal on every rank),
-    `files` what save_plan_dir received. `expected_bubble`: the bubble the runner should measure
-    for the plan that runs now (StageCosts.expected_bubble: the simulation with each op's measured
-    runtime overhead counted as idle, as the runner's timestamps count it, and op times drawn from
-    the measured ones); None without measured costs."""
-
-    step: int
-    kind: str
-    mem_limit: Optional[float]
-    costs: Optional[StageCosts]
-    simulated: SimResult
-    before: Optional[SimResult]
-    measured_bubble: Optional[float]
-    profile_steps: Optional[tuple]
-    digest: str
-    files: list
-    switched: bool = True
-    candidate: Optional[SimResult] = None
-    expected_bubble: Optional[float] = None
-
-    def summary(self):
-        text = f"zbpp: planned {self.kind} after step {self.step}"
-        if self.profile_steps:
-            a, b = self.profile_steps
-            text += f" from the costs measured in steps {a}-{b}" if a != b else f" from step {a}'s measured costs"
-        if self.mem_limit:
-            text += f" (memory limit {self.mem_limit:g} microbatches)"
-        if not self.switched:
-            text += (f": kept the plan in force, simulated bubble {100 * self.simulated.bubble_rate:.1f}% on these "
-                     f"costs; the new plan would not be faster ({100 * self.candidate.bubble_rate:.1f}%)")
-        else:
-            text += f": simulated bubble {100 * self.simulated.bubble_rate:.1f}%"
-        if self.expected_bubble is not None:
-            text += f", {100 * self.expected_bubble:.1f}% expected as measured (runtime overhead idle, measured op-time spread)"
-        if self.before is not None and self.switched:
-            text += f" (the previous plan: {100 * self.before.bubble_rate:.1f}% on the same costs"
-            text += (f", measured {100 * self.measured_bubble:.1f}%)" if self.measured_bubble is not None else ")")
-        if self.costs is not None:
-            c = self.costs
-            text += (f"; F/B/W per stage (ms): " + ", ".join(
-                f"{c.time_f[s]:.2f}/{c.time_b[s]:.2f}/{c.time_w[s]:.2f}" for s in range(c.stages))
-                + f"; T_comm {c.time_comm:.3f} ms, w_share {c.w_share:.2f}")
-        return text
-
-
-def _profile_window(name, plan_kind, kind, plan_from_measured, profile_steps, times, costs):
-    """(first, last) profiled step, or None when the schedule is not planned from measured costs."""
-    if plan_from_measured is None:
-        env = os.environ.get("ZBPP_PLAN_FROM_MEASURED", "").strip().lower()
-        on = env not in ("0", "false", "no", "off") if env else (times is None and costs is None)
-        on = on and plan_kind is not None
-    else:
-        on = bool(plan_from_measured)
-        if on and plan_kind is None:
-            raise ValueError(f"zbpp.{name}: plan_from_measured=True, but {kind} is a fixed order that measured costs "
-                             "do not change; it applies to " + ", ".join(PLANNED_KINDS))
-    if profile_steps is None:
-        window = DEFAULT_PROFILE_STEPS
-    elif profile_steps is False or (isinstance(profile_steps, int) and profile_steps == 0):
-        return None
-    elif isinstance(profile_steps, int) and not isinstance(profile_steps, bool) and profile_steps > 0:
-        window = (2, 1 + profile_steps)
-    elif (isinstance(profile_steps, (tuple, list)) and len(profile_steps) == 2
-          and all(isinstance(x, int) and not isinstance(x, bool) for x in profile_steps)
-          and 1 <= profile_steps[0] <= profile_steps[1]):
-        window = tuple(profile_steps)
-    else:
-        raise ValueError(f"zbpp.{name}: profile_steps must be (first, last) steps counted from 1 with "
-                         f"1 <= first <= last, a number n of steps (2..n+1), or 0 for none; got {profile_steps!r}")
-    return window if on else None
-
 
 _PY_KINDS = ("looped-bfs", "dualpipe-v")  # orders zbpp's Python side makes (the C library validates and runs them)
 
@@ -1579,6 +990,10 @@ def _kind_name(name):
     _lib.call("zb_kind_from_name", [ctypes.c_char_p, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_double)],
               name.encode(), ctypes.byref(kind), ctypes.byref(factor))
     return _lib.function("zb_kind_name", [ctypes.c_int], ctypes.c_char_p)(kind.value).decode()
+
+
+def _group_ranks(group):
+    return dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
 
 
 def _global(group, rank):

@@ -1,0 +1,235 @@
+"""Plans from measured costs: replanning a schedule's kind between steps.
+
+What this is: the mixin that turns the costs the profiled steps measured (every rank's op times and
+activation memory, exchanged between the ranks) into zbpp.StageCosts, plans the schedule's kind
+again for them, and switches to the new plan when it is faster (replan); PlanInfo, what a replan
+did; and the profile window's parsing. The module docstring of zbpp.pipelining says when it runs.
+What this is not: the scheduler (the C library's generators) or the cost model (costs.py).
+"""
+
+import hashlib
+import logging
+import os
+import statistics
+from typing import NamedTuple, Optional
+
+from ..costs import StageCosts, parse_mem_limit
+from ..schedule import Schedule, SimResult
+
+# Kinds whose plan depends on the costs: replanned from measured costs (fixed orders never are).
+PLANNED_KINDS = ("zb-auto", "zb-h1", "zb-h2", "zb-v", "v-half", "v-min")
+DEFAULT_PROFILE_STEPS = (2, 3)
+# A plan from measured costs replaces the one in force only if it is shorter by this share of its
+# simulated time on those costs: measured costs are noisy, and a swap that buys nothing is a risk.
+REPLAN_MIN_GAIN = 0.01
+_log = logging.getLogger("zbpp")
+_KEEP = object()
+
+
+class _Planning:
+    """PipelineSchedule's replanning (a mixin: it uses the schedule's state and _exchange)."""
+
+    def _plan_from_profile(self):
+        """After the last profiled step: every rank's op times and activation memory go to every
+        rank, which turns them into the same StageCosts and plans again (replan)."""
+        runs, self._profile_runs = self._profile_runs, []
+        gathered = self._exchange({"runs": [(a, b) for _, a, b in runs], "mem": dict(self._profile_mem)})
+        timelines, bubbles = [], []
+        try:
+            for k, (text, _, _) in enumerate(runs):
+                t = Schedule.from_csv(text)
+                timelines.append(t)
+                bubbles.append(t.set_times([g["runs"][k][0] for g in gathered],
+                                           [g["runs"][k][1] for g in gathered]).bubble_rate)
+            S = self.stages[0].num_stages
+            mem = {}
+            for g in gathered:
+                mem.update(g["mem"])
+            saved = [mem.get(s, (0, 0, 0)) for s in range(S)]
+            mem_f = [c if c > 0 else b for b, _, c in saved]
+            total = sum(b for b, _, _ in saved)
+            costs = StageCosts.from_timelines(
+                timelines, mem_f_bytes=mem_f if any(mem_f) else None,
+                w_share=(sum(w for _, w, _ in saved) / total) if total > 0 else None)
+        finally:
+            for t in timelines:
+                t.close()
+        self.replan(costs, only_if_faster=True, _measured=statistics.median(bubbles) if bubbles else None)
+
+    def replan(self, costs=None, mem_limit=_KEEP, *, only_if_faster=False, _measured=None):
+        """Plans this schedule's kind again and runs the new plan from the next step on.
+
+        costs: a zbpp.StageCosts (default: the last ones measured or given; without any, the
+        times= of the constructor); mem_limit: a new memory limit (microbatches, "2p", or bytes;
+        default: the one in force). only_if_faster: keep the plan in force unless the new one is
+        shorter on `costs` by REPLAN_MIN_GAIN of its simulated time (and the plan in force needs no
+        more memory than the new one or the limit); what follows the profiled steps does this, so
+        that a plan is never swapped for one that measured costs say is no better. A collective:
+        every rank of the pipeline calls it between two steps, with the same arguments. Every rank
+        plans on its own and the ranks compare digests of the op lists; a difference raises
+        RuntimeError on every rank. Returns plan_info."""
+        name = type(self).__name__
+        if self._plan_kind is None:
+            raise ValueError(f"zbpp.{name}: {self.schedule.kind} is a fixed order; only "
+                             + ", ".join(PLANNED_KINDS) + " are planned from costs")
+        if mem_limit is not _KEEP:
+            try:
+                parse_mem_limit(mem_limit)
+            except ValueError as exc:
+                raise ValueError(f"zbpp.{name}: {exc}") from None
+            self._mem_limit_arg = mem_limit
+        costs = costs if costs is not None else self.costs
+        limit = self._mem_limit_arg
+        p, m = self.ranks, self.n_microbatches
+        v = self.stages[0].num_stages // p
+        if costs is not None:
+            costs.check_shape(p, v, self.schedule.placement, what=f"this pipeline ({name})")
+            new = costs.plan(self._kind_arg, m, limit)
+        else:
+            if parse_mem_limit(limit)[0] == "bytes":
+                raise ValueError(f"zbpp.{name}: mem_limit={limit!r} is in bytes, which needs measured costs "
+                                 "(mem_f_bytes) to plan")
+            new = Schedule.generate(self._kind_arg, p=p, m=m, v=v, times=self._times_arg, mem_limit=limit,
+                                    placement=self._placement_arg)
+        try:
+            text = new.to_csv()
+            digest = hashlib.sha256(text.encode()).hexdigest()
+            digests = self._exchange(digest)
+            if len(set(digests)) != 1:
+                detail = ", ".join(f"rank {r}: {d[:12]}" for r, d in enumerate(digests))
+                raise RuntimeError(f"zbpp.{name}: the ranks planned different {new.kind} schedules from the same "
+                                   f"costs ({detail}); every rank must load the same zbpp library. Every rank "
+                                   "keeps its previous plan")
+            mine = [s.stage_index for s in self.stages]
+            if new.rank_stages(self.rank) != mine:
+                raise RuntimeError(f"zbpp.{name}: the new plan puts stages {new.rank_stages(self.rank)} on rank "
+                                   f"{self.rank}, which holds {mine}")
+            sim = new.simulate()
+            before = expected_new = expected_old = None
+            if costs is not None:
+                expected_new = costs.expected_bubble(new)
+                with Schedule.from_csv(self.schedule.to_csv(), times=costs.times(), comm=costs.time_comm,
+                                       w_share=costs.w_share) as old:
+                    before = old.simulate()
+                    expected_old = costs.expected_bubble(old)
+        except BaseException:
+            new.close()
+            raise
+        if only_if_faster and before is not None:
+            room = max(sim.max_peak_memory, new.mem_limit or 0.0) + 1e-9
+            if before.cost <= sim.cost / (1.0 - REPLAN_MIN_GAIN) and before.max_peak_memory <= room:
+                # The plan in force is as good on the measured costs (within the margin): keep it.
+                self.costs = costs
+                self.plan_info = PlanInfo(step=self.steps, kind=new.kind, mem_limit=new.mem_limit, costs=costs,
+                                          simulated=before, before=before, measured_bubble=_measured,
+                                          profile_steps=self._profile if _measured is not None else None,
+                                          digest=hashlib.sha256(self.schedule.to_csv().encode()).hexdigest(),
+                                          files=self._save_plan(costs, self.schedule), switched=False,
+                                          candidate=sim, expected_bubble=expected_old)
+                new.close()
+                if self.rank == 0:
+                    _log.info("%s", self.plan_info.summary())
+                return self.plan_info
+        self._switch_schedule(new)
+        self.costs = costs
+        self.plan_info = PlanInfo(step=self.steps, kind=new.kind, mem_limit=new.mem_limit, costs=costs,
+                                  simulated=sim, before=before, measured_bubble=_measured,
+                                  profile_steps=self._profile if _measured is not None else None,
+                                  digest=digest, files=self._save_plan(costs, new), switched=True, candidate=sim,
+                                  expected_bubble=expected_new)
+        if self.rank == 0:
+            _log.info("%s", self.plan_info.summary())
+        return self.plan_info
+
+    def _save_plan(self, costs, new):
+        if not self._save_dir or self.rank != 0:
+            return []
+        os.makedirs(self._save_dir, exist_ok=True)
+        files = []
+        if costs is not None:
+            files.append(costs.save(os.path.join(self._save_dir, "zbpp-costs.json")))
+        for ext in ("csv", "svg"):
+            path = os.path.join(self._save_dir, f"zbpp-plan-{new.kind}.{ext}")
+            new.save(path)
+            files.append(path)
+        return files
+
+
+
+class PlanInfo(NamedTuple):
+    """What the last replan did: after `step` steps, `kind` was planned under mem_limit (microbatches,
+    None for the kind's default) for `costs` (a StageCosts; None when planned without measured
+    costs). `switched`: whether the schedule changed to the new plan (False: the plan in force was
+    as fast on the measured costs, see replan's only_if_faster, and stays). `simulated` is the
+    SimResult on those costs of the plan that runs from now on, `candidate` the new plan's,
+    `before` the previous plan's; `measured_bubble` the median bubble rate measured over
+    `profile_steps`; `digest` the SHA-256 of the op lists that run now (equal on every rank),
+    `files` what save_plan_dir received. `expected_bubble`: the bubble the runner should measure
+    for the plan that runs now (StageCosts.expected_bubble: the simulation with each op's measured
+    runtime overhead counted as idle, as the runner's timestamps count it, and op times drawn from
+    the measured ones); None without measured costs."""
+
+    step: int
+    kind: str
+    mem_limit: Optional[float]
+    costs: Optional[StageCosts]
+    simulated: SimResult
+    before: Optional[SimResult]
+    measured_bubble: Optional[float]
+    profile_steps: Optional[tuple]
+    digest: str
+    files: list
+    switched: bool = True
+    candidate: Optional[SimResult] = None
+    expected_bubble: Optional[float] = None
+
+    def summary(self):
+        text = f"zbpp: planned {self.kind} after step {self.step}"
+        if self.profile_steps:
+            a, b = self.profile_steps
+            text += f" from the costs measured in steps {a}-{b}" if a != b else f" from step {a}'s measured costs"
+        if self.mem_limit:
+            text += f" (memory limit {self.mem_limit:g} microbatches)"
+        if not self.switched:
+            text += (f": kept the plan in force, simulated bubble {100 * self.simulated.bubble_rate:.1f}% on these "
+                     f"costs; the new plan would not be faster ({100 * self.candidate.bubble_rate:.1f}%)")
+        else:
+            text += f": simulated bubble {100 * self.simulated.bubble_rate:.1f}%"
+        if self.expected_bubble is not None:
+            text += f", {100 * self.expected_bubble:.1f}% expected as measured (runtime overhead idle, measured op-time spread)"
+        if self.before is not None and self.switched:
+            text += f" (the previous plan: {100 * self.before.bubble_rate:.1f}% on the same costs"
+            text += (f", measured {100 * self.measured_bubble:.1f}%)" if self.measured_bubble is not None else ")")
+        if self.costs is not None:
+            c = self.costs
+            text += (f"; F/B/W per stage (ms): " + ", ".join(
+                f"{c.time_f[s]:.2f}/{c.time_b[s]:.2f}/{c.time_w[s]:.2f}" for s in range(c.stages))
+                + f"; T_comm {c.time_comm:.3f} ms, w_share {c.w_share:.2f}")
+        return text
+
+
+def _profile_window(name, plan_kind, kind, plan_from_measured, profile_steps, times, costs):
+    """(first, last) profiled step, or None when the schedule is not planned from measured costs."""
+    if plan_from_measured is None:
+        env = os.environ.get("ZBPP_PLAN_FROM_MEASURED", "").strip().lower()
+        on = env not in ("0", "false", "no", "off") if env else (times is None and costs is None)
+        on = on and plan_kind is not None
+    else:
+        on = bool(plan_from_measured)
+        if on and plan_kind is None:
+            raise ValueError(f"zbpp.{name}: plan_from_measured=True, but {kind} is a fixed order that measured costs "
+                             "do not change; it applies to " + ", ".join(PLANNED_KINDS))
+    if profile_steps is None:
+        window = DEFAULT_PROFILE_STEPS
+    elif profile_steps is False or (isinstance(profile_steps, int) and profile_steps == 0):
+        return None
+    elif isinstance(profile_steps, int) and not isinstance(profile_steps, bool) and profile_steps > 0:
+        window = (2, 1 + profile_steps)
+    elif (isinstance(profile_steps, (tuple, list)) and len(profile_steps) == 2
+          and all(isinstance(x, int) and not isinstance(x, bool) for x in profile_steps)
+          and 1 <= profile_steps[0] <= profile_steps[1]):
+        window = tuple(profile_steps)
+    else:
+        raise ValueError(f"zbpp.{name}: profile_steps must be (first, last) steps counted from 1 with "
+                         f"1 <= first <= last, a number n of steps (2..n+1), or 0 for none; got {profile_steps!r}")
+    return window if on else None
