@@ -174,7 +174,7 @@ int zb__tool_bench(int argc, char **argv) {
     spec.kind = (zb_kind_t)k, spec.ranks = p, spec.microbatches = m;
     zb_schedule_t *s0 = NULL, *s = NULL;
     if (zb_schedule_create(&s0, &spec) != ZB_OK) {
-      printf("%-17s (not generated: %s)\n", name, zb_last_error());
+      printf("%-17s (not generated: %s)\n", name, zb__tool_error());
       continue;
     }
     zb_schedule_info_t info;
@@ -201,7 +201,7 @@ int zb__tool_bench(int argc, char **argv) {
     free(t);
     zb_schedule_destroy(s0);
     if (!planned) {
-      printf("%-17s failed to plan: %s\n", name, zb_last_error());
+      printf("%-17s failed to plan: %s\n", name, zb__tool_error());
       failures++;
       zb_schedule_destroy(s);
       continue;
@@ -215,7 +215,7 @@ int zb__tool_bench(int argc, char **argv) {
       zb__train_compare(&a, &b, &equal, &diff);
       zb__train_result_free(&b);
     } else {
-      printf("%-17s failed: %s\n", name, zb_last_error());
+      printf("%-17s failed: %s\n", name, zb__tool_error());
     }
     zb__train_result_free(&a);
     if (!equal) {
@@ -227,7 +227,7 @@ int zb__tool_bench(int argc, char **argv) {
     zb__train_config_t cfg = make_config(info.stages, m, steps + 1, width, ffn, lps, rows);
     zb__train_result_t res;
     if (zb__train_pipeline(s, &cfg, &res) != ZB_OK) {
-      printf("%-17s failed: %s\n", name, zb_last_error());
+      printf("%-17s failed: %s\n", name, zb__tool_error());
       failures++;
       zb__train_result_free(&res);
       zb_schedule_destroy(s);
@@ -249,7 +249,7 @@ int zb__tool_bench(int argc, char **argv) {
              100 * meas_sum / steps, 100 * plan.bubble_rate);
     else
       printf("%-17s %2d %6d  %9s %8.2f  (timeline: %s)\n", name, info.chunks, info.stages, "bitwise", its,
-             zb_last_error());
+             zb__tool_error());
     fflush(stdout);
     zb__train_result_free(&res);
     zb_schedule_destroy(s);

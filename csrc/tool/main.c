@@ -13,7 +13,7 @@
  * internal reference model and trainer (linked statically), which are not part of the ABI. Exit
  * codes: 0 success, 1 a failure the library reported (invalid schedule, infeasible limit, unreadable
  * file, parameters not bit-for-bit equal) or a cost file that is malformed or does not fit the
- * command, 2 a usage error.
+ * command, 2 a usage error. Library messages are printed without their C source positions.
  */
 #define _GNU_SOURCE /* RTLD_DEFAULT */
 #include <dlfcn.h>
@@ -246,7 +246,7 @@ void zb__tool_one_blas_thread(void) {
 }
 
 int zb__tool_fail(const char *what) {
-  fprintf(stderr, "zbpp: %s: %s\n", what, zb_last_error());
+  fprintf(stderr, "zbpp: %s: %s\n", what, zb__tool_error());
   return 1;
 }
 
@@ -282,7 +282,7 @@ static char *read_file(const char *path, size_t *len) {
 static int emit(zb_schedule_t *s, const args_t *a) {
   zb_format_t fmt = ZB_FORMAT_TEXT;
   if (a->format && zb_format_from_name(a->format, &fmt) != ZB_OK)
-    return zb__tool_bad_usage("%s", zb_last_error());
+    return zb__tool_bad_usage("%s", zb__tool_error());
   if (zb_schedule_validate(s) != ZB_OK) return zb__tool_fail("the schedule is not valid");
   zb_sim_result_t r;
   if (zb_schedule_simulate(s, &r) != ZB_OK) return zb__tool_fail("simulation failed");
@@ -353,7 +353,7 @@ static int cmd_schedule(const args_t *a) {
   if (!a->kind) return zb__tool_bad_usage("%s", "schedule needs a KIND (see the list in --help)");
   zb_kind_t kind;
   double factor = 0;
-  if (zb_kind_from_name(a->kind, &kind, &factor) != ZB_OK) return zb__tool_bad_usage("%s", zb_last_error());
+  if (zb_kind_from_name(a->kind, &kind, &factor) != ZB_OK) return zb__tool_bad_usage("%s", zb__tool_error());
   if (a->p == INT_MIN)
     return zb__tool_bad_usage("%s", "schedule needs -p P, the number of pipeline ranks (>= 1)");
   if (a->m == INT_MIN)
@@ -468,6 +468,6 @@ int main(int argc, char **argv) {
   int rc = parse_args(argc, argv, &a);
   if (rc) return rc;
   zb_format_t fmt;
-  if (a.format && zb_format_from_name(a.format, &fmt) != ZB_OK) return zb__tool_bad_usage("%s", zb_last_error());
+  if (a.format && zb_format_from_name(a.format, &fmt) != ZB_OK) return zb__tool_bad_usage("%s", zb__tool_error());
   return !strcmp(a.command, "schedule") ? cmd_schedule(&a) : cmd_simulate(&a);
 }

@@ -9,8 +9,13 @@
 
 /* Prints "zbpp: <fmt with what>" and the --help hint on stderr; returns 2. */
 int zb__tool_bad_usage(const char *fmt, const char *what);
-/* Prints "zbpp: <what>: <zb_last_error()>" on stderr; returns 1. */
+/* Prints "zbpp: <what>: <zb_last_error()>" (without source positions) on stderr; returns 1. */
 int zb__tool_fail(const char *what);
+/* A library message without its C source positions ("schedule.c:102: ", for developers), in a
+ * buffer of the tool's that the next call reuses; zb__tool_error() is zb_last_error() so cleaned.
+ * Every message of the library the tool prints goes through one of them (output.c). */
+const char *zb__tool_plain(const char *msg);
+const char *zb__tool_error(void);
 /* Whole-string number parsing; 1 on success. */
 int zb__tool_parse_int(const char *s, int *out);
 int zb__tool_parse_double(const char *s, double *out);

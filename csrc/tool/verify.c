@@ -113,7 +113,7 @@ int zb__tool_verify(int argc, char **argv) {
 
   zb_kind_t kind;
   double factor = 0;
-  if (zb_kind_from_name(kind_name, &kind, &factor) != ZB_OK) return zb__tool_bad_usage("%s", zb_last_error());
+  if (zb_kind_from_name(kind_name, &kind, &factor) != ZB_OK) return zb__tool_bad_usage("%s", zb__tool_error());
   zb_schedule_spec_t spec = ZB_SCHEDULE_SPEC_INIT;
   spec.kind = kind, spec.ranks = p, spec.microbatches = m, spec.chunks = v;
   if (factor > 0) spec.mem_limit = factor * p;
@@ -155,7 +155,7 @@ int zb__tool_verify(int argc, char **argv) {
     int rc = zb__tool_fail("the pipelined run failed");
     for (int r = 0; r < piped.p; r++)
       if (piped.rank_status && piped.rank_status[r] != ZB_OK)
-        fprintf(stderr, "  rank %d: %s\n", r, piped.rank_error[r]);
+        fprintf(stderr, "  rank %d: %s\n", r, zb__tool_plain(piped.rank_error[r]));
     zb__train_result_free(&piped);
     zb_schedule_destroy(s);
     return rc;

@@ -63,6 +63,14 @@ check_empty() { # check_empty DESCRIPTION FILE
   if [ ! -s "$2" ]; then ok; else bad "$1" "nothing" "$(show "$2")"; fi
 }
 
+# check_no_source_pos DESCRIPTION FILE: the library's "file.c:123: " (zb_last_error's position, for
+# developers) must not reach a user's terminal.
+check_no_source_pos() {
+  if grep -q -E '[A-Za-z0-9_]\.(c|cu|cpp|h):[0-9]' "$2"; then
+    bad "$1: no C source position in the message" "no 'file.c:NNN'" "$(show "$2")"
+  else ok; fi
+}
+
 # expect_error DESCRIPTION WANT_RC NEEDLE ARGS...: a clean failure. WANT_RC is a number or 'any';
 # any failure must exit 1..123 (124 is timeout's, 128+ a signal: a hang or a crash), print nothing
 # on stdout, and say on stderr what was wrong (NEEDLE, case-insensitive; '' for any message).
@@ -84,6 +92,7 @@ expect_error() {
   if [ -s "$T/err" ]; then ok; else bad "$e_desc: message on stderr" "a message" "nothing"; fi
   if [ -n "$e_needle" ]; then check_grep_i "$e_desc: message names the problem" "$T/err" "$e_needle"; fi
   check_empty "$e_desc: nothing on stdout" "$T/out"
+  check_no_source_pos "$e_desc" "$T/err"
 }
 
 # ---- help and version --------------------------------------------------------------------------
