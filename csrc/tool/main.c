@@ -13,13 +13,15 @@
  * internal reference model and trainer (linked statically), which are not part of the ABI. Exit
  * codes: 0 success, 1 a failure the library reported (invalid schedule, infeasible limit, unreadable
  * file, parameters not bit-for-bit equal) or a cost file that is malformed or does not fit the
- * command, 2 a usage error. Library messages are printed without their C source positions.
+ * command, or an output that could not be written (FILE is then left as it was: output.c), 2 a
+ * usage error. Library messages are printed without their C source positions.
  */
 #define _GNU_SOURCE /* RTLD_DEFAULT */
 #include <dlfcn.h>
 #include <errno.h>
 #include <limits.h>
 #include <math.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -70,7 +72,8 @@ static void usage(FILE *out) {
           "                       --stage-times, zb-auto takes the file's placement unless this is given\n"
           "  --format F           text (default), csv, json, chrome, svg, or csv-comms (torch's\n"
           "                       compute_comms CSV: the transfers added, for torch's runtime)\n"
-          "  -o, --output FILE    write there instead of standard output\n"
+          "  -o, --output FILE    write there instead of standard output: the whole file or, if\n"
+          "                       writing fails, FILE left as it was\n"
           "\n"
           "Examples:\n"
           "  zbpp schedule zb-v -p 4 -m 8\n"
@@ -289,19 +292,20 @@ static int emit(zb_schedule_t *s, const args_t *a) {
   char *text = NULL;
   size_t len = 0;
   if (zb_schedule_export(s, fmt, &text, &len) != ZB_OK) return zb__tool_fail("export failed");
-  FILE *out = stdout;
-  if (a->output && !(out = fopen(a->output, "wb"))) {
-    fprintf(stderr, "zbpp: cannot write '%s': %s\n", a->output, strerror(errno));
+  if (a->output) {
+    int rc = zb__tool_write_file(a->output, text, len);
     zb_free(text);
-    return 1;
-  }
-  int ok = fwrite(text, 1, len, out) == len;
-  if (out != stdout) ok = (fclose(out) == 0) && ok;
-  else ok = (fflush(out) == 0) && ok;
-  zb_free(text);
-  if (!ok) {
-    fprintf(stderr, "zbpp: writing %s failed\n", a->output ? a->output : "standard output");
-    return 1;
+    if (rc) return rc;
+  } else {
+    errno = 0;
+    int ok = fwrite(text, 1, len, stdout) == len;
+    ok = (fflush(stdout) == 0) && ok;
+    zb_free(text);
+    if (!ok) {
+      fprintf(stderr, "zbpp: writing standard output failed: %s\n",
+              errno ? strerror(errno) : "short write");
+      return 1;
+    }
   }
   if (a->output) {
     zb_schedule_info_t info;
@@ -443,6 +447,9 @@ static int cmd_simulate(const args_t *a) {
 }
 
 int main(int argc, char **argv) {
+  /* A file-size limit (ulimit -f) would otherwise kill the tool by SIGXFSZ in the middle of a
+   * write, with no message; ignored, the write fails with EFBIG, which the tool reports. */
+  signal(SIGXFSZ, SIG_IGN);
   if (argc < 2) {
     usage(stderr);
     return 2;

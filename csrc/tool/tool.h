@@ -16,6 +16,9 @@ int zb__tool_fail(const char *what);
  * Every message of the library the tool prints goes through one of them (output.c). */
 const char *zb__tool_plain(const char *msg);
 const char *zb__tool_error(void);
+/* Writes len bytes to path whole or not at all (a temporary file renamed over it; output.c says
+ * why). Returns 0, or prints what failed and that path was left unchanged, and returns 1. */
+int zb__tool_write_file(const char *path, const char *data, size_t len);
 /* Whole-string number parsing; 1 on success. */
 int zb__tool_parse_int(const char *s, int *out);
 int zb__tool_parse_double(const char *s, double *out);

@@ -297,6 +297,38 @@ expect_error "--format png" 2 "png" schedule 1f1b -p 4 -m 8 --format png
 check_grep "--format png: message lists the formats" "$T/err" "svg"
 expect_error "-o into a missing directory" 1 "no-such-dir" schedule 1f1b -p 2 -m 2 -o "$T/no-such-dir/x.txt"
 
+# ---- -o: the whole new file, or the old file untouched ------------------------------------------
+
+mkdir "$T/o"
+printf 'the old content\n' >"$T/o/plan.svg"
+cp "$T/o/plan.svg" "$T/old.svg"
+run schedule zb-h1 -p 2 -m 4 --format svg -o "$T/o/plan.svg"
+check_rc "-o over an existing file" 0
+check_grep "-o over an existing file: the new content" "$T/o/plan.svg" "</svg>"
+check_eq "-o leaves nothing else in the folder" "plan.svg" "$(ls -A "$T/o" | tr '\n' ' ' | sed 's/ $//')"
+chmod 640 "$T/o/plan.svg"
+run schedule zb-h1 -p 2 -m 4 --format csv -o "$T/o/plan.svg"
+check_eq "-o keeps an existing file's permissions" "-rw-r-----" "$(ls -l "$T/o/plan.svg" | cut -c1-10)"
+(umask 027 && timeout 20 "$ZBPP" schedule zb-h1 -p 2 -m 4 --format csv -o "$T/o/new.csv") >"$T/out" 2>"$T/err"
+check_eq "-o makes a new file 0666 less the umask, as fopen would" "-rw-r-----" "$(ls -l "$T/o/new.csv" 2>/dev/null | cut -c1-10)"
+rm -f "$T/o/new.csv"
+run schedule zb-h1 -p 2 -m 4 -o /dev/null
+check_rc "-o /dev/null (not a regular file: written in place)" 0
+
+# A file-size limit (ulimit -f, 512-byte blocks in sh) makes the write fail part-way: the tool must
+# say so, exit 1 (not die of SIGXFSZ), and leave the old file as it was, with no temporary behind.
+cp "$T/old.svg" "$T/o/plan.svg"
+(ulimit -f 1 && exec timeout 20 "$ZBPP" schedule zb-h1 -p 8 -m 64 --format svg -o "$T/o/plan.svg") >"$T/out" 2>"$T/err"
+RC=$?
+check_rc "-o past a file-size limit" 1
+check_grep "-o past a file-size limit: the reason" "$T/err" "$(printf '%s' "File too large")"
+check_grep_i "-o past a file-size limit: the old file is kept" "$T/err" "left unchanged"
+check_no_source_pos "-o past a file-size limit" "$T/err"
+if cmp -s "$T/o/plan.svg" "$T/old.svg"; then ok; else
+  bad "-o past a file-size limit: the file keeps its old content" "$(show "$T/old.svg")" "$(show "$T/o/plan.svg")"
+fi
+check_eq "-o past a file-size limit: no temporary left" "plan.svg" "$(ls -A "$T/o" | tr '\n' ' ' | sed 's/ $//')"
+
 # ---- verify and bench ---------------------------------------------------------------------------
 
 # verify: the pipelined run equals the sequential loop, exit 0, and --json ends with one JSON line
