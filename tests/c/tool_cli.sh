@@ -297,6 +297,20 @@ expect_error "--format png" 2 "png" schedule 1f1b -p 4 -m 8 --format png
 check_grep "--format png: message lists the formats" "$T/err" "svg"
 expect_error "-o into a missing directory" 1 "no-such-dir" schedule 1f1b -p 2 -m 2 -o "$T/no-such-dir/x.txt"
 
+# ---- costs whose schedule would not have a finite length ----------------------------------------
+
+# Each value is finite, but m times their sum is not: the plan's cost would be inf and its bubble NaN.
+expect_error "--times 1e308" 1 "1e+308" schedule 1f1b -p 4 -m 8 --times 1e308,1,1
+check_grep_i "--times 1e308: message says what is allowed" "$T/err" "finite"
+expect_error "zb-auto --times 1e308" 1 "1e+308" schedule zb-auto -p 4 -m 8 --times 1e308,1,1
+if grep -q -i "stalled" "$T/err"; then bad "zb-auto --times 1e308: the costs, not the scheduler, are blamed" "no 'stalled'" "$(show "$T/err")"; else ok; fi
+expect_error "--comm 1e308" 1 "time_comm" schedule zb-v -p 4 -m 8 --comm 1e308
+expect_error "--times -1,1,1" 1 "time_f" schedule 1f1b -p 4 -m 8 --times -1,1,1
+printf '{"format": "zbpp-costs", "version": 1, "time_f": [1, 1e308], "time_b": [1, 1], "time_w": [1, 1]}\n' >"$T/huge.json"
+expect_error "--stage-times with 1e308" 1 "stage_time_f[1]" schedule 1f1b -p 2 -m 4 --stage-times "$T/huge.json"
+printf '0F0,0I0,0W0\n' >"$T/one.csv"
+expect_error "simulate --times 1e308,1e308,1e308" 1 "1e+308" simulate "$T/one.csv" --times 1e308,1e308,1e308
+
 # ---- -o: the whole new file, or the old file untouched ------------------------------------------
 
 mkdir "$T/o"
