@@ -374,6 +374,9 @@ check_rc "a tiny bench exits 0" 0
 check_grep "bench checks before timing" "$T/out" "bitwise"
 check_grep "bench reports the runner's overhead" "$T/out" "us per op"
 expect_error "bench with a bad option" 2 "--bogus" bench --bogus
+expect_error "bench --kinds bogus" 2 "bogus" bench -p 2 -m 4 --steps 1 --kinds bogus
+check_grep "bench --kinds bogus: message lists the kinds" "$T/err" "zb-v"
+expect_error "bench --kinds with one bad item" 2 "zb-x" bench -p 2 -m 4 --steps 1 --kinds 1f1b,zb-x
 
 # ---- summary -----------------------------------------------------------------------------------
 
