@@ -146,7 +146,7 @@ static int parse_kinds(const char *list, int *selected) {
 
 int zb__tool_bench(int argc, char **argv) {
   long cpus = sysconf(_SC_NPROCESSORS_ONLN);
-  int p = cpus < 2 ? 2 : cpus > 4 ? 4 : (int)cpus, m = -1, steps = 10, width = 256, ffn = 0, layers = 2, rows = 64;
+  int p = cpus < 2 ? 2 : cpus > 4 ? 4 : (int)cpus, m = 0, steps = 10, width = 256, ffn = 0, layers = 2, rows = 64;
   int selected[ZB_KIND_COUNT], have_kinds = 0;
   memset(selected, 0, sizeof selected);
   for (int i = 2; i < argc; i++) {
@@ -172,9 +172,10 @@ int zb__tool_bench(int argc, char **argv) {
     } else return zb__tool_bad_usage("bench: unknown argument '%s'", a);
     if (!val) return zb__tool_bad_usage("option %s needs a value", a);
     i++;
-    if (!zb__tool_parse_int(val, iopt)) return zb__tool_bad_usage("this option wants a whole number, got '%s'", val);
+    /* Every size is >= 1 when given: 0 must not quietly mean "the default" (m and ffn have one). */
+    if (!zb__tool_parse_int(val, iopt) || *iopt < 1) return zb__tool_bad_value(a, "a whole number >= 1", val);
   }
-  if (m < 0) m = 4 * p;
+  if (m == 0) m = 4 * p;
   if (ffn == 0) ffn = 4 * width;
   if (p < 1 || p > 64 || m < 1 || steps < 1 || width < 1 || ffn < 1 || layers < 1 || rows < 1 ||
       width > 8192 || ffn > 32768 || rows > 65536 || layers > 64)

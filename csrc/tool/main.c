@@ -99,6 +99,11 @@ int zb__tool_bad_usage(const char *fmt, const char *what) {
   return 2;
 }
 
+int zb__tool_bad_value(const char *option, const char *want, const char *value) {
+  fprintf(stderr, "zbpp: %s wants %s, got '%s'\nRun 'zbpp --help' for usage.\n", option, want, value);
+  return 2;
+}
+
 int zb__tool_parse_int(const char *s, int *out) {
   char *end;
   errno = 0;
@@ -155,11 +160,16 @@ static int parse_args(int argc, char **argv, args_t *a) {
       if (!zb__tool_parse_int(val, &a->m)) return zb__tool_bad_usage("-m wants a whole number, got '%s'", val);
     } else if (!strcmp(arg, "-v") || !strcmp(arg, "--chunks")) {
       NEED_VALUE();
-      if (!zb__tool_parse_int(val, &a->v)) return zb__tool_bad_usage("-v wants a whole number, got '%s'", val);
+      /* 0 is the library's "the kind's default"; given by a user it is a mistake, not a request. */
+      if (!zb__tool_parse_int(val, &a->v) || a->v < 1)
+        return zb__tool_bad_value(arg, "a whole number >= 1 (model chunks per rank; leave it out for the kind's default)", val);
     } else if (!strcmp(arg, "--times")) {
       NEED_VALUE();
       if (!parse_times(val, a->times, &a->n_times))
         return zb__tool_bad_usage("--times wants F,B,W or F,B,W,BW (numbers), got '%s'", val);
+      /* The library reads time_bw <= 0 as "B + W": a BW the user wrote must not turn into that. */
+      if (a->n_times == 4 && !(a->times[3] > 0))
+        return zb__tool_bad_value("--times", "a fused backward time BW > 0 as its fourth value (leave it out for B + W)", val);
     } else if (!strcmp(arg, "--comm")) {
       NEED_VALUE();
       if (!zb__tool_parse_double(val, &a->comm)) return zb__tool_bad_usage("--comm wants a number, got '%s'", val);

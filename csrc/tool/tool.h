@@ -9,6 +9,8 @@
 
 /* Prints "zbpp: <fmt with what>" and the --help hint on stderr; returns 2. */
 int zb__tool_bad_usage(const char *fmt, const char *what);
+/* Prints "zbpp: OPTION wants WANT, got 'VALUE'" and the --help hint on stderr; returns 2. */
+int zb__tool_bad_value(const char *option, const char *want, const char *value);
 /* Prints "zbpp: <what>: <zb_last_error()>" (without source positions) on stderr; returns 1. */
 int zb__tool_fail(const char *what);
 /* A library message without its C source positions ("schedule.c:102: ", for developers), in a

@@ -96,8 +96,19 @@ int zb__tool_verify(int argc, char **argv) {
     }
     if (!val) return zb__tool_bad_usage("option %s needs a value", a);
     i++;
-    if (iopt && !zb__tool_parse_int(val, iopt)) return zb__tool_bad_usage("this option wants a whole number, got '%s'", val);
-    if (dopt && !zb__tool_parse_double(val, dopt)) return zb__tool_bad_usage("this option wants a number, got '%s'", val);
+    if (iopt && !zb__tool_parse_int(val, iopt)) return zb__tool_bad_value(a, "a whole number", val);
+    if (dopt && !zb__tool_parse_double(val, dopt)) return zb__tool_bad_value(a, "a number", val);
+    /* Options whose 0 (or a negative) would quietly mean "the default" or "off" downstream: the
+     * library reads chunks 0 as the kind's default, ffn 0 here as 4 x width, clip_grad <= 0 as no
+     * clipping, timeout <= 0 as 60 s, and a negative step as no injection. */
+    if (iopt == &v && v < 1)
+      return zb__tool_bad_value(a, "a whole number >= 1 (model chunks per rank; leave it out for the kind's default)", val);
+    if (iopt == &ffn && ffn < 1) return zb__tool_bad_value(a, "a whole number >= 1 (leave it out for 4 x width)", val);
+    if (iopt == &inject && inject < 0) return zb__tool_bad_value(a, "a step number >= 0", val);
+    if (dopt == &clip && !(clip > 0 && isfinite(clip)))
+      return zb__tool_bad_value(a, "a finite gradient norm > 0 (leave it out for no clipping)", val);
+    if (dopt == &timeout && !(timeout > 0 && isfinite(timeout)))
+      return zb__tool_bad_value(a, "a finite number of seconds > 0", val);
   }
   if (!kind_name) return zb__tool_bad_usage("%s", "verify needs a KIND (see zbpp --help)");
   if (p < 1) return zb__tool_bad_usage("%s", "verify needs -p P with P >= 1");

@@ -297,6 +297,21 @@ expect_error "--format png" 2 "png" schedule 1f1b -p 4 -m 8 --format png
 check_grep "--format png: message lists the formats" "$T/err" "svg"
 expect_error "-o into a missing directory" 1 "no-such-dir" schedule 1f1b -p 2 -m 2 -o "$T/no-such-dir/x.txt"
 
+# ---- numbers that must not silently mean "the default" ------------------------------------------
+
+expect_error "-v 0" 2 "-v" schedule zb-v -p 2 -m 4 -v 0
+check_grep "-v 0: message says what is allowed" "$T/err" ">= 1"
+expect_error "-v -1" 2 "-v" schedule 1f1b -p 2 -m 4 -v -1
+expect_error "-v junk" 2 "-v" schedule 1f1b -p 2 -m 4 -v two
+expect_error "--times with BW 0 (the library's 'B + W')" 2 "BW" schedule 1f1b -p 2 -m 4 --times 1,1,1,0
+expect_error "verify -v 0" 2 "-v" verify zb-v -p 2 -m 4 -v 0
+expect_error "verify --ffn 0" 2 "--ffn" verify 1f1b -p 2 -m 2 --ffn 0
+expect_error "verify --clip 0" 2 "--clip" verify 1f1b -p 2 -m 2 --clip 0
+expect_error "verify --timeout 0" 2 "--timeout" verify 1f1b -p 2 -m 2 --timeout 0
+expect_error "verify --inject-nan -2" 2 "--inject-nan" verify 1f1b -p 2 -m 2 --inject-nan -2
+expect_error "bench -m -5" 2 "-m" bench -p 2 -m -5
+expect_error "bench --ffn 0" 2 "--ffn" bench -p 2 --ffn 0
+
 # ---- costs whose schedule would not have a finite length ----------------------------------------
 
 # Each value is finite, but m times their sum is not: the plan's cost would be inf and its bubble NaN.
