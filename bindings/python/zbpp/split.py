@@ -1,20 +1,36 @@
 """Split backward for torch.nn.Linear: B computes the input gradient, W runs later in C.
 
-What this is: an autograd Function whose backward returns only the input gradient (and the bias
-gradient is left to W too), and pushes the weight-gradient GEMM
+What this is: an autograd Function whose backward, inside a pipeline, returns only the input
+gradient (and the bias gradient is left to W too), and pushes the weight-gradient GEMM
 
     dW[out, in] += dY[rows, out]^T X[rows, in]     (fp32 accumulation; the paper's W pass)
 
 into the C W store, with X and dY kept alive until the store says it has run or dropped the
 entry. `split_linear(module)` turns every nn.Linear of a module into a `SplitLinear` in place (a
 class swap: parameters, state dict, hooks and requires_grad are untouched, isinstance(m, nn.Linear)
-stays true). Where the gradient lands: `param.main_grad` when the parameter has one (fp32, as
-Megatron's do), else `param.grad` (fp32 parameters: accumulated in place; bf16/fp16 parameters: the
-product, rounded once to the parameter's dtype, is added to .grad when W runs, as autograd would).
+stays true). Where a pipeline's W puts the gradient: `param.main_grad` when the parameter has one
+(fp32, as Megatron's do), else `param.grad` (fp32 weights: accumulated in place; the bias's sum, on
+the host backend, and bf16/fp16 parameters: formed apart in fp32 and added to .grad when W runs,
+rounded once to the parameter's dtype, as autograd would). Inside a pipeline the runner opens a
+group per B and W pops it; autograd gets no weight or bias gradient from the layer.
 
-Outside a pipeline (no W store capturing), a SplitLinear's backward runs its W at once through the
-same C GEMM, so `loss.backward()` fills every gradient as usual and a single-process run computes
-the same bits as the pipeline. Inside a pipeline the runner opens a group per B and W pops it.
+Outside a pipeline (no W store capturing on the tensors' device, and not torch.compile's backward,
+whose op writes .grad as above) a split layer keeps nn.Linear's contract with autograd: its backward
+returns the weight and bias gradients. So torch.autograd.grad returns them (inputs= any of weight,
+bias and input; allow_unused and materialize_grads as with nn.Linear) and leaves .grad alone;
+loss.backward() adds them to .grad through autograd's accumulation (tensor hooks, post-accumulate-
+grad hooks and DDP see them); retain_graph=True backwards accumulate; a weight computed from
+parameters (torch.func.functional_call, MAML's W - lr*g) passes its gradient on. With grad mode off
+in the backward (a plain backward) the gradients come from the same C GEMM as a pipeline's W, into
+new fp32 tensors that autograd rounds to the parameter's dtype and adds to .grad, so a
+single-process loop computes the pipeline's bits: always for the bias (summed apart in both) and the
+first backward, and for the weight while a backward's rows fit the BLAS's K block (a few hundred
+with OpenBLAS; beyond it the BLAS adds its block sums to .grad one at a time, and the last bits may
+differ). With create_graph=True they are differentiable torch ops, as nn.Linear's backward (dy^T x,
+dy summed over rows), so gradient penalties and second-order MAML work. A gradient autograd will not
+use (torch.autograd.grad(loss, x)) is not computed. Parameters with main_grad keep Megatron's fused
+accumulation (its layers with gradient_accumulation_fusion do the same): W adds to main_grad at once
+and autograd gets None for them (torch.autograd.grad then needs allow_unused=True).
 
 Devices: one store per device (`default_store(device)`). CPU tensors use the host backend (CBLAS);
 CUDA tensors use the device's CUDA backend (cuBLASLt), and every run is issued on torch's current
@@ -156,8 +172,13 @@ class WGradStore:
         every complete step)."""
         return len(self._live) + _ops.live(self.store.handle) + _ops.live(self.immediate.handle)
 
-    def push_linear(self, x2, dy2, weight, bias, store=None):
-        """Queues dW += dy2^T x2 (and db += sum(dy2)) for a Linear; x2 [rows, in], dy2 [rows, out]."""
+    def push_linear(self, x2, dy2, weight, bias, store=None, fresh=False):
+        """Queues dW += dy2^T x2 (and db += sum(dy2)) for a Linear; x2 [rows, in], dy2 [rows, out].
+        weight or bias None (or not requiring grad): no gradient for it.
+
+        fresh=True (a backward that returns its gradients to autograd): a parameter without
+        main_grad gets its gradient in a new tensor (fp32, or the parameter's dtype on CUDA's half
+        path) instead of .grad; returns (dw, db), those tensors or None, filled once W has run."""
         dy2 = _rows(dy2)
         dtype = _DTYPE.get(x2.dtype)
         if dtype is None or dy2.dtype != x2.dtype:
@@ -166,17 +187,20 @@ class WGradStore:
         if x2.device != self.device or dy2.device != self.device:
             raise ValueError(f"zbpp: the W store of {self.device} got tensors on {x2.device} and {dy2.device}; "
                              "use default_store(device) of the tensors' device")
-        if not weight.requires_grad:
+        if weight is None or not weight.requires_grad:
             if bias is not None and bias.requires_grad:
-                self._push_bias_only(dy2, bias, store)
-            return
+                return None, self._push_bias_only(dy2, bias, store, fresh)
+            return None, None
         x2 = _rows(x2)  # only the weight's GEMM reads x
         if self.is_cuda:
-            return self._push_cuda(x2, dy2, weight, bias, dtype, store)
+            return self._push_cuda(x2, dy2, weight, bias, dtype, store, fresh)
         keep = [x2, dy2]
         after = []
-        dw = _target(weight, keep, after)
-        db = _target(bias, keep, after) if bias is not None and bias.requires_grad else None
+        dw = _target(weight, keep, after, fresh)
+        # The host backend adds dy's rows one by one to db: into a zeroed buffer of its own, then
+        # added to .grad, the sum is autograd's (old + this backward's), so a pipeline's W and a
+        # plain backward (which returns db to autograd) give the same bits.
+        db = _target(bias, keep, after, fresh, apart=True) if bias is not None and bias.requires_grad else None
         token = next(self._tokens)
         self._live[token] = (keep, _chain(after), None)
         try:
@@ -186,6 +210,7 @@ class WGradStore:
         except BaseException:
             self._live.pop(token, None)
             raise
+        return _returned(weight, dw, fresh), _returned(bias, db, fresh)
 
     def push_action(self, action, keep=(), store=None):
         """Queues a W that is Python work, not a GEMM zbpp makes: `action()` runs when the entry's
@@ -210,11 +235,12 @@ class WGradStore:
                 self._forget_push_stream(pushed)
             raise
 
-    def _push_bias_only(self, dy2, bias, store):
+    def _push_bias_only(self, dy2, bias, store, fresh=False):
         """A frozen weight with a trainable bias: no GEMM, only the bias's column sums, as W work
-        in the same place in the group (what nn.Linear computes for it: dy summed over rows)."""
+        in the same place in the group (what nn.Linear computes for it: dy summed over rows).
+        Returns the fresh gradient tensor (see push_linear) or None."""
         keep, after = [dy2], []
-        db = _target(bias, keep, after)
+        db = _target(bias, keep, after, fresh)
         then = _chain(after)
 
         def add_sums():
@@ -223,8 +249,9 @@ class WGradStore:
                 then()
 
         self.push_action(add_sums, keep=keep, store=store)
+        return _returned(bias, db, fresh)
 
-    def _push_cuda(self, x2, dy2, weight, bias, dtype, store):
+    def _push_cuda(self, x2, dy2, weight, bias, dtype, store, fresh=False):
         has_db = bias is not None and bias.requires_grad
         # The entry's dw and db share one dw_dtype. The input dtype (bf16/fp16) written with
         # overwrite is used only when every target is a .grad of exactly that dtype: the GEMM then
@@ -240,11 +267,11 @@ class WGradStore:
             # With no rows the GEMM has nothing to write (the host backend returns early), so the
             # "product" must start as zeros there; otherwise every element is overwritten.
             empty = x2.shape[0] == 0
-            dw = _fresh_half(weight, keep, after, empty)
-            db = _fresh_half(bias, keep, after, empty) if has_db else None
+            dw = _fresh_half(weight, keep, after, empty, fresh)
+            db = _fresh_half(bias, keep, after, empty, fresh) if has_db else None
         else:
-            dw = _target(weight, keep, after)
-            db = _target(bias, keep, after) if has_db else None
+            dw = _target(weight, keep, after, fresh)
+            db = _target(bias, keep, after, fresh) if has_db else None
         token = next(self._tokens)
         self._live[token] = (keep, _chain(after), stream)
         entry = self._push_streams.setdefault(stream.cuda_stream, [stream, 0])
@@ -263,6 +290,7 @@ class WGradStore:
             self._live.pop(token, None)
             self._forget_push_stream(stream)
             raise
+        return _returned(weight, dw, fresh), (_returned(bias, db, fresh) if has_db else None)
 
     def close(self):
         self.store.close()
@@ -273,12 +301,15 @@ class WGradStore:
             self.backend.close()  # the CUDA backend is the device's, shared (cuda.backend_for)
 
 
-def _fresh_half(param, keep, after, zeros):
+def _fresh_half(param, keep, after, zeros, fresh=False):
     """CUDA, bf16/fp16 parameter without main_grad: W writes the product (rounded once) into a fresh
-    tensor of the parameter's dtype, which is then added to .grad as autograd would."""
+    tensor of the parameter's dtype, which is then added to .grad as autograd would (or, fresh,
+    returned to autograd, which adds it)."""
     make = torch.zeros if zeros else torch.empty
     tmp = make(param.shape, dtype=param.dtype, device=param.device)
     keep.append(tmp)
+    if fresh:
+        return tmp
 
     def add():
         if param.grad is None:
@@ -290,8 +321,10 @@ def _fresh_half(param, keep, after, zeros):
     return tmp
 
 
-def _target(param, keep, after):
-    """The fp32 buffer W accumulates into for `param`, and what to do once it has run."""
+def _target(param, keep, after, fresh=False, apart=False):
+    """The fp32 buffer W accumulates into for `param`, and what to do once it has run. For a
+    parameter without main_grad, fresh: a new zero buffer, which the caller returns to autograd;
+    apart: a new zero buffer added to .grad after W (.grad itself otherwise, when fp32)."""
     if param is None or not param.requires_grad:
         return None
     main = getattr(param, "main_grad", None)
@@ -303,15 +336,19 @@ def _target(param, keep, after):
             raise TypeError(f"zbpp: main_grad is on {main.device} but its parameter on {param.device}")
         keep.append(main)
         return main
-    if param.dtype == torch.float32:
+    if fresh:
+        buf = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
+        keep.append(buf)
+        return buf
+    if param.dtype == torch.float32 and not apart:
         if param.grad is None:
             param.grad = torch.zeros_like(param, memory_format=torch.contiguous_format)
         elif not param.grad.is_contiguous():
             param.grad = param.grad.contiguous()
         keep.append(param.grad)
         return param.grad
-    # Half-precision parameter without main_grad: accumulate the product in fp32, then add it to
-    # .grad in the parameter's dtype, as autograd does for each backward.
+    # Half-precision parameter without main_grad (or apart): accumulate the product in fp32, then
+    # add it to .grad in the parameter's dtype, as autograd does for each backward.
     tmp = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
     keep.append(tmp)
 
@@ -324,6 +361,14 @@ def _target(param, keep, after):
 
     after.append(add)
     return tmp
+
+
+def _returned(param, buf, fresh):
+    """What a fresh push returns for `param`: its new gradient tensor, or None (no gradient, or it
+    went to main_grad)."""
+    if not fresh or buf is None or getattr(param, "main_grad", None) is not None:
+        return None
+    return buf
 
 
 def _chain(actions):
@@ -432,14 +477,67 @@ class _SplitLinearFn(torch.autograd.Function):
         weight, bias = ctx.weight, ctx.bias
         if dy.dtype != x.dtype:
             dy = dy.to(x.dtype)
-        dx = dy.matmul(wc) if ctx.needs_input_grad[0] else None
-        if weight.requires_grad or (bias is not None and bias.requires_grad):
-            push = _ops.op() if _ops.compiling() else None
-            if push is not None:
-                push(x, dy, weight, bias)  # torch.compile: one opaque node, no graph break (_ops.py)
-            else:
-                defer_weight_grad(x, dy, weight, bias)
-        return dx, None, None
+        compiling = _ops.compiling()
+        if compiling or _store_of(x).capturing:
+            # A pipeline's B, or torch.compile's backward: W goes to the store (run later, or at once
+            # by the op when nothing captures), which writes main_grad or .grad; autograd gets None.
+            dx = dy.matmul(wc) if ctx.needs_input_grad[0] else None
+            if weight.requires_grad or (bias is not None and bias.requires_grad):
+                push = _ops.op() if compiling else None
+                if push is not None:
+                    push(x, dy, weight, bias)  # torch.compile: one opaque node, no graph break (_ops.py)
+                else:
+                    defer_weight_grad(x, dy, weight, bias)
+            return dx, None, None
+        # Outside a pipeline: nn.Linear's contract, the gradients go back to autograd (module docstring).
+        dx = dy.matmul(wc) if _engine_wants(ctx, 0) else None
+        dw, db = _weight_grads(x, dy, weight if _engine_wants(ctx, 1, weight) else None,
+                               bias if bias is not None and _engine_wants(ctx, 2, bias) else None)
+        return dx, dw, db
+
+
+def _store_of(t):
+    return default_store(None if t.device.type == "cpu" else t.device)
+
+
+def _engine_wants(ctx, i, param=None):
+    """Whether this backward must compute the gradient of its input i: autograd will use it (as
+    nn.Linear's backward, which skips the weight GEMM under torch.autograd.grad(loss, x)), or it
+    goes to main_grad, which Megatron's fused accumulation always fills. True when unsure."""
+    if not ctx.needs_input_grad[i]:
+        return False
+    if param is not None and getattr(param, "main_grad", None) is not None:
+        return True
+    will = getattr(torch._C, "_will_engine_execute_node", None)  # torch's own multi-grad hooks use it
+    node = ctx.next_functions[i][0]
+    if will is None or node is None:
+        return True
+    try:
+        return bool(will(node))
+    except RuntimeError:  # a leaf torch.autograd.grad returns (torch does not say for those): wanted
+        return True
+
+
+def _weight_grads(x, dy, weight, bias):
+    """Outside a pipeline: the weight and bias gradients of y = x W^T (+ b) for a backward to return
+    to autograd, (dW, db); None for a parameter not given or with main_grad (its gradient is added
+    there, Megatron's fused accumulation). With grad mode on (create_graph=True) they are
+    differentiable torch ops, as nn.Linear's backward: dy^T x and dy summed over rows. Otherwise
+    they come from the same C GEMM as a pipeline's W, into new fp32 tensors (autograd rounds them to
+    the parameter's dtype and adds them to .grad: what the pipeline's W adds, see module docstring)."""
+    if weight is None and bias is None:
+        return None, None
+    x2 = x.reshape(-1, x.shape[-1])
+    dy2 = dy.reshape(-1, dy.shape[-1])
+    st = _store_of(x2)
+    if not torch.is_grad_enabled():
+        return _run_now(st, x2, dy2, weight, bias, fresh=True)
+    fused = [p if p is not None and getattr(p, "main_grad", None) is not None else None for p in (weight, bias)]
+    dw = dy2.t().mm(x2) if weight is not None and fused[0] is None else None
+    db = dy2.sum(0) if bias is not None and fused[1] is None else None
+    if fused[0] is not None or fused[1] is not None:
+        _run_now(st, x2.detach(), dy2.detach(), *fused)
+    return dw, db
 
 
 def _rows(t):
@@ -456,7 +554,8 @@ def defer_weight_grad(x, dy, weight, bias=None):
     """The W of a linear map y = x W^T (+ b), from inside its B: dW += dy^T x (and db += sum(dy)
     when bias is given) over x [..., in] and dy [..., out], into main_grad or .grad (see the module
     docstring). Pushed to the group of the current B when a runner (or capture()) is capturing on
-    the tensors' device, run at once otherwise. x and dy are kept alive until W has run."""
+    the tensors' device, run at once otherwise (still into main_grad or .grad: zbpp's own layers
+    return their gradients to autograd there instead). x and dy are kept alive until W has run."""
     x2 = x.reshape(-1, x.shape[-1])
     dy2 = dy.reshape(-1, dy.shape[-1])
     st = default_store(None if x2.device.type == "cpu" else x2.device)
@@ -483,11 +582,11 @@ def defer_action(action, device=None):
         st.immediate.pop_run(0)
 
 
-def _run_now(st, x2, dy2, weight, bias):
+def _run_now(st, x2, dy2, weight, bias, fresh=False):
     # A store of its own, so an immediate group never mixes with the groups a pipeline holds.
     st.immediate.begin(0, 0)
     try:
-        st.push_linear(x2, dy2, weight, bias, st.immediate)
+        return st.push_linear(x2, dy2, weight, bias, st.immediate, fresh)
     finally:
         # Close and pop the group even when the push failed: an empty group left behind would be
         # popped by the next backward instead of its own.
