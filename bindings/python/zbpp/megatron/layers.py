@@ -15,9 +15,13 @@ layers it is installed on change; their parameters, state dict and hooks do not.
               over the group (allreduce_dgrad) or reduce-scattered (sequence parallelism); the bias
               gradient (a sum over rows) is returned to autograd, as Megatron does.
     W         dW += grad_output^T total_input (fp32 accumulation), pushed to zbpp's W store
-              (zbpp.split.defer_weight_grad): into the group of the current B when a pipeline
-              runner is capturing, run at once otherwise. It lands in weight.main_grad when the
-              weight has one (Megatron's DDP), else in weight.grad. With sequence parallelism B
+              (zbpp.split.defer_weight_grad) into the group of the current B when a pipeline
+              runner is capturing; it lands in weight.main_grad when the weight has one
+              (Megatron's DDP), else in weight.grad. Outside a pipeline it runs at once: into
+              main_grad when there is one (as Megatron's gradient_accumulation_fusion), else it is
+              returned to autograd as Megatron's layer without fusion returns it (so
+              torch.autograd.grad and create_graph work as there; zbpp.split's docstring). With
+              sequence parallelism B
               all-gathers the input again into a tensor of its own, which W reads: it stays alive
               from B until W (Megatron re-gathers into its shared buffer and runs W at once).
 
@@ -25,7 +29,8 @@ The weight gradient B returns is what Megatron's DDP backward hook expects of a 
 main_grad itself (gradient_accumulation_fusion's contract): when the weight has main_grad and
 `grad_added_to_main_grad`, a dummy (torch.empty, or zeros when `zero_out_wgrad` is set, as for a
 weight tied with the embedding) and weight.grad_added_to_main_grad = True, so the hook does not add
-it again; otherwise None (W fills main_grad or .grad). This holds with gradient_accumulation_fusion
+it again; otherwise None (W fills main_grad, or .grad inside a pipeline), or outside a pipeline,
+for a weight without main_grad, the gradient itself. This holds with gradient_accumulation_fusion
 on or off: W always accumulates into main_grad, so the hook must never add a returned gradient.
 
 Not split (the layer keeps Megatron's implementation; `classify` says why, and split_linear warns):
@@ -353,8 +358,13 @@ class _SplitLinearWithAsyncCommunication(torch.autograd.Function):
 
         # W: deferred (or run now when no pipeline captures), while the collective is in flight.
         grad_output = grad_output.contiguous()
-        _split.defer_weight_grad(total_input, grad_output, weight)
-        grad_weight = _dummy_weight_grad(weight, input)
+        if _split._store_of(total_input).capturing:
+            _split.defer_weight_grad(total_input, grad_output, weight)
+            grad_weight = None
+        else:  # main_grad filled now, or the gradient returned to autograd (as Megatron without fusion)
+            grad_weight, _ = _split._weight_grads(total_input, grad_output, weight, None)
+        if grad_weight is None:
+            grad_weight = _dummy_weight_grad(weight, input)
 
         grad_bias = None
         if ctx.use_bias and ctx.needs_input_grad[2]:
