@@ -14,7 +14,11 @@ free of it). On CUDA the kernels run on torch's current stream; on the CPU the s
 reference (the host backend), which is what the tests without a GPU exercise.
 
 The state lives in the wrapped optimizer's `state` under torch's own keys (AdamW: step, exp_avg,
-exp_avg_sq; SGD: momentum_buffer), so state_dict() and load_state_dict() keep working.
+exp_avg_sq; SGD: momentum_buffer, plus _zbpp_step, the count torch's SGD does not keep), so
+state_dict() and load_state_dict() carry it, step counts included, and a resumed run steps as the
+uninterrupted one (tests/python/test_optim_checkpoint.py). commit() gives AdamW's step a new
+tensor rather than adding to it in place: torch's load_state_dict hands the loaded dict's step
+tensors to the optimizer as they are, and an in-place count would change the dict it came from.
 
 What this is not: torch's kernels. The update follows torch.optim.AdamW and SGD (foreach=False),
 to rounding; the fused and unfused paths of this wrapper each equal their own synchronous path bit

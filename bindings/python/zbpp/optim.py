@@ -39,6 +39,19 @@ so no pipeline-wide synchronisation comes back; every tensor-parallel rank then 
 decision. Data parallelism needs nothing: Megatron's DDP leaves the same reduced gradients on
 every data-parallel rank (the distributed optimizer's sharded state is not supported).
 
+Checkpoints: state_dict() is the wrapped optimizer's own (torch's "state" and "param_groups" at
+the top level, so torch and tools that read its layout still can) plus one key, "zbpp": the fp32
+masters of half-precision parameters (under torch's parameter ids), the loss scaler as GradScaler
+names it (scale, _growth_tracker) and the step counts (steps, skipped, clipped, rolled_back: this
+rank's). load_state_dict() restores all of it and still takes a plain torch optimizer state dict.
+The masters follow the model: before each step (and in state_dict()), a half-precision parameter
+changed since this wrapper last wrote it (torch's _version counter: model.load_state_dict, an
+in-place op; not a write through .data, which torch does not count) gives its master its value,
+unless the new value is exactly the master rounded to the parameter's dtype: then the master, with
+the low bits a checkpoint restored, stays. So a run resumed from the model's and this optimizer's
+state dicts, loaded in either order, before or after the wrap, steps bit for bit as the run that
+was not interrupted; a model loaded alone is stepped from its own values.
+
 What this is not: an optimizer. The update is the wrapped optimizer's own; the loss scale is
 applied by the caller (multiply the loss by `.loss_scale` before backward).
 """
@@ -50,7 +63,7 @@ import torch
 
 from . import _fused_optim, _lib
 
-__all__ = ["PostValidatedOptimizer", "StepResult"]
+__all__ = ["PostValidatedOptimizer", "StepResult", "StepStats"]
 
 _c = ctypes
 _P = _c.c_void_p
@@ -85,6 +98,23 @@ class _Decision(_c.Structure):
         ("grad_norm", _c.c_double),
         ("loss_scale", _c.c_double),
     ]
+
+
+class _State(_c.Structure):  # zb_postval_state_t
+    _fields_ = [
+        ("struct_size", _c.c_uint32),
+        ("version", _c.c_uint32),
+        ("loss_scale", _c.c_double),
+        ("good_steps", _c.c_int64),
+        ("steps", _c.c_int64),
+        ("skipped", _c.c_int64),
+        ("clipped", _c.c_int64),
+        ("undone", _c.c_int64),
+    ]
+
+
+_STATE_VERSION = 1  # ZB_POSTVAL_STATE_VERSION
+_CKPT_VERSION = 1   # the layout of state_dict()["zbpp"]
 
 
 # Device gradients are reduced in pieces of this many elements, so the float64 copy a piece needs
@@ -168,11 +198,20 @@ class StepResult(NamedTuple):
     loss_scale: float   # multiply the next iteration's loss by this
 
 
+class StepStats(NamedTuple):
+    """This rank's counts since the first step (kept across checkpoints)."""
+    steps: int          # step() calls that returned, skipped ones included
+    skipped: int        # inf/NaN somewhere: no step
+    clipped: int        # the gradients were scaled down to clip_grad
+    rolled_back: int    # this rank undid a speculative step
+
+
 class PostValidatedOptimizer:
     """A torch optimizer stepped with post-validation; see the module docstring.
 
     stage_params: {stage index: [parameters]} for this rank's stages (each parameter in exactly one
-    stage, all of them in the optimizer). num_stages, rank, ranks, placement ('loop' or 'v') and
+    stage, all of them in the optimizer, except frozen ones, requires_grad=False, which are left
+    out: they have no gradient to validate). num_stages, rank, ranks, placement ('loop' or 'v') and
     transport (an object with .handle, e.g. the schedule's) describe the pipeline;
     `PostValidatedOptimizer.for_schedule(optimizer, schedule)` fills them in from a zbpp schedule.
     clip_grad: max global norm (0: none); loss_scale/backoff/growth/growth_interval: a dynamic loss
@@ -207,13 +246,19 @@ class PostValidatedOptimizer:
                     raise ValueError(f"zbpp.PostValidatedOptimizer: a parameter {tuple(p.shape)} is listed twice")
                 seen.add(id(p))
                 if id(p) not in in_opt:
-                    raise ValueError(f"zbpp.PostValidatedOptimizer: a parameter {tuple(p.shape)} of stage {s} "
-                                     "is not in the optimizer's param groups")
+                    if not p.requires_grad:
+                        continue  # frozen (fine-tuning): no gradient, nothing to step or validate
+                    raise ValueError(f"zbpp.PostValidatedOptimizer: a trainable parameter {tuple(p.shape)} of stage "
+                                     f"{s} is not in the optimizer's param groups (add it, or freeze it with "
+                                     "requires_grad_(False))")
                 if p.dtype not in (torch.float32, torch.float16, torch.bfloat16):
                     raise TypeError(f"zbpp.PostValidatedOptimizer: parameters must be float32, float16 or "
                                     f"bfloat16, got {p.dtype}")
                 pairs.append((p, p if p.dtype == torch.float32 else self._master(p)))
             self._stages[s] = pairs
+        # Half-precision parameters and the _version each had when its master last matched it.
+        self._halves = [(p, m) for pairs in self._stages.values() for p, m in pairs if m is not p]
+        self._versions = [p._version for p, _ in self._halves]
         missing = in_opt - seen
         if missing:
             raise ValueError(f"zbpp.PostValidatedOptimizer: {len(missing)} parameter(s) of the optimizer "
@@ -250,7 +295,9 @@ class PostValidatedOptimizer:
 
     @classmethod
     def for_schedule(cls, optimizer, schedule, **kwargs):
-        """Wraps `optimizer` for the stages, ranks and transport of a zbpp PipelineSchedule."""
+        """Wraps `optimizer` for the stages, ranks and transport of a zbpp PipelineSchedule. Every
+        trainable parameter of this rank's stages must be in the optimizer; frozen ones
+        (requires_grad=False) may be left out."""
         stage_params = {st.stage_index: list(st.submod.parameters()) for st in schedule.stages}
         return cls(optimizer, stage_params, schedule.stages[0].num_stages, rank=schedule.rank,
                    ranks=schedule.ranks, placement=schedule.schedule.placement,
@@ -264,6 +311,20 @@ class PostValidatedOptimizer:
             raise ValueError("zbpp.PostValidatedOptimizer: wrap the optimizer before its first step (a "
                              "half-precision parameter already has optimizer state)")
         return master
+
+    def _sync_masters(self):
+        """Gives a half-precision parameter's master the parameter's value when something other
+        than this wrapper wrote the parameter (model.load_state_dict after the wrap), unless that
+        value is the master rounded (the model and a restored master from one checkpoint, loaded
+        in either order): see the module docstring."""
+        with torch.no_grad():
+            for i, (p, master) in enumerate(self._halves):
+                if p._version == self._versions[i]:
+                    continue
+                rounded = master.to(p.dtype)
+                if not torch.equal(rounded.view(torch.int16), p.detach().view(torch.int16)):
+                    master.copy_(p)
+                self._versions[i] = p._version
 
     @property
     def loss_scale(self):
@@ -321,10 +382,9 @@ class PostValidatedOptimizer:
 
     def _publish(self):
         with torch.no_grad():
-            for pairs in self._stages.values():
-                for p, master in pairs:
-                    if master is not p:
-                        p.copy_(master)
+            for i, (p, master) in enumerate(self._halves):
+                p.copy_(master)
+                self._versions[i] = p._version
 
     def step(self):
         """One optimizer step with post-validation; blocks for the pipeline's exchange. Returns a
@@ -332,6 +392,7 @@ class PostValidatedOptimizer:
         state as they were before the call."""
         S = self.num_stages
         fused = self._fused
+        self._sync_masters()
         grads = self._grads(widen=fused is None)
         counted = None
         if self._tp_group is not None and torch.distributed.get_rank(self._tp_group) != 0:
@@ -396,13 +457,90 @@ class PostValidatedOptimizer:
                 elif p.grad is not None:
                     p.grad.zero_()
 
-    def state_dict(self):
-        return self.optimizer.state_dict()
+    # ---- checkpoints ---------------------------------------------------------------------------
 
-    def load_state_dict(self, state):
-        self.optimizer.load_state_dict(state)
+    def _get_state(self):
+        if not self._h and getattr(self, "_final_state", None) is not None:
+            return self._final_state  # closed: what it was (a checkpoint after close still works)
+        st = _State()
+        st.struct_size, st.version = _c.sizeof(_State), _STATE_VERSION
+        _lib.call("zb_postval_get_state", [_P, _c.POINTER(_State)], self._handle(), _c.byref(st))
+        return st
+
+    @property
+    def stats(self):
+        """StepStats: this rank's step counts, restored with a checkpoint."""
+        st = self._get_state()
+        return StepStats(st.steps, st.skipped, st.clipped, st.undone)
+
+    def _param_ids(self, param_groups):
+        """(torch's id in a state dict, the parameter of this optimizer) in torch's order."""
+        ids = [i for g in param_groups for i in g["params"]]
+        params = [q for g in self.optimizer.param_groups for q in g["params"]]
+        return zip(ids, params)
+
+    def state_dict(self):
+        """The wrapped optimizer's state dict plus "zbpp": {"version", "masters": {torch's parameter
+        id: the fp32 master of a half-precision parameter}, "scaler": {"scale", "_growth_tracker"},
+        "stats": {"steps", "skipped", "clipped", "rolled_back"}}. As torch's, the tensors are the
+        live ones (not copies): save them before the next step."""
+        self._sync_masters()
+        out = self.optimizer.state_dict()
+        halves = {id(m) for _, m in self._halves}
+        st = self._get_state()
+        out["zbpp"] = {
+            "version": _CKPT_VERSION,
+            "masters": {i: q.detach() for i, q in self._param_ids(out["param_groups"]) if id(q) in halves},
+            "scaler": {"scale": st.loss_scale, "_growth_tracker": st.good_steps},
+            "stats": {"steps": st.steps, "skipped": st.skipped, "clipped": st.clipped, "rolled_back": st.undone},
+        }
+        return out
+
+    def load_state_dict(self, state_dict):
+        """Restores a state_dict() of this class, or a plain torch optimizer state dict (then the
+        masters, loss scale and counts stay as they are). Masters are restored for the parameters
+        that are half precision here (a master saved for one that is fp32 here is left out: the
+        model's own weights stand); the scaler's growth settings are the constructor's."""
+        state = dict(state_dict)
+        extra = state.pop("zbpp", None)
+        if extra is None:
+            self.optimizer.load_state_dict(state)
+            return
+        if extra.get("version") != _CKPT_VERSION:
+            raise ValueError(f"zbpp.PostValidatedOptimizer.load_state_dict: the state dict's zbpp part has "
+                             f"version {extra.get('version')!r}; this zbpp reads {_CKPT_VERSION}")
+        halves = {id(m) for _, m in self._halves}
+        params = dict(self._param_ids(state["param_groups"]))
+        masters = []
+        for i, value in extra["masters"].items():
+            q = params.get(i)
+            if q is None or id(q) not in halves:
+                continue
+            if tuple(value.shape) != tuple(q.shape):
+                raise ValueError(f"zbpp.PostValidatedOptimizer.load_state_dict: the master of parameter {i} has "
+                                 f"shape {tuple(value.shape)}, the parameter {tuple(q.shape)}")
+            masters.append((q, value))
+        scaler, stats = extra["scaler"], extra["stats"]
+        new = _State()
+        new.struct_size, new.version = _c.sizeof(_State), _STATE_VERSION
+        new.loss_scale, new.good_steps = float(scaler["scale"]), int(scaler["_growth_tracker"])
+        new.steps, new.skipped = int(stats["steps"]), int(stats["skipped"])
+        new.clipped, new.undone = int(stats["clipped"]), int(stats["rolled_back"])
+        old = self._get_state()
+        set_state = [_P, _c.POINTER(_State)]
+        _lib.call("zb_postval_set_state", set_state, self._handle(), _c.byref(new))  # checks the values
+        try:
+            self.optimizer.load_state_dict(state)
+        except BaseException:
+            _lib.call("zb_postval_set_state", set_state, self._handle(), _c.byref(old))
+            raise
+        with torch.no_grad():
+            for q, value in masters:
+                q.copy_(value)
 
     def close(self):
+        if self._h:
+            self._final_state = self._get_state()
         h, self._h = self._h, _P()
         if h:
             _lib.call("zb_postval_destroy", [_P], h)
