@@ -145,6 +145,8 @@ MISUSE = {
     "no-loss-func": "forward_step_func returns (output_tensor, None); needs pp=1 (over gloo a peer of "
                     "the failed rank learns of it only at its timeout, and the pairs are closed then)",
     "few-microbatches": "num_microbatches = pp + 1, not a multiple of pp (for interleaved-1f1b)",
+    "v-loop-chunks": "configure(args=--zero-bubble-v-schedule) with the case's two chunks built in loop "
+                     "order by Megatron's stock get_model (no v_model_provider)",
 }
 
 
@@ -820,7 +822,7 @@ def _run_case(case, timeout, progress):
 
         def misuse(name):
             kwargs, step_func, count = {}, forward_step, m
-            if name == "v-one-chunk":
+            if name in ("v-one-chunk", "v-loop-chunks"):
                 zb.configure(_parse_flags(["--zero-bubble-v-schedule"]), timeout=float(case["zbpp_timeout"] or timeout))
             elif name == "collect-training":
                 kwargs = dict(collect_non_loss_data=True, forward_only=False)
@@ -838,7 +840,7 @@ def _run_case(case, timeout, progress):
             except Exception as exc:  # noqa: BLE001 - what it is is the result
                 return _outcome(exc, [it.pulled for it in its])
             finally:
-                if name == "v-one-chunk":
+                if name in ("v-one-chunk", "v-loop-chunks"):
                     _configure(zb, case, timeout)
             return {"type": None, "returned": returned, "pulled": [it.pulled for it in its]}
 

@@ -61,7 +61,7 @@ CASES = {
     "megatron-interleaved": dict(INTERLEAVED, collect=True),
     # No flag, two chunks: interleaved 1F1B; first a call with m = 3 on 2 ranks, which it cannot run.
     "zbpp-interleaved-1f1b": dict(INTERLEAVED, collect=True, use_zbpp=True, zbpp_argv=[],
-                                  misuse=["few-microbatches"]),
+                                  misuse=["few-microbatches", "v-loop-chunks"]),
     # --zero-bubble-v-schedule: ZB-V on chunks built in V order (loss stage on rank 0).
     "zbpp-zb-v-flag": dict(V_LAYOUT, **EVAL, use_zbpp=True, zbpp_argv=["--zero-bubble-v-schedule"]),
     "zbpp-zb-h1-split": dict(PLAIN, use_zbpp=True, zbpp_kind="zb-h1", zbpp_split=True),
@@ -322,6 +322,9 @@ MISUSE = [
     ("zbpp-1f1b", "collect-training", "ValueError", r"collect_non_loss_data needs forward_only=True", [0]),
     ("zbpp-interleaved-1f1b", "few-microbatches", "RuntimeError", r"multiple of the pipeline-parallel size",
      [0, 0]),
+    # Stock Megatron builds the two chunks in loop order; a V schedule needs v_model_provider's.
+    ("zbpp-interleaved-1f1b", "v-loop-chunks", "ValueError",
+     r"zb-v is a V schedule.*built (with|without) the embedding.*v_model_provider\(model_provider\)", [0, 0]),
     ("zbpp-pp1", "no-loss-func", "ValueError",
      r"forward_step_func returned no loss_func \(None\) for microbatch 0 on the loss stage", [1]),
 ]

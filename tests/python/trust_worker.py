@@ -14,14 +14,18 @@ CONFIG_JSON (every key optional):
               on), "nontensor" (the stage returns a string), "shape" / "dtype" (the stage's output
               changes shape / dtype)
   hang_s      how long "hang" sleeps (timeout + 2)
-  postval     wrap the optimizer in PostValidatedOptimizer (false)
+  postval     wrap the optimizer in PostValidatedOptimizer (false), or postvals: {rank: bool}
   width       {rank: width}: the width of that rank's layers (a shape mismatch between ranks)
   rss_every   record the process's RSS every this many steps (0: never)
-  exit        "return" (the default: catch the error, write it, return from main normally) or
-              "raise" (let it propagate)
+  exit        "return" (the default: catch the error, write it, try one more step, return from main
+              normally) or "raise" (let it propagate)
+  model       "tanh" (the default) or "tied": integer-valued linear stages whose first and last
+              stage share one weight (exact arithmetic: any summation order gives the same bits)
 
-The output file gets one JSON object: error ("Type: message" or null), seconds (from the start of
-the first step to the error), steps (finished), losses, rss ([(step, kB)]). Nothing here asserts.
+The output file gets one JSON object: error ("Type: message" or null), again (what a step after
+the error raised), started / failed (epoch seconds of the first step and of the error), steps
+(finished), losses, rss ([(step, kB)]), grads (the tied model's gradients, {stage: [values]}).
+Nothing here asserts.
 """
 
 import datetime
@@ -102,24 +106,32 @@ def main():
     mine, S = probe.rank_stages(rank), probe.stages
     probe.close()
     torch.manual_seed(0)
-    mods = {s: zbpp.split_linear(_Stage(8 if s else width, width if s < S - 1 else 8, s, fault, rank))
-            for s in mine}
+    if cfg.get("model") == "tied":
+        mods = {s: m_ for s, m_ in tied_stages(S).items() if s in mine}
+        x, y = tied_batch()
+    else:
+        mods = {s: zbpp.split_linear(_Stage(8 if s else width, width if s < S - 1 else 8, s, fault, rank))
+                for s in mine}
     stages = [zbpp.PipelineStage(mods[s], s, S, "cpu") for s in mine]
-    sched = cls(stages, m, loss_fn=_loss(fault, rank), timeout=timeout)
+    loss_fn = tied_loss if cfg.get("model") == "tied" else _loss(fault, rank)
+    sched = cls(stages, m, loss_fn=loss_fn, timeout=timeout)
     params = [p for mod in mods.values() for p in mod.parameters()]
     opt = torch.optim.SGD(params, lr=0.01)
-    if cfg.get("postval"):
+    if cfg.get("postvals", {}).get(str(rank), cfg.get("postval")):
         opt = zbpp.PostValidatedOptimizer.for_schedule(opt, sched)
-    g = torch.Generator().manual_seed(1)
-    x, y = torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
-    out = {"error": None, "seconds": None, "steps": 0, "losses": [], "rss": []}
+    if cfg.get("model") != "tied":
+        g = torch.Generator().manual_seed(1)
+        x, y = torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
+    out = {"error": None, "again": None, "started": None, "failed": None, "steps": 0, "losses": [], "rss": []}
     every = cfg.get("rss_every", 0)
-    started = time.time()
+    out["started"] = time.time()
     try:
         for k in range(1, steps + 1):
             _LOSS_STEP[0] = k
             for mod in mods.values():
                 mod.step = k
+            if cfg.get("model") == "tied":
+                opt.zero_grad()
             batch = x
             if fault and fault["where"] == "split" and fault["rank"] == rank and fault["step"] == k:
                 batch = torch.randn(7, 8)
@@ -127,6 +139,10 @@ def main():
             args = (batch,) if sched.holds_first else ()
             kw = {"target": y, "losses": losses} if sched.holds_loss else {}
             sched.step(*args, **kw)
+            if cfg.get("model") == "tied":
+                out["grads"] = {s: [p.grad.tolist() for p in mods[s].parameters()] for s in mods}
+                out["steps"] = k
+                continue
             opt.step()
             opt.zero_grad()
             out["steps"] = k
@@ -135,14 +151,45 @@ def main():
                 out["rss"].append((k, _rss_kb()))
     except Exception as exc:  # noqa: BLE001 - written for the test
         out["error"] = f"{type(exc).__name__}: {exc}"
-        out["seconds"] = time.time() - started
+        out["failed"] = time.time()
         if cfg.get("exit") == "raise":
             _write(out_file, out)
             raise
+        try:
+            sched.step(*args, **kw)
+        except Exception as again:  # noqa: BLE001 - written for the test
+            out["again"] = f"{type(again).__name__}: {again}"
     _write(out_file, out)
 
 
 _LOSS_STEP = [0]
+
+
+def tied_stages(S, split=True):
+    """The "tied" model: S bias-free Linear(8, 8) stages with weights in {-1, 0, 1}, the last one
+    sharing the first one's weight (as a GPT's LM head shares its embedding), split_linear'ed."""
+    import zbpp
+
+    g = torch.Generator().manual_seed(3)
+    mods = {}
+    for s in range(S):
+        lin = torch.nn.Linear(8, 8, bias=False)
+        with torch.no_grad():
+            lin.weight.copy_(torch.randint(-1, 2, (8, 8), generator=g).float())
+        if s == S - 1:
+            lin.weight = mods[0].weight
+        mods[s] = zbpp.split_linear(lin) if split else lin
+    return mods
+
+
+def tied_batch():
+    """Integer inputs and targets in [-2, 2] for the tied model (8 rows)."""
+    g = torch.Generator().manual_seed(4)
+    return torch.randint(-2, 3, (8, 8), generator=g).float(), torch.randint(-2, 3, (8, 8), generator=g).float()
+
+
+def tied_loss(out, y):
+    return (out * y).sum()
 
 
 def _loss(fault, rank):

@@ -298,10 +298,18 @@ class PostValidatedOptimizer:
         """Wraps `optimizer` for the stages, ranks and transport of a zbpp PipelineSchedule. Every
         trainable parameter of this rank's stages must be in the optimizer; frozen ones
         (requires_grad=False) may be left out."""
-        stage_params = {st.stage_index: list(st.submod.parameters()) for st in schedule.stages}
-        return cls(optimizer, stage_params, schedule.stages[0].num_stages, rank=schedule.rank,
-                   ranks=schedule.ranks, placement=schedule.schedule.placement,
-                   transport=schedule.transport, timeout=schedule.timeout, **kwargs)
+        # A parameter several stages of this rank share (a tied embedding and LM head at both ends
+        # of a V) is one parameter with one gradient: it belongs to the first stage that holds it.
+        stage_params, seen = {}, set()
+        for st in sorted(schedule.stages, key=lambda st: st.stage_index):
+            stage_params[st.stage_index] = [p for p in st.submod.parameters() if id(p) not in seen]
+            seen.update(id(p) for p in stage_params[st.stage_index])
+        wrapped = cls(optimizer, stage_params, schedule.stages[0].num_stages, rank=schedule.rank,
+                      ranks=schedule.ranks, placement=schedule.schedule.placement,
+                      transport=schedule.transport, timeout=schedule.timeout, **kwargs)
+        # The pipeline's handshake checks that every rank wraps its optimizer the same way.
+        schedule._post_validation = wrapped._post_validation
+        return wrapped
 
     def _master(self, p):
         master = torch.nn.Parameter(p.detach().float().clone(memory_format=torch.contiguous_format))

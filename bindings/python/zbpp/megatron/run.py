@@ -272,6 +272,11 @@ def forward_backward_func(*, forward_step_func, data_iterator, model, num_microb
     if auto and auto_key not in _auto_limits:
         sched.meter = Meter(device)
     try:
+        if _is_v(kind, v) and p > 1:
+            problem = _v_order_problem(chunks, stage_of, S, kind)
+            if problem is not None:
+                with sched._failing():  # published: the ranks that cannot see it fail at their handshake
+                    raise ValueError(problem)
         param_sync(config, chunks)
         with GradSync(config, chunks) as sync:
             sched.grad_sync = sync
@@ -310,6 +315,30 @@ class _Layout(NamedTuple):
     loss_rank: int
     stage_of: list
     S: int
+
+
+def _v_order_problem(chunks, stage_of, S, kind):
+    """Why this rank's chunks were not built for the V the kind runs (None: they were, or it cannot
+    tell): stock Megatron builds virtual chunks in loop order, so chunk 1 of rank 0 comes without
+    the output layer that stage 2p-1 needs (and chunk 1 of the last rank with it), and the run
+    would fail deep inside a forward. Megatron's models say what they were built for in
+    pre_process and post_process."""
+    for c, chunk in enumerate(chunks):
+        pre, post = _wrapped_attr(chunk, "pre_process"), _wrapped_attr(chunk, "post_process")
+        if not isinstance(pre, bool) or not isinstance(post, bool):
+            continue
+        s = stage_of[c]
+        if pre != (s == 0) or post != (s == S - 1):
+            def has(flag):
+                return "with" if flag else "without"
+
+            return (f"zbpp.megatron: {kind} is a V schedule, in which this rank's model chunk {c} runs stage {s} of "
+                    f"{S}, but the chunk was built {has(pre)} the embedding (pre_process) and {has(post)} the output "
+                    "layer (post_process), as Megatron's get_model builds chunks in loop order. Build them in V "
+                    "order: get_model(zbpp.megatron.v_model_provider(model_provider), ...), with "
+                    "get_embedding_ranks=zbpp.megatron.v_embedding_ranks passed to initialize_model_parallel "
+                    "(or pretrain); or choose a loop schedule (interleaved 1F1B, without --zero-bubble-v-schedule)")
+    return None
 
 
 def get_forward_backward_func(*args, **kwargs):

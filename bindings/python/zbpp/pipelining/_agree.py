@@ -207,7 +207,7 @@ class _Agreement:
             "kind": self._kind_label,
             "num_stages": self._num_stages,
             "n_microbatches": self.n_microbatches,
-            "post_validation": self._post_validation,
+            "post_validation": "on" if self._post_validation else "off",
             "plan": plan,
             "stages": [s.stage_index for s in self.stages],
             "loss_fn": self._loss_fn is not None,
