@@ -609,6 +609,34 @@ def test_text_export_and_format_names():
             s.export("png")
 
 
+def test_save_that_fails_part_way_leaves_the_old_file(tmp_path):
+    """Schedule.save under a 1 KiB file-size limit (a full disk, as a process sees it; StageCosts.save
+    writes through the same helper, zbpp/_files.py): the write fails with OSError, the file keeps its old content, no temporary is left;
+    before, the file was truncated to what fit. Without the limit the same save replaces it."""
+    target = tmp_path / "plan.svg"
+    target.write_text("the old plan")
+    os.chmod(target, 0o640)
+    script = (
+        "import resource, sys\n"
+        "from zbpp import Schedule\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (1024, 1024))\n"  # CPython ignores SIGXFSZ: EFBIG
+        "with Schedule.generate('zb-v', 4, 16) as s:\n"
+        "    try:\n"
+        "        s.save(sys.argv[1])\n"
+        "    except OSError as exc:\n"
+        "        print('OSError', exc.errno)\n")
+    env = dict(os.environ, PYTHONPATH=str(PYTHON_SRC))
+    out = subprocess.run([sys.executable, "-c", script, str(target)], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert out.stdout.startswith("OSError"), out.stdout + out.stderr
+    assert target.read_text() == "the old plan"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.svg"]
+    with Schedule.generate("zb-v", 4, 16) as s:
+        s.save(target)
+        assert target.read_text() == s.to_svg()
+    assert os.stat(target).st_mode & 0o777 == 0o640
+
+
 def test_save_picks_the_format_from_the_name(tmp_path):
     with Schedule.generate("zb-v", P, 8) as s:
         s.save(tmp_path / "a.svg")

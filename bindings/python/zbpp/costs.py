@@ -62,6 +62,7 @@ import random
 import re
 import statistics
 
+from ._files import write_text
 from .schedule import Schedule, _resolve_kind
 
 __all__ = ["StageCosts", "ActivationMeter", "FORMAT", "VERSION", "parse_mem_limit", "parse_bytes"]
@@ -223,9 +224,8 @@ class StageCosts:
         return json.dumps(self.to_dict(), allow_nan=False) + "\n"
 
     def save(self, path):
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(self.to_json())
-        return path
+        """Writes the costs as a zbpp-costs JSON file, whole or not at all (_files.py)."""
+        return write_text(path, self.to_json())
 
     @classmethod
     def from_dict(cls, obj, where="zbpp-costs"):

@@ -28,6 +28,7 @@ from typing import NamedTuple
 from xml.sax.saxutils import escape
 
 from . import _lib
+from ._files import write_text
 
 __all__ = ["Op", "Schedule", "SimResult", "kinds", "stack_svgs"]
 
@@ -816,9 +817,8 @@ class Schedule:
                 endings = ", ".join(f"'{ending}' ({f})" for ending, f in _EXTENSION_FORMATS)
                 raise ValueError(f"save: cannot tell the format of {name!r} from its name; use one of {endings}, "
                                  "or pass fmt= ('text', 'csv', 'json', 'chrome', 'svg')")
-        text = self.export(fmt)
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(text)
+        # Whole or not at all: a failed write leaves an existing file as it was (_files.py).
+        write_text(path, self.export(fmt))
 
 
 
