@@ -224,6 +224,18 @@ def test_a_three_rank_pipeline_fails_on_every_rank_when_the_middle_raises_at_ste
         assert out["failed"] - out["started"] < 10.0, out
 
 
+def test_a_rank_gone_before_the_first_step_fails_the_others_at_once():
+    """Rank 1 exits before its first step: rank 0 fails in the first step's handshake naming it,
+    from the closed connection, long before its 60 s timeout (the store alone cannot tell a dead
+    peer from a slow one)."""
+    res = run_ranks(2, {"kind": "1f1b", "m": 4, "steps": 2, "timeout": 60.0, **_fault(1, 0, "exit_before")})
+    code, out, _, log = res[0]
+    assert code == 0 and out["error"] is not None, log
+    assert "ZbError" in out["error"] and "rank 1" in out["error"], out["error"]
+    assert out["failed"] - out["started"] < 20, out
+    assert res[1][0] == 0 and res[1][1] is None
+
+
 def test_memory_is_flat_over_a_long_run():
     """2 ranks, 3000 steps: RSS after step 3000 is within 2 MB of its value after step 1000 on
     both ranks (the transport kept its last 16384 finished requests, about 13 KB more per step

@@ -12,7 +12,7 @@ CONFIG_JSON (every key optional):
               "forward", "loss", "backward", "split" (a batch that does not split on that rank),
               "kill" (SIGKILL itself in a forward), "hang" (sleeps `hang_s` in a forward, then goes
               on), "nontensor" (the stage returns a string), "shape" / "dtype" (the stage's output
-              changes shape / dtype)
+              changes shape / dtype), "exit_before" (the process exits before its first step)
   hang_s      how long "hang" sleeps (timeout + 2)
   postval     wrap the optimizer in PostValidatedOptimizer (false), or postvals: {rank: bool}
   width       {rank: width}: the width of that rank's layers (a shape mismatch between ranks)
@@ -124,6 +124,8 @@ def main():
         x, y = torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
     out = {"error": None, "again": None, "started": None, "failed": None, "steps": 0, "losses": [], "rss": []}
     every = cfg.get("rss_every", 0)
+    if fault and fault["where"] == "exit_before" and fault["rank"] == rank:
+        os._exit(0)  # gone before the first step, its connections closed
     out["started"] = time.time()
     try:
         for k in range(1, steps + 1):

@@ -172,6 +172,7 @@ class _Waiter:
         self._pending = {}  # job id -> (group, peer) of the waits submitted and not finished
         self._ids = itertools.count(1)
         _waiters.add(self)
+        _register_exit_grace()
         threading.Thread(target=self._run, name="zbpp-gloo-wait", daemon=True).start()
 
     def _run(self):

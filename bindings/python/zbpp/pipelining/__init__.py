@@ -427,6 +427,7 @@ class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning):
         self._post_validation = None  # set by PostValidatedOptimizer.for_schedule
         self._infer_running = False
         self._setup_waiter = None
+        self._ping_waiters = None
         self._key = (pipeline_key(group, _group_ranks) if self._runnable and p > 1 and dist.is_available()
                      and dist.is_initialized() else None)
 

@@ -23,11 +23,18 @@ What this is not: the runner's own failure handling (csrc/runtime/, distributed.
 """
 
 import contextlib
+import datetime
 import hashlib
 import pickle
 import time
 
+import torch
+import torch.distributed as dist
+
 from .. import _lib, distributed, runtime
+from ._boundary import _META_TAG
+
+_PING_TAG = _META_TAG + 1  # the set-up messages' tag is _META_TAG; the runner's channels are small
 
 # How often a wait in the store looks again: soon at first, then every _POLL_MAX_S.
 _POLL_MIN_S = 0.002
@@ -153,6 +160,7 @@ class _Agreement:
         self._exchanges += 1
         base = f"zbpp/exchange/{self._key}/{self._exchanges}/"
         store.set(base + str(self.rank), pickle.dumps(obj))
+        pings = self._ping()
         got = {self.rank: obj}
         deadline = time.monotonic() + self.timeout
         pause = _POLL_MIN_S
@@ -161,7 +169,9 @@ class _Agreement:
                 if r not in got and store.check([base + str(r)]):
                     got[r] = pickle.loads(store.get(base + str(r)))
             if len(got) == self.ranks:
+                self._pings_done(pings, what, deadline)
                 return [got[r] for r in range(self.ranks)]
+            self._pings_failed(pings, what)
             failed = self._peer_failure()
             if failed is not None:
                 raise self._remote_error(what, failed)
@@ -173,6 +183,52 @@ class _Agreement:
                                    "of the step (stopped, hung, or running another step or schedule)")
             time.sleep(pause)
             pause = min(pause * 2, _POLL_MAX_S)
+
+    def _ping(self):
+        """A one-byte message to and from every other rank over the set-up group, beside an
+        exchange: the store cannot tell a peer that died (its key just never comes), but gloo fails
+        a receive from it at once ("Connection closed by peer"). Returns {peer: (receive future,
+        send future)}, or None where set-up messages are not gloo's."""
+        group, device = self._messages()
+        if device.type != "cpu":
+            return None
+        if self._ping_waiters is None:
+            self._ping_waiters = {}
+        pings = {}
+        for r in range(self.ranks):
+            if r == self.rank:
+                continue
+            waiter = self._ping_waiters.get(r) or self._ping_waiters.setdefault(r, distributed._Waiter())
+            peer = distributed.global_rank(self.group, r)
+            out, back = torch.zeros(1, dtype=torch.uint8), torch.zeros(1, dtype=torch.uint8)
+            sent = dist.isend(out, dst=peer, group=group, tag=_PING_TAG)
+            got = dist.irecv(back, src=peer, group=group, tag=_PING_TAG)
+            wait = datetime.timedelta(seconds=self.timeout)
+            pings[r] = (waiter.submit(lambda w=got, b=back: w.wait(timeout=wait), group, r),
+                        waiter.submit(lambda w=sent, o=out: w.wait(timeout=wait), group, r))
+        return pings
+
+    def _pings_failed(self, pings, what):
+        """Raises, naming the peer, if a ping to or from it failed (the peer is gone)."""
+        for r, futures in (pings or {}).items():
+            for future in futures:
+                if future.done() and future.exception() is not None:
+                    failed = self._peer_failure()  # a peer that failed first and closed its pairs
+                    if failed is not None:
+                        raise self._remote_error(what, failed)
+                    text = str(future.exception()).strip().splitlines()
+                    raise _lib.ZbError(runtime.ZB_ERR_REMOTE,
+                                       f"rank {self.rank}, {what}: rank {r} is gone: "
+                                       + (text[0] if text else type(future.exception()).__name__))
+
+    def _pings_done(self, pings, what, deadline):
+        for futures in (pings or {}).values():
+            for future in futures:
+                try:
+                    future.result(timeout=max(0.0, deadline - time.monotonic()) + 1.0)
+                except Exception:  # noqa: BLE001 - said by _pings_failed
+                    pass
+        self._pings_failed(pings, what)
 
     # ---- the handshake ---------------------------------------------------------------------------
 

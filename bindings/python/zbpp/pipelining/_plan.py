@@ -68,6 +68,9 @@ class _Planning:
         every rank of the pipeline calls it between two steps, with the same arguments. Every rank
         plans on its own and the ranks compare digests of the op lists; a difference raises
         RuntimeError on every rank. Returns plan_info."""
+        self._check_open()
+        # Arguments every rank gets wrong alike fail before anything is exchanged, and leave the
+        # pipeline as it was; what fails after is a failure of the pipeline (_agree.py).
         name = type(self).__name__
         if self._plan_kind is None:
             raise ValueError(f"zbpp.{name}: {self.schedule.kind} is a fixed order; only "
@@ -77,7 +80,13 @@ class _Planning:
                 parse_mem_limit(mem_limit)
             except ValueError as exc:
                 raise ValueError(f"zbpp.{name}: {exc}") from None
-            self._mem_limit_arg = mem_limit
+        with self._failing():
+            if mem_limit is not _KEEP:
+                self._mem_limit_arg = mem_limit
+            return self._replan(costs, only_if_faster, _measured)
+
+    def _replan(self, costs, only_if_faster, _measured):
+        name = type(self).__name__
         costs = costs if costs is not None else self.costs
         limit = self._mem_limit_arg
         p, m = self.ranks, self.n_microbatches
