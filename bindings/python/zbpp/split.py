@@ -490,6 +490,10 @@ class _SplitLinearFn(torch.autograd.Function):
                     defer_weight_grad(x, dy, weight, bias)
             return dx, None, None
         # Outside a pipeline: nn.Linear's contract, the gradients go back to autograd (module docstring).
+        if torch.is_grad_enabled() and wc is not weight:
+            # create_graph under autocast: the weight's cast, made inside forward, is no part of the
+            # graph; made again here it is, so second-order terms reach the weight.
+            wc = weight.to(wc.dtype)
         dx = dy.matmul(wc) if _engine_wants(ctx, 0) else None
         dw, db = _weight_grads(x, dy, weight if _engine_wants(ctx, 1, weight) else None,
                                bias if bias is not None and _engine_wants(ctx, 2, bias) else None)
@@ -602,6 +606,11 @@ class SplitLinear(torch.nn.Linear):
     """nn.Linear whose backward defers the weight gradient to the W store (see module docstring)."""
 
     def forward(self, x):
+        cast = _autocast_dtype(x.device.type) if x.is_floating_point() else None
+        if cast is not None and x.dtype != cast:
+            # The input's cast is autograd's own op (it saves nothing), so a double backward
+            # (create_graph) reaches x through it, as through nn.Linear's autocast cast.
+            x = x.to(cast)
         return _SplitLinearFn.apply(x, self.weight, self.bias)
 
 
