@@ -634,6 +634,11 @@ def test_save_that_fails_part_way_leaves_the_old_file(tmp_path):
     with Schedule.generate("zb-v", 4, 16) as s:
         s.save(target)
         assert target.read_text() == s.to_svg()
+        link = tmp_path / "link.svg"  # written through, as the tool does: the link stays a link
+        link.symlink_to(target)
+        s.save(link, fmt="csv")
+        assert link.is_symlink() and target.read_text() == s.to_csv()
+        s.save("/dev/null", fmt="csv")  # a device is written in place, not renamed over
     assert os.stat(target).st_mode & 0o777 == 0o640
 
 

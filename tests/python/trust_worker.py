@@ -12,13 +12,15 @@ CONFIG_JSON (every key optional):
               "forward", "loss", "backward", "split" (a batch that does not split on that rank),
               "kill" (SIGKILL itself in a forward), "hang" (sleeps `hang_s` in a forward, then goes
               on), "nontensor" (the stage returns a string), "shape" / "dtype" (the stage's output
-              changes shape / dtype), "exit_before" (the process exits before its first step)
+              changes shape / dtype), "exit_before" (the process exits before its first step),
+              "optimizer" (the torch optimizer's step raises; with postval, inside the exchange)
   hang_s      how long "hang" sleeps (timeout + 2)
   postval     wrap the optimizer in PostValidatedOptimizer (false), or postvals: {rank: bool}
   width       {rank: width}: the width of that rank's layers (a shape mismatch between ranks)
   rss_every   record the process's RSS every this many steps (0: never)
   exit        "return" (the default: catch the error, write it, try one more step, return from main
-              normally) or "raise" (let it propagate)
+              normally), "destroy" (the same, then torch.distributed.destroy_process_group()) or
+              "raise" (let it propagate)
   model       "tanh" (the default) or "tied": integer-valued linear stages whose first and last
               stage share one weight (exact arithmetic: any summation order gives the same bits)
 
@@ -116,7 +118,7 @@ def main():
     loss_fn = tied_loss if cfg.get("model") == "tied" else _loss(fault, rank)
     sched = cls(stages, m, loss_fn=loss_fn, timeout=timeout)
     params = [p for mod in mods.values() for p in mod.parameters()]
-    opt = torch.optim.SGD(params, lr=0.01)
+    opt = _SGD(params, lr=0.01, fault=fault, rank=rank)
     if cfg.get("postvals", {}).get(str(rank), cfg.get("postval")):
         opt = zbpp.PostValidatedOptimizer.for_schedule(opt, sched)
     if cfg.get("model") != "tied":
@@ -163,9 +165,25 @@ def main():
         except Exception as again:  # noqa: BLE001 - written for the test
             out["again"] = f"{type(again).__name__}: {again}"
     _write(out_file, out)
+    if cfg.get("exit") == "destroy":  # as torch's examples end
+        dist.destroy_process_group()
 
 
 _LOSS_STEP = [0]
+
+
+class _SGD(torch.optim.SGD):
+    """SGD whose step raises on the fault's rank and step when the fault is "optimizer"."""
+
+    def __init__(self, params, lr, fault, rank):
+        super().__init__(params, lr=lr)
+        self._fault, self._rank = fault, rank
+
+    def step(self, closure=None):
+        f = self._fault
+        if f and f["where"] == "optimizer" and f["rank"] == self._rank and f["step"] == _LOSS_STEP[0]:
+            raise ValueError("optimizer step failed on purpose")
+        return super().step(closure)
 
 
 def tied_stages(S, split=True):

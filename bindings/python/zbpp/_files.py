@@ -4,11 +4,13 @@ What this is: write_text(path, text), the Python twin of the zbpp tool's -o: the
 temporary file in the same folder, which replaces `path` only once every byte is written and
 flushed to disk. A write that fails part-way (disk full, a quota, a file-size limit) removes the
 temporary and raises, leaving what was at `path` as it was. A new file gets the permissions
-open() would give it (0666 less the umask), a replaced one keeps its own.
+open() would give it (0666 less the umask), a replaced one keeps its own; a link is written
+through to its target, and a device or pipe (/dev/stdout) is written in place, as the tool does.
 What this is not: locking. Two writers of one path race as with open(); the last rename wins.
 """
 
 import os
+import stat
 import tempfile
 
 __all__ = ["write_text"]
@@ -29,19 +31,25 @@ def _umask():
 
 def write_text(path, text, encoding="utf-8"):
     path = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(path))
+    real = os.path.realpath(path)  # a link is written through: its target is replaced, not the link
     try:
-        mode = os.stat(path).st_mode & 0o7777
+        st = os.stat(real)
     except FileNotFoundError:
-        mode = 0o666 & ~_umask()
-    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", dir=folder)
+        st = None
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        # A device or a pipe (/dev/stdout, /dev/null): renaming over it would replace the device.
+        with open(real, "w", encoding=encoding) as f:
+            f.write(text)
+        return path
+    mode = st.st_mode & 0o7777 if st is not None else 0o666 & ~_umask()
+    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(real) + ".", dir=os.path.dirname(real))
     try:
         with os.fdopen(fd, "w", encoding=encoding) as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, mode)
-        os.replace(tmp, path)
+        os.replace(tmp, real)
     except BaseException:
         try:
             os.unlink(tmp)

@@ -275,6 +275,10 @@ class PostValidatedOptimizer:
                              "the unfused path keeps its snapshot beside the parameters")
         self._fused = _fused_optim.FusedStep(optimizer, undo_memory) if fused else None
         self._post_validation = bool(post_validation)
+        # What every rank of a pipeline must have alike (the schedule's handshake compares it).
+        self._agreement = (f"{'on' if post_validation else 'off (synchronous path)'}, clip_grad={clip_grad:g}, "
+                           f"loss_scale={loss_scale:g}, backoff={backoff:g}, growth={growth:g}, "
+                           f"growth_interval={growth_interval}")
         self._transport = transport
         self._tp_group = tensor_parallel_group
         if tensor_parallel_group is not None:
@@ -307,8 +311,10 @@ class PostValidatedOptimizer:
         wrapped = cls(optimizer, stage_params, schedule.stages[0].num_stages, rank=schedule.rank,
                       ranks=schedule.ranks, placement=schedule.schedule.placement,
                       transport=schedule.transport, timeout=schedule.timeout, **kwargs)
-        # The pipeline's handshake checks that every rank wraps its optimizer the same way.
-        schedule._post_validation = wrapped._post_validation
+        # The pipeline's handshake checks that every rank wraps its optimizer the same way (again
+        # at the next step when the schedule has run before).
+        schedule._post_validation = wrapped._agreement
+        schedule._agreed = False
         return wrapped
 
     def _master(self, p):
@@ -397,7 +403,19 @@ class PostValidatedOptimizer:
     def step(self):
         """One optimizer step with post-validation; blocks for the pipeline's exchange. Returns a
         StepResult. On a transport failure raises ZbError with this rank's parameters and optimizer
-        state as they were before the call."""
+        state as they were before the call. Whatever fails on this rank is published to the
+        pipeline's other ranks (the transport's abort, under the pipeline's key), so none of them
+        waits out its timeout in the exchange, and the schedule takes no more steps."""
+        try:
+            return self._step()
+        except BaseException as exc:
+            abort = getattr(self._transport, "abort", None)
+            if abort is not None:
+                text = str(exc).strip().splitlines()
+                abort(f"PostValidatedOptimizer.step: {type(exc).__name__}: {text[0] if text else ''}")
+            raise
+
+    def _step(self):
         S = self.num_stages
         fused = self._fused
         self._sync_masters()

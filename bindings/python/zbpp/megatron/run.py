@@ -243,6 +243,9 @@ def forward_backward_func(*, forward_step_func, data_iterator, model, num_microb
     layout = _Layout(p, rank, group, _holder(kind, v, p, S - 1), stage_of, S)
 
     if forward_only:
+        problem = _v_order_problem(chunks, stage_of, S, kind) if _is_v(kind, v) and p > 1 else None
+        if problem is not None:  # (training publishes it; an evaluation-only run fails where it sees it)
+            raise ValueError(problem)
         _forward_only(call, kind, v, p, rank, group, stage_of, S, meta, opts.timeout)
         return forward_losses(call.store, layout)
 

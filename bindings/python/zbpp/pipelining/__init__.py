@@ -424,7 +424,7 @@ class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning):
         self._failed = self._failed_step = None
         self._exchanges = 0
         self._agreed, self._agreed_on, self._loss_anywhere = False, None, None
-        self._post_validation = None  # set by PostValidatedOptimizer.for_schedule
+        self._post_validation = None  # what PostValidatedOptimizer.for_schedule wraps (its _agreement)
         self._infer_running = False
         self._setup_waiter = None
         self._ping_waiters = None

@@ -22,6 +22,7 @@ With one rank none of this runs; a failed step leaves a one-rank schedule usable
 What this is not: the runner's own failure handling (csrc/runtime/, distributed.py).
 """
 
+import concurrent.futures
 import contextlib
 import datetime
 import hashlib
@@ -53,6 +54,12 @@ def pipeline_key(group, ranks_fn):
     sig = "-".join(map(str, ranks))
     seq = _PIPELINES_MADE[sig] = _PIPELINES_MADE.get(sig, 0) + 1
     return f"{sig}/{seq}"
+
+
+def _failed_future(exc):
+    future = concurrent.futures.Future()
+    future.set_exception(exc)
+    return future
 
 
 def _describe(exc):
@@ -90,10 +97,17 @@ class _Agreement:
     # ---- failures --------------------------------------------------------------------------------
 
     def _check_open(self):
+        if self._failed is None and self.ranks > 1 and self._key is not None:
+            # A failure published after this rank's part of a step was done (the loss rank's merge,
+            # a post-validated optimizer's step, a replan): this rank learns it at its next step.
+            failed = self._peer_failure()
+            if failed is not None:
+                self._failed, self._failed_step = failed, f"after step {self.steps}"
         if self._failed is not None:
-            raise RuntimeError(f"zbpp.{type(self).__name__}: the pipeline failed at step {self._failed_step} "
-                               f"({self._failed}); it runs no more steps on any rank: make a new schedule, over a "
-                               "new process group (the failure broke the group's point-to-point connections)")
+            raise RuntimeError(f"zbpp.{type(self).__name__}: the pipeline failed {self._failed_step} "
+                               f"({self._failed}); it runs no more steps on any rank: make a new schedule (over a "
+                               "new process group if the failure was in a transfer: gloo cannot withdraw a posted "
+                               "receive)")
 
     @contextlib.contextmanager
     def _failing(self, where=None):
@@ -122,7 +136,7 @@ class _Agreement:
                     first = got.decode("utf-8", errors="replace") if isinstance(got, bytes) else str(got)
                 except (RuntimeError, ValueError):
                     pass
-        self._failed, self._failed_step = first, step
+        self._failed, self._failed_step = first, f"at step {step}"
 
     def _stage_callback(self, callback, op):
         """The runner's F or B callback: what it raises is marked as the stage's own (_run_iteration
@@ -160,7 +174,7 @@ class _Agreement:
         self._exchanges += 1
         base = f"zbpp/exchange/{self._key}/{self._exchanges}/"
         store.set(base + str(self.rank), pickle.dumps(obj))
-        pings = self._ping()
+        pings = self._ping(what)
         got = {self.rank: obj}
         deadline = time.monotonic() + self.timeout
         pause = _POLL_MIN_S
@@ -184,7 +198,7 @@ class _Agreement:
             time.sleep(pause)
             pause = min(pause * 2, _POLL_MAX_S)
 
-    def _ping(self):
+    def _ping(self, what):
         """A one-byte message to and from every other rank over the set-up group, beside an
         exchange: the store cannot tell a peer that died (its key just never comes), but gloo fails
         a receive from it at once ("Connection closed by peer"). Returns {peer: (receive future,
@@ -201,8 +215,12 @@ class _Agreement:
             waiter = self._ping_waiters.get(r) or self._ping_waiters.setdefault(r, distributed._Waiter())
             peer = distributed.global_rank(self.group, r)
             out, back = torch.zeros(1, dtype=torch.uint8), torch.zeros(1, dtype=torch.uint8)
-            sent = dist.isend(out, dst=peer, group=group, tag=_PING_TAG)
-            got = dist.irecv(back, src=peer, group=group, tag=_PING_TAG)
+            try:
+                sent = dist.isend(out, dst=peer, group=group, tag=_PING_TAG)
+                got = dist.irecv(back, src=peer, group=group, tag=_PING_TAG)
+            except RuntimeError as exc:  # gloo knew already: the connection is closed
+                self._pings_failed({r: (_failed_future(exc),)}, what)
+                raise
             wait = datetime.timedelta(seconds=self.timeout)
             pings[r] = (waiter.submit(lambda w=got, b=back: w.wait(timeout=wait), group, r),
                         waiter.submit(lambda w=sent, o=out: w.wait(timeout=wait), group, r))
@@ -263,7 +281,7 @@ class _Agreement:
             "kind": self._kind_label,
             "num_stages": self._num_stages,
             "n_microbatches": self.n_microbatches,
-            "post_validation": "on" if self._post_validation else "off",
+            "post_validation": self._post_validation or "not wrapped",
             "plan": plan,
             "stages": [s.stage_index for s in self.stages],
             "loss_fn": self._loss_fn is not None,

@@ -67,7 +67,8 @@ class _Planning:
         that a plan is never swapped for one that measured costs say is no better. A collective:
         every rank of the pipeline calls it between two steps, with the same arguments. Every rank
         plans on its own and the ranks compare digests of the op lists; a difference raises
-        RuntimeError on every rank. Returns plan_info."""
+        RuntimeError on every rank, and, as any failure after the arguments were checked, closes
+        the pipeline (_agree.py). Returns plan_info."""
         self._check_open()
         # Arguments every rank gets wrong alike fail before anything is exchanged, and leave the
         # pipeline as it was; what fails after is a failure of the pipeline (_agree.py).
@@ -107,8 +108,7 @@ class _Planning:
             if len(set(digests)) != 1:
                 detail = ", ".join(f"rank {r}: {d[:12]}" for r, d in enumerate(digests))
                 raise RuntimeError(f"zbpp.{name}: the ranks planned different {new.kind} schedules from the same "
-                                   f"costs ({detail}); every rank must load the same zbpp library. Every rank "
-                                   "keeps its previous plan")
+                                   f"costs ({detail}); every rank must load the same zbpp library")
             mine = [s.stage_index for s in self.stages]
             if new.rank_stages(self.rank) != mine:
                 raise RuntimeError(f"zbpp.{name}: the new plan puts stages {new.rank_stages(self.rank)} on rank "

@@ -111,16 +111,31 @@ class _SetUp:
     def _send(self, t, rank):
         group, device = self._messages()
         t = t.to(device)
-        work = dist.isend(t, dst=distributed.global_rank(self.group, rank), group=group, tag=_META_TAG)
+        work = self._post(dist.isend, t, rank, group, "send to")
         self._wait_setup(work, group, rank, "send to")
 
     def _recv(self, t, rank):
         group, device = self._messages()
         buf = t if t.device == device else torch.empty_like(t, device=device)
-        work = dist.irecv(buf, src=distributed.global_rank(self.group, rank), group=group, tag=_META_TAG)
+        work = self._post(dist.irecv, buf, rank, group, "receive from")
         self._wait_setup(work, group, rank, "receive from")
         if buf is not t:
             t.copy_(buf)
+
+    def _post(self, op, t, rank, group, what):
+        """dist.isend / dist.irecv of a set-up message; a peer gloo already knows is gone (its
+        connection closed) is a ZbError naming it, or the failure it published first."""
+        peer = distributed.global_rank(self.group, rank)
+        try:
+            return op(t, peer, group=group, tag=_META_TAG)
+        except RuntimeError as exc:
+            where = "shape inference" if self._infer_running else "a forward-only step"
+            failed = self._peer_failure()
+            if failed is not None:
+                raise self._remote_error(f"{where}: {what} rank {rank} stopped", failed) from None
+            text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise _lib.ZbError(runtime.ZB_ERR_REMOTE, f"rank {self.rank}, {where}: {what} rank {rank} "
+                               f"failed: {text}") from None
 
     def _wait_setup(self, work, group, peer, what):
         """Waits for a set-up message, at most the schedule's timeout, failing at once when a rank
@@ -158,8 +173,7 @@ class _SetUp:
 
         def send(t, rank):
             t = t.to(device)
-            work = dist.isend(t, dst=distributed.global_rank(self.group, rank), group=group, tag=_META_TAG)
-            pending.append((t, work, rank))
+            pending.append((t, self._post(dist.isend, t, rank, group, "send to"), rank))
 
         with torch.no_grad():
             for i in range(m):
