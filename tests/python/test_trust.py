@@ -73,7 +73,7 @@ def _loop_grads(S, m):
     return {s: [p.grad / m for p in mods[s].parameters()] for s in range(S)}
 
 
-@pytest.mark.parametrize("kind", ["zb-v", "v-half", "v-min", "interleaved-1f1b", "zb-auto"])
+@pytest.mark.parametrize("kind", ["zb-v", "v-half", "v-min", "DualPipeV", "interleaved-1f1b", "zb-auto"])
 def test_a_weight_two_stages_of_a_rank_share_gets_the_loops_gradient(kind):
     """One rank, two stages sharing a weight (a V's two ends, or two loop stages): the gradient is
     the loop's to the bit (the model's arithmetic is exact, so summation order cannot hide a
