@@ -244,8 +244,10 @@ def test_an_order_with_its_transfers_runs_without_them():
     torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses))
     for p, g in zip(mod.parameters(), ref_grads):
         torch.testing.assert_close(p.grad, g)
-    with pytest.raises(TypeError, match="once"):
+    with pytest.raises(TypeError, match="multiple values for argument 'stage'"):  # as torch's class says
         zp.Schedule1F1B(stages[0], M, stage=stages[0])
+    with pytest.raises(TypeError, match="once"):
+        zp.Schedule1F1B(stages[0], M, stages=[stages[0]])
 
 
 def test_a_broken_user_order_fails_with_the_rank_and_rule():

@@ -88,3 +88,63 @@ def test_build_stage_refuses_activations_that_skip_a_stage():
     pipe = zp.pipeline(_Skip(), mb_args=(x,))
     with pytest.raises(NotImplementedError, match="reads the model's input"):
         zp.build_stage(pipe.get_stage_module(1), 1, pipe.info(), "cpu")
+
+
+# ---- signatures: every mirrored class and function takes torch's arguments ------------------------
+
+def _mirrored():
+    """(zbpp callable, torch callable, what) for every name zbpp mirrors from the installed torch."""
+    from torch.distributed.pipelining import schedules as ts, stage as tst
+    from zbpp.pipelining import schedules as zs, stage as zst
+
+    pairs = [(zp.PipelineStage.__init__, tst.PipelineStage.__init__, "PipelineStage")]
+    for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk", "scale_grads",
+                 "clear_runtime_states", "set_local_fwd_input", "set_local_bwd_input", "get_local_bwd_output"):
+        pairs.append((getattr(zp.PipelineStage, name), getattr(tst.PipelineStage, name), f"PipelineStage.{name}"))
+    for name in ("PipelineScheduleSingle", "PipelineScheduleMulti", "Schedule1F1B", "ScheduleGPipe",
+                 "ScheduleInterleaved1F1B", "ScheduleLoopedBFS", "ScheduleInterleavedZeroBubble",
+                 "ScheduleZBVZeroBubble", "ScheduleDualPipeV", "_ScheduleForwardOnly"):
+        if hasattr(ts, name):
+            pairs.append((getattr(zs, name).__init__, getattr(ts, name).__init__, name))
+    for name in ("step", "eval", "_step_microbatches"):
+        for cls in ("PipelineScheduleSingle", "PipelineScheduleMulti"):
+            pairs.append((getattr(getattr(zs, cls), name), getattr(getattr(ts, cls), name), f"{cls}.{name}"))
+    pairs.append((zs.get_schedule_class, ts.get_schedule_class, "get_schedule_class"))
+    pairs.append((zst.build_stage, tst.build_stage, "build_stage"))
+    return pairs
+
+
+def _signature_problems(ours, theirs):
+    """Why a call written for torch's `theirs` would not bind to `ours` the same way."""
+    import inspect
+
+    P = inspect.Parameter
+    a, b = inspect.signature(ours).parameters, inspect.signature(theirs).parameters
+    mine, torch_params = list(a.values()), list(b.values())
+    problems = []
+    for k, p in enumerate(torch_params):
+        if p.kind in (P.VAR_POSITIONAL, P.VAR_KEYWORD):
+            if not any(q.kind == p.kind for q in mine):
+                problems.append(f"takes no {'*args' if p.kind == P.VAR_POSITIONAL else '**kwargs'}")
+            continue
+        q = a.get(p.name)
+        if q is None:
+            problems.append(f"has no parameter {p.name!r}")
+            continue
+        if p.kind == P.POSITIONAL_OR_KEYWORD and (k >= len(mine) or mine[k].name != p.name):
+            problems.append(f"{p.name!r} is not at position {k}")
+        if p.default is not P.empty and (q.default is P.empty or q.default != p.default):
+            problems.append(f"{p.name!r} defaults to {q.default!r}, torch's to {p.default!r}")
+    for q in mine:
+        if q.name not in b and q.default is P.empty and q.kind not in (P.VAR_POSITIONAL, P.VAR_KEYWORD):
+            problems.append(f"requires {q.name!r}, which torch's does not take")
+    return problems
+
+
+def test_every_mirrored_signature_takes_torchs_arguments():
+    """Each class and function zbpp mirrors binds a call written for the installed torch's the same
+    way: every torch parameter by name, positional ones at their position, the same defaults, and
+    nothing more required (zbpp's own keywords come after). A torch release that adds or reorders
+    a parameter fails here, naming it."""
+    problems = [f"{what}: {p}" for ours, theirs, what in _mirrored() for p in _signature_problems(ours, theirs)]
+    assert not problems, "\n".join(problems)

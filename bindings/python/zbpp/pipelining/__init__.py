@@ -110,7 +110,10 @@ class PipelineStage:
     live ("cpu", or a CUDA device: one GPU per rank, all of a rank's stages on it); group: the
     pipeline's process group (None: the default group, or a single process when torch.distributed
     is not initialised).
-    input_args/output_args are accepted for compatibility; shapes are inferred at the first step.
+    The arguments are torch 2.13's, in its order. input_args, output_args, output_grads and
+    input_grads (torch's example tensors for the boundaries) are accepted for compatibility: shapes
+    are inferred at the first step. get_mesh (torch's callback for DTensor boundaries) is accepted
+    too; zbpp's boundaries carry plain tensors.
     dw_builder: as torch's, a function that returns a function computing the stage's weight
     gradients: the stage's backward then runs autograd's full backward (the module's own hooks
     decide what it leaves for later), and each W (BACKWARD_WEIGHT) runs the function dw_builder()
@@ -121,7 +124,7 @@ class PipelineStage:
     """
 
     def __init__(self, submodule, stage_index, num_stages, device=None, input_args=None, output_args=None,
-                 group=None, dw_builder=None):
+                 output_grads=None, input_grads=None, group=None, dw_builder=None, get_mesh=None):
         if not isinstance(submodule, torch.nn.Module):
             raise TypeError(f"zbpp.PipelineStage: submodule must be a torch.nn.Module, got {type(submodule).__name__}")
         if not isinstance(num_stages, int) or num_stages < 1:
@@ -145,6 +148,7 @@ class PipelineStage:
         self.is_first = stage_index == 0
         self.is_last = stage_index == num_stages - 1
         self.dw_builder = dw_builder
+        self.get_mesh = get_mesh
         self.has_backward = True
         self.output_chunks = []
         self.fwd_cache = {}
@@ -1007,9 +1011,17 @@ def _kind_class(kind_name, cls_name, doc, base=None, **attrs):
                 {"kind": kind_name, "__doc__": doc, "__module__": __name__, **attrs})
 
 
+# The schedule classes take torch 2.13's positional arguments in its order (test_torch_names.py
+# compares every signature with the installed torch's), then zbpp's keywords (PipelineSchedule).
+
 class PipelineScheduleSingle(PipelineSchedule):
     """torch's base class of the schedules with one stage per rank (GPipe, 1F1B). Takes the stage
     itself or a list with one stage."""
+
+    def __init__(self, stage=None, n_microbatches=None, loss_fn=None, args_chunk_spec=None, kwargs_chunk_spec=None,
+                 output_merge_spec=None, scale_grads=True, **kwargs):
+        super().__init__(stage, n_microbatches, loss_fn, args_chunk_spec, kwargs_chunk_spec, output_merge_spec,
+                         scale_grads, **kwargs)
 
 
 class PipelineScheduleMulti(PipelineSchedule):
@@ -1018,11 +1030,30 @@ class PipelineScheduleMulti(PipelineSchedule):
     in its __init__ after this one's, or the script calls _load_csv(path); the C library
     validates it at the next step and the C runner runs it (zbpp/pipelining/_order.py)."""
 
+    def __init__(self, stages=None, n_microbatches=None, loss_fn=None, args_chunk_spec=None, kwargs_chunk_spec=None,
+                 output_merge_spec=None, use_full_backward=None, scale_grads=True, backward_requires_autograd=True,
+                 **kwargs):
+        super().__init__(stages, n_microbatches, loss_fn, args_chunk_spec, kwargs_chunk_spec, output_merge_spec,
+                         scale_grads, use_full_backward=use_full_backward,
+                         backward_requires_autograd=backward_requires_autograd, **kwargs)
+
 
 class _PipelineScheduleRuntime(CustomFunctions, PipelineScheduleMulti):
     """torch's runtime for orders with their transfers (compute_comms): zbpp's runner makes its own
     transfers, so it reads both forms (_prepare_schedule_with_comms, _load_csv(format=...)). Takes
     torch's custom functions (register_custom_function; zbpp/pipelining/_custom.py)."""
+
+
+class _Interleaved(_PipelineScheduleRuntime):
+    """The signature of torch's interleaved classes (Interleaved1F1B, InterleavedZeroBubble,
+    ZBVZeroBubble, DualPipeV): no use_full_backward, defer_pp_recv last."""
+
+    def __init__(self, stages=None, n_microbatches=None, loss_fn=None, args_chunk_spec=None, kwargs_chunk_spec=None,
+                 output_merge_spec=None, scale_grads=True, backward_requires_autograd=True, defer_pp_recv=False,
+                 **kwargs):
+        super().__init__(stages, n_microbatches, loss_fn, args_chunk_spec, kwargs_chunk_spec, output_merge_spec,
+                         scale_grads=scale_grads, backward_requires_autograd=backward_requires_autograd,
+                         defer_pp_recv=defer_pp_recv, **kwargs)
 
 
 class _ScheduleForwardOnly(PipelineScheduleSingle):
@@ -1045,7 +1076,7 @@ ScheduleGPipe = _kind_class("gpipe", "ScheduleGPipe", "GPipe: all forwards, then
 Schedule1F1B = _kind_class("1f1b", "Schedule1F1B", "1F1B (PipeDream-flush), fused backward.", PipelineScheduleSingle)
 ScheduleInterleaved1F1B = _kind_class("interleaved-1f1b", "ScheduleInterleaved1F1B",
                                       "Interleaved 1F1B: stages in a loop, any number per rank; m in torch's "
-                                      "rounds (max(1, m // p) of equal size).", _PipelineScheduleRuntime)
+                                      "rounds (max(1, m // p) of equal size).", _Interleaved)
 
 
 class ScheduleLoopedBFS(_PipelineScheduleRuntime):
@@ -1069,7 +1100,7 @@ class ScheduleLoopedBFS(_PipelineScheduleRuntime):
         return schedule
 
 
-class ScheduleDualPipeV(_PipelineScheduleRuntime):
+class ScheduleDualPipeV(_Interleaved):
     """DeepSeek's DualPipeV (torch's ScheduleDualPipeV): two stages per rank in a V, m >= 2p, its
     steady phase in pairs of one stage's forward and the other's backward (OVERLAP_F_B in
     pipeline_order). zbpp's runner runs each pair's forward, then its backward; the order is
@@ -1097,7 +1128,7 @@ ScheduleZBH2 = _kind_class("zb-h2", "ScheduleZBH2", "ZB-H2: memory 2p-1, no bubb
                            PipelineScheduleMulti)
 ScheduleZBVZeroBubble = _kind_class("zb-v", "ScheduleZBVZeroBubble",
                                     "ZB-V: two stages per rank in a V, 1F1B's memory, no bubble.",
-                                    _PipelineScheduleRuntime)
+                                    _Interleaved)
 ScheduleZBV = ScheduleZBVZeroBubble
 ScheduleVHalf = _kind_class("v-half", "ScheduleVHalf", "V-Half: a V schedule at half of 1F1B's memory.",
                             PipelineScheduleMulti)
@@ -1108,7 +1139,7 @@ ScheduleZBAuto = _kind_class("zb-auto", "ScheduleZBAuto",
                              PipelineScheduleMulti)
 ScheduleInterleavedZeroBubble = _kind_class("zb-auto", "ScheduleInterleavedZeroBubble",
                                             "torch's InterleavedZeroBubble name: zbpp's automatic scheduler "
-                                            "over loop-placed stages.", _PipelineScheduleRuntime,
+                                            "over loop-placed stages.", _Interleaved,
                                             _loop_placement=True)
 
 
@@ -1142,10 +1173,11 @@ _TORCH_NAMES = {
 }
 
 
-def get_schedule_class(name):
+def get_schedule_class(schedule_name):
     """The schedule class for a name: zbpp's kind names (zb-v, zb-h1, 1f1b, ...) or torch's class
     names (1F1B, Interleaved1F1B, GPipe, InterleavedZeroBubble, ZBVZeroBubble, also with the
     "Schedule" prefix), case-insensitively. Raises ValueError listing the valid names."""
+    name = schedule_name
     if not isinstance(name, str):
         raise TypeError(f"zbpp.get_schedule_class: name must be a str, got {type(name).__name__}")
     key = name.strip().lower().replace("_", "-")
