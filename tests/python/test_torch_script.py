@@ -2,7 +2,8 @@
 
 The script below is what torch's documentation shows (a PipelineStage per stage, a schedule class
 built from the stages, step() with the batch on the first rank and target/losses on the loss
-rank), with the schedule classes torch users pick: GPipe and 1F1B (one stage per rank),
+rank; stages and schedules constructed with the keywords torchtitan passes: group= and get_mesh=,
+backward_requires_autograd= for the looped classes), with the schedule classes torch users pick: GPipe and 1F1B (one stage per rank),
 Interleaved1F1B, LoopedBFS and InterleavedZeroBubble (two stages per rank in a loop, as torch
 places them), ZBVZeroBubble and DualPipeV (two per rank in a V). The test writes it twice, once importing
 from torch.distributed.pipelining and once from zbpp, and runs the zbpp copy (and torch's copy
@@ -49,11 +50,16 @@ def main(rank, port, kind, out):
     else:
         ids, n = [rank], WORLD
         layers = [torch.nn.Sequential(layers[2 * r], layers[2 * r + 1]) for r in range(WORLD)]
-    stages = [PipelineStage(layers[i], i, n, torch.device("cpu")) for i in ids]
+    # As torchtitan builds them (torchtitan/distributed/pipeline_parallel.py).
+    stages = [PipelineStage(layers[i], i, n, torch.device("cpu"), group=dist.group.WORLD, get_mesh=None)
+              for i in ids]
     cls = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B,
            "LoopedBFS": ScheduleLoopedBFS, "InterleavedZeroBubble": ScheduleInterleavedZeroBubble,
            "ZBVZeroBubble": ScheduleZBVZeroBubble, "DualPipeV": ScheduleDualPipeV}[kind]
-    schedule = cls(stages if len(stages) > 1 else stages[0], n_microbatches=N_MB, loss_fn=loss_fn)
+    if len(stages) > 1:
+        schedule = cls(stages, n_microbatches=N_MB, loss_fn=loss_fn, backward_requires_autograd=True)
+    else:
+        schedule = cls(stages[0], n_microbatches=N_MB, loss_fn=loss_fn)
     params = [p for s in stages for p in s.submod.parameters()]
     opt = torch.optim.SGD(params, lr=0.1)
     g = torch.Generator().manual_seed(1)
