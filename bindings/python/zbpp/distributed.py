@@ -143,6 +143,32 @@ _ABORT_POLL_S = 0.2
 _ABORT_PREFIX = "zbpp/abort/"
 
 
+def first_line(exc):
+    """The first line of an exception's text (torch's gloo errors run to several), or its type."""
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+def published_failure(store, key):
+    """The failure published under `key` in a c10d store, or None (nothing yet, or no answer)."""
+    try:
+        if store.check([key]):
+            return store.get(key).decode("utf-8", errors="replace")
+    except (RuntimeError, ValueError):
+        pass
+    return None
+
+
+def publish_failure(store, key, text):
+    """Publishes `text` under `key` unless a failure is there already (the first one wins);
+    returns the one that stands (`text` when the store does not answer)."""
+    try:
+        got = store.compare_set(key, "", text)
+    except (RuntimeError, ValueError):
+        return text
+    return got.decode("utf-8", errors="replace") if isinstance(got, bytes) else str(got)
+
+
 def _default_store():
     """The job's c10d store (torch's private accessor), or None."""
     try:
@@ -328,7 +354,7 @@ class TorchTransport:
                     self.last_error = f"torch.distributed {what} rank {peer} (channel {tag}) stopped: {failed}"
                     return runtime.ZB_ERR_REMOTE
         except RuntimeError as exc:
-            text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            text = first_line(exc)
             timed_out = "timed out" in text.lower() or "timeout" in text.lower()
             failed = self._peer_failure()
             if failed is not None:  # the pair closed because of a failure a peer published: say which
@@ -351,11 +377,7 @@ class TorchTransport:
         if self._abort_key is None:
             return None
         if self._failed is None:
-            try:
-                if self._store.check([self._abort_key]):
-                    self._failed = self._store.get(self._abort_key).decode("utf-8", errors="replace")
-            except (RuntimeError, ValueError):
-                return None
+            self._failed = published_failure(self._store, self._abort_key)
         return self._failed
 
     def _keep(self, request):
@@ -378,11 +400,8 @@ class TorchTransport:
         # rank's wins), where their waits look for it.
         self.last_error = self.last_error or reason
         if self._abort_key is not None and self._failed is None:
-            self._failed = f"rank {global_rank(self.group, self.rank)} failed first: {reason}"
-            try:
-                self._store.compare_set(self._abort_key, "", self._failed)
-            except (RuntimeError, ValueError):
-                pass
+            self._failed = publish_failure(self._store, self._abort_key,
+                                           f"rank {global_rank(self.group, self.rank)} failed first: {reason}")
 
     def note_error(self, exc):
         self.last_error = f"{type(exc).__name__}: {exc}"

@@ -411,8 +411,9 @@ class PostValidatedOptimizer:
         except BaseException as exc:
             abort = getattr(self._transport, "abort", None)
             if abort is not None:
-                text = str(exc).strip().splitlines()
-                abort(f"PostValidatedOptimizer.step: {type(exc).__name__}: {text[0] if text else ''}")
+                from .distributed import first_line
+
+                abort(f"PostValidatedOptimizer.step: {type(exc).__name__}: {first_line(exc)}")
             raise
 
     def _step(self):

@@ -562,7 +562,7 @@ def defer_weight_grad(x, dy, weight, bias=None):
     return their gradients to autograd there instead). x and dy are kept alive until W has run."""
     x2 = x.reshape(-1, x.shape[-1])
     dy2 = dy.reshape(-1, dy.shape[-1])
-    st = default_store(None if x2.device.type == "cpu" else x2.device)
+    st = _store_of(x2)
     if st.capturing:
         st.push_linear(x2, dy2, weight, bias)
     else:

@@ -423,9 +423,11 @@ class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning):
         self.plan_info = None
         self.steps = 0
         # Agreement and failures between the ranks (_agree.py): the pipeline's key in the job's
-        # store, made here so that every rank names its n-th pipeline over a group the same way.
+        # store, made here so that every rank names its n-th pipeline over a group the same way
+        # whatever each was given (its gloo and NCCL transports publish failures under it too).
         self._store_c10d = None
         self._failed = self._failed_step = None
+        self._looked_at = None  # the step count at which _check_open last read the failure key
         self._exchanges = 0
         self._agreed, self._agreed_on, self._loss_anywhere = False, None, None
         self._post_validation = None  # what PostValidatedOptimizer.for_schedule wraps (its _agreement)
@@ -885,14 +887,8 @@ class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning):
                 group = self._cpu_group_given
                 if group is None:
                     group = distributed.cpu_group(self.group)
-            self._transport = TorchTransport(group, self.timeout, name=self._abort_name(group))
+            self._transport = TorchTransport(group, self.timeout, name=self._key)
         return self._transport
-
-    def _abort_name(self, group=None):
-        """The key under which this pipeline's ranks publish a failure (TorchTransport, the NCCL
-        transport, _agree.py): made when the schedule was built (_agree.pipeline_key), the same on
-        every rank whatever each was given, so that ranks that disagree still meet."""
-        return self._key
 
     def _device_scope(self):
         return torch.cuda.device(self.device) if self._cuda else contextlib.nullcontext()
@@ -945,7 +941,7 @@ class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning):
         # A failure of any rank reaches the others within a second through the job's c10d store,
         # under this pipeline's key (the one its gloo transport uses too).
         store = distributed._default_store()
-        name = self._abort_name(self.group) if store is not None else None
+        name = self._key if store is not None else None
         return runtime.Transport.nccl(self.rank, self.ranks, got[1:], self._store.backend, self.schedule,
                                       timeout=self.timeout, abort_store=store,
                                       abort_key=distributed._ABORT_PREFIX + name if name else None)

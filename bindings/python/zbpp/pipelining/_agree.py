@@ -22,7 +22,6 @@ With one rank none of this runs; a failed step leaves a one-rank schedule usable
 What this is not: the runner's own failure handling (csrc/runtime/, distributed.py).
 """
 
-import concurrent.futures
 import contextlib
 import datetime
 import hashlib
@@ -56,15 +55,8 @@ def pipeline_key(group, ranks_fn):
     return f"{sig}/{seq}"
 
 
-def _failed_future(exc):
-    future = concurrent.futures.Future()
-    future.set_exception(exc)
-    return future
-
-
 def _describe(exc):
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+    return f"{type(exc).__name__}: {distributed.first_line(exc)}"
 
 
 class _Agreement:
@@ -85,21 +77,16 @@ class _Agreement:
     def _peer_failure(self):
         """The first failure some rank of this pipeline published, or None."""
         store = self._job_store()
-        if store is None:
-            return None
-        try:
-            if store.check([self._failure_key()]):
-                return store.get(self._failure_key()).decode("utf-8", errors="replace")
-        except (RuntimeError, ValueError):
-            return None
-        return None
+        return distributed.published_failure(store, self._failure_key()) if store is not None else None
 
     # ---- failures --------------------------------------------------------------------------------
 
     def _check_open(self):
-        if self._failed is None and self.ranks > 1 and self._key is not None:
+        if self._failed is None and self.ranks > 1 and self._key is not None and self._looked_at != self.steps:
             # A failure published after this rank's part of a step was done (the loss rank's merge,
             # a post-validated optimizer's step, a replan): this rank learns it at its next step.
+            # Once per step: step() and the calls inside it all check.
+            self._looked_at = self.steps
             failed = self._peer_failure()
             if failed is not None:
                 self._failed, self._failed_step = failed, f"after step {self.steps}"
@@ -110,12 +97,12 @@ class _Agreement:
                                "receive)")
 
     @contextlib.contextmanager
-    def _failing(self, where=None):
+    def _failing(self):
         """Publishes what escapes the block as this pipeline's failure (see the module docstring)."""
         try:
             yield
         except BaseException as exc:
-            self._note_failure(exc, where)
+            self._note_failure(exc)
             raise
 
     def _note_failure(self, exc, where=None):
@@ -129,13 +116,7 @@ class _Agreement:
             place = f"{where} at step {step}" if where else f"step {step}"
             text = f"rank {self.rank} failed first: {place}: {_describe(exc)}"
             store = self._job_store()
-            first = text
-            if store is not None:
-                try:
-                    got = store.compare_set(self._failure_key(), "", text)
-                    first = got.decode("utf-8", errors="replace") if isinstance(got, bytes) else str(got)
-                except (RuntimeError, ValueError):
-                    pass
+            first = distributed.publish_failure(store, self._failure_key(), text) if store is not None else text
         self._failed, self._failed_step = first, f"at step {step}"
 
     def _stage_callback(self, callback, op):
@@ -219,8 +200,7 @@ class _Agreement:
                 sent = dist.isend(out, dst=peer, group=group, tag=_PING_TAG)
                 got = dist.irecv(back, src=peer, group=group, tag=_PING_TAG)
             except RuntimeError as exc:  # gloo knew already: the connection is closed
-                self._pings_failed({r: (_failed_future(exc),)}, what)
-                raise
+                raise self._gone(r, what, exc) from None
             wait = datetime.timedelta(seconds=self.timeout)
             pings[r] = (waiter.submit(lambda w=got, b=back: w.wait(timeout=wait), group, r),
                         waiter.submit(lambda w=sent, o=out: w.wait(timeout=wait), group, r))
@@ -231,13 +211,16 @@ class _Agreement:
         for r, futures in (pings or {}).items():
             for future in futures:
                 if future.done() and future.exception() is not None:
-                    failed = self._peer_failure()  # a peer that failed first and closed its pairs
-                    if failed is not None:
-                        raise self._remote_error(what, failed)
-                    text = str(future.exception()).strip().splitlines()
-                    raise _lib.ZbError(runtime.ZB_ERR_REMOTE,
-                                       f"rank {self.rank}, {what}: rank {r} is gone: "
-                                       + (text[0] if text else type(future.exception()).__name__))
+                    raise self._gone(r, what, future.exception())
+
+    def _gone(self, r, what, exc):
+        """The error for a ping to or from rank r that failed: the failure a peer published first
+        (it closed its pairs), or rank r is gone."""
+        failed = self._peer_failure()
+        if failed is not None:
+            return self._remote_error(what, failed)
+        return _lib.ZbError(runtime.ZB_ERR_REMOTE, f"rank {self.rank}, {what}: rank {r} is gone: "
+                            f"{distributed.first_line(exc)}")
 
     def _pings_done(self, pings, what, deadline):
         for futures in (pings or {}).values():

@@ -129,18 +129,19 @@ class _SetUp:
         try:
             return op(t, peer, group=group, tag=_META_TAG)
         except RuntimeError as exc:
-            where = "shape inference" if self._infer_running else "a forward-only step"
             failed = self._peer_failure()
             if failed is not None:
-                raise self._remote_error(f"{where}: {what} rank {rank} stopped", failed) from None
-            text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise _lib.ZbError(runtime.ZB_ERR_REMOTE, f"rank {self.rank}, {where}: {what} rank {rank} "
-                               f"failed: {text}") from None
+                raise self._remote_error(f"{self._setup_where()}: {what} rank {rank} stopped", failed) from None
+            raise _lib.ZbError(runtime.ZB_ERR_REMOTE, f"rank {self.rank}, {self._setup_where()}: {what} rank {rank} "
+                               f"failed: {distributed.first_line(exc)}") from None
+
+    def _setup_where(self):
+        return "shape inference" if self._infer_running else "a forward-only step"
 
     def _wait_setup(self, work, group, peer, what):
         """Waits for a set-up message, at most the schedule's timeout, failing at once when a rank
         publishes a failure (gloo groups; an NCCL message group's wait only orders the stream)."""
-        where = "shape inference" if self._infer_running else "a forward-only step"
+        where = self._setup_where()
         if self._messages()[1].type != "cpu" or self._job_store() is None:
             work.wait(timeout=datetime.timedelta(seconds=self.timeout))
             return
@@ -151,7 +152,7 @@ class _SetUp:
         except RuntimeError as exc:
             failed = self._peer_failure()
             if failed is None:
-                text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                text = distributed.first_line(exc)
                 timed_out = "timed out" in text.lower() or "timeout" in text.lower()
                 raise _lib.ZbError(runtime.ZB_ERR_TIMEOUT if timed_out else runtime.ZB_ERR_REMOTE,
                                    f"rank {self.rank}, {where}: {what} rank {peer} "
