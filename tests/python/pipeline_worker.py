@@ -18,12 +18,29 @@ import torch.distributed as dist
 
 
 def store_url(key):
-    """A file:// rendezvous unique to this spawn (the parent's pid and a key it chose). A TCP port
-    picked in the parent can be taken by another socket before rank 0 binds it, which made runs
-    fail now and then with "Address already in use"; a file cannot be taken."""
+    """A file:// rendezvous unique to this spawn (the parent's pid and a key it chose, see
+    fresh_key). A TCP port picked in the parent can be taken by another socket before rank 0 binds
+    it, which made runs fail now and then with "Address already in use"; a file cannot be taken."""
     import tempfile
 
     return "file://" + os.path.join(tempfile.gettempdir(), f"zbpp-store-{os.getppid()}-{key}")
+
+
+_KEYS = iter(range(1, 1 << 62))
+
+
+def fresh_key(prefix="job"):
+    """A rendezvous key this test process never handed out before, its file removed if one is
+    left. Keys were once free TCP port numbers, which the kernel hands out again: a rank that a
+    failure test killed leaves its file (and its listening address) behind, and a later spawn that
+    drew the same number met that dead address and failed with "Connection refused"."""
+    import tempfile
+
+    key = f"{prefix}-{next(_KEYS)}"
+    path = os.path.join(tempfile.gettempdir(), f"zbpp-store-{os.getpid()}-{key}")
+    if os.path.exists(path):
+        os.remove(path)
+    return key
 
 
 def _init(rank, world, port, timeout=60.0):

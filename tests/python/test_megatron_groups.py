@@ -44,7 +44,7 @@ def _worker(rank, key, out_dir):
 def test_pipeline_cpu_group_over_subgroups(tmp_path):
     import torch.multiprocessing as mp
 
-    mp.spawn(_worker, args=(f"groups-{os.getpid()}", str(tmp_path)), nprocs=4, join=True)
+    mp.spawn(_worker, args=(pipeline_worker.fresh_key("groups"), str(tmp_path)), nprocs=4, join=True)
     for rank in range(4):
         text = (tmp_path / f"{rank}.txt").read_text()
         assert not text.startswith("ERROR"), text

@@ -9,7 +9,6 @@ torch's clip_grad_norm_ coefficient max_norm / (norm + 1e-6), the loss scale div
 """
 
 import math
-import os
 import threading
 
 import pytest
@@ -227,7 +226,9 @@ def test_tensor_parallel_ranks_take_the_full_models_decision(tmp_path, bad_rank)
 
     import torch.multiprocessing as mp
 
-    mp.spawn(_tp_worker, args=(f"tp-{os.getpid()}-{bad_rank}", str(tmp_path), bad_rank), nprocs=2, join=True)
+    import pipeline_worker
+
+    mp.spawn(_tp_worker, args=(pipeline_worker.fresh_key("tp"), str(tmp_path), bad_rank), nprocs=2, join=True)
     full_w, full_b, g_w, g_b = _tp_full()
     W, B = torch.nn.Parameter(full_w.clone()), torch.nn.Parameter(full_b.clone())
     W.grad, B.grad = g_w.clone(), g_b.clone()

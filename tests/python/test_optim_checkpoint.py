@@ -338,7 +338,10 @@ def test_two_gloo_ranks_resume_bit_for_bit(tmp_path):
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(r, f"ckpt-{os.getpid()}", str(tmp_path))) for r in range(2)]
+    import pipeline_worker
+
+    key = pipeline_worker.fresh_key("ckpt")
+    procs = [ctx.Process(target=_worker, args=(r, key, str(tmp_path))) for r in range(2)]
     for proc in procs:
         proc.start()
     for proc in procs:

@@ -8,7 +8,6 @@ torch.distributed.pipelining's scale_grads does), then AdamW. Bit-for-bit equali
 every op sees the same inputs in the same order; the test says which parameter differs if not.
 """
 
-import os
 import socket
 
 import pytest
@@ -59,7 +58,7 @@ def reference(steps=STEPS, m=M, batch=BATCH, seed=SEED, lr=1e-2, layers=4, devic
 
 
 def spawn(fn, world, *args):
-    mp.spawn(fn, args=(world, free_port(), *args), nprocs=world, join=True)
+    mp.spawn(fn, args=(world, pipeline_worker.fresh_key(), *args), nprocs=world, join=True)
 
 
 # Every kind at p=2 with the smallest chunks it takes, plus a schedule loaded from torch's CSV.
@@ -222,7 +221,7 @@ def test_single_process_pipeline_with_two_stages_matches_the_loop():
 @pytest.mark.parametrize("mode,expect", [("die", r"rank 1"), ("silent", r"(?i)timed out.*rank 1|rank 1.*timed out")])
 def test_dead_or_silent_peer_fails_with_its_rank(tmp_path, mode, expect):
     ctx = mp.get_context("spawn")
-    port = free_port()
+    port = pipeline_worker.fresh_key()
     procs = [ctx.Process(target=pipeline_worker.run_failure, args=(r, 2, port, mode, str(tmp_path))) for r in range(2)]
     for proc in procs:
         proc.start()
@@ -243,7 +242,7 @@ def test_a_rank_whose_stage_raises_makes_every_other_rank_fail_at_once(tmp_path)
     through zbpp's abort signal, with the message of the rank and op that failed first. The
     failing rank raises its own exception."""
     ctx = mp.get_context("spawn")
-    port = free_port()
+    port = pipeline_worker.fresh_key()
     procs = [ctx.Process(target=pipeline_worker.run_failure, args=(r, 3, port, "raise", str(tmp_path)))
              for r in range(3)]
     for proc in procs:
