@@ -65,6 +65,7 @@ from ._custom import CustomFunctions
 from ._agree import _Agreement, pipeline_key
 from ._ir import _TorchIR
 from ._setup import _SetUp
+from ._wsplit import _Splitting, measured_w_share
 from ._plan import DEFAULT_PROFILE_STEPS, PLANNED_KINDS, REPLAN_MIN_GAIN, PlanInfo, _Planning, _profile_window  # noqa: F401
 
 __all__ = [
@@ -114,17 +115,26 @@ class PipelineStage:
     input_grads (torch's example tensors for the boundaries) are accepted for compatibility: shapes
     are inferred at the first step. get_mesh (torch's callback for DTensor boundaries) is accepted
     too; zbpp's boundaries carry plain tensors.
+    split_backward (zbpp's, default True): under a schedule with W ops (the zero-bubble kinds),
+    each backward of this stage is split into B (the input gradient, sent upstream at once) and W
+    (the weight gradients, run at the schedule's W op), for any module: its nn.Linear layers become
+    zbpp.SplitLinear (W is a GEMM in zbpp's W store), every other parameter gets its W through the
+    autograd graph (zbpp/_autograd_split.py, torch's semantics; the first stage, whose input needs no
+    gradient, runs its whole backward at W, as torch's does). False: the backward runs whole at B
+    and W ops run only what layers split by hand (zbpp.split_linear) deferred. Schedules without W
+    ops (1F1B, GPipe, Interleaved1F1B) run the backward whole either way.
     dw_builder: as torch's, a function that returns a function computing the stage's weight
     gradients: the stage's backward then runs autograd's full backward (the module's own hooks
     decide what it leaves for later), and each W (BACKWARD_WEIGHT) runs the function dw_builder()
-    returned at that microbatch's B; a fused backward runs it at once. Without it, W is what
-    zbpp.split_linear's layers deferred.
+    returned at that microbatch's B; a fused backward runs it at once. It takes the place of
+    split_backward.
     After a step the last stage holds its microbatches' outputs in `output_chunks` (as torch's);
     clear_runtime_states() empties it, and every step starts with it.
     """
 
     def __init__(self, submodule, stage_index, num_stages, device=None, input_args=None, output_args=None,
-                 output_grads=None, input_grads=None, group=None, dw_builder=None, get_mesh=None):
+                 output_grads=None, input_grads=None, group=None, dw_builder=None, get_mesh=None, *,
+                 split_backward=True):
         if not isinstance(submodule, torch.nn.Module):
             raise TypeError(f"zbpp.PipelineStage: submodule must be a torch.nn.Module, got {type(submodule).__name__}")
         if not isinstance(num_stages, int) or num_stages < 1:
@@ -149,6 +159,7 @@ class PipelineStage:
         self.is_last = stage_index == num_stages - 1
         self.dw_builder = dw_builder
         self.get_mesh = get_mesh
+        self.split_backward = bool(split_backward)
         self.has_backward = True
         self.output_chunks = []
         self.fwd_cache = {}
@@ -242,7 +253,7 @@ def _marked(callback):
 
 # ---- the schedules ---------------------------------------------------------------------------------
 
-class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning):
+class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning, _Splitting):
     """Base class: a zbpp schedule kind run by the C runner over this rank's stages.
 
     Subclasses fix `kind`. Extra keyword arguments beyond torch's: mem_limit (zb-auto's memory limit,
@@ -270,7 +281,7 @@ class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning):
                  csv=None, mem_limit=None, times=None, timeout=300.0, cpu_group=None,
                  plan_from_measured=None, profile_steps=None, costs=None, save_plan_dir=None,
                  use_full_backward=None, backward_requires_autograd=True, defer_pp_recv=False,
-                 stages=None, stage=None):
+                 stages=None, stage=None, split_backward=None):
         name = type(self).__name__
         # torch's keyword names: stages= (PipelineScheduleMulti and its subclasses), stage= (Single)
         given = [x for x in (stage_or_stages, stages, stage) if x is not None]
@@ -313,6 +324,14 @@ class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning):
         self._loss_fn = loss_fn
         self._backward_agreed = None  # whether the pipeline trains: agreed at the first step (_trains)
         self._backward_requires_autograd = backward_requires_autograd
+        # None: each stage's own split_backward; True/False: every stage of this rank.
+        if split_backward is not None and not isinstance(split_backward, bool):
+            raise TypeError(f"zbpp.{name}: split_backward must be True, False or None (each stage's own), "
+                            f"got {split_backward!r}")
+        self._split_arg = split_backward
+        self._split_for = None  # (schedule, {(stage, mb) whose W runs apart}, last such B) see _splits
+        self._w_empty_warned = False
+        self._w_work = {}  # stage -> whether a B with W apart left W work this step
         self.scale_grads = scale_grads
         self.group = group
         self.rank = first.group_rank
@@ -615,10 +634,18 @@ class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning):
     def _backward(self, s, i, gout_addr, gin_addr):
         inputs, outs, loss = self._ctx.pop((s, i))
         store = self._store
+        stage = self._by_index.get(s)
+        dw_builder = getattr(stage, "dw_builder", None)
+        split = self._splits(s, i, stage, dw_builder)
+        pairs = []
+        before = store.live_entries() if split is not None else 0
         store.capturing = True
         try:
             if loss is not None:
-                self._loss_backward(loss)
+                if split:
+                    self._split_backward(stage, [loss], [None], inputs)
+                else:
+                    self._loss_backward(loss)
             else:
                 pairs = [(o, g) for o, g in zip(outs, self._in_views(gout_addr, s))
                          if o.requires_grad]
@@ -626,15 +653,21 @@ class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning):
                     # Lending: the gradients stay valid until this microbatch's W (the W store reads
                     # them there). They are held in `pairs` meanwhile, so autograd cannot take one
                     # over as a parameter's .grad.
-                    torch.autograd.backward([o for o, _ in pairs],
-                                            [g if self._lending else g.clone() for _, g in pairs])
-            dw_builder = getattr(self._by_index.get(s), "dw_builder", None)
+                    grads = [g if self._lending else g.clone() for _, g in pairs]
+                    if split:
+                        self._split_backward(stage, [o for o, _ in pairs], grads, inputs)
+                    else:
+                        torch.autograd.backward([o for o, _ in pairs], grads)
             if dw_builder is not None:
                 # torch's dw_builder: the stage's weight gradients are this function's work, run
                 # at the W op of this microbatch (at once for a fused backward).
                 store.push_action(_marked(dw_builder()))
         finally:
             store.capturing = False
+        if split is not None:
+            self._w_work[s] = self._w_work.get(s, False) or store.live_entries() > before
+            if (s, i) == self._split_for[2]:
+                self._check_w_work()
         if s > 0 and self._lending:
             self._lend(s - 1, [x.grad if x.grad is not None else torch.zeros_like(x) for x in inputs],
                        [g for _, g in pairs] if loss is None else ())
@@ -908,6 +941,7 @@ class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning):
         else:
             transport = self._transport.transport if self._transport else None
         pairs = self._runner_pairs()
+        self._prepare_split()
         for st in self.stages:
             st._zb_schedule = weakref.ref(self)  # what the stage's torch calls run (forward_one_chunk, ...)
         # On CUDA the runner's message buffers are torch's memory (its caching allocator).
@@ -959,8 +993,10 @@ class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning):
         with self._failing():
             gathered = self._exchange(self._last_times, "timeline()")
         copy = Schedule.from_csv(self._last_schedule.to_csv())
-        # .measured: span, busy and bubble rate of the measured times (the paper's definitions)
+        # .measured: span, busy and bubble rate of the measured times (the paper's definitions);
+        # .measured_w_share: the share of the backward's time spent in W ops
         copy.measured = copy.set_times([g[0] for g in gathered], [g[1] for g in gathered])
+        copy.measured_w_share = measured_w_share(copy)
         return copy
 
     def close(self):

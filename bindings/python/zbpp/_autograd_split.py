@@ -1,0 +1,202 @@
+"""Split any module's backward into B and W through its autograd graph (what torch's zero-bubble
+schedules do for every module, torch/distributed/pipelining/_backward.py), for the parameters no
+layer splitter defers itself.
+
+Why: a zero-bubble schedule needs a W to move. zbpp's layer splitters (SplitLinear, Megatron's and
+Transformer Engine's linears) push their weight-gradient GEMMs into the W store during B; every
+other parameter (LayerNorm, Embedding, a bias added by hand, a user's own layer) would get its
+gradient in B. This module gives those parameters a W too, for any module, with autograd's own
+backward functions:
+
+B  runs torch.autograd.grad(outputs, stage inputs, retain_graph=True): only the nodes on a path from
+   the outputs to the inputs run. On the way it records the gradient reaching each *frontier* node:
+   a node on that path from which some parameter is reached by nodes off the path (a LayerNorm's
+   backward, which feeds both its input and its weight; an add that a bias joins). The input
+   gradients are set as the inputs' .grad (what the pipeline sends upstream).
+W  runs torch.autograd.grad from the frontier nodes, seeded with the recorded gradients, to the
+   parameters, and adds the results to .grad as autograd's accumulation would (the first
+   microbatch's gradient becomes .grad, later ones are added in place). A frontier node that lies
+   below another one would get its gradient twice (seeded, and again through the one above), so
+   each is clamped to its recorded gradient. Outputs that reach parameters without ever touching
+   an input path (a second output computed from parameters only) are seeded as they are.
+
+Edges from a deferring layer's node (one that pushed its W into the store in B: SplitLinear's,
+Megatron's split linears') to its parameters are not followed: that W is the store's. A weight such
+a layer shares with another use (a tied embedding) still gets the other use's gradient here.
+
+A stage none of whose inputs needs a gradient (the first stage: token ids, or data) has nothing to
+send upstream, so its whole backward is W, as in torch (backward_weight_one_chunk of stage 0 runs
+the full backward).
+
+Bits: each parameter's gradient is computed by the same backward functions on the same saved
+tensors as a full backward, and accumulated in the same order, so training equals the sequential
+loop's (tests/python/test_autograd_split.py checks torch.equal). Hooks: as in torch's split, the
+gradient reaches .grad without autograd's AccumulateGrad, so tensor hooks on parameters and
+post-accumulate-grad hooks do not run for these parameters; a pipeline that relies on them (DDP's
+bucketing) turns the split off (split_backward=False) or runs a schedule without W.
+"""
+
+import torch
+from torch.autograd.graph import GradientEdge, get_gradient_edge
+
+__all__ = ["backward_input", "register_deferring"]
+
+# autograd.Function classes whose backward pushes its weight gradient to the W store in B.
+_DEFERRING = set()
+
+
+def register_deferring(function_cls):
+    """Marks an autograd.Function class as one that defers its parameters' gradients itself (its
+    backward pushes them to the W store): the split does not compute them again in W."""
+    _DEFERRING.add(function_cls)
+    return function_cls
+
+
+def _known_deferring():
+    import sys
+
+    split = sys.modules.get("zbpp.split")
+    if split is not None:
+        _DEFERRING.add(split._SplitLinearFn)
+    layers = sys.modules.get("zbpp.megatron.layers")
+    if layers is not None and hasattr(layers, "_SplitLinearWithAsyncCommunication"):
+        _DEFERRING.add(layers._SplitLinearWithAsyncCommunication)
+    return _DEFERRING
+
+
+def _node(t):
+    return get_gradient_edge(t).node
+
+
+def _parents(roots, skip):
+    """For every node reachable from `roots`: the nodes with an edge to it (the reverse graph),
+    leaving out edges from a deferring node to a node in `skip` (its parameters' accumulators)."""
+    deferring = _known_deferring()
+    parents, seen, todo = {}, set(), []
+    for node in roots:
+        if node not in seen:
+            seen.add(node)
+            todo.append(node)
+    while todo:
+        node = todo.pop()
+        defers = getattr(node, "_forward_cls", None) in deferring
+        for nxt, _ in node.next_functions:
+            if nxt is None or (defers and nxt in skip):
+                continue
+            parents.setdefault(nxt, []).append(node)
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return parents
+
+
+def _upward(start, parents, stop=None):
+    """Nodes reached from `start` through `parents`; with `stop`, the walk does not go past a node
+    in it and those met are returned apart: (inside, met)."""
+    inside, met, todo = set(), set(), list(start)
+    while todo:
+        node = todo.pop()
+        if stop is not None and node in stop:
+            met.add(node)
+            continue
+        if node in inside:
+            continue
+        inside.add(node)
+        todo.extend(parents.get(node, ()))
+    return inside, met
+
+
+def _accumulate(param, grad):
+    """Adds a microbatch's gradient to .grad as AccumulateGrad does: the first one becomes .grad,
+    later ones are added in place."""
+    if param.grad is None:
+        param.grad = grad
+    else:
+        param.grad += grad
+
+
+def backward_input(outputs, grads, inputs, params):
+    """B of a stage: the input gradients (set as each input's .grad) now, and the W function that
+    adds the remaining gradients of `params` to their .grad, or None when no W work is left.
+
+    outputs: the stage's output tensors (the loss alone on the loss stage); grads: their gradients
+    (None for a scalar loss); inputs: the stage's input tensors; params: its trainable parameters."""
+    pairs = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad]
+    params = [p for p in params if p.requires_grad]
+    needing = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
+    if not pairs:
+        return None
+    seeds = [torch.ones_like(o) if g is None else g for o, g in pairs]
+    if not needing:
+        # Nothing goes upstream: the whole backward is W (the graph is kept until then).
+        outs = [o for o, _ in pairs]
+
+        def full():
+            torch.autograd.backward(outs, seeds)
+
+        return full
+    roots = [_node(o) for o, _ in pairs]
+    accs = {}
+    for p in params:
+        accs.setdefault(_node(p), []).append(p)
+    parents = _parents(roots, set(accs))
+    on_path, _ = _upward([_node(x) for x in needing], parents)
+    frontier, reached = set(), []
+    for acc, ps in accs.items():
+        if acc not in parents:
+            continue  # not used by this stage's outputs, or only through a deferring layer
+        _, met = _upward([acc], parents, stop=on_path)
+        frontier |= met
+        reached.extend(ps)
+    # Outputs off every input path that reach parameters: W seeds them as they are.
+    loose = [(o, g) for (o, _), g, r in zip(pairs, seeds, roots) if r not in on_path]
+    recorded = {}
+    handles = []
+
+    def recorder(node):
+        def hook(grad_outputs):
+            recorded[node] = grad_outputs
+
+        return hook
+
+    try:
+        for node in frontier:
+            handles.append(node.register_prehook(recorder(node)))
+        got = torch.autograd.grad([o for o, _ in pairs], needing, seeds, retain_graph=True, allow_unused=True)
+    finally:
+        for h in handles:
+            h.remove()
+    for x, g in zip(needing, got):
+        if g is not None:
+            _accumulate(x, g)
+    if not reached:
+        return None
+    edges, edge_grads = [], []
+    for node in frontier:
+        for k, g in enumerate(recorded.get(node, ())):
+            if g is not None:
+                edges.append(GradientEdge(node, k))
+                edge_grads.append(g)
+    for o, g in loose:
+        edges.append(get_gradient_edge(o))
+        edge_grads.append(g)
+    if not edges:
+        return None
+    clamps = {node: recorded[node] for node in frontier if node in recorded} if len(frontier) > 1 else {}
+
+
+    def weight():
+        handles = [node.register_prehook(lambda _, saved=saved: saved) for node, saved in clamps.items()]
+        try:
+            dws = torch.autograd.grad(edges, reached, edge_grads, allow_unused=True)
+        finally:
+            for h in handles:
+                h.remove()
+            edges.clear()
+            edge_grads.clear()
+            clamps.clear()
+        for p, dw in zip(reached, dws):
+            if dw is not None:
+                _accumulate(p, dw)
+
+    return weight
