@@ -730,6 +730,21 @@ def main(argv=None):
     return 0
 
 
+def _tree_state():
+    """The commit run and the files of zbpp's Python package changed from it (other work in the
+    tree changes what zbpp does), for the JSON."""
+    import subprocess
+
+    def git(*cmd):
+        return subprocess.run(["git", "-C", _REPO, *cmd], capture_output=True, text=True, timeout=10).stdout.strip()
+
+    try:
+        return {"commit": git("rev-parse", "--short", "HEAD"),
+                "changed": git("status", "--porcelain", "--", "bindings", "csrc", "include").splitlines()}
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
 def write_results(args, cells, out, seconds):
     timed = [c for c in cells if not c.get("failed") and not args.check_only]
     if timed:
@@ -748,7 +763,8 @@ def write_results(args, cells, out, seconds):
         keep = [{**cell, "configs": [{k: v for k, v in c.items() if not k.endswith("_svg")} for c in cell["configs"]]}
                 for cell in cells]
         with open(args.json, "w") as f:
-            json.dump({"cells": keep, "seconds": seconds, "torch": torch.__version__,
+            json.dump({"cells": keep, "seconds": seconds, "torch": torch.__version__, "tree": _tree_state(),
+                       "date": time.strftime("%Y-%m-%d %H:%M"), "load_average": os.getloadavg(),
                        "args": {k: v for k, v in vars(args).items() if k != "configs"}}, f, indent=1)
         log(f"wrote {args.json}")
     log(f"done in {seconds:.0f} s; load average {os.getloadavg()[0]:.1f}")
