@@ -27,9 +27,9 @@
 //     and drop it. Compilers must keep the op in order as a side effect instead (Python registers
 //     it as an ordered effect; see bindings/python/zbpp/_ops.py).
 //
-// Tokens of entries pushed here have ZBPP_TORCH_TOKEN_BIT set. A store created with the Python
-// binding forwards them to zbpp_torch_release; a C/C++ caller creating its own store passes
-// zbpp_torch_release as the store's release callback.
+// zbpp::linear_wgrad (linear_wgrad.cpp) is the other kind of W: nn.Linear's weight and bias
+// gradients by torch's own ops, as autograd computes them. The entries both push are kept in
+// entries.cpp, whose zbpp_torch_release a store calls back with their tokens.
 //
 // C++ only where torch's headers demand it: the kernels are plain functions over the C ABI.
 
@@ -43,36 +43,15 @@
 #include <memory>
 #include <mutex>
 #include <optional>
-#include <sstream>
-#include <stdexcept>
 #include <string>
 #include <unordered_map>
 #include <utility>
 #include <vector>
 
+#include "internal.h"
 #include "zbpp.h"
 
-#define ZBPP_TORCH_API extern "C" __attribute__((visibility("default")))
-#define ZBPP_TORCH_TOKEN_BIT (1ull << 63)
-
-using torch::stable::Tensor;
-using ScalarType = torch::headeronly::ScalarType;
-
-namespace {
-
-// Bad input raises RuntimeError in Python with exactly this text (torch's check macros would prefix
-// it with a C++ function name and line, which tells a user nothing).
-template <typename... Args>
-void check(bool cond, const Args &...args) {
-  if (cond) return;
-  std::ostringstream os;
-  (os << ... << args);
-  throw std::runtime_error(os.str());
-}
-
-constexpr int32_t kCpu = -1;  // device key of the CPU in bindings and backends
-
-int32_t device_key(const Tensor &t) { return t.is_cuda() ? static_cast<int32_t>(t.get_device_index()) : kCpu; }
+namespace zbpp_torch {
 
 std::string dtype_name(ScalarType s) {
   switch (s) {
@@ -83,6 +62,25 @@ std::string dtype_name(ScalarType s) {
     default: return "dtype " + std::to_string(static_cast<int>(s));
   }
 }
+
+std::string shape_of(const Tensor &t) {
+  std::string s = "[";
+  for (int64_t i = 0; i < t.dim(); i++) s += (i ? ", " : "") + std::to_string(t.size(i));
+  return s + "]";
+}
+
+[[noreturn]] void fail(const char *op, const char *what, zb_status_t st) {
+  const char *msg = zb_last_error();
+  std::string text = std::string(op) + ": " + what + " failed: " + zb_status_string(st);
+  if (msg && *msg) text += std::string(": ") + msg;
+  throw std::runtime_error(text);
+}
+
+}  // namespace zbpp_torch
+
+using namespace zbpp_torch;
+
+namespace {
 
 zb_dtype_t zb_dtype(ScalarType s, const char *op) {
   switch (s) {
@@ -95,11 +93,6 @@ zb_dtype_t zb_dtype(ScalarType s, const char *op) {
   return ZB_DTYPE_F32;  // not reached
 }
 
-std::string shape_of(const Tensor &t) {
-  std::string s = "[";
-  for (int64_t i = 0; i < t.dim(); i++) s += (i ? ", " : "") + std::to_string(t.size(i));
-  return s + "]";
-}
 
 // t [..., cols] as [rows, cols] rows the GEMM can read: a row's elements adjacent, rows at least a
 // row apart. Anything else (a broadcast stride 0, a transposed view) is copied; so is everything
@@ -167,12 +160,6 @@ Work prepare(const char *op, const Tensor &x, const Tensor &dy, const Tensor &dw
   return w;
 }
 
-[[noreturn]] void fail(const char *op, const char *what, zb_status_t st) {
-  const char *msg = zb_last_error();
-  std::string text = std::string(op) + ": " + what + " failed: " + zb_status_string(st);
-  if (msg && *msg) text += std::string(": ") + msg;
-  throw std::runtime_error(text);
-}
 
 // ---- immediate W: one backend and store per device, created on first use, kept for the process
 // (destroying CUDA objects from a static destructor would run after the CUDA runtime's teardown).
@@ -248,28 +235,23 @@ struct Binding {
   void *stream;  // CUDA: the stream pushes must be made on (the runner's), or NULL for any
 };
 
-struct Kept {
-  zb_wstore_t *store;
+// A deferred zbpp::wgrad: its GEMM is the store's own; kept here are the tensors it reads.
+struct Kept : Entry {
+  explicit Kept(Work w) : work(std::move(w)) {}
   Work work;
 };
 
-std::mutex g_mu;
+std::mutex g_mu;  // g_bound
 std::unordered_map<int32_t, Binding> g_bound;
-std::unordered_map<uint64_t, std::unique_ptr<Kept>> g_live;
-uint64_t g_next = 1;
 
 void wgrad_deferred(Tensor x, Tensor dy, Tensor dw, std::optional<Tensor> db, bool overwrite, bool copy_inputs) {
   const char *op = "zbpp::wgrad_deferred";
   const int32_t dev = device_key(x);
   Binding b{nullptr, nullptr};
-  uint64_t token = 0;
   {
     std::lock_guard<std::mutex> lock(g_mu);
     auto it = g_bound.find(dev);
-    if (it != g_bound.end()) {
-      b = it->second;
-      token = ZBPP_TORCH_TOKEN_BIT | g_next++;
-    }
+    if (it != g_bound.end()) b = it->second;
   }
   if (!b.store) {  // no pipeline around: W now, as a plain backward expects
     Work now = prepare(op, x, dy, dw, db, overwrite);
@@ -287,16 +269,13 @@ void wgrad_deferred(Tensor x, Tensor dy, Tensor dw, std::optional<Tensor> db, bo
           " runs its GEMMs on the runner's stream, and this push came from another stream; run the "
           "backward on the runner's stream (torch.cuda.current_stream() when the step began)");
   }
-  w.entry.token = token;
   zb_wgrad_t entry = w.entry;
-  {
-    std::lock_guard<std::mutex> lock(g_mu);
-    g_live.emplace(token, std::unique_ptr<Kept>(new Kept{b.store, std::move(w)}));
-  }
+  auto kept = std::make_unique<Kept>(std::move(w));
+  kept->store = b.store;
+  entry.token = keep_entry(std::move(kept));
   zb_status_t st = zb_wstore_push(b.store, &entry);
   if (st != ZB_OK) {
-    std::lock_guard<std::mutex> lock(g_mu);
-    g_live.erase(token);
+    forget_entry(entry.token);
     fail(op, "pushing into the bound W store", st);
   }
 }
@@ -318,32 +297,6 @@ ZBPP_TORCH_API zb_status_t zbpp_torch_bind(int32_t device, zb_wstore_t *store, v
   else
     g_bound.erase(device);
   return ZB_OK;
-}
-
-// The release callback of entries pushed by zbpp::wgrad_deferred (a zb_wgrad_release_cb): drops the
-// tensors the entry kept. Unknown tokens fail with ZB_ERR_INVALID_ARGUMENT.
-ZBPP_TORCH_API zb_status_t zbpp_torch_release(void *user, uint64_t token, int32_t ran) {
-  (void)user;
-  (void)ran;
-  std::unique_ptr<Kept> kept;
-  {
-    std::lock_guard<std::mutex> lock(g_mu);
-    auto it = g_live.find(token);
-    if (it == g_live.end()) return ZB_ERR_INVALID_ARGUMENT;
-    kept = std::move(it->second);
-    g_live.erase(it);
-  }
-  kept.reset();  // the tensors' references go outside the lock (a free may call back into torch)
-  return ZB_OK;
-}
-
-// Entries pushed into `store` (NULL: any store) and not yet released.
-ZBPP_TORCH_API int64_t zbpp_torch_live(const zb_wstore_t *store) {
-  std::lock_guard<std::mutex> lock(g_mu);
-  int64_t n = 0;
-  for (const auto &kv : g_live)
-    if (!store || kv.second->store == store) n++;
-  return n;
 }
 
 STABLE_TORCH_LIBRARY(zbpp, m) {

@@ -40,7 +40,8 @@ Result (a dict, everything gathered to rank 0, tensors on CPU):
                        reads (per call, the (vp_stage, batch id) each get_batch read, in order),
                        ran (the training forward_backward_func(s) called, "module.name", with
                        " [kind]" under zbpp) and split (with zbpp_split: the layers zbpp split
-                       and those it did not); also its own collected, eval_touched[step] (the
+                       and those it did not; gemms_run and w_kernel: the W GEMMs zbpp's store ran
+                       and the store's kernel); also its own collected, eval_touched[step] (the
                        names whose main_grad / grad the evaluation passes changed: [] is right),
                        virtual_ranks ({vp_stage: sorted virtual pipeline ranks parallel_state
                        answered while that chunk's forward_step ran, training and evaluation}),
@@ -888,6 +889,8 @@ def _run_case(case, timeout, progress):
         result["virtual_ranks"] = {k: sorted(vs, key=str) for k, vs in log.virtual.items()}
         # The W GEMMs zbpp's store ran (training only: evaluation has no backward).
         result["gemms_run"] = store.gemms_run if store is not None else None
+        # Which kernel ran them: "torch" (torch's own ops, Megatron's bits) or the library's GEMM.
+        result["w_kernel"] = store.kernel if store is not None else None
         progress("done")
     except BaseException:
         with contextlib.suppress(Exception):  # the case's own error is the one to report

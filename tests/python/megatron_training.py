@@ -52,7 +52,8 @@ and merged over the ranks by global name (megatron_real.global_names):
                        losses / eval_losses, ran (the forward_backward_func train_step used, with
                        zbpp's schedule kind), reads (per train_step / evaluate call: the batch ids
                        each model chunk's iterator gave, in order), split (the layers
-                       zbpp.split_linear split / did not), gemms_run (W GEMMs of zbpp's store),
+                       zbpp.split_linear split / did not), gemms_run (W GEMMs of zbpp's store)
+                       and w_kernel (the store's kernel),
                        optimizer (the class get_megatron_optimizer made)
     case               the case
 
@@ -425,6 +426,8 @@ def _run_case(case, timeout, progress):
         # The W GEMMs zbpp's store ran (split layers: in zbpp's W passes, or inside each B under
         # Megatron's own schedule).
         result["gemms_run"] = store.gemms_run if store is not None else None
+        # Their kernel: "torch" (torch's own ops: Megatron's bits) or the library's GEMM.
+        result["w_kernel"] = store.kernel if store is not None else None
         progress("done")
         return result
     finally:

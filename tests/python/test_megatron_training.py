@@ -9,7 +9,9 @@
    built by v_model_provider, embedding group from v_embedding_ranks). The loss dicts train_step
    returns on the last pipeline rank, the losses evaluate returns, the grad norms, learning rates,
    gradients and parameters after every step agree bit for bit (Megatron's linear layers split by
-   zbpp.split_linear in every run, so each weight gradient is the same GEMM). ZB-V places other
+   zbpp.split_linear in every run, so each weight gradient is the same GEMM; and with the W store's
+   "torch" kernel, which runs Megatron's own ops, every split run equals stock Megatron, no layer
+   split, bit for bit too). ZB-V places other
    layers on each rank than Megatron's 1F1B: there, everything but the grad norm is bit for bit
    without clipping (the norm is Megatron's sum of per-rank partial sums: last bit), and close with
    clipping. The worker code and its shims and CPU patches: megatron_training.py.
@@ -84,6 +86,7 @@ def _megatron_lm_checkout():
 
 V_FLAGS = ("--zero-bubble-v-schedule",)
 CASES = {
+    "megatron-stock": dict(split=False),                                # nothing split
     "megatron": dict(),
     "zbpp-1f1b": dict(use_zbpp=True),                                   # no flag: 1F1B
     "zbpp-zb-h1": dict(use_zbpp=True, zbpp_kind="zb-h1"),
@@ -166,6 +169,19 @@ def test_zbpp_matches_megatron_train_step_and_evaluate(training, name):
     # The same batches read by the same chunks in the same order on every rank.
     for r, (a, b) in enumerate(zip(ref["ranks"], res["ranks"])):
         assert a["reads"] == b["reads"], f"rank {r} read different batches under {name}"
+
+
+@pytest.mark.parametrize("name", ["megatron", "zbpp-1f1b", "zbpp-zb-h1", "zbpp-zb-auto"])
+def test_split_runs_match_stock_megatron_bit_for_bit(training, name):
+    """Megatron's linear layers split by zbpp (W inside each B under Megatron's schedule, in W passes
+    under zbpp's) against stock Megatron with nothing split: bit for bit with the torch kernel."""
+    mtr, results = training
+    ref, res = _get(results, "megatron-stock"), _get(results, name)
+    kernels = {rank["w_kernel"] for rank in res["ranks"]}
+    if kernels != {"torch"}:
+        pytest.skip(f"the W store ran the library's GEMM ({kernels}), not torch's ops")
+    diffs = mtr.differences(ref, res)
+    assert not diffs, f"{name} differs from stock Megatron in {len(diffs)} places:\n" + "\n".join(diffs[:20])
 
 
 def test_zbpp_zb_v_matches_megatron_train_step_and_evaluate(training):

@@ -1,9 +1,11 @@
-"""The stable-ABI ops of libzbpp_torch.so (csrc/torch/ops.cpp): zbpp::wgrad and zbpp::wgrad_deferred.
+"""The stable-ABI ops of libzbpp_torch.so (csrc/torch/): zbpp::wgrad, zbpp::wgrad_deferred and
+zbpp::linear_wgrad.
 
 What a user relies on: the W they compute is nn.Linear's weight gradient for any input layout and
-dtype; bad arguments get a message saying what was wrong; torch.compile and torch.export record
-the ops as graph nodes (no break); inside a pipeline's backward (or capture()) the deferred op's W
-waits in the store for its W op, and outside one it runs at once.
+dtype (zbpp::linear_wgrad: bit for bit autograd's, accumulation included); bad arguments get a
+message saying what was wrong; torch.compile and torch.export record the ops as graph nodes (no
+break); inside a pipeline's backward (or capture()) the deferred op's W waits in the store for its
+W op, and outside one it runs at once.
 """
 
 import os
@@ -240,6 +242,155 @@ def test_compiled_backward_defers_in_a_pipeline_and_matches_autograd(ops):
     # the microbatch count, not a buffer of the user's.
     torch.testing.assert_close(main_grad, weight.grad)
     assert st.live_entries() == 0
+
+
+# ---- zbpp::linear_wgrad: autograd's own ops ---------------------------------------------------------
+
+def _autograd(x, weight, bias, dys):
+    """.grad of weight and bias after one backward of F.linear per output gradient in dys."""
+    w = weight.detach().clone().requires_grad_()
+    b = bias.detach().clone().requires_grad_() if bias is not None else None
+    for dy in dys:
+        torch.nn.functional.linear(x, w, b).backward(dy)
+    return w.grad, (b.grad if b is not None else None)
+
+
+# (x shape, x layout, weight layout, bias): what torch's linear does with each, written out in
+# _linear_args the way at::linear and its backward formulas read them.
+LINEAR_CASES = {
+    "2d": ((40, 16), "contiguous", "contiguous", True),
+    "2d-column-major-x": ((40, 16), "transposed", "contiguous", True),
+    "3d-addmm": ((3, 300, 16), "contiguous", "contiguous", True),
+    "3d-matmul-plus-bias": ((3, 300, 16), "transposed", "contiguous", True),
+    "3d-no-bias": ((3, 300, 16), "contiguous", "contiguous", False),
+    "column-major-weight": ((40, 16), "contiguous", "transposed", True),
+}
+
+
+def _linear_args(x, dy, weight, bias):
+    """What autograd's backward of F.linear(x, weight, bias) reads: addmm over x viewed as rows for a
+    2-d or contiguous input with a bias (bias gradient: rows summed), else matmul (+ the bias in
+    place: summed over every leading dimension); dW = dy2^T x2 unless weight^T is not column-major."""
+    x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
+    flat = x.dim() == 2 or (bias is not None and x.is_contiguous())
+    kw = dict(dy_t_x=weight.stride(1) == 1 and weight.stride(0) == weight.shape[1])
+    if bias is not None and not flat:
+        kw.update(bias_of=dy, bias_dims=list(range(dy.dim() - 1)))
+    return x2, dy2, kw
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("case", list(LINEAR_CASES))
+def test_linear_wgrad_equals_autograd_bit_for_bit(ops, case, dtype):
+    shape, x_layout, w_layout, has_bias = LINEAR_CASES[case]
+    torch.manual_seed(0)
+    x = torch.randn(*shape).to(dtype)
+    if x_layout == "transposed":
+        x = x.transpose(0, 1).contiguous().transpose(0, 1)  # same values, column-major / batch-major
+    weight = torch.randn(8, 16).to(dtype)
+    if w_layout == "transposed":
+        weight = weight.t().contiguous().t()
+    bias = torch.randn(8).to(dtype) if has_bias else None
+    dys = [torch.randn(*shape[:-1], 8).to(dtype) for _ in range(3)]
+    want_w, want_b = _autograd(x, weight, bias, dys)
+    dw = torch.zeros(8, 16, dtype=dtype)
+    db = torch.zeros(8, dtype=dtype) if has_bias else None
+    for i, dy in enumerate(dys):  # the first gradient written (autograd's .grad = g), the rest added
+        x2, dy2, kw = _linear_args(x, dy, weight, bias)
+        assert ops.linear_wgrad(x2, dy2, dw, db, dw_add=i > 0, db_add=i > 0, **kw) == 0  # ran now
+    assert torch.equal(dw, want_w), (dw.double() - want_w.double()).abs().max()
+    if has_bias:
+        assert torch.equal(db, want_b), (db.double() - want_b.double()).abs().max()
+
+
+def test_linear_wgrad_converts_to_the_targets_dtype_as_autocast_does(ops):
+    """Under autocast nn.Linear's dW is a bf16 product that reaches the fp32 .grad converted; a W
+    run inside an autocast region still computes what the backward would (its kernels are out=
+    overloads, which autocast leaves alone)."""
+    torch.manual_seed(1)
+    x, weight, bias = torch.randn(64, 16), torch.randn(8, 16, requires_grad=True), torch.randn(8, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = torch.nn.functional.linear(x, weight, bias)
+    dy = torch.randn(64, 8, dtype=torch.bfloat16)
+    y.backward(dy)
+    dw, db = torch.zeros(8, 16), torch.zeros(8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # W inside an autocast region
+        ops.linear_wgrad(x.bfloat16(), dy, dw, db, dw_add=False, db_add=False)
+    assert torch.equal(dw, weight.grad) and torch.equal(db, bias.grad)
+    x32, dy32 = torch.randn(64, 16), torch.randn(64, 8)
+    ref = (dy32.t() @ x32)
+    out = torch.zeros(8, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # fp32 tensors stay fp32: no autocast cast
+        ops.linear_wgrad(x32, dy32, out, None, dw_add=False)
+    assert torch.equal(out, ref)
+
+
+def test_linear_wgrad_deferred_runs_at_its_w_and_drops_unrun(ops):
+    st = default_store()
+    if st.kernel != "torch":
+        pytest.skip("the CPU store does not run the torch kernel")
+    torch.manual_seed(2)
+    x, dy = torch.randn(6, 5), torch.randn(6, 4)
+    dw = torch.zeros(4, 5)
+    live, run, dropped = st.live_entries(), st.gemms_run, st.gemms_dropped
+    with capture(7, 0):
+        st.push_linear(x, dy, _param(dw), None)
+    assert st.live_entries() == live + 1 and st.gemms_run == run  # pushed, not run
+    st.store.pop_run(7)
+    assert st.gemms_run == run + 1 and st.live_entries() == live
+    with capture(7, 1):
+        p = _param(torch.zeros(4, 5))
+        st.push_linear(x, dy, p, None)
+    st.store.clear()  # dropped unrun: nothing written, the tensors it kept let go
+    assert st.gemms_dropped == dropped + 1 and st.live_entries() == live and not p.grad.any()
+
+
+def _param(like):
+    return torch.nn.Parameter(torch.zeros_like(like))
+
+
+def test_linear_wgrad_failing_at_w_fails_the_w_op_with_torchs_message(ops):
+    st = default_store()
+    if st.kernel != "torch":
+        pytest.skip("the CPU store does not run the torch kernel")
+    p = _param(torch.zeros(4, 5))
+    with capture(7, 2):
+        st.push_linear(torch.randn(6, 5), torch.randn(6, 4), p, None)
+    p.grad.resize_(2, 2)  # the target changed under the pending W
+    with pytest.raises(RuntimeError, match=r"the weight gradient \(W\) failed in torch: .*") as info:
+        st.store.pop_run(7)
+    assert isinstance(info.value.__cause__, zbpp.ZbError)
+    assert st.live_entries() == 0 and st.store.pending() == 0
+
+
+@pytest.mark.parametrize("case, words", [
+    ("3d", "x and dy must be [rows, in] and [rows, out] as autograd has them; got x [2, 3, 5]"),
+    ("rows", "same number of rows; got x [6, 5], dy [7, 4]"),
+    ("mixed", "one floating-point dtype; got float32 and bfloat16"),
+    ("nothing", "give dw, db or both"),
+    ("dw_shape", "dw must be [4, 5]; got [5, 4]"),
+    ("db_shape", "db must be [4]; got [5]"),
+    ("bias_dims", "bias_dims must be distinct leading dimensions of bias_of [6, 4]"),
+])
+def test_linear_wgrad_bad_arguments_say_what_is_wrong(ops, case, words):
+    x, dy, dw, db, kw = torch.randn(6, 5), torch.randn(6, 4), torch.zeros(4, 5), None, {}
+    if case == "3d":
+        x = torch.randn(2, 3, 5)
+    elif case == "rows":
+        dy = torch.randn(7, 4)
+    elif case == "mixed":
+        dy = dy.bfloat16()
+    elif case == "nothing":
+        dw = None
+    elif case == "dw_shape":
+        dw = torch.zeros(5, 4)
+    elif case == "db_shape":
+        db = torch.zeros(5)
+    elif case == "bias_dims":
+        db, kw = torch.zeros(4), dict(bias_dims=[1])
+    with pytest.raises(RuntimeError, match="zbpp::linear_wgrad: ") as err:
+        ops.linear_wgrad(x, dy, dw, db, **kw)
+    assert words in str(err.value)
 
 
 def test_the_library_loads_into_a_process_without_python_reaching_it():

@@ -21,9 +21,13 @@ The stable-ABI ops. On torch 2.10 and newer the build also makes libzbpp_torch.s
 is) through libtorch's stable ABI: dispatcher ops with C++ kernels, which torch.compile and
 torch.export record as graph nodes and which run without Python (a C++ program or an AOTInductor
 package that loads the library). `stable()` loads it and returns torch.ops.zbpp, or None where it
-cannot (older torch, a build without it: the reason is in `stable_unavailable()`). SplitLinear
-itself keeps the Python op above: where its gradient goes (main_grad, a .grad made on first use, a
-half-precision .grad summed in fp32) is decided from Python attributes at run time.
+cannot (older torch, a build without it: the reason is in `stable_unavailable()`). The library
+also registers `zbpp::linear_wgrad` (csrc/torch/linear_wgrad.cpp): nn.Linear's weight and bias
+gradients by torch's own ops, in autograd's order, run now or pushed into a given store and run
+from C++ when the store releases the entry; it is the W of split layers wherever it loads (the W
+store's "torch" kernel, split.py). Under torch.compile SplitLinear still goes through the Python op
+above: where its gradient goes (main_grad, a .grad made on first use) is decided from Python
+attributes at run time.
 """
 
 import ctypes
@@ -155,8 +159,15 @@ def _load_stable():
     handle.zbpp_torch_release.restype = ctypes.c_int
     handle.zbpp_torch_live.argtypes = [ctypes.c_void_p]
     handle.zbpp_torch_live.restype = ctypes.c_int64
-    # It mutates nothing its schema names (its write comes later, at W).
+    last_error = getattr(handle, "zbpp_torch_last_error", None)
+    if last_error is None or not hasattr(torch.ops.zbpp, "linear_wgrad"):
+        return None, None, (f"{path} predates zbpp::linear_wgrad (torch's own weight-gradient ops); rebuild "
+                            "it from this checkout")
+    last_error.argtypes = []
+    last_error.restype = ctypes.c_char_p
+    # They mutate nothing their schemas name (the write comes later, at W, or not visibly to a graph).
     _ordered_effect(torch.ops.zbpp.wgrad_deferred.default)
+    _ordered_effect(torch.ops.zbpp.linear_wgrad.default)
     return torch.ops.zbpp, handle, ""
 
 
@@ -174,9 +185,19 @@ def bind(device_key, store_handle, stream=None):
                          "0 and up a CUDA ordinal)")
 
 
+ZB_ERR_INVALID_ARGUMENT = 1
+ZB_ERR_INTERNAL = 14
+
+
 def release(token, ran):
-    """Hands an entry zbpp::wgrad_deferred pushed back to the library (drops the tensors it kept)."""
-    if _handle().zbpp_torch_release(None, token, int(bool(ran))) != 0:
+    """Hands an entry the stable-ABI ops pushed back to the library: when it ran, its work runs now
+    (zbpp::linear_wgrad's torch ops; a RuntimeError with torch's message when they fail), then the
+    tensors it kept are dropped."""
+    h = _handle()
+    status = h.zbpp_torch_release(None, token, int(bool(ran)))
+    if status == ZB_ERR_INTERNAL:
+        raise RuntimeError(f"zbpp: the weight gradient (W) failed in torch: {h.zbpp_torch_last_error().decode()}")
+    if status != 0:
         raise RuntimeError(f"zbpp: the stable-ABI library has no live W entry with token {token:#x}")
 
 

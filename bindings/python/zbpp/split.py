@@ -1,12 +1,22 @@
-"""Split backward for torch.nn.Linear: B computes the input gradient, W runs later in C.
+"""Split backward for torch.nn.Linear: B computes the input gradient, W runs later from the C store.
 
 What this is: an autograd Function whose backward, inside a pipeline, returns only the input
-gradient (and the bias gradient is left to W too), and pushes the weight-gradient GEMM
+gradient (and the bias gradient is left to W too), and pushes the weight gradient
 
-    dW[out, in] += dY[rows, out]^T X[rows, in]     (fp32 accumulation; the paper's W pass)
+    dW[out, in] += dY[rows, out]^T X[rows, in]     (the paper's W pass)
 
 into the C W store, with X and dY kept alive until the store says it has run or dropped the
-entry. `split_linear(module)` turns every nn.Linear of a module into a `SplitLinear` in place (a
+entry. Which kernel runs it is the store's `kernel`:
+
+- "torch" (wherever libzbpp_torch.so loads, CPU and CUDA alike): the ops torch's autograd runs for
+  nn.Linear's backward, in its order (zbpp::linear_wgrad, csrc/torch/linear_wgrad.cpp: dW =
+  mm(dY2^T, X2) over the tensors as autograd's addmm/mm has them, the bias's sum_to, the dtype
+  conversion autocast's casts add, then AccumulateGrad's .grad = g or .grad += g), run from C++
+  when the store releases the entry. A split model's gradients are nn.Linear's bit for bit, and a
+  split Megatron layer's are Megatron's own (see zbpp.megatron.layers).
+- "cblas" / "cublaslt": the C library's GEMM (the C-only path, and where libzbpp_torch.so is not
+  built): fp32 accumulation straight into the target, another summation order than torch's (about
+  1e-7 relative in fp32). `split_linear(module)` turns every nn.Linear of a module into a `SplitLinear` in place (a
 class swap: parameters, state dict, hooks and requires_grad are untouched, isinstance(m, nn.Linear)
 stays true). Where a pipeline's W puts the gradient: `param.main_grad` when the parameter has one
 (fp32, as Megatron's do), else `param.grad` (fp32 weights: accumulated in place; the bias's sum, on
@@ -21,20 +31,20 @@ bias and input; allow_unused and materialize_grads as with nn.Linear) and leaves
 loss.backward() adds them to .grad through autograd's accumulation (tensor hooks, post-accumulate-
 grad hooks and DDP see them); retain_graph=True backwards accumulate; a weight computed from
 parameters (torch.func.functional_call, MAML's W - lr*g) passes its gradient on. With grad mode off
-in the backward (a plain backward) the gradients come from the same C GEMM as a pipeline's W, into
-new fp32 tensors that autograd rounds to the parameter's dtype and adds to .grad, so a
-single-process loop computes the pipeline's bits: always for the bias (summed apart in both) and the
-first backward, and for the weight while a backward's rows fit the BLAS's K block (a few hundred
-with OpenBLAS; beyond it the BLAS adds its block sums to .grad one at a time, and the last bits may
-differ). With create_graph=True they are differentiable torch ops, as nn.Linear's backward (dy^T x,
+in the backward (a plain backward) the gradients come from the same kernel as a pipeline's W, into
+new tensors that autograd adds to .grad: with "torch", nn.Linear's own bits; with the library's
+GEMM (new fp32 tensors, rounded by autograd to the parameter's dtype), the pipeline's bits always
+for the bias (summed apart in both) and the first backward, and for the weight while a backward's
+rows fit the BLAS's K block (a few hundred with OpenBLAS; beyond it the BLAS adds its block sums to
+.grad one at a time, and the last bits may differ). With create_graph=True they are differentiable torch ops, as nn.Linear's backward (dy^T x,
 dy summed over rows), so gradient penalties and second-order MAML work. A gradient autograd will not
 use (torch.autograd.grad(loss, x)) is not computed. Parameters with main_grad keep Megatron's fused
 accumulation (its layers with gradient_accumulation_fusion do the same): W adds to main_grad at once
 and autograd gets None for them (torch.autograd.grad then needs allow_unused=True).
 
-Devices: one store per device (`default_store(device)`). CPU tensors use the host backend (CBLAS);
-CUDA tensors use the device's CUDA backend (cuBLASLt), and every run is issued on torch's current
-stream of the device. The caching allocator's rule is kept: the store gives back an entry once its
+Devices: one store per device (`default_store(device)`). CPU tensors use the host backend (CBLAS
+for the library's kernel); CUDA tensors use the device's CUDA backend (cuBLASLt), and every run,
+torch's ops included, is issued on torch's current stream of the device. The caching allocator's rule is kept: the store gives back an entry once its
 GEMM is enqueued, and X and dY are then dropped; that is safe when the GEMM ran on the stream they
 were used on at push time, and otherwise they get record_stream(run stream) first, so their memory
 is not reused before the GEMM has read it. Work pushed on one stream and run on another is ordered
@@ -50,12 +60,19 @@ with the reason; split_linear warns once about those it could not split (nn.Line
 
 Counting: each WGradStore counts the W GEMMs it ran (`gemms_run`) and dropped unrun
 (`gemms_dropped`), immediate runs included; tests use them to check every split layer's W ran.
+`kernel` says which kernel those GEMMs ran on.
+
+Where bit-for-bit equality with nn.Linear stops (the "torch" kernel): a weight used more than once
+in one backward (tied weights within a stage), whose contributions autograd sums before it adds them
+to .grad and W adds one at a time; inputs of a frozen-weight layer that torch's matmul would not
+fold into rows.
 
 What this is not: a layer library. Other parametrised layers (LayerNorm, Embedding, ...) keep
 autograd's fused backward, so their gradients arrive in B.
 """
 
 import itertools
+import os
 import sys
 import threading
 import warnings
@@ -72,6 +89,14 @@ __all__ = ["SplitLinear", "split_linear", "split_report", "SplitReport", "SplitE
 _DTYPE = {torch.float32: runtime.DTYPES["float32"], torch.float16: runtime.DTYPES["float16"],
           torch.bfloat16: runtime.DTYPES["bfloat16"]}
 
+# Where a store's W GEMMs run (WGradStore.kernel): torch's own ops, or the C library's GEMM.
+TORCH = "torch"
+CBLAS = "cblas"
+CUBLASLT = "cublaslt"
+ENV_KERNEL = "ZBPP_WGRAD_KERNEL"
+_NOW = 0  # push_linear's store for "run it now" (zbpp::linear_wgrad's store argument)
+_U64 = (1 << 64) - 1
+
 
 class WGradStore:
     """A C W store with the tensors its entries read kept alive until their release.
@@ -80,11 +105,16 @@ class WGradStore:
     too, so entries pushed during a B land in the group the runner opened for that B.
     """
 
-    def __init__(self, device=None):
+    def __init__(self, device=None, kernel=None):
         self.device = cuda.device_of(device) if device is not None else torch.device("cpu")
         self.is_cuda = self.device.type == "cuda"
         self.backend = cuda.backend_for(self.device) if self.is_cuda else runtime.Backend("host")
         self._live = {}  # token -> (tensors kept alive, action after the GEMM ran or None, push stream)
+        # Entries zbpp::linear_wgrad pushed (the library keeps their tensors; on CUDA these are
+        # kept here too, for record_stream at release): token -> (tensors, push stream or None).
+        self._torch_live = {}
+        self._kernel = None
+        self.kernel = kernel if kernel is not None else os.environ.get(ENV_KERNEL) or None
         self._tokens = itertools.count(1)
         self._run_stream = None  # CUDA: the stream the backend was last pointed at by prepare_run
         self._push_streams = {}  # CUDA: stream handle -> [stream, live entries pushed on it]
@@ -100,6 +130,34 @@ class WGradStore:
         # Called as hook(token) after each entry is released (run or dropped): how a caller learns
         # that the W work it is waiting for is done (zbpp.megatron starts gradient reduction so).
         self.release_hooks = []
+
+    @property
+    def kernel(self):
+        """Where this store's linear-layer W runs: "torch" (torch's own ops, the ones autograd runs
+        for nn.Linear's weight gradient, through libzbpp_torch.so's zbpp::linear_wgrad: gradients
+        equal nn.Linear's and Megatron's bit for bit), or the C library's GEMM, "cblas" on the host
+        and "cublaslt" on CUDA (the C-only path; another summation order). By default "torch"
+        wherever libzbpp_torch.so loads, else the library's; $ZBPP_WGRAD_KERNEL or setting this
+        (between steps, with nothing pending) chooses: "torch", "library" (the library's GEMM of
+        this device), "cblas" or "cublaslt". W work a layer keeps itself (defer_action: Transformer
+        Engine's, Megatron's fused accumulation) runs its own kernels either way."""
+        return self._kernel
+
+    @kernel.setter
+    def kernel(self, name):
+        library = CUBLASLT if self.is_cuda else CBLAS
+        if name is None:
+            name = TORCH if _ops.stable() is not None else library
+        if name == "library":
+            name = library
+        if name not in (TORCH, library):
+            raise ValueError(f"zbpp: the W kernel of {self.device} is 'torch', 'library' or '{library}'; got {name!r}")
+        if name == TORCH and _ops.stable() is None:
+            raise ValueError(f"zbpp: the W kernel 'torch' needs libzbpp_torch.so: {_ops.stable_unavailable()}")
+        if name != self._kernel and (self._live or self._torch_live):
+            raise RuntimeError(f"zbpp: the W kernel of {self.device} cannot change while W entries are pending "
+                               f"({len(self._live) + len(self._torch_live)}); change it between steps")
+        self._kernel = name
 
     @property
     def capturing(self):
@@ -131,9 +189,16 @@ class WGradStore:
         return stream
 
     def _release(self, token, ran):
-        if token & _ops.TOKEN_BIT:  # pushed by the stable-ABI op, which keeps its tensors itself
-            _ops.release(token, ran)
-            keep, after, pushed = (), None, None
+        if token & _ops.TOKEN_BIT:  # pushed by a stable-ABI op, which keeps its tensors itself
+            keep, pushed = self._torch_live.pop(token, ((), None))
+            after = None
+            try:
+                _ops.release(token, ran)  # zbpp::linear_wgrad's entries run torch's ops here
+            except BaseException:
+                self.gemms_dropped += 1
+                if pushed is not None:
+                    self._forget_push_stream(pushed)
+                raise
         else:
             keep, after, pushed = self._live.pop(token)
         if ran:
@@ -164,21 +229,30 @@ class WGradStore:
                 del self._push_streams[stream.cuda_stream]
 
     def live_tokens(self):
-        """The tokens of the entries pushed from Python and not yet released."""
-        return set(self._live)
+        """The tokens of the entries pushed from Python (zbpp::linear_wgrad's included) and not yet
+        released."""
+        return set(self._live) | set(self._torch_live)
 
     def live_entries(self):
         """Entries pushed (from Python or by zbpp::wgrad_deferred) and not yet released (0 after
         every complete step)."""
         return len(self._live) + _ops.live(self.store.handle) + _ops.live(self.immediate.handle)
 
-    def push_linear(self, x2, dy2, weight, bias, store=None, fresh=False):
+    def push_linear(self, x2, dy2, weight, bias, store=None, fresh=False, layout=None):
         """Queues dW += dy2^T x2 (and db += sum(dy2)) for a Linear; x2 [rows, in], dy2 [rows, out].
-        weight or bias None (or not requiring grad): no gradient for it.
+        weight or bias None (or not requiring grad): no gradient for it. store: the WStore whose
+        open group gets the entry (default: self.store), or 0 to run it now.
+
+        With the "torch" kernel the gradients are autograd's for F.linear over these x2 and dy2
+        (`layout`, a _WLayout, says how autograd's ops read them when they came from other shapes;
+        see _autograd_layout): torch's ops, run at W, accumulated as AccumulateGrad does.
 
         fresh=True (a backward that returns its gradients to autograd): a parameter without
-        main_grad gets its gradient in a new tensor (fp32, or the parameter's dtype on CUDA's half
-        path) instead of .grad; returns (dw, db), those tensors or None, filled once W has run."""
+        main_grad gets its gradient in a new tensor (the parameter's dtype with the "torch" kernel;
+        fp32, or the parameter's dtype on CUDA's half path, with the library's) instead of .grad;
+        returns (dw, db), those tensors or None, filled once W has run."""
+        if self._kernel == TORCH:
+            return self._push_torch(x2, dy2, weight, bias, store, fresh, layout)
         dy2 = _rows(dy2)
         dtype = _DTYPE.get(x2.dtype)
         if dtype is None or dy2.dtype != x2.dtype:
@@ -211,6 +285,43 @@ class WGradStore:
             self._live.pop(token, None)
             raise
         return _returned(weight, dw, fresh), _returned(bias, db, fresh)
+
+    def _push_torch(self, x2, dy2, weight, bias, store, fresh, layout):
+        """push_linear with the "torch" kernel: one zbpp::linear_wgrad entry (see its docstring)."""
+        if not x2.is_floating_point() or dy2.dtype != x2.dtype:
+            raise TypeError(f"zbpp: split Linear needs floating-point inputs of one dtype, got {x2.dtype} with "
+                            f"gradient {dy2.dtype}")
+        if x2.device != self.device or dy2.device != self.device:
+            raise ValueError(f"zbpp: the W store of {self.device} got tensors on {x2.device} and {dy2.device}; "
+                             "use default_store(device) of the tensors' device")
+        if layout is None:
+            layout = _WLayout(x2, dy2, _dy_t_x(weight), None, [0])
+        w = weight if weight is not None and weight.requires_grad else None
+        b = bias if bias is not None and bias.requires_grad else None
+        if w is None and b is None:
+            return None, None
+        dw, dw_add = _torch_target(w, fresh)
+        db, db_add = _torch_target(b, fresh)
+        handle = _NOW if store is _NOW else (store or self.store).handle.value
+        pushed = None
+        if self.is_cuda and handle != _NOW:
+            pushed = torch.cuda.current_stream(self.device)
+            run = self._run_stream
+            if self.capturing and run is not None and run.cuda_stream != pushed.cuda_stream:
+                run.wait_stream(pushed)  # as _push_cuda: the runner runs this W on its stream
+        token = _ops.stable().linear_wgrad(layout.x2, layout.dy2, dw, db, layout.bias_of, layout.bias_dims,
+                                           layout.dy_t_x, dw_add, db_add, handle)
+        token &= _U64  # the op returns it as an int64; the store hands it back unsigned
+        if token:
+            if pushed is not None:
+                self._torch_live[token] = ((layout.x2, layout.dy2, layout.bias_of), pushed)
+                entry = self._push_streams.setdefault(pushed.cuda_stream, [pushed, 0])
+                entry[1] += 1
+            else:
+                self._torch_live[token] = ((), None)
+        else:
+            self.gemms_run += 1
+        return _returned(w, dw, fresh), _returned(b, db, fresh)
 
     def push_action(self, action, keep=(), store=None):
         """Queues a W that is Python work, not a GEMM zbpp makes: `action()` runs when the entry's
@@ -363,6 +474,68 @@ def _target(param, keep, after, fresh=False, apart=False):
     return tmp
 
 
+def _torch_target(param, fresh):
+    """Where zbpp::linear_wgrad puts `param`'s gradient, and whether it adds (else writes): what
+    autograd's AccumulateGrad does (the first gradient becomes .grad, later ones are added in
+    place; here .grad is made at push, zeros until W writes it), or main_grad += it (Megatron's DDP hook adds
+    .grad to main_grad so), or a new tensor for a fresh backward to return to autograd."""
+    if param is None:
+        return None, False
+    main = getattr(param, "main_grad", None)
+    if main is not None:
+        if main.shape != param.shape or not main.is_floating_point() or main.device != param.device:
+            raise TypeError(f"zbpp: main_grad must be a floating-point tensor shaped like its parameter "
+                            f"{tuple(param.shape)} on {param.device}; got {main.dtype} {tuple(main.shape)} on "
+                            f"{main.device}")
+        return main, True
+    if fresh:
+        return torch.empty(param.shape, dtype=param.dtype, device=param.device), False
+    if param.grad is None:
+        param.grad = torch.zeros_like(param)
+        return param.grad, False
+    return param.grad, True
+
+
+class _WLayout(NamedTuple):
+    """How autograd's backward of F.linear reads a layer's tensors for W (csrc/torch/linear_wgrad.cpp):
+    x2 and dy2 as its mm/addmm has them, [rows, in] and [rows, out]; dy_t_x: dW = dy2^T x2 (else
+    (x2^T dy2)^T: a weight whose transpose is not column-major); the bias gradient: bias_of (None:
+    dy2) summed over bias_dims, kept, viewed [out]."""
+    x2: torch.Tensor
+    dy2: torch.Tensor
+    dy_t_x: bool
+    bias_of: object
+    bias_dims: list
+
+
+def _dy_t_x(weight):
+    """mm_mat2_backward's choice for mat2 = weight.t(): dy2^T x2 when weight.t() is column-major."""
+    return weight is None or weight.dim() != 2 or (weight.stride(1) == 1 and weight.stride(0) == weight.shape[1])
+
+
+_FLATTEN_3D = os.environ.get("TORCH_LINEAR_FLATTEN_3D", "") in ("1", "ON", "on", "true", "True")
+
+
+def _autograd_layout(x, dy, weight, bias):
+    """The _WLayout of y = F.linear(x, weight, bias) with output gradient dy, as torch's at::linear
+    builds its graph: a 2-d input, or a contiguous one with a 1-d contiguous bias, goes through
+    addmm(bias, x2, W^T) on x viewed [rows, in] (its bias gradient: dy2 summed over rows); any other
+    input through matmul(x, W^T), which folds x into the same x2 (a copy when no view fits), plus
+    the bias added in place (its gradient: dy summed over every leading dimension)."""
+    fin, fout = x.shape[-1], dy.shape[-1]
+    flat = True
+    if x.dim() != 2:
+        flat = bias is not None and bias.dim() == 1 and bias.is_contiguous() and x.is_contiguous()
+        if bias is not None and not flat and x.dim() == 3 and _FLATTEN_3D:
+            x, flat = x.contiguous(), True  # torch's TORCH_LINEAR_FLATTEN_3D
+        x = x.reshape(-1, fin)
+        dy = dy.reshape(-1, fout) if flat else dy
+    dy2 = dy if flat else dy.reshape(-1, fout)
+    if flat or bias is None:
+        return _WLayout(x, dy2, _dy_t_x(weight), None, [0])
+    return _WLayout(x, dy2, _dy_t_x(weight), dy, list(range(dy.dim() - 1)))
+
+
 def _returned(param, buf, fresh):
     """What a fresh push returns for `param`: its new gradient tensor, or None (no gradient, or it
     went to main_grad)."""
@@ -477,25 +650,27 @@ class _SplitLinearFn(torch.autograd.Function):
         weight, bias = ctx.weight, ctx.bias
         if dy.dtype != x.dtype:
             dy = dy.to(x.dtype)
+        # The tensors as nn.Linear's backward reads them: dx, dW and db then come from the same ops.
+        layout = _autograd_layout(x, dy, wc, bias)
         compiling = _ops.compiling()
         if compiling or _store_of(x).capturing:
             # A pipeline's B, or torch.compile's backward: W goes to the store (run later, or at once
             # by the op when nothing captures), which writes main_grad or .grad; autograd gets None.
-            dx = dy.matmul(wc) if ctx.needs_input_grad[0] else None
+            dx = _input_grad(x, layout, wc) if ctx.needs_input_grad[0] else None
             if weight.requires_grad or (bias is not None and bias.requires_grad):
                 push = _ops.op() if compiling else None
                 if push is not None:
                     push(x, dy, weight, bias)  # torch.compile: one opaque node, no graph break (_ops.py)
                 else:
-                    defer_weight_grad(x, dy, weight, bias)
+                    _defer(x, dy, weight, bias, layout)
             return dx, None, None
         # Outside a pipeline: nn.Linear's contract, the gradients go back to autograd (module docstring).
         if torch.is_grad_enabled() and wc is not weight:
             # create_graph under autocast: the weight's cast, made inside forward, is no part of the
             # graph; made again here it is, so second-order terms reach the weight.
             wc = weight.to(wc.dtype)
-        dx = dy.matmul(wc) if _engine_wants(ctx, 0) else None
-        dw, db = _weight_grads(x, dy, weight if _engine_wants(ctx, 1, weight) else None,
+        dx = _input_grad(x, layout, wc) if _engine_wants(ctx, 0) else None
+        dw, db = _weight_grads(layout, weight if _engine_wants(ctx, 1, weight) else None,
                                bias if bias is not None and _engine_wants(ctx, 2, bias) else None)
         return dx, dw, db
 
@@ -522,25 +697,42 @@ def _engine_wants(ctx, i, param=None):
         return True
 
 
-def _weight_grads(x, dy, weight, bias):
-    """Outside a pipeline: the weight and bias gradients of y = x W^T (+ b) for a backward to return
-    to autograd, (dW, db); None for a parameter not given or with main_grad (its gradient is added
-    there, Megatron's fused accumulation). With grad mode on (create_graph=True) they are
-    differentiable torch ops, as nn.Linear's backward: dy^T x and dy summed over rows. Otherwise
-    they come from the same C GEMM as a pipeline's W, into new fp32 tensors (autograd rounds them to
-    the parameter's dtype and adds them to .grad: what the pipeline's W adds, see module docstring)."""
+def _input_grad(x, layout, wc):
+    """The input gradient as autograd's mm_mat1_backward forms it for mat1 = x2, mat2 = wc^T:
+    (wc^T dy2^T)^T for a column-major x2, dy2 wc otherwise; back in x's shape."""
+    x2, dy2 = layout.x2, layout.dy2
+    if x2.stride(0) == 1 and x2.stride(1) == x2.shape[0]:
+        dx2 = wc.t().mm(dy2.t()).t()
+    else:
+        dx2 = dy2.mm(wc)
+    return dx2 if x.dim() == 2 else dx2.reshape(x.shape)
+
+
+def _weight_grads(layout, weight, bias):
+    """Outside a pipeline: the weight and bias gradients of a linear layer (its _WLayout) for a
+    backward to return to autograd, (dW, db); None for a parameter not given or with main_grad (its
+    gradient is added there, Megatron's fused accumulation). With grad mode on (create_graph=True)
+    they are differentiable torch ops, nn.Linear's own. Otherwise they come from the store's W, as a
+    pipeline's: with the "torch" kernel the same ops, in the parameter's dtype; with the library's
+    its GEMM, into new fp32 tensors (autograd rounds them to the parameter's dtype and adds them to
+    .grad: what the pipeline's W adds, see module docstring)."""
     if weight is None and bias is None:
         return None, None
-    x2 = x.reshape(-1, x.shape[-1])
-    dy2 = dy.reshape(-1, dy.shape[-1])
+    x2, dy2 = layout.x2, layout.dy2
     st = _store_of(x2)
     if not torch.is_grad_enabled():
-        return _run_now(st, x2, dy2, weight, bias, fresh=True)
+        return _run_now(st, x2, dy2, weight, bias, fresh=True, layout=layout)
     fused = [p if p is not None and getattr(p, "main_grad", None) is not None else None for p in (weight, bias)]
-    dw = dy2.t().mm(x2) if weight is not None and fused[0] is None else None
-    db = dy2.sum(0) if bias is not None and fused[1] is None else None
+    dw = db = None
+    if weight is not None and fused[0] is None:
+        dw = dy2.t().mm(x2) if layout.dy_t_x else x2.t().mm(dy2).t()
+    if bias is not None and fused[1] is None:
+        of = layout.bias_of if layout.bias_of is not None else dy2
+        db = (of.sum(layout.bias_dims, keepdim=True) if layout.bias_dims else of).view(dy2.shape[-1])
     if fused[0] is not None or fused[1] is not None:
-        _run_now(st, x2.detach(), dy2.detach(), *fused)
+        of = layout.bias_of.detach() if layout.bias_of is not None else None
+        flat = layout._replace(x2=x2.detach(), dy2=dy2.detach(), bias_of=of)
+        _run_now(st, flat.x2, flat.dy2, *fused, layout=flat)
     return dw, db
 
 
@@ -560,15 +752,20 @@ def defer_weight_grad(x, dy, weight, bias=None):
     docstring). Pushed to the group of the current B when a runner (or capture()) is capturing on
     the tensors' device, run at once otherwise (still into main_grad or .grad: zbpp's own layers
     return their gradients to autograd there instead). x and dy are kept alive until W has run."""
-    x2 = x.reshape(-1, x.shape[-1])
-    dy2 = dy.reshape(-1, dy.shape[-1])
+    _defer(x, dy, weight, bias, _autograd_layout(x, dy, weight, bias))
+
+
+def _defer(x, dy, weight, bias, layout):
+    """defer_weight_grad with autograd's layout of the tensors given (see _autograd_layout), which
+    the "torch" kernel follows; the library's GEMM reads x and dy flattened to rows."""
+    x2, dy2 = layout.x2, layout.dy2
     st = _store_of(x2)
     if st.capturing:
-        st.push_linear(x2, dy2, weight, bias)
+        st.push_linear(x2, dy2, weight, bias, layout=layout)
     else:
-        # No pipeline around: run W at once through the same GEMM, so plain
+        # No pipeline around: run W at once through the same ops, so plain
         # loss.backward() works and gives the pipeline's bits.
-        _run_now(st, x2, dy2, weight, bias)
+        _run_now(st, x2, dy2, weight, bias, layout=layout)
 
 
 def defer_action(action, device=None):
@@ -586,7 +783,9 @@ def defer_action(action, device=None):
         st.immediate.pop_run(0)
 
 
-def _run_now(st, x2, dy2, weight, bias, fresh=False):
+def _run_now(st, x2, dy2, weight, bias, fresh=False, layout=None):
+    if st.kernel == TORCH:  # zbpp::linear_wgrad runs it within the call
+        return st.push_linear(x2, dy2, weight, bias, _NOW, fresh, layout)
     # A store of its own, so an immediate group never mixes with the groups a pipeline holds.
     st.immediate.begin(0, 0)
     try:

@@ -179,9 +179,9 @@ def classify(layer):
         return _split.NOT_SPLIT, "not converted (zbpp.split_linear converts it)"
     if weight is None:
         return _split.SPLIT, "the weight is passed to forward (tied with the embedding)"
-    main = getattr(weight, "main_grad", None)
-    if main is not None and main.dtype != torch.float32:
-        return _split.NOT_SPLIT, _unsupported_tensors(torch.empty(0, dtype=weight.dtype), weight)
+    reason = _unsupported_tensors(torch.empty(0, dtype=weight.dtype), weight)
+    if reason is not None:
+        return _split.NOT_SPLIT, reason
     return _split.SPLIT, ""
 
 
@@ -291,6 +291,14 @@ def _differs(value, default):
 
 def _unsupported_tensors(input, weight):
     """Why W cannot take these tensors (a sentence), or None."""
+    if _split._store_of(weight).kernel == _split.TORCH:  # torch's ops: any floating dtype, as Megatron's
+        if not input.is_floating_point() or weight.dtype != input.dtype:
+            return (f"the layer's input and weight must have one floating-point dtype, got {input.dtype} and "
+                    f"{weight.dtype}")
+        main = getattr(weight, "main_grad", None)
+        if main is not None and not main.is_floating_point():
+            return f"main_grad is {main.dtype}, not a floating-point tensor"
+        return None
     if input.dtype not in _split._DTYPE or weight.dtype != input.dtype:
         return (f"zbpp's W GEMM takes float32, float16 or bfloat16 inputs and weights of one dtype, got "
                 f"{input.dtype} and {weight.dtype}")
@@ -311,6 +319,7 @@ class _SplitLinearWithAsyncCommunication(torch.autograd.Function):
         ctx.save_for_backward(input, weight)
         # As Megatron: main_grad is kept on ctx (not saved) and put back on the weight in backward.
         ctx.main_grad = getattr(weight, "main_grad", None) if gradient_accumulation_fusion else None
+        ctx.gradient_accumulation_fusion = gradient_accumulation_fusion
         ctx.use_bias = bias is not None
         ctx.allreduce_dgrad = allreduce_dgrad
         ctx.sequence_parallel = sequence_parallel
@@ -356,13 +365,20 @@ class _SplitLinearWithAsyncCommunication(torch.autograd.Function):
             result = torch.empty(input.size(), dtype=input.dtype, device=input.device)
             handle = _reduce_scatter(result, grad_input, group=tp_group, async_op=True)
 
-        # W: deferred (or run now when no pipeline captures), while the collective is in flight.
+        # W: deferred (or run now when no pipeline captures), while the collective is in flight; on
+        # the tensors Megatron's W reads (prepare_input_tensors_for_wgrad_compute: contiguous, rows).
         grad_output = grad_output.contiguous()
-        if _split._store_of(total_input).capturing:
-            _split.defer_weight_grad(total_input, grad_output, weight)
-            grad_weight = None
+        layout = _megatron_layout(total_input.contiguous(), grad_output)
+        fused = _fused_kernel() if ctx.gradient_accumulation_fusion else None
+        grad_weight = None
+        if fused is not None and getattr(weight, "main_grad", None) is not None:
+            # Megatron's gradient_accumulation_fusion: its own kernel, into main_grad, at W.
+            x2, dy2, main = layout.x2, layout.dy2, weight.main_grad
+            _split.defer_action(lambda: _fused_accumulate(fused, x2, dy2, main), x2.device)
+        elif _split._store_of(total_input).capturing:
+            _split._defer(layout.x2, layout.dy2, weight, None, layout)
         else:  # main_grad filled now, or the gradient returned to autograd (as Megatron without fusion)
-            grad_weight, _ = _split._weight_grads(total_input, grad_output, weight, None)
+            grad_weight, _ = _split._weight_grads(layout, weight, None)
         if grad_weight is None:
             grad_weight = _dummy_weight_grad(weight, input)
 
@@ -372,6 +388,34 @@ class _SplitLinearWithAsyncCommunication(torch.autograd.Function):
         if handle is not None:
             handle.wait()
         return result, grad_weight, grad_bias, None, None, None, None
+
+
+def _megatron_layout(total_input, grad_output):
+    """The W of Megatron's layer without fusion, grad_output^T @ total_input over both viewed as
+    rows (contiguous): as a _WLayout for zbpp's W (no bias: B returns Megatron's bias gradient)."""
+    x2 = total_input.reshape(-1, total_input.shape[-1])
+    dy2 = grad_output.reshape(-1, grad_output.shape[-1])
+    return _split._WLayout(x2, dy2, True, None, [0])
+
+
+def _fused_kernel():
+    """The module Megatron's gradient_accumulation_fusion calls (APEX's fused_weight_gradient_mlp_cuda,
+    as Megatron imported it), or None: without it Megatron refuses fusion when it builds the layer,
+    so a layer that got here with fusion runs the unfused W (torch's ops into main_grad)."""
+    if not getattr(_ml, "_grad_accum_fusion_available", False):
+        return None
+    return getattr(_ml, "fused_weight_gradient_mlp_cuda", None)
+
+
+def _fused_accumulate(kernel, x2, dy2, main_grad):
+    """main_grad += dy2^T x2 by Megatron's fused kernel, as its backward calls it."""
+    if main_grad.dtype == torch.float32:
+        kernel.wgrad_gemm_accum_fp32(x2, dy2, main_grad)
+    elif main_grad.dtype in (torch.float16, torch.bfloat16):
+        kernel.wgrad_gemm_accum_fp16(x2, dy2, main_grad)
+    else:
+        raise RuntimeError(f"zbpp: gradient accumulation fusion takes a float32, float16 or bfloat16 main_grad; "
+                           f"got {main_grad.dtype}")
 
 
 def _dummy_weight_grad(weight, input):
