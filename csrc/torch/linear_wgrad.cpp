@@ -49,11 +49,15 @@ namespace {
 
 constexpr const char *kOp = "zbpp::linear_wgrad";
 
-Tensor detach(const Tensor &t) {
-  std::array<StableIValue, 1> stack{torch::stable::detail::from(t)};
-  STABLE_TORCH_ERROR_CODE_CHECK(torch_call_dispatcher("aten::detach", "", stack.data(), TORCH_ABI_VERSION));
-  return torch::stable::detail::to<Tensor>(stack[0]);
-}
+// Grad mode off while W runs, as in a backward: a W op runs outside any backward (grad mode on),
+// and out= kernels refuse inputs that require grad while it is on.
+struct NoGrad {
+  bool was = aoti_torch_grad_mode_is_enabled();
+  NoGrad() { aoti_torch_grad_mode_set_enabled(false); }
+  ~NoGrad() { aoti_torch_grad_mode_set_enabled(was); }
+  NoGrad(const NoGrad &) = delete;
+  NoGrad &operator=(const NoGrad &) = delete;
+};
 
 // out = a @ b, by the kernel at::mm runs (mm and mm.out share their implementation).
 void mm_out(Tensor &out, const Tensor &a, const Tensor &b) {
@@ -87,31 +91,46 @@ struct LinearW : Entry {
   LinearW(Tensor x_, Tensor dy_) : x(std::move(x_)), dy(std::move(dy_)) {}
 
   void run() override {
-    const int64_t in = x.size(1), out = dy.size(1);
+    NoGrad no_grad;
     if (dw) {
-      Tensor g = torch::stable::new_empty(x, {out, in});
-      if (dy_t_x) {
-        mm_out(g, torch::stable::transpose(dy, 0, 1), x);
+      if (dy_t_x && !dw_add && dw->scalar_type() == x.scalar_type() && dw->is_contiguous() && dw->dim() == 2 &&
+          dw->size(0) == dy.size(1) && dw->size(1) == x.size(1)) {
+        // The first gradient, straight into its (fresh, contiguous) .grad: mm and mm.out share their
+        // kernel, so this is the product autograd's mm makes, without a copy. (The shape is checked
+        // again: mm.out would quietly resize a target changed since the push.)
+        mm_out(*dw, torch::stable::transpose(dy, 0, 1), x);
       } else {
-        Tensor gt = torch::stable::new_empty(x, {in, out});
-        mm_out(gt, torch::stable::transpose(x, 0, 1), dy);
-        g = torch::stable::transpose(gt, 0, 1);
+        put(*dw, weight_grad(), dw_add);
       }
-      put(*dw, g, dw_add);
     }
-    if (db) {
-      const Tensor &src = bias_of ? *bias_of : dy;
-      Tensor g = src;
-      if (!bias_dims.empty()) {
-        std::vector<int64_t> kept;
-        for (int64_t d = 0; d < src.dim(); d++) kept.push_back(src.size(d));
-        for (int64_t d : bias_dims) kept[d] = 1;
-        Tensor s = torch::stable::new_empty(src, kept);
-        torch::stable::sum_out(s, src, torch::headeronly::IntHeaderOnlyArrayRef(bias_dims), true);
-        g = s;
-      }
-      put(*db, torch::stable::view(g, {out}), db_add);
+    if (db) put(*db, bias_grad(), db_add);
+  }
+
+  // mm_mat2_backward: dy^T x, or (x^T dy)^T for a weight whose transpose is not column-major.
+  Tensor weight_grad() const {
+    const int64_t in = x.size(1), out = dy.size(1);
+    if (dy_t_x) {
+      Tensor g = torch::stable::new_empty(x, {out, in});
+      mm_out(g, torch::stable::transpose(dy, 0, 1), x);
+      return g;
     }
+    Tensor gt = torch::stable::new_empty(x, {in, out});
+    mm_out(gt, torch::stable::transpose(x, 0, 1), dy);
+    return torch::stable::transpose(gt, 0, 1);
+  }
+
+  // sum_to(grad, [out]): summed over bias_dims keeping them (none: the gradient itself), as [out].
+  Tensor bias_grad() const {
+    const Tensor &src = bias_of ? *bias_of : dy;
+    Tensor g = src;
+    if (!bias_dims.empty()) {
+      std::vector<int64_t> kept;
+      for (int64_t d = 0; d < src.dim(); d++) kept.push_back(src.size(d));
+      for (int64_t d : bias_dims) kept[static_cast<size_t>(d)] = 1;
+      g = torch::stable::new_empty(src, kept);
+      torch::stable::sum_out(g, src, torch::headeronly::IntHeaderOnlyArrayRef(bias_dims), true);
+    }
+    return torch::stable::view(g, {dy.size(1)});
   }
 };
 
@@ -159,12 +178,10 @@ int64_t linear_wgrad(Tensor x, Tensor dy, std::optional<Tensor> dw, std::optiona
     }
     check(left == out, kOp, ": bias_of ", shape_of(src), " summed over bias_dims does not leave [", out, "]");
   }
-  // Detached: the entry may run while grad mode is on (a W op outside any backward), and out=
-  // kernels refuse inputs that require grad.
-  auto w = std::make_unique<LinearW>(detach(x), detach(dy));
+  auto w = std::make_unique<LinearW>(std::move(x), std::move(dy));
   w->dw = dw;
   w->db = db;
-  if (bias_of) w->bias_of = detach(*bias_of);
+  w->bias_of = bias_of;
   w->bias_dims = std::move(bias_dims);
   w->dy_t_x = dy_t_x;
   w->dw_add = dw_add;
