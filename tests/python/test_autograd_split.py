@@ -144,8 +144,6 @@ class _First(torch.nn.Module):
         return out + 0 * extra
 
 
-@pytest.mark.xfail(strict=True, reason="nn.Linear's W (now SplitLinear's) still runs on zbpp's own GEMM, "
-                   "6e-8 from torch's; the torch-kernel W (issue 25 item 2) is in progress")
 @pytest.mark.parametrize("cls", ["ScheduleZBVZeroBubble", "ScheduleInterleavedZeroBubble"])
 def test_a_zero_bubble_schedule_splits_any_module_and_trains_like_the_loop(cls):
     losses, ref_losses, same, share = _pipeline(getattr(zbpp, cls))

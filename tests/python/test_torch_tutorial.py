@@ -120,8 +120,6 @@ def _run(tmp_path, import_line, kind, repo_root, tag):
     return losses[0], reports[0]
 
 
-@pytest.mark.xfail(strict=True, reason="SplitLinear's W still runs on zbpp's own GEMM, not torch's kernel "
-                   "(step 2 differs in the 7th digit); issue 25 item 2 is in progress")
 @pytest.mark.parametrize("kind", CLASSES)
 def test_the_tutorial_with_the_import_changed_trains_as_torch_with_w_ops(tmp_path, repo_root, kind):
     pytest.importorskip("torch.distributed.pipelining")
