@@ -60,7 +60,7 @@ from ..costs import ActivationMeter, StageCosts, parse_mem_limit
 from ..distributed import TorchTransport, group_rank, group_size
 from ..schedule import Schedule
 from ..split import default_store
-from ._boundary import _as_tuple, _layout, _meta_of, _shape_error, _shares_storage, _split, _typed, _views
+from ._boundary import _BoundaryBuffers, _as_metadata_error, _as_tuple, _layout, _shares_storage
 from ._custom import CustomFunctions
 from ._agree import _Agreement, pipeline_key
 from ._ir import _TorchIR
@@ -194,8 +194,9 @@ class PipelineStage:
         self._runtime("backward_one_chunk")._custom_run("B", self.stage_index, bwd_chunk_id)
 
     def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
-        raise NotImplementedError("zbpp: W runs from zbpp's W store at each W op (BACKWARD_WEIGHT takes no "
-                                  "custom function)")
+        """torch's: inside the custom function of a BACKWARD_WEIGHT action, runs the function
+        dw_builder returned at that microbatch's B (zbpp's own W work for it has run at the W op)."""
+        self._runtime("backward_weight_one_chunk")._custom_run_w(self.stage_index, bwd_chunk_id)
 
     def set_local_fwd_input(self, prev_stage_outputs, mb_index):
         """torch's hand-over between stages of one rank: zbpp's runner does it itself."""
@@ -253,7 +254,7 @@ def _marked(callback):
 
 # ---- the schedules ---------------------------------------------------------------------------------
 
-class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning, _Splitting):
+class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning, _Splitting, _BoundaryBuffers):
     """Base class: a zbpp schedule kind run by the C runner over this rank's stages.
 
     Subclasses fix `kind`. Extra keyword arguments beyond torch's: mem_limit (zb-auto's memory limit,
@@ -422,6 +423,7 @@ class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning, _Splitting):
             self._check_stages()
         self._meta = {}       # boundary b -> [(dtype, shape)] of the activation from stage b to b+1
         self._meta_given = False  # a subclass that knows the shapes fills _meta and sets this
+        self._mb_args = self._mb_kwargs = self._mb_target = None  # this step's microbatches (_step_split)
         self._runner = None
         self._transport = None
         self._nccl = None
@@ -435,7 +437,8 @@ class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning, _Splitting):
         self._msg = None  # (group, device) of shape inference and the NCCL unique id; see _messages
         self._last_times = None
         self._last_schedule = None  # the schedule the last step ran (timeline() draws it)
-        self._shapes_known = False
+        self._shapes_known = False  # _meta holds what a training inference found (a replan's runner reuses it)
+        self._inferred_for = None  # whether the last shape inference was for training (_SetUp._infer_for)
         self._profiling = False
         self._profile_runs = []  # (schedule CSV, starts, ends) of this rank in each profiled step
         self._profile_mem = {}  # stage -> (saved bytes, W-only bytes, CUDA bytes) of one microbatch
@@ -514,6 +517,8 @@ class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning, _Splitting):
         return self._mb_args[i], self._mb_kwargs[i]
 
     def _run_stage(self, s, i, inputs, kwargs):
+        if s > 0 and not kwargs and self._mb_kwargs:
+            kwargs = self._mb_kwargs[i]  # torch hands a rank's keyword arguments to each of its stages
         return self._by_index[s].submod(*inputs, **kwargs)
 
     def _compute_loss(self, i, out):
@@ -560,13 +565,7 @@ class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning, _Splitting):
             if meter is not None:
                 meter.roots = [t for t in _as_tuple(out) if isinstance(t, torch.Tensor)]
         outs = _as_tuple(out)
-        meta = self._meta[s]
-        got = _meta_of(outs, s)
-        if got != meta:
-            what = "shape mismatch" if [sh for _, sh in got] != [sh for _, sh in meta] else "dtype mismatch"
-            raise _shape_error()(f"zbpp: stage {s} {what}: it returned {[(str(d), sh) for d, sh in got]} for "
-                                 f"microbatch {i}, but the boundary was set up for "
-                                 f"{[(str(d), sh) for d, sh in meta]}; shapes and dtypes must not change")
+        self._check_boundary(s, i, outs)
         if self._lending:
             self._lend(s, [t.detach() for t in outs], inputs)
         else:
@@ -574,42 +573,6 @@ class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning, _Splitting):
                 view.copy_(t.detach())
         self._ctx[(s, i)] = (inputs, outs, None)
         return out
-
-    def _lend(self, boundary, tensors, inputs=()):
-        """Hands the runner this op's output for `boundary` without a copy: the tensor itself when
-        the boundary is one contiguous tensor, else one buffer they are packed into (a copy each),
-        and a copy too when the output is the op's input (a stage that passes its input on), whose
-        memory may be the runner's. Kept alive here until the runner releases it."""
-        meta = self._meta[boundary]
-        _, size = _layout(meta)
-        t0 = tensors[0] if len(tensors) == 1 else None
-        if (t0 is not None and t0.is_contiguous() and t0.numel() * t0.element_size() == size
-                and not _shares_storage(t0, inputs)):
-            keep, typed = t0, [t0]
-        else:
-            keep = torch.empty(size, dtype=torch.uint8, device=self.device if self._cuda else "cpu")
-            typed = _typed(keep, meta)
-            for view, t in zip(typed, tensors):
-                view.copy_(t)
-        token = next(self._lend_ids)
-        addr = keep.data_ptr() if size else 0
-        self._runner.lend_output(addr, token)  # recorded only once the runner has it
-        self._lent[token] = (keep, typed, addr)
-        if addr:
-            self._lent_at[addr] = typed
-
-    def _release_lent(self, token):
-        """The runner is done with a lent buffer: its send has finished, or the stage of this rank
-        that took it as input has run its W."""
-        keep, typed, addr = self._lent.pop(token, (None, None, 0))
-        if addr and self._lent_at.get(addr) is typed:
-            del self._lent_at[addr]
-
-    def _in_views(self, addr, boundary):
-        """An op's input: the tensors this rank lent for it (a stage of this rank produced it), or
-        views of the runner's buffer."""
-        lent = self._lent_at.get(addr) if addr else None
-        return lent if lent is not None else self._views(addr, boundary)
 
     def _meter(self, s):
         """Measures the activations one microbatch's forward of stage s keeps (microbatch 0 of a
@@ -620,16 +583,6 @@ class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning, _Splitting):
             self._profile_mem[s] = tuple(max(a, b) for a, b in zip(old, got))
 
         return ActivationMeter(self._by_index[s].submod, self.device if self._cuda else None, done)
-
-    def _views(self, addr, boundary):
-        """Typed tensors over a runner buffer of `boundary` (host memory, or device memory wrapped
-        as CUDA tensors: every copy in and out then runs on torch's current stream, the runner's
-        compute stream)."""
-        meta = self._meta[boundary]
-        if self._dviews is None:
-            return _views(addr, meta)
-        dv = self._dviews
-        return dv.get(addr, boundary, lambda a: _typed(dv.buffer(a, _layout(meta)[1]), meta))
 
     def _backward(self, s, i, gout_addr, gin_addr):
         inputs, outs, loss = self._ctx.pop((s, i))
@@ -680,32 +633,65 @@ class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning, _Splitting):
 
     # ---- step --------------------------------------------------------------------------------------
 
-    def step(self, *args, target=None, losses=None, return_outputs=True, loss_kwargs=None, **kwargs):
+    def step(self, *args, target=None, losses=None, return_outputs=True, loss_kwargs=None, arg_mbs=None,
+             kwarg_mbs=None, target_mbs=None, **kwargs):
         """One iteration of the pipeline, as torch's step: every rank calls it; the batch (args and
-        kwargs, split into n_microbatches by the schedule's chunk specs, dim 0 by default) is read
-        on the rank holding stage 0 and ignored elsewhere; target and losses on the loss stage's
-        rank (losses is cleared, then gets each microbatch's loss; loss_kwargs go to loss_fn).
+        kwargs, split into n_microbatches by the schedule's chunk specs, dim 0 by default, as
+        torch.tensor_split splits) is read on the rank holding stage 0, and each rank's kwargs go
+        to each of its stages; target and losses on the loss stage's rank (losses is cleared, then
+        gets each microbatch's loss; loss_kwargs go to loss_fn). Or the microbatches already split:
+        arg_mbs, kwarg_mbs and target_mbs (lists of n_microbatches tuples, dicts and targets; torch
+        takes them since pytorch/pytorch#188500, after 2.13), not with the whole-batch arguments.
         Returns the merged output of the last stage on its rank (output_merge_spec, dim 0 by
         default) unless return_outputs is False, None elsewhere. Gradients accumulate into .grad
         (or main_grad). Without a loss_fn on any rank the step runs forward only, as torch's does.
         With several ranks, a step that fails on one rank fails on every rank and closes the
         pipeline (README, "Failures"; _agree.py)."""
-        self._check_open()
-        with self._failing():
-            return self._step(args, kwargs, target, losses, return_outputs, loss_kwargs)
+        presplit = None
+        if arg_mbs is not None or kwarg_mbs is not None or target_mbs is not None:
+            presplit = (arg_mbs, kwarg_mbs, target_mbs)
+        with self._stepping():
+            return self._step(args, kwargs, target, losses, return_outputs, loss_kwargs, presplit)
 
-    def _step(self, args, kwargs, target, losses, return_outputs, loss_kwargs):
+    @contextlib.contextmanager
+    def _stepping(self):
+        """_check_open and _failing (the failure path, _agree.py) around a step's work; on a rank
+        whose peer failed with torch's PipeliningMetadataError, the error that failure brings here
+        is that class too (_boundary._as_metadata_error)."""
+        try:
+            self._check_open()
+        except RuntimeError as err:
+            made = _as_metadata_error(err, self._failed)
+            if made is None:
+                raise
+            raise made from None
+        try:
+            with self._failing():
+                yield
+        except _lib.ZbError as err:
+            made = _as_metadata_error(err, self._failed)
+            if made is None:
+                raise
+            raise made from err.__cause__
+
+    def _step(self, args, kwargs, target, losses, return_outputs, loss_kwargs, presplit=None):
         trains = self._trains()
         if trains and self._backward_requires_autograd and not torch.is_grad_enabled():
             raise RuntimeError("step() requires gradients to be enabled for backward computation; it should "
                                "not be used under torch.no_grad() context. Please call eval() instead.")
-        m = self.n_microbatches
+        from .microbatch import _check_presplit, _split_batch
+
+        if presplit is not None:
+            _check_presplit(args, kwargs, target, *presplit[:2])
+            return self._step_microbatches(*presplit, losses, return_outputs, loss_kwargs=loss_kwargs)
         arg_mbs = kwarg_mbs = target_mbs = None
         if self.holds_first or self.schedule is None:
             if args or kwargs:
                 arg_mbs, kwarg_mbs = self._split_inputs(args, kwargs)
+        elif kwargs:  # torch hands each rank's keyword arguments to every stage it holds
+            kwarg_mbs = self._split_inputs((), kwargs)[1]
         if target is not None and (self.holds_loss or self.schedule is None):
-            target_mbs = _split(target, m, "the target")
+            target_mbs = _split_batch(target, self.n_microbatches, "the target", self.ranks > 1)
         return self._step_microbatches(arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs,
                                        loss_kwargs=loss_kwargs)
 
@@ -735,8 +721,7 @@ class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning, _Splitting):
         """One iteration over microbatches the caller split (torch's _step_microbatches): arg_mbs
         and kwarg_mbs (lists of n_microbatches tuples and dicts) on the rank holding stage 0,
         target_mbs on the loss stage's rank."""
-        self._check_open()
-        with self._failing():
+        with self._stepping():
             return self._step_split(arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs)
 
     def _step_split(self, arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs):
@@ -759,11 +744,11 @@ class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning, _Splitting):
         for st in self.stages:
             st.has_backward = trains
             st.clear_runtime_states()
-        if self.holds_first:
-            if arg_mbs is None and kwarg_mbs is None:
-                raise ValueError("zbpp: step() on the rank holding stage 0 needs the batch as arguments")
-            self._mb_args = [tuple(a) for a in arg_mbs] if arg_mbs is not None else [()] * m
-            self._mb_kwargs = [dict(k) for k in kwarg_mbs] if kwarg_mbs is not None else [{}] * m
+        if self.holds_first and arg_mbs is None and kwarg_mbs is None:
+            raise ValueError("zbpp: step() on the rank holding stage 0 needs the batch as arguments")
+        # As torch: stage 0 takes its microbatch's args, and every stage of the rank its kwargs.
+        self._mb_args = [tuple(a) for a in arg_mbs] if arg_mbs is not None else [()] * m
+        self._mb_kwargs = [dict(k) for k in kwarg_mbs] if kwarg_mbs is not None else [{}] * m
         self._mb_target = target_mbs
         if self.holds_loss and trains:
             if self._loss_fn is None:
@@ -779,6 +764,7 @@ class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning, _Splitting):
                 self._run_iteration()
             else:
                 with self._device_scope():
+                    self._infer_for(False)
                     self._forward_only()
         finally:
             self._mb_args = self._mb_kwargs = self._mb_target = None
@@ -808,34 +794,18 @@ class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning, _Splitting):
         return outs
 
     def _split_inputs(self, args, kwargs):
-        """The batch as n_microbatches (args, kwargs) pairs. Without chunk specs, tensors split
-        along dim 0 into equal parts (an error says what to change otherwise); with them, torch's
-        split_args_kwargs_into_chunks, and then every microbatch must come out the same size (the
-        runner's buffers are sized once)."""
-        m = self.n_microbatches
-        if self._args_chunk_spec is None and self._kwargs_chunk_spec is None:
-            return [tuple(a) for a in _split(tuple(args), m, "the input")], _split(dict(kwargs), m, "the keyword input")
-        from .microbatch import split_args_kwargs_into_chunks
+        """The batch as n_microbatches (args, kwargs) pairs, as torch splits it (microbatch.py):
+        sizes may differ by a row when the pipeline is on one rank, not across ranks."""
+        from .microbatch import _split_inputs
 
-        mb_args, mb_kwargs = split_args_kwargs_into_chunks(tuple(args), dict(kwargs), m, self._args_chunk_spec,
-                                                           self._kwargs_chunk_spec)
-        if len(mb_args) != m:
-            raise ValueError(f"zbpp: the batch splits into {len(mb_args)} microbatches along the chunk specs, "
-                             f"not n_microbatches={m}; give each split dimension at least {m} entries")
-        shapes = [[tuple(t.shape) for t in torch.utils._pytree.tree_leaves((a, k)) if isinstance(t, torch.Tensor)]
-                  for a, k in zip(mb_args, mb_kwargs)]
-        if any(sh != shapes[0] for sh in shapes):
-            raise ValueError(f"zbpp: the chunk specs split the batch into microbatches of different sizes "
-                             f"({shapes[0]} and {next(sh for sh in shapes if sh != shapes[0])}); zbpp needs equal "
-                             f"microbatches: make each split dimension a multiple of n_microbatches={m}")
-        return [tuple(a) for a in mb_args], [dict(k) for k in mb_kwargs]
+        return _split_inputs(args, kwargs, self.n_microbatches, self._args_chunk_spec, self._kwargs_chunk_spec,
+                             even=self.ranks > 1)
 
     def _run_iteration(self):
         """Runs this rank's op list once (the runner calls _forward/_backward); after the last
         profiled step, plans again from the measured costs (a collective, see _plan_from_profile).
         The Megatron adapter calls it directly: it checks and publishes failures as step() does."""
-        self._check_open()
-        with self._failing():
+        with self._stepping():
             self._run_iteration_agreed()
 
     def _run_iteration_agreed(self):
@@ -844,6 +814,7 @@ class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning, _Splitting):
         profiling = window is not None and window[0] <= self.steps + 1 <= window[1]
         with self._device_scope():
             self._agree()
+            self._infer_for(True)
             if self._runner is None:
                 self._start()
             if self._transport is not None:
@@ -929,9 +900,6 @@ class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning, _Splitting):
     def _start(self):
         if not self._cuda:
             self.transport  # noqa: B018 - created here at the latest: it is the runner's
-        if not self._meta_given and not self._shapes_known:
-            self._infer_shapes()
-            self._shapes_known = True  # a replanned schedule's runner reuses them
         S = self.stages[0].num_stages
         sizes = [(_layout(self._meta[b])[1] if b in self._meta else 0) for b in range(S - 1)]
         if self._cuda:

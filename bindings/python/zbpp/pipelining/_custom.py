@@ -1,7 +1,7 @@
 """torch's custom functions (`_PipelineScheduleRuntime.register_custom_function`) on zbpp's runner.
 
 What a user gets: torch's protocol. `register_custom_function(FORWARD, fn)` (or FULL_BACKWARD,
-BACKWARD_INPUT, OVERLAP_F_B) makes zbpp call `fn(action, ctx)` in place of its own work for every
+BACKWARD_INPUT, BACKWARD_WEIGHT, OVERLAP_F_B) makes zbpp call `fn(action, ctx)` in place of its own work for every
 action of that type on this rank, with `ctx` torch's `_PipelineContext` (schedule_ref, arg_mbs,
 kwarg_mbs, target_mbs, losses). The function does the work through torch's calls, which zbpp's
 stages and schedules answer: `stage.forward_one_chunk(mb, args, kwargs)` runs the stage's forward
@@ -20,8 +20,15 @@ pair's action with its sub_actions, free to run the forward and the backward in 
 interleaved (on two CUDA streams, say: DualPipe's overlap). Without one, a pair is its forward and
 then its backward, as before.
 
-What this is not: BACKWARD_WEIGHT (W runs in C from the W store), UNSHARD, RESHARD and REDUCE_GRAD
-(zbpp runs no FSDP stages and drops REDUCE_GRAD) raise NotImplementedError when registered.
+BACKWARD_WEIGHT: W ops run in C, from the W store. With a function registered, each split B (an I
+action) of the rank also queues one Python entry last in its microbatch's W group, so at the W op,
+after zbpp's own W work for that microbatch (split layers' GEMMs, the autograd split), the runner
+calls the function with the W action; `stage.backward_weight_one_chunk(mb)` inside it runs what
+the stage's dw_builder returned at that B (torch's dw_runner; nothing without a dw_builder, since
+zbpp's W work has run). A function that does not call it leaves that work undone, as in torch.
+
+What this is not: UNSHARD, RESHARD and REDUCE_GRAD (zbpp runs no FSDP stages and drops
+REDUCE_GRAD) raise NotImplementedError when registered.
 """
 
 import collections
@@ -34,7 +41,6 @@ _log = logging.getLogger("zbpp.pipelining")
 _TORCH_TYPES = ("FORWARD", "FULL_BACKWARD", "BACKWARD_INPUT", "BACKWARD_WEIGHT", "OVERLAP_F_B", "UNSHARD", "RESHARD",
                 "REDUCE_GRAD")
 _UNSUPPORTED = {
-    "BACKWARD_WEIGHT": "zbpp runs W itself, from its W store in C, at each W op",
     "UNSHARD": "zbpp does not run FSDP-sharded stages",
     "RESHARD": "zbpp does not run FSDP-sharded stages",
     "REDUCE_GRAD": "zbpp's orders drop REDUCE_GRAD (it scales gradients by its own scale_grads)",
@@ -84,6 +90,8 @@ class CustomFunctions:
         self._pair_head = set()  # ("F", stage, mb) that open such a pair
         self._user_losses = None
         self._scaled = set()  # stages whose gradients a custom function scaled this step
+        self._dw_runner = {}  # (stage, mb) -> what dw_builder() returned at its B (None without one)
+        self._w_running = None  # (stage, mb) of the W action whose custom function is running
 
     def register_custom_function(self, computation_type, custom_function):
         """torch's: `custom_function(action, ctx)` does the work of every action of this type on
@@ -95,8 +103,8 @@ class CustomFunctions:
                              "are supported.")
         if name in _UNSUPPORTED:
             raise NotImplementedError(f"zbpp.{type(self).__name__}.register_custom_function({name}): "
-                                      f"{_UNSUPPORTED[name]}; FORWARD, FULL_BACKWARD, BACKWARD_INPUT and "
-                                      "OVERLAP_F_B take custom functions")
+                                      f"{_UNSUPPORTED[name]}; FORWARD, FULL_BACKWARD, BACKWARD_INPUT, "
+                                      "BACKWARD_WEIGHT and OVERLAP_F_B take custom functions")
         if not callable(custom_function):
             raise TypeError(f"zbpp: the custom function for {name} must be callable, got "
                             f"{type(custom_function).__name__}")
@@ -114,6 +122,7 @@ class CustomFunctions:
         """At the start of a step: torch's per-step state."""
         self.backward_counter.clear()
         self._scaled.clear()
+        self._dw_runner.clear()  # a W function that never ran one leaves it undone (as torch's)
         self._user_losses = losses
 
     def _runner_pairs(self):
@@ -159,6 +168,11 @@ class CustomFunctions:
         return None
 
     def _on_backward(self, s, i, gout_addr, gin_addr):
+        if _s.BACKWARD_WEIGHT in self._custom and self._op_kind.get((s, i)) == "B":
+            return self._with_w_function(s, i, lambda: self._dispatch_backward(s, i, gout_addr, gin_addr))
+        return self._dispatch_backward(s, i, gout_addr, gin_addr)
+
+    def _dispatch_backward(self, s, i, gout_addr, gin_addr):
         key = ("B", s, i)
         if not self._custom:
             return self._backward(s, i, gout_addr, gin_addr)
@@ -175,6 +189,39 @@ class CustomFunctions:
             return self._backward(s, i, gout_addr, gin_addr)
         self._call_custom(fn, _s._Action(s, _s.FULL_BACKWARD if full else _s.BACKWARD_INPUT, i), [key])
         return None
+
+    def _with_w_function(self, s, i, backward):
+        """Runs a split B so that its W op calls the BACKWARD_WEIGHT function (module docstring): the
+        stage's dw_builder is built here, as torch builds it at the B, and kept for
+        backward_weight_one_chunk; the entry the function runs from goes last in the W group (in
+        dw_builder's place, which _backward pushes, or after the backward without one)."""
+        from . import _marked
+
+        stage = self._by_index[s]
+        user = getattr(stage, "dw_builder", None)
+        self._dw_runner[(s, i)] = None
+        entry = _marked(lambda: self._run_w_function(s, i))
+        if user is None:
+            out = backward()
+            self._store.push_action(entry)  # still inside the runner's B callback: this B's W group
+            return out
+
+        def builder():
+            self._dw_runner[(s, i)] = user()
+            return entry
+
+        stage.dw_builder = builder  # what _backward reads and pushes; the user's again right after
+        try:
+            return backward()
+        finally:
+            stage.dw_builder = user
+
+    def _run_w_function(self, s, i):
+        self._w_running = (s, i)
+        try:
+            self._custom[_s.BACKWARD_WEIGHT](_s._Action(s, _s.BACKWARD_WEIGHT, i), _context(self, self._user_losses))
+        finally:
+            self._w_running = None
 
     def _call_custom(self, fn, action, keys):
         for kind, s, i in keys:
@@ -214,6 +261,21 @@ class CustomFunctions:
             return self._forward(s, i, *io)
         self._backward(s, i, *io)
         return None
+
+    def _custom_run_w(self, s, i):
+        """stage.backward_weight_one_chunk(i) inside a BACKWARD_WEIGHT function: runs the function
+        dw_builder returned at this microbatch's B, once."""
+        if self._w_running != (s, i):
+            raise RuntimeError(f"zbpp: stage {s}.backward_weight_one_chunk({i}) is not the work of the action being "
+                               "run; it runs inside the custom function of that microbatch's BACKWARD_WEIGHT action")
+        if not self._by_index[s].has_backward:
+            return
+        if (s, i) not in self._dw_runner:
+            raise AssertionError(f"zbpp: stage {s}: backward_weight_one_chunk({i}) ran already in this action, or "
+                                 "without its backward_one_chunk(full_backward=False) first")
+        runner = self._dw_runner.pop((s, i))
+        if runner is not None:
+            runner()
 
     def _maybe_compute_loss(self, stage, output, target_mbs, mb_index, loss_kwargs=None):
         """torch's: zbpp's forward of the loss stage has computed the loss already."""

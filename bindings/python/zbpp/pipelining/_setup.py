@@ -2,9 +2,9 @@
 forward-only passes.
 
 What this is: the PipelineSchedule mixin that sends activations with their descriptions over the
-pipeline's group (or its CPU group, see _messages) where the C runner does not: the first step's
-shape inference (microbatch 0 forward through every stage once, without gradients) and eval() /
-forward-only steps. Every wait is bounded by the schedule's timeout and watches the pipeline's
+pipeline's group (or its CPU group, see _messages) where the C runner does not: shape inference
+(microbatch 0 forward through every stage once, where and how torch 2.13 runs its metadata
+inference: _infer_for) and eval() / forward-only steps. Every wait is bounded by the schedule's timeout and watches the pipeline's
 failure key (_agree.py), on a helper thread (distributed.wait_watched): a rank whose forward
 raised during inference fails its peers within a second instead of leaving them in a blocking
 receive until gloo's own timeout.
@@ -26,9 +26,37 @@ class _SetUp:
     def _holder(self, stage):
         return self.schedule.stage_rank(stage)
 
-    def _infer_shapes(self):
-        """Runs microbatch 0 forward through every stage once, in stage order, without gradients,
-        passing the real activations on, so every rank learns its boundaries' shapes."""
+    def _infer_for(self, trains):
+        """torch's metadata inference, where torch runs it: at the first step, and again at the
+        first step after the pipeline switched between training and eval() (torch 2.13's
+        _initialize_pp_stages re-initializes its stages then). Every stage's module is called once
+        more on microbatch 0 each time, as torch calls it, so a module that counts its calls or
+        keeps statistics sees torch's numbers. A training inference also gives the boundaries'
+        shapes (_meta, the runner's buffer sizes); an eval one only its calls, since forward-only
+        steps send each activation with its shape. A Megatron-style subclass that fills _meta
+        itself (_meta_given) infers nothing, as torch's stages given complete shapes do not."""
+        if self._meta_given or self._inferred_for == trains:
+            return
+        meta = self._infer_shapes(trains)
+        self._inferred_for = trains
+        if not trains:
+            return
+        if self._runner is not None and meta != self._meta:
+            # The batch changed shape while the pipeline was in eval(): buffers of the new sizes.
+            self._runner.close()
+            self._runner = None
+            if self._dviews is not None:
+                self._dviews.clear()
+        self._meta = meta
+        self._shapes_known = True
+
+    def _infer_shapes(self, trains=False):
+        """Runs microbatch 0 forward through every stage once, in stage order, passing the real
+        activations on, so every rank learns its boundaries' shapes; returns them ({boundary:
+        [(dtype, shape)]}). As torch's inference: with gradients enabled when the pipeline trains
+        (no_grad otherwise), and when it trains the loss stage's loss_fn runs on its output and
+        microbatch 0's target. Nothing of it is kept: no backward runs, and the random streams and
+        the modules' buffers are as they were before."""
         S = self.stages[0].num_stages
         # The extra forward must not move the random streams (dropout): the first step then draws
         # the same numbers as a run without inference would.
@@ -39,7 +67,8 @@ class _SetUp:
         buffers = [(b, b.detach().clone()) for st in self.stages for b in st.submod.buffers()]
         self._infer_running = True
         try:
-            self._infer_loop(S)
+            with torch.enable_grad() if trains else torch.no_grad():
+                return self._infer_loop(S, trains)
         finally:
             self._infer_running = False
             torch.set_rng_state(rng)
@@ -49,8 +78,8 @@ class _SetUp:
                 for b, saved in buffers:
                     b.copy_(saved)
 
-    def _infer_loop(self, S):
-        carry = None
+    def _infer_loop(self, S, trains):
+        carry, meta = None, {}
         for s in range(S):
             holder = self._holder(s)
             if holder != self.rank:
@@ -63,21 +92,23 @@ class _SetUp:
                 if prev == self.rank:
                     inputs = carry
                 else:
-                    inputs, self._meta[s - 1] = self._recv_activation(prev)
+                    inputs, meta[s - 1] = self._recv_activation(prev)
                 kwargs = {}
+            out = self._run_stage(s, 0, inputs, kwargs)
             if s == S - 1:
+                if trains and self._loss_fn is not None and self._mb_target is not None:
+                    self._loss_fn(out, self._mb_target[0], **self._loss_kwargs)
                 break
-            with torch.no_grad():
-                out = _as_tuple(self._run_stage(s, 0, inputs, kwargs))
-            meta = _meta_of(out, s)
-            self._meta[s] = meta
+            out = _as_tuple(out)
+            meta[s] = _meta_of(out, s)
             nxt = self._holder(s + 1)
             if nxt == self.rank:
                 carry = tuple(t.detach() for t in out)
             else:
-                self._send(_encode(meta), nxt)
+                self._send(_encode(meta[s]), nxt)
                 for t in out:
                     self._send(t.detach().contiguous(), nxt)
+        return meta
 
     def _recv_activation(self, rank):
         """An activation `rank` sends with its description first (shape inference, forward-only

@@ -6,20 +6,58 @@ the installed torch, not copied): a spec made for torch is a spec zbpp understan
 can never drift apart. What zbpp implements itself is what runs: the stages, the schedules, the
 runner underneath.
 
+Aliasing: a script may put zbpp in torch's place before it imports anything, e.g.
+
+    import zbpp.pipelining
+    from zbpp.pipelining import schedules, stage, microbatch, _utils
+    sys.modules["torch.distributed.pipelining"] = zbpp.pipelining
+    sys.modules["torch.distributed.pipelining.schedules"] = schedules   # and stage, ...
+
+so that unchanged code (torchtitan's) imports zbpp. `need` still finds torch's own modules then:
+it remembers each one it loaded, and loads one it has not seen with the aliases taken out of
+sys.modules for the moment (else the name would lead back to zbpp, or load zbpp's files a second
+time under torch's name).
+
 What this is not: a fallback for an old torch. torch.distributed.pipelining arrived in torch 2.4;
 on an older torch, importing these names fails with an error that says so.
 """
 
+import importlib
+import sys
+
 import torch
+
+_PACKAGE = "torch.distributed.pipelining"
+_REAL = {}  # module name under the package -> torch's own module
+
+
+def _is_torchs(module):
+    return getattr(module, "__name__", "").startswith(_PACKAGE)
 
 
 def need(module):
-    """torch.distributed.pipelining.<module>, or an ImportError that names the torch needed."""
-    import importlib
-
+    """torch.distributed.pipelining.<module> (torch's own, also where zbpp is aliased in its
+    place), or an ImportError that names the torch needed."""
+    got = _REAL.get(module)
+    if got is not None:
+        return got
+    # Names of the package that point at something else (zbpp, aliased in): out of the way while
+    # torch's module loads, back afterwards.
+    aliased = {name: mod for name, mod in list(sys.modules.items())
+               if (name == _PACKAGE or name.startswith(_PACKAGE + ".")) and not _is_torchs(mod)}
+    for name in aliased:
+        del sys.modules[name]
+    # torch's package itself, when it was loaded before the alias: found again, not run twice.
+    real = getattr(sys.modules.get("torch.distributed"), "pipelining", None)
+    if _PACKAGE in aliased and _is_torchs(real):
+        sys.modules[_PACKAGE] = real
     try:
-        return importlib.import_module(f"torch.distributed.pipelining.{module}")
+        got = importlib.import_module(f"{_PACKAGE}.{module}")
     except ImportError as exc:
         raise ImportError(f"zbpp.pipelining's torch-compatible names come from torch.distributed.pipelining."
                           f"{module}, which this torch ({torch.__version__}) does not have: it needs torch >= 2.4 "
                           f"({exc})") from exc
+    finally:
+        sys.modules.update(aliased)
+    _REAL[module] = got
+    return got
