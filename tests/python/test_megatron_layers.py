@@ -337,6 +337,25 @@ def test_gpt_model_every_linear_is_split_and_w_runs_per_microbatch(mcore):
             assert _rel(a.grad, params_ref[n].grad) < 1e-4, f"{n}: {_rel(a.grad, params_ref[n].grad):.3g}"
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_partition_defers_the_linear_weights_and_leaves_the_rest(mcore, tied):
+    """zbpp.splitters.partition on a GPT model: every split Column/RowParallelLinear defers its weight
+    (its bias gradient comes back in B, as Megatron's); biases, layer norms and embeddings are the
+    generic splitter's, the tied embedding too (the output layer is given it in forward)."""
+    from zbpp import splitters
+
+    model = _gpt(mcore, tied=tied)
+    part = splitters.partition(model)
+    names = {id(p): n for n, p in model.named_parameters()}
+    linears = [n for n, mod in model.named_modules() if isinstance(mod, (mcore.Column, mcore.Row))]
+    want = [f"{n}.weight" for n in linears if not (tied and n == "output_layer")]
+    assert [names[id(p)] for p in part.deferred] == want
+    rest = [names[id(p)] for p in part.remaining]
+    assert rest == [n for n, p in model.named_parameters() if n not in want]
+    assert "embedding.word_embeddings.weight" in rest and any(n.endswith("linear_qkv.bias") for n in rest)
+    assert not part.report.not_split
+
+
 def test_gpt_tied_embedding_under_ddp(mcore):
     """pp=1 with tied embeddings: the output layer uses the embedding's weight (passed to forward),
     which Megatron marks zero_out_wgrad; the DDP hook then adds the (zero) dummy together with the

@@ -73,7 +73,7 @@ def _register():
 
     @custom_op("zbpp::defer_wgrad", mutates_args=())
     def defer_wgrad(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
-        from .split import default_store, defer_weight_grad
+        from .wgrad_store import default_store, defer_weight_grad
 
         if default_store(None if x.device.type == "cpu" else x.device).capturing:
             # Deferred: W reads x and dy after this op has returned, but a compiled graph treats

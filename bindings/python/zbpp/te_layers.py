@@ -41,9 +41,10 @@ import weakref
 
 import torch
 
-from . import split as _split
+from . import wgrad_store as _store
+from .splitters._base import FROZEN, NOT_SPLIT, SPLIT
 
-__all__ = ["is_te_linear", "classify", "split_layer", "unsplit_layer", "is_split"]
+__all__ = ["is_te_linear", "is_transformer_engine", "classify", "split_layer", "unsplit_layer", "is_split"]
 
 
 def _te_class(cls):
@@ -51,7 +52,7 @@ def _te_class(cls):
     return mod.split(".")[0] == "transformer_engine"
 
 
-def _is_transformer_engine(m):
+def is_transformer_engine(m):
     """A module of Transformer Engine, or one of Megatron's wrappers of TE's modules."""
     for cls in type(m).__mro__:
         if _te_class(cls) or getattr(cls, "__module__", "") == "megatron.core.extensions.transformer_engine":
@@ -62,7 +63,7 @@ def _is_transformer_engine(m):
 def is_te_linear(m):
     """Whether `m` is a Transformer Engine module with a weight-gradient store (TE's Linear,
     LayerNormLinear, LayerNormMLP, GroupedLinear, and Megatron's wrappers of them)."""
-    return _is_transformer_engine(m) and hasattr(m, "wgrad_store")
+    return is_transformer_engine(m) and hasattr(m, "wgrad_store")
 
 
 def _te_backward_dw(m):
@@ -79,16 +80,16 @@ def is_split(m):
 
 
 def classify(m):
-    """(status, reason) of a TE module: zbpp.split.SPLIT, FROZEN or NOT_SPLIT."""
+    """(status, reason) of a TE module: SPLIT, FROZEN or NOT_SPLIT."""
     params = [p for p in m.parameters() if p.requires_grad]
     if not params:
-        return _split.FROZEN, "no trainable parameters: no weight gradient to defer"
+        return FROZEN, "no trainable parameters: no weight gradient to defer"
     reason = _refusal(m)
     if reason is not None:
-        return _split.NOT_SPLIT, reason
+        return NOT_SPLIT, reason
     if not is_split(m):
-        return _split.NOT_SPLIT, "not converted (zbpp.split_linear converts it)"
-    return _split.SPLIT, "Transformer Engine's delayed weight gradient, run by zbpp's W"
+        return NOT_SPLIT, "not converted (zbpp.split_linear converts it)"
+    return SPLIT, "Transformer Engine's delayed weight gradient, run by zbpp's W"
 
 
 def _refusal(m):
@@ -162,7 +163,7 @@ class _DeferringStore:
         self._zbpp_goal += n
         goal = self._zbpp_goal
         device = next((p.device for p in module.parameters()), None)
-        _split.defer_action(lambda: self._zbpp_run(goal), device)
+        _store.defer_action(lambda: self._zbpp_run(goal), device)
 
     def _zbpp_run(self, goal):
         """W: TE's backward_dw until this B's puts are consumed (the older ones went before)."""

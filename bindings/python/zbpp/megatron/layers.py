@@ -15,12 +15,12 @@ layers it is installed on change; their parameters, state dict and hooks do not.
               over the group (allreduce_dgrad) or reduce-scattered (sequence parallelism); the bias
               gradient (a sum over rows) is returned to autograd, as Megatron does.
     W         dW += grad_output^T total_input (fp32 accumulation), pushed to zbpp's W store
-              (zbpp.split.defer_weight_grad) into the group of the current B when a pipeline
+              (zbpp.wgrad_store.defer_weight_grad) into the group of the current B when a pipeline
               runner is capturing; it lands in weight.main_grad when the weight has one
               (Megatron's DDP), else in weight.grad. Outside a pipeline it runs at once: into
               main_grad when there is one (as Megatron's gradient_accumulation_fusion), else it is
               returned to autograd as Megatron's layer without fusion returns it (so
-              torch.autograd.grad and create_graph work as there; zbpp.split's docstring). With
+              torch.autograd.grad and create_graph work as there; zbpp.splitters.linear's docstring). With
               sequence parallelism B
               all-gathers the input again into a tensor of its own, which W reads: it stays alive
               from B until W (Megatron re-gathers into its shared buffer and runs W at once).
@@ -57,7 +57,9 @@ import warnings
 import torch
 from megatron.core.tensor_parallel import layers as _ml
 
-from .. import split as _split
+from .. import wgrad_store as _store
+from .._wlayout import WLayout
+from ..splitters._base import FROZEN, NOT_SPLIT, SPLIT
 
 # What this module needs of megatron.core's tensor_parallel.layers: a Megatron without one of them
 # gets an ImportError naming it, and zbpp.split_report lists its linear layers as not split with
@@ -166,23 +168,23 @@ def is_split(module):
 
 
 def classify(layer):
-    """(status, reason) of a Megatron linear layer: zbpp.split.SPLIT (its W goes to the W store),
+    """(status, reason) of a Megatron linear layer: SPLIT (its W goes to the W store),
     FROZEN (its weight is frozen now: there is no weight gradient) or NOT_SPLIT."""
     weight = getattr(layer, "weight", None)
     if weight is not None and not weight.requires_grad:
-        return _split.FROZEN, ("weight frozen (requires_grad=False): no weight gradient to defer; Megatron's "
+        return FROZEN, ("weight frozen (requires_grad=False): no weight gradient to defer; Megatron's "
                                "linear_with_frozen_weight runs while it stays frozen")
     reason = _refusal(layer)
     if reason is not None:
-        return _split.NOT_SPLIT, reason
+        return NOT_SPLIT, reason
     if not is_split(layer):
-        return _split.NOT_SPLIT, "not converted (zbpp.split_linear converts it)"
+        return NOT_SPLIT, "not converted (zbpp.split_linear converts it)"
     if weight is None:
-        return _split.SPLIT, "the weight is passed to forward (tied with the embedding)"
+        return SPLIT, "the weight is passed to forward (tied with the embedding)"
     reason = _unsupported_tensors(torch.empty(0, dtype=weight.dtype), weight)
     if reason is not None:
-        return _split.NOT_SPLIT, reason
-    return _split.SPLIT, ""
+        return NOT_SPLIT, reason
+    return SPLIT, ""
 
 
 def split_layer(layer):
@@ -291,7 +293,7 @@ def _differs(value, default):
 
 def _unsupported_tensors(input, weight):
     """Why W cannot take these tensors (a sentence), or None."""
-    if _split._store_of(weight).kernel == _split.TORCH:  # torch's ops: any floating dtype, as Megatron's
+    if _store.store_of(weight).kernel == _store.TORCH:  # torch's ops: any floating dtype, as Megatron's
         if not input.is_floating_point() or weight.dtype != input.dtype:
             return (f"the layer's input and weight must have one floating-point dtype, got {input.dtype} and "
                     f"{weight.dtype}")
@@ -299,7 +301,7 @@ def _unsupported_tensors(input, weight):
         if main is not None and not main.is_floating_point():
             return f"main_grad is {main.dtype}, not a floating-point tensor"
         return None
-    if input.dtype not in _split._DTYPE or weight.dtype != input.dtype:
+    if input.dtype not in _store.LIBRARY_DTYPES or weight.dtype != input.dtype:
         return (f"zbpp's W GEMM takes float32, float16 or bfloat16 inputs and weights of one dtype, got "
                 f"{input.dtype} and {weight.dtype}")
     main = getattr(weight, "main_grad", None)
@@ -374,11 +376,11 @@ class _SplitLinearWithAsyncCommunication(torch.autograd.Function):
         if fused is not None and getattr(weight, "main_grad", None) is not None:
             # Megatron's gradient_accumulation_fusion: its own kernel, into main_grad, at W.
             x2, dy2, main = layout.x2, layout.dy2, weight.main_grad
-            _split.defer_action(lambda: _fused_accumulate(fused, x2, dy2, main), x2.device)
-        elif _split._store_of(total_input).capturing:
-            _split._defer(layout.x2, layout.dy2, weight, None, layout)
+            _store.defer_action(lambda: _fused_accumulate(fused, x2, dy2, main), x2.device)
+        elif _store.store_of(total_input).capturing:
+            _store.defer_linear(layout.x2, layout.dy2, weight, None, layout)
         else:  # main_grad filled now, or the gradient returned to autograd (as Megatron without fusion)
-            grad_weight, _ = _split._weight_grads(layout, weight, None)
+            grad_weight, _ = _store.linear_grads(layout, weight, None)
         if grad_weight is None:
             grad_weight = _dummy_weight_grad(weight, input)
 
@@ -395,7 +397,7 @@ def _megatron_layout(total_input, grad_output):
     rows (contiguous): as a _WLayout for zbpp's W (no bias: B returns Megatron's bias gradient)."""
     x2 = total_input.reshape(-1, total_input.shape[-1])
     dy2 = grad_output.reshape(-1, grad_output.shape[-1])
-    return _split._WLayout(x2, dy2, True, None, [0])
+    return WLayout(x2, dy2, True, None, [0])
 
 
 def _fused_kernel():
