@@ -25,7 +25,7 @@ cannot (older torch, a build without it: the reason is in `stable_unavailable()`
 also registers `zbpp::linear_wgrad` (csrc/torch/linear_wgrad.cpp): nn.Linear's weight and bias
 gradients by torch's own ops, in autograd's order, run now or pushed into a given store and run
 from C++ when the store releases the entry; it is the W of split layers wherever it loads (the W
-store's "torch" kernel, split.py). Under torch.compile SplitLinear still goes through the Python op
+store's "torch" kernel, wgrad_store.py). Under torch.compile SplitLinear still goes through the Python op
 above: where its gradient goes (main_grad, a .grad made on first use) is decided from Python
 attributes at run time.
 """
@@ -43,7 +43,7 @@ _OP = []
 
 
 def op():
-    """torch.ops.zbpp.defer_wgrad, registered on first use (split.py makes that its import, since
+    """torch.ops.zbpp.defer_wgrad, registered on first use (splitters/linear.py makes that its import, since
     torch.compile cannot trace a registration); None where this torch cannot."""
     if not _OP:
         _OP.append(_register())

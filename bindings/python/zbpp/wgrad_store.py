@@ -551,7 +551,7 @@ def linear_grads(layout, weight, bias):
     they are differentiable torch ops, nn.Linear's own. Otherwise they come from the store's W, as a
     pipeline's: with the "torch" kernel the same ops, in the parameter's dtype; with the library's
     its GEMM, into new fp32 tensors (autograd rounds them to the parameter's dtype and adds them to
-    .grad: what the pipeline's W adds, see module docstring)."""
+    .grad: what the pipeline's W adds; zbpp.splitters.linear's docstring)."""
     if weight is None and bias is None:
         return None, None
     x2, dy2 = layout.x2, layout.dy2
