@@ -112,6 +112,21 @@ def test_the_default_w_kernel_is_torchs_own_and_says_so():
         st.kernel = "cublaslt"
 
 
+@pytest.mark.parametrize("value, says", [("library", "cblas"), ("blas", "$ZBPP_WGRAD_KERNEL: zbpp: the W kernel of cpu is "
+                                                                     "'torch', 'library' or 'cblas'; got 'blas'")])
+def test_the_environment_chooses_the_kernel_of_new_stores(value, says):
+    import subprocess
+    import sys
+
+    code = ("import zbpp.split as s\ntry:\n    print(s.default_store().kernel)\n"
+            "except ValueError as e:\n    print(e)")
+    env = dict(os.environ, ZBPP_WGRAD_KERNEL=value,
+               PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(zbpp.__file__)),
+                                           os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == says, out.stdout + out.stderr
+
+
 def test_a_7x5x3_linear_gets_nn_linears_gradients_bit_for_bit():
     """The issue's smallest case: Linear(5, 3) on a [7, 5] input differed from nn.Linear by 4.8e-7
     (relative) with the library's GEMM."""

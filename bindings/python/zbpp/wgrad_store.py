@@ -83,7 +83,13 @@ class WGradStore:
         # kept here too, for record_stream at release): token -> (tensors, push stream or None).
         self._torch_live = {}
         self._kernel = None
-        self.kernel = kernel if kernel is not None else os.environ.get(ENV_KERNEL) or None
+        if kernel is None and os.environ.get(ENV_KERNEL):
+            try:
+                self.kernel = os.environ[ENV_KERNEL]
+            except ValueError as exc:
+                raise ValueError(f"${ENV_KERNEL}: {exc}") from None
+        else:
+            self.kernel = kernel
         self._tokens = itertools.count(1)
         self._run_stream = None  # CUDA: the stream the backend was last pointed at by prepare_run
         self._push_streams = {}  # CUDA: stream handle -> [stream, live entries pushed on it]
@@ -376,6 +382,7 @@ class WGradStore:
         self.store.close()
         self.immediate.close()
         self._live.clear()
+        self._torch_live.clear()
         self._push_streams.clear()
         if not self.is_cuda:
             self.backend.close()  # the CUDA backend is the device's, shared (cuda.backend_for)
