@@ -295,9 +295,10 @@ def test_backward_weight_one_chunk_outside_its_w_action_fails_clearly(one_proces
 
 # ---- how often the stages and the loss run ---------------------------------------------------------
 
-def _counts(lib, cls_name, calls, world=1, rank=0):
+def _counts(lib, cls_name, calls, world=1, rank=0, examples=False):
     """Runs `calls` (step / eval) on lib's pipeline of Affine stages; per call, how often each stage
-    of this rank ran forward and how often loss_fn ran."""
+    of this rank ran forward and how often loss_fn ran. examples: every stage is built with
+    input_args and output_args (torch then infers nothing)."""
     S = n_stages(cls_name) * world
     mods = affine_stages(S)
     if cls_name in SINGLE:
@@ -312,11 +313,17 @@ def _counts(lib, cls_name, calls, world=1, rank=0):
         loss_calls.append(1)
         return torch.nn.functional.mse_loss(out, target)
 
-    stages = [lib.PipelineStage(mods[s], s, S, torch.device("cpu")) for s in mine]
-    cls = getattr(lib, cls_name)
-    sched = cls(stages[0] if cls_name in SINGLE else stages, 2, loss_fn=loss_fn)
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(4, D, generator=g), torch.randn(4, D, generator=g)
+    def example(s):  # a microbatch's boundaries as torch's examples: activations require gradients
+        if not examples:
+            return {}
+        act = torch.zeros(2, D, requires_grad=True)
+        return {"input_args": x[:2] if s == 0 else act, "output_args": act}
+
+    stages = [lib.PipelineStage(mods[s], s, S, torch.device("cpu"), **example(s)) for s in mine]
+    cls = getattr(lib, cls_name)
+    sched = cls(stages[0] if cls_name in SINGLE else stages, 2, loss_fn=loss_fn)
     first = 0 in mine
     last = (S - 1) in mine
     out = []
@@ -339,13 +346,18 @@ def test_stages_and_loss_run_as_often_as_torchs_on_one_process(one_process_group
     got, want = _counts(zp, cls_name, calls), _counts(tp, cls_name, calls)
     assert got == want
     assert want[0] != want[1], "the first step must show the inference's extra calls"
+    # Stages built with example inputs and outputs: torch infers nothing, and neither does zbpp.
+    got, want = _counts(zp, cls_name, calls, examples=True), _counts(tp, cls_name, calls, examples=True)
+    assert got == want and want[0] == want[1]
 
 
 def _rank_counts(rank, world, key, cls_name, out_dir):
     pipeline_worker._init(rank, world, key, timeout=60.0)
     try:
         calls = ["step", "step", "eval", "eval", "step"]
-        got = {"torch": _counts(tp, cls_name, calls, world, rank), "zbpp": _counts(zp, cls_name, calls, world, rank)}
+        got = {"torch": _counts(tp, cls_name, calls, world, rank), "zbpp": _counts(zp, cls_name, calls, world, rank),
+               "torch_examples": _counts(tp, cls_name, calls, world, rank, examples=True),
+               "zbpp_examples": _counts(zp, cls_name, calls, world, rank, examples=True)}
     except Exception:  # noqa: BLE001 - written for the test
         got = {"error": traceback.format_exc()}
     with open(os.path.join(out_dir, f"counts{rank}.json"), "w") as f:
@@ -360,6 +372,7 @@ def test_stages_and_loss_run_as_often_as_torchs_on_two_ranks(tmp_path, cls_name)
         got = json.loads((tmp_path / f"counts{r}.json").read_text())
         assert "error" not in got, got.get("error")
         assert got["zbpp"] == got["torch"], (r, got)
+        assert got["zbpp_examples"] == got["torch_examples"], (r, got)
 
 
 # ---- pre-split microbatches and keyword arguments --------------------------------------------------

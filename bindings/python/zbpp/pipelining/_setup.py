@@ -33,11 +33,20 @@ class _SetUp:
         more on microbatch 0 each time, as torch calls it, so a module that counts its calls or
         keeps statistics sees torch's numbers. A training inference also gives the boundaries'
         shapes (_meta, the runner's buffer sizes); an eval one only its calls, since forward-only
-        steps send each activation with its shape. A Megatron-style subclass that fills _meta
-        itself (_meta_given) infers nothing, as torch's stages given complete shapes do not."""
+        steps send each activation with its shape. Stages built with input_args and output_args
+        on every rank infer nothing, as torch's (the vote below), nor does a Megatron-style subclass
+        that fills _meta itself (_meta_given)."""
         if self._meta_given or self._inferred_for == trains:
             return
-        meta = self._infer_shapes(trains)
+        # torch's vote: when every stage of every rank was given input_args and output_args, their
+        # shapes are the boundaries' and nothing runs (its STATIC mode); else every rank infers.
+        given = self._exchange(self._given_meta(), "the shape vote of the first step") if self.ranks > 1 \
+            else [self._given_meta()]
+        if all(g is not None for g in given):
+            S = self._num_stages
+            meta = {s: m for g in given for s, m in g.items() if s < S - 1}
+        else:
+            meta = self._infer_shapes(trains)
         self._inferred_for = trains
         if not trains:
             return
@@ -49,6 +58,18 @@ class _SetUp:
                 self._dviews.clear()
         self._meta = meta
         self._shapes_known = True
+
+    def _given_meta(self):
+        """{stage: [(dtype, shape)] of its output} from the example tensors this rank's stages were
+        built with (PipelineStage's input_args and output_args), or None when one lacks either."""
+        out = {}
+        for st in self.stages:
+            inputs, outputs = getattr(st, "_user_args", (None, None))
+            if inputs is None or outputs is None:
+                return None
+            if st.stage_index < self._num_stages - 1:  # the loss stage's output crosses no boundary
+                out[st.stage_index] = _meta_of(_as_tuple(outputs), st.stage_index)
+        return out
 
     def _infer_shapes(self, trains=False):
         """Runs microbatch 0 forward through every stage once, in stage order, passing the real
