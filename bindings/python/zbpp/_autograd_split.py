@@ -53,14 +53,12 @@ def register_deferring(function_cls):
 
 
 def _known_deferring():
-    import sys
+    """The deferring Functions of every layer family active now (zbpp.splitters registers them
+    here; a family becomes active once its library is imported, so this asks each time a stage's
+    graph is walked, which costs a few dictionary lookups)."""
+    from . import splitters
 
-    split = sys.modules.get("zbpp.split")
-    if split is not None:
-        _DEFERRING.add(split._SplitLinearFn)
-    layers = sys.modules.get("zbpp.megatron.layers")
-    if layers is not None and hasattr(layers, "_SplitLinearWithAsyncCommunication"):
-        _DEFERRING.add(layers._SplitLinearWithAsyncCommunication)
+    splitters.autograd_splitter()
     return _DEFERRING
 
 

@@ -12,8 +12,7 @@ What this is not: the W store (zbpp.split) or the graph split itself (zbpp._auto
 
 import logging
 
-from .. import _autograd_split
-from ..split import split_linear
+from .. import splitters
 
 _log = logging.getLogger("zbpp")
 
@@ -57,7 +56,7 @@ class _Splitting:
         stages_apart = {s for s, _ in self._apart()[1]}
         for st in self.stages:
             if st.stage_index in stages_apart and self._stage_splits(st):
-                split_linear(st.submod, warn=False)
+                splitters.split(st.submod, warn=False)
 
     def _splits(self, s, i, stage, dw_builder):
         """None: this backward is fused (no W op of its own); True: split it here; False: its W
@@ -69,8 +68,11 @@ class _Splitting:
     def _split_backward(self, stage, outputs, grads, inputs):
         """B of a split backward (inside the B's capture): input gradients now, the rest pushed to
         the W store as this microbatch's W."""
+        # Every trainable parameter, those of split layers too: the graph walk leaves out the edges
+        # from a split layer's own backward (its W is the store's), so a weight it shares with
+        # another use (tied, or passed to a functional call) still gets that use's gradient here.
         params = [prm for prm in stage.submod.parameters() if prm.requires_grad]
-        weight = _autograd_split.backward_input(outputs, grads, inputs, params)
+        weight = splitters.autograd_splitter().backward_input(outputs, grads, inputs, params)
         if weight is not None:
             self._store.push_action(_marked(weight))
 
