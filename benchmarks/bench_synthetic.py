@@ -635,6 +635,8 @@ def parse_args(argv=None):
             ap.error(f"--classes: unknown {n!r}; torch classes: {', '.join(TORCH_CLASSES)}; zbpp kinds: "
                      f"{', '.join(ZBPP_KINDS)}")
     impls = ("torch", "zbpp") if args.impl == "both" else (args.impl,)
+    if args.classes is not None and "zbpp" not in impls and any(n in ZBPP_KINDS for n in names):
+        ap.error("--classes names zbpp kinds, which run through zbpp only; use --impl zbpp or both")
     configs = [BASELINE] if "torch" in impls else []
     for n in names:
         for impl in (impls if n in TORCH_CLASSES else ("zbpp",) if "zbpp" in impls else ()):
@@ -739,10 +741,11 @@ def _tree_state():
         return subprocess.run(["git", "-C", _REPO, *cmd], capture_output=True, text=True, timeout=10).stdout.strip()
 
     try:
-        return {"commit": git("rev-parse", "--short", "HEAD"),
-                "changed": git("status", "--porcelain", "--", "bindings", "csrc", "include").splitlines()}
+        commit = git("rev-parse", "--short", "HEAD")
+        changed = git("status", "--porcelain", "--", "bindings", "csrc", "include").splitlines()
     except (OSError, subprocess.SubprocessError):
         return None
+    return {"commit": commit, "changed": changed} if commit else None  # None: not a git checkout
 
 
 def write_results(args, cells, out, seconds):
