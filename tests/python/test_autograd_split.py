@@ -165,3 +165,31 @@ def test_schedules_without_w_run_the_backward_whole():
     losses, ref_losses, same, share = _pipeline(zbpp.ScheduleInterleaved1F1B)
     assert losses == ref_losses and same
     assert share == 0.0
+
+
+def test_w_runs_no_input_gradient_work_again():
+    """W runs only the parameters' branches: a backward on the input path that lies between two
+    places where parameters join (here between the add of `w` and the multiply by `scale`) runs
+    once, in B, not again in W (torch's split groups parameters the same way)."""
+    calls = []
+
+    class Costly(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            calls.append(1)
+            return g * 2
+
+    scale = torch.nn.Parameter(torch.full((4,), 3.0))
+    w = torch.nn.Parameter(torch.ones(4))
+    x = torch.randn(2, 4, requires_grad=True)
+    out = Costly.apply(x * scale) + w * 5
+    weight = _autograd_split.backward_input([out], [torch.ones(2, 4)], [x], [scale, w])
+    assert len(calls) == 1 and x.grad is not None
+    weight()
+    assert len(calls) == 1, "W ran the input path's backward again"
+    assert torch.equal(w.grad, torch.full((4,), 10.0))
+    assert torch.equal(scale.grad, (x.detach() * 2).sum(0))

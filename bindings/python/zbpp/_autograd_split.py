@@ -13,12 +13,15 @@ B  runs torch.autograd.grad(outputs, stage inputs, retain_graph=True): only the 
    a node on that path from which some parameter is reached by nodes off the path (a LayerNorm's
    backward, which feeds both its input and its weight; an add that a bias joins). The input
    gradients are set as the inputs' .grad (what the pipeline sends upstream).
-W  runs torch.autograd.grad from the frontier nodes, seeded with the recorded gradients, to the
-   parameters, and adds the results to .grad as autograd's accumulation would (the first
-   microbatch's gradient becomes .grad, later ones are added in place). A frontier node that lies
-   below another one would get its gradient twice (seeded, and again through the one above), so
-   each is clamped to its recorded gradient. Outputs that reach parameters without ever touching
-   an input path (a second output computed from parameters only) are seeded as they are.
+W  runs the parameters' branches from the frontier nodes, seeded with the recorded gradients, and
+   adds the results to .grad as autograd's accumulation would (the first microbatch's gradient
+   becomes .grad, later ones are added in place). Parameters are grouped by the frontier nodes
+   they hang from, one autograd.grad per group (as torch's stage_backward_weight groups them): a
+   single call from every frontier node would also run each node on an input path between two of
+   them, B's work again. Within a group, a frontier node below another one would get its gradient
+   twice (seeded, and again through the one above), so each is held to its recorded gradient.
+   Outputs that reach parameters without touching an input path (a second output computed from
+   parameters only) are seeded as they are.
 
 Edges from a deferring layer's node (one that pushed its W into the store in B: SplitLinear's,
 Megatron's split linears') to its parameters are not followed: that W is the store's. A weight such
@@ -139,15 +142,15 @@ def backward_input(outputs, grads, inputs, params):
         accs.setdefault(_node(p), []).append(p)
     parents = _parents(roots, set(accs))
     on_path, _ = _upward([_node(x) for x in needing], parents)
-    frontier, reached = set(), []
-    for acc, ps in accs.items():
+    frontier = set()
+    sources = {}  # acc -> the frontier nodes and loose outputs (their nodes) its parameters hang from
+    loose_roots = {r: (o, g) for (o, _), g, r in zip(pairs, seeds, roots) if r not in on_path}
+    for acc in accs:
         if acc not in parents:
             continue  # not used by this stage's outputs, or only through a deferring layer
-        _, met = _upward([acc], parents, stop=on_path)
+        inside, met = _upward([acc], parents, stop=on_path)
         frontier |= met
-        reached.extend(ps)
-    # Outputs off every input path that reach parameters: W seeds them as they are.
-    loose = [(o, g) for (o, _), g, r in zip(pairs, seeds, roots) if r not in on_path]
+        sources[acc] = met | {r for r in loose_roots if r in inside}
     recorded = {}
     handles = []
 
@@ -167,34 +170,65 @@ def backward_input(outputs, grads, inputs, params):
     for x, g in zip(needing, got):
         if g is not None:
             _accumulate(x, g)
-    if not reached:
+    groups = _groups(sources)
+    if not groups:
         return None
-    edges, edge_grads = [], []
-    for node in frontier:
-        for k, g in enumerate(recorded.get(node, ())):
-            if g is not None:
-                edges.append(GradientEdge(node, k))
+    calls = []
+    for accs_of, srcs in groups:
+        edges, edge_grads, clamps = [], [], {}
+        for node in srcs:
+            if node in loose_roots:
+                o, g = loose_roots[node]
+                edges.append(get_gradient_edge(o))
                 edge_grads.append(g)
-    for o, g in loose:
-        edges.append(get_gradient_edge(o))
-        edge_grads.append(g)
-    if not edges:
+                continue
+            saved = recorded.get(node, ())
+            for k, g in enumerate(saved):
+                if g is not None:
+                    edges.append(GradientEdge(node, k))
+                    edge_grads.append(g)
+            clamps[node] = saved
+        if edges:
+            calls.append((edges, edge_grads, clamps if len(srcs) > 1 else {},
+                          [p for acc in accs_of for p in accs[acc]]))
+    recorded.clear()
+    if not calls:
         return None
-    clamps = {node: recorded[node] for node in frontier if node in recorded} if len(frontier) > 1 else {}
-
 
     def weight():
-        handles = [node.register_prehook(lambda _, saved=saved: saved) for node, saved in clamps.items()]
-        try:
-            dws = torch.autograd.grad(edges, reached, edge_grads, allow_unused=True)
-        finally:
-            for h in handles:
-                h.remove()
-            edges.clear()
-            edge_grads.clear()
-            clamps.clear()
-        for p, dw in zip(reached, dws):
-            if dw is not None:
-                _accumulate(p, dw)
+        # One autograd.grad per group of parameters that hang from the same frontier nodes (as
+        # torch's stage_backward_weight groups them): one call for all would also run every node
+        # on an input path between two frontier nodes, which is B's work again.
+        for edges, edge_grads, clamps, params_of in calls:
+            # A frontier node below another one would get its gradient twice (seeded, and again
+            # through the one above): it is held to what B recorded.
+            held = [node.register_prehook(lambda _, saved=saved: saved) for node, saved in clamps.items()]
+            try:
+                dws = torch.autograd.grad(edges, params_of, edge_grads, retain_graph=True, allow_unused=True)
+            finally:
+                for h in held:
+                    h.remove()
+            for p, dw in zip(params_of, dws):
+                if dw is not None:
+                    _accumulate(p, dw)
+        calls.clear()
 
     return weight
+
+
+def _groups(sources):
+    """Parameter accumulators grouped so that groups share no source node: [(accs, sources)]."""
+    groups = []
+    for acc, srcs in sources.items():
+        if not srcs:
+            continue
+        accs_of, merged = [acc], set(srcs)
+        keep = []
+        for g_accs, g_srcs in groups:
+            if g_srcs & merged:
+                accs_of = g_accs + accs_of
+                merged |= g_srcs
+            else:
+                keep.append((g_accs, g_srcs))
+        groups = keep + [(accs_of, merged)]
+    return groups
