@@ -435,6 +435,46 @@ def test_presplit_microbatches_are_checked_as_torch_checks_them():
     assert torch.equal(out, sched.eval(x))
 
 
+# ---- zbpp in torch's place -------------------------------------------------------------------------
+
+ALIAS_SCRIPT = r"""
+import json, sys
+import torch
+import zbpp.pipelining as zp
+sys.modules["torch.distributed.pipelining"] = zp  # the package only: its submodules follow
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import ScheduleZBVZeroBubble, _PipelineScheduleRuntime, get_schedule_class
+import test_torch_behaviours as t
+
+mods = t.affine_stages(2)
+stages = [PipelineStage(m, i, 2, torch.device("cpu")) for i, m in enumerate(mods)]
+sched = get_schedule_class("ZBVZeroBubble")(stages, 4, loss_fn=torch.nn.MSELoss())
+g = torch.Generator().manual_seed(1)
+sched.step(torch.randn(8, t.D, generator=g), target=torch.randn(8, t.D, generator=g))
+print(json.dumps({"classes": [ScheduleZBVZeroBubble is zp.ScheduleZBVZeroBubble, PipelineStage is zp.PipelineStage,
+                              issubclass(ScheduleZBVZeroBubble, _PipelineScheduleRuntime)],
+                  "grads": [p.grad.tolist() for m in mods for p in m.parameters()]}))
+"""
+
+
+def test_zbpp_aliased_in_for_torchs_package_runs_what_imports_torch(repo_root):
+    """A script that puts zbpp.pipelining in sys.modules under torch's name, before torch's package
+    was ever imported, then imports torch's names as torchtitan does: it gets zbpp's classes, and
+    zbpp still finds torch's own data types (_torch.need); the step trains as zbpp does directly."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(repo_root / "bindings" / "python"),
+                                                       str(repo_root / "tests" / "python")]))
+    proc = subprocess.run([sys.executable, "-c", ALIAS_SCRIPT], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["classes"] == [True, True, True]
+    mods = affine_stages(2)
+    sched = zp.ScheduleZBVZeroBubble([zp.PipelineStage(m, i, 2, "cpu") for i, m in enumerate(mods)], 4,
+                                     loss_fn=torch.nn.MSELoss())
+    g = torch.Generator().manual_seed(1)
+    sched.step(torch.randn(8, D, generator=g), target=torch.randn(8, D, generator=g))
+    assert got["grads"] == [p.grad.tolist() for m in mods for p in m.parameters()]
+
+
 # ---- torchtitan --------------------------------------------------------------------------------
 
 TORCHTITAN = os.environ.get("TORCHTITAN_DIR")

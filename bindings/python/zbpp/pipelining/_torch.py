@@ -13,16 +13,18 @@ Aliasing: a script may put zbpp in torch's place before it imports anything, e.g
     sys.modules["torch.distributed.pipelining"] = zbpp.pipelining
     sys.modules["torch.distributed.pipelining.schedules"] = schedules   # and stage, ...
 
-so that unchanged code (torchtitan's) imports zbpp. `need` still finds torch's own modules then:
-it remembers each one it loaded, and loads one it has not seen with the aliases taken out of
-sys.modules for the moment (else the name would lead back to zbpp, or load zbpp's files a second
-time under torch's name).
+so that unchanged code (torchtitan's) imports zbpp; aliasing the package alone works too (Python
+then loads zbpp's submodules a second time under torch's names). `need` still finds torch's own
+modules: it remembers each one it loaded, and loads one it has not seen with every name of the
+package that is not torch's file taken out of sys.modules for the moment (else the name would lead
+back to zbpp).
 
 What this is not: a fallback for an old torch. torch.distributed.pipelining arrived in torch 2.4;
 on an older torch, importing these names fails with an error that says so.
 """
 
 import importlib
+import os
 import sys
 
 import torch
@@ -31,8 +33,14 @@ _PACKAGE = "torch.distributed.pipelining"
 _REAL = {}  # module name under the package -> torch's own module
 
 
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+
+
 def _is_torchs(module):
-    return getattr(module, "__name__", "").startswith(_PACKAGE)
+    """Whether `module` is torch's own, by where its file is: aliasing one name can make Python
+    load zbpp's files a second time under torch's names."""
+    path = getattr(module, "__file__", None)
+    return path is not None and os.path.abspath(path).startswith(_TORCH_DIR)
 
 
 def need(module):
