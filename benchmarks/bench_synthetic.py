@@ -37,6 +37,7 @@ Costs, per microbatch through one rank's layers (a stage of a rank with v stages
             2024; the numbers benchmarks/compare_reference.py carries), times --paper-scale. T_comm
             is not emulated: transfers are the runtimes' real ones (tiny tensors over gloo).
   lm-head   equal, with the last stage twice as heavy (F, B and W), as a language model's head.
+  custom:F/B/W   the given ms, such as custom:10/10/5.
 
 Correctness first: step 1 of every configuration is compared with a sequential loop over the same
 stages in one process (each microbatch forward and backward in turn, gradients divided by m): the
@@ -44,20 +45,39 @@ losses and the gradients of scale and w of every stage must be equal (torch.equa
 and scales are small integers and powers of two, so every sum is exact in any order and a W that
 ran twice, never, or into the wrong stage shows). A mismatch stops the run before anything is timed.
 
+Every process sets its timer slack to 1 ns (prctl PR_SET_TIMERSLACK, Linux; --timer-slack-ns,
+0 leaves the default 50 us) before anything is timed, both imports alike: every op is a sleep,
+and the default slack lets the kernel wake it up to 50 us late.
+
 Timing: after --warmup steps (step 1 checked; zbpp's replan after step 3), --reps repetitions; each
 runs every configuration of the cell for --steps steps, one configuration later each repetition,
 so the noise of a shared machine hits all alike. A step is timed from a barrier of its ranks to the
 end of step() and counts as its slowest rank's time. Per configuration the table gives:
   step     the median step over all timed steps (ms), and the fastest and slowest repetition's mean
   plan     the simulated makespan of the configuration's own op order (its pipeline_order, after
-           zbpp's replan, as torch exposes it for every class) on the cell's costs, by zbpp's
+           zbpp's replan, as torch exposes it for every class) on the cell's costs as the stages
+           really have them (the first stage's B runs at its W: B = 0, W = B + W), by zbpp's
            simulator: what the order takes with no runtime cost at all (transfers free)
-  eff      plan / step: the share of the step the order explains; the rest is runtime
+  eff      plan / step: the share of the step the order explains
+  replay   the same op order simulated with each op's measured duration instead (median of each
+           op over --record-steps extra recorded steps; zbpp's from schedule.timeline(), torch's
+           from its stages' *_one_chunk calls, wrapped), transfers free
+  runtime eff   replay / step: the share left after the runtime's own cost between ops (waiting
+           on transfers, scheduling, bookkeeping outside the ops); plan / replay is what the ops
+           themselves lost (sleeps waking late, per-op work inside the stage calls)
   vs 1F1B  torch Schedule1F1B's step / this one's, median over the repetitions of the ratio within
            each (above 1: faster)
   vs torch for zbpp's import of a torch class: torch's same class / zbpp's, as above
-  W/op     the measured mean time of a W op in one extra step (0: W ran inside B, or none)
-One configuration's measured timeline (the extra step) is written as SVG, above it the plan.
+  W/op     the measured mean time of a W op in the recorded steps (-: W ran inside B, or none)
+One configuration's measured timeline (the last recorded step) is written as SVG, above it the plan.
+A second table covers the configurations that replanned from measured costs (zbpp's planned kinds,
+and its ScheduleZBVZeroBubble / ScheduleInterleavedZeroBubble): the median step before the replan
+(the profiled steps, less the last one, at whose end the replan runs; its time is shown apart),
+the median after (the timed steps), and whether the replan switched plans.
+
+--stability N runs one configuration (one p, m and costs; --classes one name) N times, each a
+separate launch of its processes, and reports each launch's steps before and after its replan
+and the spread of the post-replan medians (issue 25's target: within 3% of each other).
 
 What this is not: a test (the suite checks correctness; this refuses only to time wrong training),
 or a measure of compute kernels (nothing computes).
@@ -66,6 +86,7 @@ Usage:
   ZBPP_BUILD_DIR=build .venv/bin/python benchmarks/bench_synthetic.py [--p 2,4,8] [--m 2p,4p]
       [--costs equal,paper,lm-head] [--classes NAMES] [--impl both|torch|zbpp] [--reps R] [--steps K]
       [--warmup W] [--quick] [--check-only] [--out DIR] [--json FILE] [--svg-config LABEL]
+      [--stability N] [--record-steps K] [--timer-slack-ns NS]
 Defaults: every p, m, cost and class (hours on 2 cores: pick subsets); --quick: p 4, m 8, equal
 costs, every class, 3 repetitions of 1 step (a couple of minutes). The table goes to stdout and to
 DIR/table.md, the timeline to DIR/timeline.svg; progress to stderr.
@@ -92,6 +113,12 @@ if os.environ.get("ZBPP_BUILD_DIR") and not os.environ.get("ZBPP_LIBRARY"):
 
 import torch  # noqa: E402  - before zbpp loads its library (DESIGN.md section 5)
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its helper modules, when imported
+from bench_synthetic_report import (  # noqa: E402
+    BASELINE, label, replan_table, stability_table, table, timeline_svg)
+from bench_synthetic_timing import (  # noqa: E402
+    measured_timeline, op_means, replay, set_timer_slack, simulated_plan, stage_op_means)
+
 IMPORTS = {"torch": "torch.distributed.pipelining", "zbpp": "zbpp.pipelining"}
 # torch's classes: name -> placement (one stage per rank, two in a loop, two in a V).
 TORCH_CLASSES = {"Schedule1F1B": "one", "ScheduleGPipe": "one", "ScheduleInterleaved1F1B": "loop",
@@ -101,7 +128,6 @@ TORCH_CLASSES = {"Schedule1F1B": "one", "ScheduleGPipe": "one", "ScheduleInterle
 ZBPP_KINDS = {"zb-h1": ("zb-h1", "one", None), "zb-h2": ("zb-h2", "one", None), "zb-v": ("zb-v", "v", None),
               "v-half": ("v-half", "v", None), "v-min": ("v-min", "v", None),
               "zb-auto@p": ("zb-auto", "one", "p"), "zb-auto@2p": ("zb-auto", "one", "2p")}
-BASELINE = ("torch", "Schedule1F1B")
 # The Zero Bubble paper's profiled T_F, T_B, T_W (ms per microbatch through a rank's layers).
 PAPER = {"1.5B": (18.522, 18.086, 9.337), "6.2B": (29.718, 29.468, 19.927),
          "14.6B": (11.347, 11.248, 8.132), "28.3B": (10.419, 10.207, 7.715)}
@@ -185,20 +211,31 @@ def stage_ids(placement, rank, p):
     return [rank, rank + p] if placement == "loop" else [rank, 2 * p - 1 - rank]
 
 
+def parse_custom(cost):
+    """(F, B, W) in ms of a 'custom:F/B/W' setting; ValueError saying what is allowed."""
+    parts = cost[len("custom:"):].split("/")
+    try:
+        vals = tuple(float(x) for x in parts)
+    except ValueError:
+        vals = ()
+    if len(vals) != 3 or any(not v > 0 for v in vals):
+        raise ValueError(f"{cost!r}: a custom setting is custom:F/B/W with three positive times in ms, "
+                         "such as custom:10/10/5")
+    return vals
+
+
 def stage_times(cost, p, v, args):
     """Per-stage (F, B, W) in ms for S = p * v stages: the rank's costs divided by v."""
     if cost in PAPER:
         f, b, w = (t * args.paper_scale for t in PAPER[cost])
+    elif cost.startswith("custom:"):
+        f, b, w = parse_custom(cost)
     else:
         f = b = w = args.equal_ms
     times = [(f / v, b / v, w / v)] * (p * v)
     if cost == "lm-head":
         times[-1] = tuple(2 * t for t in times[-1])
     return times
-
-
-def label(impl, name):
-    return f"{impl} {name}"
 
 
 class Config:
@@ -311,97 +348,6 @@ def check(cfg, losses, ref):
     return bad is None, bad, seen
 
 
-# ---- measured timelines and plans (zbpp's simulator) ------------------------------------------------
-
-class _Recorder:
-    """(type, stage, mb, start, end) of every op a torch stage runs: wraps its public
-    forward_one_chunk / backward_one_chunk / backward_weight_one_chunk for one step."""
-
-    def __init__(self, stages):
-        self.ops, self.saved = [], []
-        for st in stages:
-            for name, kind in (("forward_one_chunk", "F"), ("backward_one_chunk", None),
-                               ("backward_weight_one_chunk", "W")):
-                fn = getattr(st, name)
-                self.saved.append((st, name))
-                setattr(st, name, self._wrap(fn, kind, st.stage_index))
-
-    def _wrap(self, fn, kind, stage):
-        def timed(mb, *a, **k):
-            full = k.get("full_backward", a[1] if len(a) > 1 else True)
-            t0 = time.perf_counter()
-            try:
-                return fn(mb, *a, **k)
-            finally:
-                self.ops.append((kind or ("BW" if full else "B"), stage, mb, t0, time.perf_counter()))
-        return timed
-
-    def remove(self):
-        for st, name in self.saved:
-            del st.__dict__[name]
-
-
-def measured_timeline(cfg):
-    """One more step of cfg, recorded: a zbpp.Schedule with the measured times on rank 0 (None
-    elsewhere). zbpp's runner keeps its own op times (timeline(), a collective); torch's ops are
-    recorded around its stages' calls."""
-    import torch.distributed as dist
-    import zbpp
-
-    if cfg.impl == "zbpp":
-        cfg.timed_step()
-        timeline = cfg.sched.timeline()
-        return timeline if cfg.rank == 0 else (timeline.close() or None)
-    rec = _Recorder(cfg.stages)
-    try:
-        cfg.timed_step()
-    finally:
-        rec.remove()
-    got = [None] * cfg.p
-    dist.all_gather_object(got, rec.ops, group=cfg.group)
-    if cfg.rank != 0:
-        return None
-    ops = [[(t, s, mb) for t, s, mb, _, _ in rank_ops] for rank_ops in got]
-    placement = "loop" if cfg.placement in ("one", "loop") else "v"
-    timeline = zbpp.Schedule.from_ops(ops, cfg.m, placement=placement, v=cfg.v)
-    timeline.measured = timeline.set_times([[a for *_, a, _ in r] for r in got], [[e for *_, e in r] for r in got])
-    return timeline
-
-
-def op_means(timeline):
-    """Mean measured duration (ms) of each op type over every rank's ops."""
-    durations = {}
-    for r in range(timeline.ranks):
-        starts, ends = timeline.rank_times(r)
-        for op, a, e in zip(timeline.rank_ops(r), starts, ends):
-            durations.setdefault(op.type, []).append(e - a)
-    return {t: statistics.fmean(d) for t, d in durations.items()}
-
-
-def simulated_plan(cfg, timeline):
-    """The cfg's op order simulated on the cell's costs: (zbpp.Schedule, where the order came
-    from). The order is its pipeline_order (torch's classes expose it; zbpp's after its replan);
-    where zbpp cannot run that order (torch's Schedule1F1B IR lacks the last rank's first forward:
-    its _get_pipeline_order starts that rank's forwards at microbatch 1), the order the runtime ran,
-    as recorded in `timeline`, with the reason."""
-    import zbpp
-    from zbpp.pipelining._order import schedule_from_actions
-
-    times = {k: [t[i] for t in cfg.times_ms] for i, k in enumerate("fbw")}
-    order = getattr(cfg.sched, "pipeline_order", None)
-    why = "it has no pipeline_order"
-    if order:
-        try:
-            return schedule_from_actions(order, cfg.p, cfg.S, cfg.m, times=times), "pipeline_order"
-        except Exception as exc:  # noqa: BLE001 - an order zbpp refuses: use the order run instead
-            why = f"its pipeline_order is refused: {str(exc).splitlines()[0]}"
-    ops = [timeline.rank_ops(r) for r in range(timeline.ranks)]
-    placement = "loop" if cfg.placement in ("one", "loop") else "v"
-    plan = zbpp.Schedule.from_ops(ops, cfg.m, placement=placement, v=cfg.v, times=times)
-    plan.validate()
-    return plan, f"the order run ({why})"
-
-
 # ---- one process: every cell of its p ----------------------------------------------------------------
 
 def worker(rank, p, cells, names, args, tmp):
@@ -410,9 +356,11 @@ def worker(rank, p, cells, names, args, tmp):
     dist.init_process_group("gloo", init_method="file://" + os.path.join(tmp, f"store-p{p}"), rank=rank,
                             world_size=p, timeout=datetime.timedelta(seconds=args.timeout))
     torch.set_num_threads(1)
+    slack = set_timer_slack(args.timer_slack_ns) if args.timer_slack_ns > 0 else "timer slack left at the default"
     say = log if rank == 0 else (lambda msg: None)
+    say(f"p={p}: {slack}")
     try:
-        for m, cost in cells:
+        for k, (m, cost) in enumerate(cells):
             t_cell = time.perf_counter()
             cfgs = [Config(impl, name, rank, p, m, cost, args) for impl, name in names]
             try:
@@ -421,7 +369,8 @@ def worker(rank, p, cells, names, args, tmp):
                 for cfg in cfgs:
                     cfg.close()
             if rank == 0:
-                with open(os.path.join(tmp, f"cell-p{p}-m{m}-{cost}.json"), "w") as f:
+                result["timer_slack"] = slack
+                with open(os.path.join(tmp, f"cell-p{p}-{k}.json"), "w") as f:
                     json.dump(result, f)
             if result.get("failed"):
                 return
@@ -468,10 +417,9 @@ def run_cell(cfgs, rank, p, m, cost, args, say):
     cell["checks"] = checks
     if args.check_only:
         return cell
-    # 2. Warm-up: zbpp profiles steps 2-3 and replans after step 3.
-    for c in live:
-        for _ in range(args.warmup - 1):
-            c.timed_step()
+    # 2. Warm-up, steps 2..warmup, timed for the replan table: zbpp profiles steps 2-3 and
+    # replans at the end of step 3.
+    warm = {c.label: [c.timed_step() for _ in range(args.warmup - 1)] for c in live}
     # 3. Timing, interleaved.
     records = {c.label: [] for c in live}
     n = len(live)
@@ -481,87 +429,46 @@ def run_cell(cfgs, rank, p, m, cost, args, say):
             for _ in range(args.steps):
                 records[c.label].append((rep, c.timed_step()))
     gathered = [None] * p
-    dist.all_gather_object(gathered, records)
-    # 4. One recorded step each: the measured timeline; the plan of each order.
-    timelines = {c.label: measured_timeline(c) for c in live}
+    dist.all_gather_object(gathered, (records, warm))
+    # 4. Recorded steps: the measured timeline and op times; the plan and the replay of each order.
+    timelines = {c.label: measured_timeline(c, args.record_steps) for c in live}
     if rank != 0:
         return cell
     for c in live:
-        steps = [max(g[c.label][k][1] for g in gathered) * 1e3 for k in range(len(records[c.label]))]
+        steps = [max(g[c.label][k][1] for g, _ in gathered) * 1e3 for k in range(len(records[c.label]))]
+        warm_ms = [max(w[c.label][k] for _, w in gathered) * 1e3 for k in range(args.warmup - 1)]
         reps = {}
         for (rep, _), ms in zip(records[c.label], steps):
             reps.setdefault(rep, []).append(ms)
-        tl = timelines[c.label]
+        tl, durations = timelines[c.label]
         plan, source = simulated_plan(c, tl)
         entry = {"label": c.label, "impl": c.impl, "name": c.name, "stages_per_rank": c.v,
                  "step_ms": steps, "rep_ms": [statistics.fmean(v) for _, v in sorted(reps.items())],
-                 "median_ms": statistics.median(steps), "plan_ms": plan.simulate().cost,
-                 "plan_source": source, "op_means_ms": op_means(tl), "measured_span_ms": tl.measured.cost,
+                 "median_ms": statistics.median(steps), "warmup_ms": warm_ms, "plan_ms": plan.simulate().cost,
+                 "replay_ms": replay(c, tl, durations), "plan_source": source, "op_means_ms": op_means(tl),
+                 "stage_op_ms": stage_op_means(tl, durations), "measured_span_ms": tl.measured.cost,
                  "plan_svg": plan.to_svg(), "timeline_svg": tl.to_svg()}
         info = getattr(c.sched, "plan_info", None)
         if info is not None:
-            entry["replan"] = info.summary()
+            entry["replan"] = replan_figures(info, warm_ms, entry["median_ms"])
         cell["configs"].append(entry)
         tl.close()
         plan.close()
     return cell
 
 
-# ---- the report ----------------------------------------------------------------------------------
-
-def paired(cfg, other):
-    """Median over the repetitions of other's mean step / cfg's mean step in the same repetition."""
-    return statistics.median(o / c for c, o in zip(cfg["rep_ms"], other["rep_ms"]))
-
-
-def table(cells):
-    """The markdown table; plans not simulated from pipeline_order are marked and explained below."""
-    lines = ["| p | m | costs | configuration | step (ms, median) | reps min-max | plan (ms) | eff | vs torch 1F1B "
-             "| vs torch same class | W/op (ms) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    notes = {}
-    for cell in cells:
-        by = {c["label"]: c for c in cell["configs"] if "median_ms" in c}
-        base = by.get(label(*BASELINE))
-        for c in cell["configs"]:
-            head = f"| {cell['p']} | {cell['m']} | {cell['cost']} | {c['label']} |"
-            if "skipped" in c:
-                lines.append(f"{head} not run: {c['skipped']} | | | | | | |")
-                continue
-            mark = ""
-            if c["plan_source"] != "pipeline_order":
-                mark = "*" * (list(notes).index(c["plan_source"]) + 1 if c["plan_source"] in notes else len(notes) + 1)
-                notes.setdefault(c["plan_source"], (mark, c["label"]))
-            vs = f"{paired(c, base):.2f}x" if base else "-"
-            twin = by.get(label("torch", c["name"])) if c["impl"] == "zbpp" else None
-            same = f"{paired(c, twin):.2f}x" if twin else "-"
-            w = c["op_means_ms"].get("W")
-            lines.append(f"{head} {c['median_ms']:.1f} | {min(c['rep_ms']):.1f}-{max(c['rep_ms']):.1f} | "
-                         f"{c['plan_ms']:.1f}{mark} | {c['plan_ms'] / c['median_ms']:.2f} | {vs} | {same} | "
-                         f"{'-' if w is None else f'{w:.1f}'} |")
-    for source, (mark, who) in notes.items():
-        lines.append(f"\n{mark} {who}: plan simulated from {source}")
-    return "\n".join(lines)
-
-
-def timeline_svg(cells, want):
-    """The measured timeline of configuration `want` in the first cell that ran it, under its plan,
-    with torch Schedule1F1B's measured timeline of the same cell for comparison."""
-    from zbpp.schedule import stack_svgs
-
-    for cell in cells:
-        by = {c["label"]: c for c in cell["configs"] if "median_ms" in c}
-        if want not in by:
-            continue
-        where = f"p={cell['p']} m={cell['m']} {cell['cost']}"
-        c, parts = by[want], []
-        parts.append((f"{want}: plan ({c['plan_ms']:.1f} ms simulated), {where}", c["plan_svg"]))
-        parts.append((f"{want}: measured ({c['measured_span_ms']:.1f} ms)", c["timeline_svg"]))
-        base = by.get(label(*BASELINE))
-        if base is not None and base is not c:
-            parts.append((f"{base['label']}: measured ({base['measured_span_ms']:.1f} ms)", base["timeline_svg"]))
-        return stack_svgs(parts)
-    return None
+def replan_figures(info, warm_ms, after_ms):
+    """The replan table's figures from zbpp's PlanInfo and the warm-up steps (warm_ms[k] is step
+    k + 2): the median of the profiled steps before the one the replan ran at the end of, that
+    step, and the median step after (the timed steps)."""
+    a, b = info.profile_steps or (info.step, info.step)
+    step_ms = {k + 2: ms for k, ms in enumerate(warm_ms)}
+    before = [step_ms[k] for k in range(a, b) if k in step_ms]
+    return {"summary": info.summary(), "profile_steps": [a, b], "step": info.step, "switched": bool(info.switched),
+            "before_ms": statistics.median(before) if before else None, "replan_step_ms": step_ms.get(info.step),
+            "after_ms": after_ms, "simulated_ms": info.simulated.cost,
+            "simulated_before_ms": (info.before.cost if info.before is not None
+                                    else None if info.switched else info.simulated.cost)}
 
 
 # ---- the command line --------------------------------------------------------------------------------
@@ -579,7 +486,8 @@ def parse_args(argv=None):
     ap.add_argument("--p", default="2,4,8", help="pipeline ranks (processes), comma-separated (default 2,4,8)")
     ap.add_argument("--m", default="2p,4p", help="microbatches: numbers or multiples of p such as 2p (default 2p,4p)")
     ap.add_argument("--costs", default=",".join(COSTS),
-                    help=f"cost settings among {', '.join(COSTS)} and 'paper' for the four paper ones (default all)")
+                    help=f"cost settings among {', '.join(COSTS)}, 'paper' for the four paper ones and custom:F/B/W "
+                         "in ms such as custom:10/10/5 (default all but custom)")
     ap.add_argument("--classes", default=None,
                     help="configurations: torch class names (" + ", ".join(TORCH_CLASSES) + ") and zbpp kinds ("
                     + ", ".join(ZBPP_KINDS) + "); default all. torch Schedule1F1B always runs as the baseline.")
@@ -599,6 +507,15 @@ def parse_args(argv=None):
                          "and --check-only 10 min)")
     ap.add_argument("--out", default=None, help="folder for table.md and timeline.svg (default a new temporary one)")
     ap.add_argument("--json", default=None, help="also write every figure as JSON there")
+    ap.add_argument("--stability", type=int, default=None, metavar="N",
+                    help="run the one configuration given (one --p, --m, --costs; --classes one name, without the "
+                         "torch Schedule1F1B baseline) N times as separate launches and report the spread of the "
+                         "post-replan medians")
+    ap.add_argument("--record-steps", type=int, default=3,
+                    help="recorded steps after the timing, for the timeline, W/op and the replay (default 3)")
+    ap.add_argument("--timer-slack-ns", type=int, default=1,
+                    help="timer slack of every process, ns (prctl PR_SET_TIMERSLACK; default 1; 0 leaves the "
+                         "kernel's default, 50 us)")
     ap.add_argument("--svg-config", default=None,
                     help="the configuration whose measured timeline is drawn (default 'zbpp zb-v', else the first)")
     args = ap.parse_args(argv)
@@ -626,8 +543,15 @@ def parse_args(argv=None):
             costs.extend(PAPER)
         elif item in COSTS:
             costs.append(item)
+        elif item.startswith("custom:"):
+            try:
+                parse_custom(item)
+            except ValueError as exc:
+                ap.error(f"--costs: {exc}")
+            costs.append(item)
         else:
-            ap.error(f"--costs: unknown setting {item!r}; choose among {', '.join(COSTS)} and paper")
+            ap.error(f"--costs: unknown setting {item!r}; choose among {', '.join(COSTS)}, paper and custom:F/B/W "
+                     "(ms, such as custom:10/10/5)")
     args.cost_list = list(dict.fromkeys(costs))
     names = list(TORCH_CLASSES) + list(ZBPP_KINDS) if args.classes is None else _list(args.classes)
     for n in names:
@@ -637,7 +561,7 @@ def parse_args(argv=None):
     impls = ("torch", "zbpp") if args.impl == "both" else (args.impl,)
     if args.classes is not None and "zbpp" not in impls and any(n in ZBPP_KINDS for n in names):
         ap.error("--classes names zbpp kinds, which run through zbpp only; use --impl zbpp or both")
-    configs = [BASELINE] if "torch" in impls else []
+    configs = [BASELINE] if "torch" in impls and args.stability is None else []
     for n in names:
         for impl in (impls if n in TORCH_CLASSES else ("zbpp",) if "zbpp" in impls else ()):
             if (impl, n) not in configs:
@@ -645,9 +569,21 @@ def parse_args(argv=None):
     if not configs:
         ap.error("no configuration to run: zbpp's kinds need --impl zbpp or both")
     args.configs = configs
-    for x in (args.reps, args.steps, args.warmup):
+    for x in (args.reps, args.steps, args.warmup, args.record_steps):
         if x < 1:
-            ap.error("--reps, --steps and --warmup must be >= 1")
+            ap.error("--reps, --steps, --warmup and --record-steps must be >= 1")
+    if args.timer_slack_ns < 0:
+        ap.error(f"--timer-slack-ns must be >= 0 (0: the kernel's default), got {args.timer_slack_ns}")
+    if args.stability is not None:
+        if args.stability < 2:
+            ap.error(f"--stability needs at least 2 launches to compare, got {args.stability}")
+        if args.check_only:
+            ap.error("--stability times launches; it does not go with --check-only")
+        n_m = len(_list(args.m))
+        if len(args.ps) != 1 or n_m != 1 or len(args.cost_list) != 1 or len(configs) != 1:
+            ap.error(f"--stability runs one configuration: give one --p, one --m, one --costs and --classes one "
+                     f"name (got p {args.p!r}, m {args.m!r}, costs {args.costs!r}, "
+                     f"{len(configs)} configurations: {', '.join(label(*c) for c in configs)})")
     if args.warmup < 4 and not args.check_only:
         log("note: zbpp replans after step 3; with --warmup < 4 the first timed steps run the plan before it")
     return args
@@ -682,52 +618,69 @@ def preflight(args):
     return got
 
 
-def main(argv=None):
-    args = parse_args(argv)
+def launch(p, todo, names, args, t0):
+    """One launch of p processes over the cells `todo` ([(m, cost)]): (cells, failure text or
+    None). Each launch gets its own folder, so its rendezvous file is new."""
     import torch.multiprocessing as mp
 
+    cells = []
+    with tempfile.TemporaryDirectory(prefix="bench_synthetic-") as tmp:
+        ctx = mp.start_processes(worker, args=(p, todo, names, args, tmp), nprocs=p, join=False, start_method="spawn")
+        failure = None
+        try:
+            while not ctx.join(timeout=2):
+                if time.time() - t0 > args.deadline:
+                    failure = f"the run passed --deadline {args.deadline:g} s"
+                    break
+        except Exception as exc:  # noqa: BLE001 - a process failed: say which and why below
+            failure = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+        if failure:
+            for proc in ctx.processes:
+                if proc.is_alive():
+                    proc.kill()
+                    proc.join(10)
+            for r in range(p):
+                path = os.path.join(tmp, f"error-p{p}-rank{r}.txt")
+                if os.path.exists(path):
+                    with open(path) as f:
+                        log(f"p={p} rank {r} failed:\n{f.read()}")
+        for k in range(len(todo)):
+            path = os.path.join(tmp, f"cell-p{p}-{k}.json")
+            if os.path.exists(path):
+                with open(path) as f:
+                    cells.append(json.load(f))
+    return cells, failure
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    slack = set_timer_slack(args.timer_slack_ns) if args.timer_slack_ns > 0 else "timer slack left at the default"
     preflight(args)
     out = args.out or tempfile.mkdtemp(prefix="bench_synthetic-")
     os.makedirs(out, exist_ok=True)
     names = args.configs
     log(f"p {args.ps}, m {args.m}, costs {args.cost_list}; {len(names)} configurations per cell; "
-        f"warm-up {args.warmup}, {args.reps} repetitions x {args.steps} steps; load average "
-        f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+        f"warm-up {args.warmup}, {args.reps} repetitions x {args.steps} steps"
+        + (f"; {args.stability} separate launches" if args.stability else "")
+        + f"; {slack}; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     t0 = time.time()
     cells = []
-    with tempfile.TemporaryDirectory(prefix="bench_synthetic-") as tmp:
-        for p in args.ps:
-            todo = [(m, cost) for m in m_values(args.m, p) for cost in args.cost_list]
-            ctx = mp.start_processes(worker, args=(p, todo, names, args, tmp), nprocs=p, join=False,
-                                     start_method="spawn")
-            failure = None
-            try:
-                while not ctx.join(timeout=2):
-                    if time.time() - t0 > args.deadline:
-                        failure = f"the run passed --deadline {args.deadline:g} s"
-                        break
-            except Exception as exc:  # noqa: BLE001 - a process failed: say which and why below
-                failure = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
-            if failure:
-                for proc in ctx.processes:
-                    if proc.is_alive():
-                        proc.kill()
-                        proc.join(10)
-                for r in range(p):
-                    path = os.path.join(tmp, f"error-p{p}-rank{r}.txt")
-                    if os.path.exists(path):
-                        with open(path) as f:
-                            log(f"p={p} rank {r} failed:\n{f.read()}")
-            for m, cost in todo:
-                path = os.path.join(tmp, f"cell-p{p}-m{m}-{cost}.json")
-                if os.path.exists(path):
-                    with open(path) as f:
-                        cells.append(json.load(f))
-            failed = [c["failed"] for c in cells if c.get("failed")]
-            if failure or failed:
-                log("aborted: " + (failed[0] if failed else failure))
-                write_results(args, cells, out, time.time() - t0)
-                return 1
+    runs = [(p, None) for p in args.ps] if args.stability is None else [(args.ps[0], k) for k in range(args.stability)]
+    for p, k in runs:
+        if k is not None:
+            log(f"launch {k + 1} of {args.stability}; load average {os.getloadavg()[0]:.1f}")
+        todo = [(m, cost) for m in m_values(args.m, p) for cost in args.cost_list]
+        got, failure = launch(p, todo, names, args, t0)
+        for cell in got:
+            cell["load_average"] = os.getloadavg()
+            if k is not None:
+                cell["launch"] = k + 1
+        cells.extend(got)
+        failed = [c["failed"] for c in cells if c.get("failed")]
+        if failure or failed:
+            log("aborted: " + (failed[0] if failed else failure))
+            write_results(args, cells, out, time.time() - t0)
+            return 1
     write_results(args, cells, out, time.time() - t0)
     return 0
 
@@ -751,7 +704,12 @@ def _tree_state():
 def write_results(args, cells, out, seconds):
     timed = [c for c in cells if not c.get("failed") and not args.check_only]
     if timed:
-        text = table(timed)
+        slack = sorted({c.get("timer_slack", "?") for c in timed})
+        parts = [table(timed) if args.stability is None else stability_table(timed),
+                 replan_table(timed) if args.stability is None else None,
+                 f"Processes: {'; '.join(slack)}. Load average (1, 5, 15 min) after the run: "
+                 + ", ".join(f"{x:.1f}" for x in os.getloadavg()) + f" on {os.cpu_count()} cores."]
+        text = "\n\n".join(t for t in parts if t)
         print(text)
         with open(os.path.join(out, "table.md"), "w") as f:
             f.write(text + "\n")
