@@ -660,6 +660,41 @@ typedef struct {
 
 ZB_API zb_status_t zb_transport_create_nccl(zb_transport_t **out, const zb_nccl_transport_config_t *config);
 
+/* Socket transport: host memory between processes over connected stream sockets (AF_UNIX or TCP),
+ * one per peer, which the caller connects and hands over (the Python binding does this for a
+ * torch.distributed group through the job's c10d store). A progress thread per transport writes
+ * queued sends and reads each message into its posted receive, or into a staging buffer until
+ * the receive is posted, so sends never wait for the receiver even when two ranks send each other
+ * large messages at once. Messages carry their channel and size and are matched in order per
+ * (peer, channel). A receive of another size than the message fails with ZB_ERR_INVALID_ARGUMENT.
+ *
+ * Failures: a peer whose connection ends (its process died or closed its transport) fails the
+ * waits on that peer at once with ZB_ERR_REMOTE naming the peer and the channel (messages that
+ * came before stay deliverable). zb_transport_abort sends the reason to every connected peer,
+ * whose waits then all fail with ZB_ERR_REMOTE and that reason. With `abort_signal` set, a wait
+ * that blocks polls it every 0.2 s (on the waiting thread) and the first failure of this rank's own
+ * is published on it, so ranks without a connection to the failed one hear of it too. Buffers
+ * are host memory: a runner on the CUDA backend refuses this transport. */
+#define ZB_SOCKET_TRANSPORT_CONFIG_VERSION 1
+
+typedef struct {
+  uint32_t struct_size; /* sizeof(zb_socket_transport_config_t) */
+  uint32_t version;     /* ZB_SOCKET_TRANSPORT_CONFIG_VERSION */
+  int32_t rank, ranks;
+  /* `ranks` entries: fds[r] a connected stream socket to rank r, -1 for this rank and for ranks it
+   * never exchanges messages with. Read during the call; from the call on, the transport owns the
+   * sockets (made non-blocking, closed by zb_transport_destroy, or before the call returns when it
+   * fails after reading a valid struct_size and version). */
+  const int32_t *fds;
+  zb_abort_signal_t abort_signal; /* optional (all NULL: failures travel over the sockets only) */
+} zb_socket_transport_config_t;
+
+#define ZB_SOCKET_TRANSPORT_CONFIG_INIT                                                            \
+  { sizeof(zb_socket_transport_config_t), ZB_SOCKET_TRANSPORT_CONFIG_VERSION, 0, 1, NULL, {NULL, NULL, NULL} }
+
+/* Does not block (no handshake: the caller's sockets are connected already). */
+ZB_API zb_status_t zb_transport_create_socket(zb_transport_t **out, const zb_socket_transport_config_t *config);
+
 /* Tells the peers that this rank failed (their pending and later receives from it fail with
  * ZB_ERR_REMOTE and `reason`). A runner does this itself when an iteration fails. */
 ZB_API zb_status_t zb_transport_abort(zb_transport_t *transport, const char *reason);
