@@ -465,6 +465,7 @@ def replan_figures(info, warm_ms, after_ms):
     step_ms = {k + 2: ms for k, ms in enumerate(warm_ms)}
     before = [step_ms[k] for k in range(a, b) if k in step_ms]
     return {"summary": info.summary(), "profile_steps": [a, b], "step": info.step, "switched": bool(info.switched),
+            "digest": info.digest,
             "before_ms": statistics.median(before) if before else None, "replan_step_ms": step_ms.get(info.step),
             "after_ms": after_ms, "simulated_ms": info.simulated.cost,
             "simulated_before_ms": (info.before.cost if info.before is not None

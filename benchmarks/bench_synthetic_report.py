@@ -80,7 +80,8 @@ def replan_table(cells):
 
 def stability_table(launches):
     """One row per launch of the one configuration, then the spread of the post-replan medians
-    (max / min - 1) against the 3% target. launches: the cells, one per launch."""
+    (max / min - 1) against the 3% target and how many different plans the launches replanned to
+    (the digest of the op lists run). launches: the cells, one per launch."""
     rows = [c for cell in launches for c in cell["configs"] if "median_ms" in c]
     if not rows:
         return None
@@ -88,19 +89,22 @@ def stability_table(launches):
     lines = [f"{rows[0]['label']}, p={first['p']} m={first['m']} {first['cost']}: {len(rows)} separate launches",
              "",
              "| launch | before replan (ms) | replan step (ms) | after replan (ms, median) | reps min-max | switched "
-             "| plan (ms) | replay (ms) | runtime eff |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| plan run (digest) | plan (ms) | replay (ms) | runtime eff |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for k, c in enumerate(rows, 1):
         rp = c.get("replan") or {}
         switched = "-" if not rp else ("yes" if rp["switched"] else "no")
         lines.append(f"| {k} | {_ms(rp.get('before_ms'))} | {_ms(rp.get('replan_step_ms'))} | {c['median_ms']:.1f} | "
-                     f"{min(c['rep_ms']):.1f}-{max(c['rep_ms']):.1f} | {switched} | {c['plan_ms']:.1f} | "
+                     f"{min(c['rep_ms']):.1f}-{max(c['rep_ms']):.1f} | {switched} | {rp.get('digest', '-')[:10]} | "
+                     f"{c['plan_ms']:.1f} | "
                      f"{c['replay_ms']:.1f} | {c['replay_ms'] / c['median_ms']:.2f} |")
     after = [c["median_ms"] for c in rows]
     spread = max(after) / min(after) - 1
     verdict = "within" if spread <= STABILITY_TARGET else "NOT within"
+    plans = {(c.get("replan") or {}).get("digest") for c in rows}
     lines.append(f"\nspread of the post-replan medians: {min(after):.1f}-{max(after):.1f} ms, "
-                 f"{100 * spread:.1f}% ({verdict} the {100 * STABILITY_TARGET:.0f}% target)")
+                 f"{100 * spread:.1f}% ({verdict} the {100 * STABILITY_TARGET:.0f}% target); "
+                 f"{len(plans)} different plan(s) run after the replan")
     return "\n".join(lines)
 
 
