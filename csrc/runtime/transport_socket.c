@@ -104,7 +104,7 @@ typedef struct {
   int wake[2];
   pthread_t thread;
   int thread_started, stop;
-  int failed;
+  int failed, from_peer, signal_asked; /* from_peer: the failure is a peer's abort message */
   zb_status_t fail_status;
   char fail_msg[1024];
   zb_abort_signal_t signal;
@@ -308,7 +308,7 @@ static void body_done(sock_t *s, peer_t *p, int32_t src, int32_t me) {
   } else if (p->in_abort) {
     char msg[1024];
     snprintf(msg, sizeof msg, "rank %d failed: %.990s", (int)src, p->in_abort);
-    fail_all(s, ZB_ERR_REMOTE, msg);
+    if (fail_all(s, ZB_ERR_REMOTE, msg)) s->from_peer = 1;
     free(p->in_abort);
   }
   p->in_req = NULL, p->in_msg = NULL, p->in_abort = NULL;
@@ -401,7 +401,21 @@ static void *progress(void *arg) {
 
 /* ---- the transport operations ------------------------------------------------------------------ */
 
-static zb_status_t failed_error(sock_t *s) { return ZB_FAIL(s->fail_status, "%s", s->fail_msg); }
+/* The transport's failure as a status and message. A peer's abort message carries that peer's
+ * own text, but the signal holds the failure every rank agrees came first (the binding publishes a
+ * stage's exception there before the runner aborts), so once per failure the signal's text is
+ * preferred. Caller holds mu; it is dropped while the signal is asked. */
+static zb_status_t failed_error(sock_t *s) {
+  if (s->from_peer && !s->signal_asked && s->signal.poll) {
+    char msg[1024] = "";
+    s->signal_asked = 1;
+    pthread_mutex_unlock(&s->mu);
+    int fired = s->signal.poll(s->signal.user, msg, sizeof msg);
+    pthread_mutex_lock(&s->mu);
+    if (fired && msg[0]) snprintf(s->fail_msg, sizeof s->fail_msg, "%s", msg);
+  }
+  return ZB_FAIL(s->fail_status, "%s", s->fail_msg);
+}
 
 static zb_status_t sock_start(zb_transport_t *t, zb__request_t *req) {
   sock_t *s = S(t);
@@ -566,7 +580,13 @@ static void sock_abort(zb_transport_t *t, const char *reason) {
   char msg[1024];
   snprintf(msg, sizeof msg, "rank %d failed: %.990s", (int)t->rank, reason);
   pthread_mutex_lock(&s->mu);
-  int first = fail_all(s, ZB_ERR_REMOTE, msg);
+  int first = !s->failed;
+  pthread_mutex_unlock(&s->mu);
+  /* Published before the peers hear of it over the sockets, so that they find it on the signal
+   * (failed_error) rather than only this rank's abort text. */
+  if (first && s->signal.publish) s->signal.publish(s->signal.user, reason);
+  pthread_mutex_lock(&s->mu);
+  fail_all(s, ZB_ERR_REMOTE, msg);
   /* Tell every peer, after whatever part of a message the stream is in the middle of. */
   size_t len = strlen(reason) < ABORT_TEXT_MAX ? strlen(reason) : ABORT_TEXT_MAX;
   for (int32_t k = 0; k < t->ranks; k++) {
@@ -600,7 +620,6 @@ static void sock_abort(zb_transport_t *t, const char *reason) {
   }
   wake_thread(s);
   pthread_mutex_unlock(&s->mu);
-  if (first && s->signal.publish) s->signal.publish(s->signal.user, reason);
 }
 
 static void sock_destroy(zb_transport_t *t) {

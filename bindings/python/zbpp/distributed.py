@@ -1,10 +1,25 @@
-"""The C callback transport over torch.distributed point-to-point (gloo on CPU).
+"""zbpp's host transport for a torch.distributed group, and the process-group helpers.
 
-What this is: `TorchTransport(group, timeout)`, the Python half of zb_transport_create_callback.
-The C runner and optimizer call isend/irecv with raw addresses; this wraps each address range in a
-uint8 tensor (no copy) and starts torch.distributed.isend/irecv on the pipeline's process group,
-with the C channel number as the tag. wait() turns torch's exceptions into zb statuses and keeps
-the reason, so an error says which peer failed and why:
+What this is: `TorchTransport(group, timeout, name)`, the transport the C runner and the optimizer's
+post-validation use to move host memory between the ranks of a pipeline. By default it is the
+library's socket transport (zb_transport_create_socket, csrc/runtime/transport_socket.c): every
+transfer stays in C (a progress thread per rank, no Python and no thread hand-over on the path),
+and this module only connects the sockets (connect_sockets): AF_UNIX when every rank of the group
+runs on one host, else TCP; each rank publishes its address in the job's c10d store under the
+pipeline's key, connects to the ranks below it and accepts the ranks above it, bounded by the
+timeout, with an error naming the rank that never came. A failure reaches every rank at once:
+the failed rank's abort goes over its sockets and is published in the store (first failure wins),
+and a closed connection fails the waits on that peer naming it.
+
+ZBPP_HOST_TRANSPORT picks the transport: "socket" (the default: AF_UNIX on one host, else TCP),
+"unix", "tcp", or "gloo" for the earlier path below. The gloo path is also used, on every rank
+alike, when there is no c10d store or no pipeline key, or when some rank cannot listen on a socket.
+
+The gloo path: the Python half of zb_transport_create_callback. The C runner and optimizer call
+isend/irecv with raw addresses; this wraps each address range in a uint8 tensor (no copy) and
+starts torch.distributed.isend/irecv on the pipeline's process group, with the C channel number as
+the tag. wait() turns torch's exceptions into zb statuses and keeps the reason, so an error says
+which peer failed and why:
 
   - gloo reports a peer process that died at once ("Connection closed by peer"): ZB_ERR_REMOTE;
   - a peer that is alive but silent runs into the timeout: ZB_ERR_TIMEOUT.
@@ -13,38 +28,44 @@ Also here: the few process-group helpers the CUDA pipeline needs: whether a grou
 tensors (`takes_cpu`), a gloo group for host-memory messages (`cpu_group`), and sending a few
 bytes from one rank to all (`broadcast_bytes`, for the NCCL unique id).
 
-A failure reaches every rank within a second (given `name`, the same on every rank of the
-pipeline): gloo has no way to withdraw a receive, and a peer that is alive but failed closes
-nothing, so without help its peers would wait out the whole timeout. abort() writes the failure
-(the runner's message: rank, op, microbatch, why) under a key of the job's c10d store, first
+On the gloo path a failure reaches every rank within a second (given `name`, the same on every
+rank of the pipeline): gloo has no way to withdraw a receive, and a peer that is alive but failed
+closes nothing, so without help its peers would wait out the whole timeout. abort() writes the
+failure (the runner's message: rank, op, microbatch, why) under a key of the job's c10d store, first
 failure wins; a blocking wait runs on a helper thread while the caller checks that key every
 0.2 s, and fails with ZB_ERR_REMOTE and that message when it appears. Without a c10d store (a
 torch whose private accessor is gone) or a name, waits block as before and the timeout applies.
 
 What this is not: NCCL. Device buffers between GPUs go over the library's own NCCL transport
 (runtime.Transport.nccl); this transport carries host memory only (the optimizer's post-validation
-state, and everything on CPU pipelines). After a failure the gloo pairs involved are closed; the
-process group cannot be used for further point-to-point traffic.
+state, and everything on CPU pipelines). After a failure on the gloo path the gloo pairs involved
+are closed; the process group cannot be used for further point-to-point traffic.
 
-Shutdown: gloo's worker threads drop their last reference to a finished request's tensors a moment
-after the request completes, and dropping a tensor that has a Python object needs the GIL. A script
-that ends right after its last step (or right after destroy_process_group, with zbpp still holding
-its groups) can start interpreter finalization in that moment; a thread that then asks for the
-GIL is ended by Python inside C++ code that must not unwind, and the process dies with
-"terminate called without an active exception" (SIGABRT). So the transport keeps its finished
-requests (tensor views, no copies) for one more step (end_step; memory stays flat), and the first
-transport made registers an exit hook (_at_exit) that gives gloo's threads a short while, with the
-GIL free, to finish releasing what the last collectives used before finalization begins. The same
-hook ends the waits a failure left stuck on zbpp's helper threads (see _Waiter): that was the
-SIGABRT of a rank that caught a peer's failure and returned normally.
+Shutdown (gloo path): gloo's worker threads drop their last reference to a finished request's
+tensors a moment after the request completes, and dropping a tensor that has a Python object needs
+the GIL. A script that ends right after its last step (or right after destroy_process_group, with
+zbpp still holding its groups) can start interpreter finalization in that moment; a thread that
+then asks for the GIL is ended by Python inside C++ code that must not unwind, and the process
+dies with "terminate called without an active exception" (SIGABRT). So the transport keeps its
+finished requests (tensor views, no copies) for one more step (end_step; memory stays flat), and
+the first transport made registers an exit hook (_at_exit) that gives gloo's threads a short while,
+with the GIL free, to finish releasing what the last collectives used before finalization begins.
+The same hook ends the waits a failure left stuck on zbpp's helper threads (see _Waiter): that was
+the SIGABRT of a rank that caught a peer's failure and returned normally. The socket transport's
+progress thread never calls into Python, so none of this applies to it.
 """
 
 import atexit
 import concurrent.futures
 import ctypes
 import datetime
+import hashlib
 import itertools
+import os
 import queue
+import secrets
+import socket
+import struct
 import threading
 import time
 import weakref
@@ -54,8 +75,8 @@ import torch.distributed as dist
 
 from . import _lib, runtime
 
-__all__ = ["TorchTransport", "broadcast_bytes", "cpu_group", "global_rank", "group_rank", "group_size",
-           "takes_cpu"]
+__all__ = ["TorchTransport", "broadcast_bytes", "connect_sockets", "cpu_group", "global_rank", "group_rank",
+           "group_size", "host_transport_kind", "takes_cpu"]
 
 
 def group_rank(group=None):
@@ -279,10 +300,219 @@ def _at_exit():
     time.sleep(_EXIT_GRACE_S)  # sleeping releases the GIL for gloo's threads
 
 
+# ---- the socket transport's connections ------------------------------------------------------------
+
+_HOST_TRANSPORTS = ("socket", "unix", "tcp", "gloo")
+_SOCK_PREFIX = "zbpp/sock/"
+_HELLO = struct.Struct("<8sii16s")  # magic, rank, ranks, the setup's token
+_HELLO_MAGIC = b"zbpphost"
+_STORE_POLL_S = 0.01
+_generations = {}  # pipeline key -> transports made for it so far (every rank makes them in one order)
+
+
+def host_transport_kind():
+    """The host transport ZBPP_HOST_TRANSPORT asks for: "socket" (default), "unix", "tcp" or "gloo"."""
+    kind = os.environ.get("ZBPP_HOST_TRANSPORT", "").strip().lower() or "socket"
+    if kind not in _HOST_TRANSPORTS:
+        raise ValueError(f"zbpp: ZBPP_HOST_TRANSPORT={kind!r} is not a host transport; use one of "
+                         f"{', '.join(_HOST_TRANSPORTS)} (socket: AF_UNIX on one host, else TCP; gloo: the "
+                         "torch.distributed callback path)")
+    return kind
+
+
+class _NoSockets(Exception):
+    """Sockets cannot be used by every rank alike: the caller takes the gloo path (the text says why)."""
+
+
+def _wait_keys(store, keys, deadline, what, failure_key):
+    """Waits until every key of {rank: key} is in the store; returns {rank: value}. Fails at the
+    deadline naming the ranks whose key never came, or at once when a rank published a failure."""
+    got = {}
+    while True:
+        for r, key in keys.items():
+            if r not in got and store.check([key]):
+                got[r] = store.get(key).decode("utf-8", errors="replace")
+        if len(got) == len(keys):
+            return got
+        if failure_key is not None:
+            failed = published_failure(store, failure_key)
+            if failed is not None:
+                raise RuntimeError(f"zbpp: setting up the socket transport stopped: {failed}")
+        if time.monotonic() > deadline:
+            missing = sorted(set(keys) - set(got))
+            raise TimeoutError(f"zbpp: setting up the host transport: rank(s) {', '.join(map(str, missing))} of the "
+                               f"pipeline did not {what} within the timeout; is every rank of the pipeline running "
+                               "(and taking the same step)?")
+        time.sleep(_STORE_POLL_S)
+
+
+def _local_address(store):
+    """This host's address as the other hosts reach it: ZBPP_HOST_ADDR, else the interface that
+    routes to the c10d store's host (a TCPStore), else the host name's address."""
+    given = os.environ.get("ZBPP_HOST_ADDR")
+    if given:
+        return given
+    host = getattr(store, "host", None)
+    if host:
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+                probe.connect((host, 9))  # no packet is sent: this only picks the route
+                return probe.getsockname()[0]
+        except OSError:
+            pass
+    return socket.gethostbyname(socket.gethostname())
+
+
+def _listen(kind, store):
+    """A listening socket and the address to publish for it, "unix:<name>" or "tcp:<host>:<port>"."""
+    if kind == "unix":
+        name = f"zbpp-{os.getpid()}-{secrets.token_hex(8)}"
+        lst = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        lst.bind("\0" + name)  # Linux's abstract namespace: no file to clean up
+        lst.listen(256)
+        return lst, f"unix:{name}"
+    host = _local_address(store)
+    lst = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    lst.bind((host, 0))
+    lst.listen(256)
+    return lst, f"tcp:{host}:{lst.getsockname()[1]}"
+
+
+def _tune(sock):
+    if sock.family == socket.AF_INET:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # small messages leave at once
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        try:  # larger buffers let more sends finish on the caller's thread (capped by the kernel)
+            sock.setsockopt(socket.SOL_SOCKET, opt, 4 << 20)
+        except OSError:
+            pass
+
+
+def _connect(addr, deadline):
+    kind, _, rest = addr.partition(":")
+    while True:
+        if kind == "unix":
+            sock, target = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM), "\0" + rest
+        else:
+            host, _, port = rest.rpartition(":")
+            sock, target = socket.socket(socket.AF_INET, socket.SOCK_STREAM), (host, int(port))
+        sock.settimeout(max(deadline - time.monotonic(), 0.01))
+        try:
+            sock.connect(target)
+            return sock
+        except OSError:
+            sock.close()
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(_STORE_POLL_S)
+
+
+def _recv_exact(sock, n):
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise ConnectionError("the connection closed during the handshake")
+        data += chunk
+    return data
+
+
+def _is_unix(fds):
+    for fd in fds:
+        if fd >= 0:
+            with socket.socket(fileno=fd) as sock:
+                try:
+                    return sock.family == socket.AF_UNIX
+                finally:
+                    sock.detach()
+    return False
+
+
+def connect_sockets(group, name, timeout, kind="socket"):
+    """One connected stream socket per peer of this rank in `group` (a list of file descriptors,
+    -1 for this rank), for runtime.Transport.socket, which takes them over. A collective: every
+    rank of the group calls it with the same `name` (the pipeline's key, published under in the
+    job's c10d store), in the same order. kind: "socket" (AF_UNIX when every rank is on this host,
+    else TCP), "unix" or "tcp". Rank r connects to the ranks below it and accepts the ranks above,
+    all bounded by `timeout` seconds; a rank that never comes is named in the TimeoutError. Raises
+    _NoSockets (every rank alike) when there is no store or some rank cannot listen."""
+    store = _default_store()
+    if store is None or name is None:
+        raise _NoSockets("no c10d store or pipeline key to publish the addresses under")
+    rank, ranks = dist.get_rank(group), dist.get_world_size(group)
+    gen = _generations[name] = _generations.get(name, 0) + 1
+    prefix = f"{_SOCK_PREFIX}{name}/{gen}/"
+    failure_key = _ABORT_PREFIX + name
+    deadline = time.monotonic() + timeout
+    others = [r for r in range(ranks) if r != rank]
+    # Round 1: hosts, so that every rank picks the same family.
+    store.set(f"{prefix}host/{rank}", socket.gethostname())
+    hosts = _wait_keys(store, {r: f"{prefix}host/{r}" for r in range(ranks)}, deadline,
+                       "start setting up its host transport", failure_key)
+    family = kind if kind != "socket" else ("unix" if len(set(hosts.values())) == 1 else "tcp")
+    # Round 2: addresses ("-" from a rank that cannot listen: every rank then takes the gloo path).
+    lst = None
+    try:
+        lst, addr = _listen(family, store)
+    except OSError as exc:
+        addr = "-" + first_line(exc)
+    try:
+        store.set(f"{prefix}addr/{rank}", addr)
+        addrs = _wait_keys(store, {r: f"{prefix}addr/{r}" for r in range(ranks)}, deadline,
+                           "publish its socket address", failure_key)
+        bad = {r: a[1:] for r, a in addrs.items() if a.startswith("-")}
+        if bad:
+            raise _NoSockets("; ".join(f"rank {r} cannot listen on a {family} socket: {why}" for r, why in bad.items()))
+        token = hashlib.sha256(prefix.encode()).digest()[:16]  # this setup's, not an older one's
+        fds, socks = [-1] * ranks, {}
+        try:
+            for peer in others:
+                if peer > rank:
+                    continue
+                sock = _connect(addrs[peer], deadline)
+                sock.sendall(_HELLO.pack(_HELLO_MAGIC, rank, ranks, token))
+                socks[peer] = sock
+            while len(socks) < len(others):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    missing = [r for r in others if r not in socks]
+                    raise TimeoutError(f"zbpp: setting up the host transport: rank(s) {', '.join(map(str, missing))} "
+                                       f"did not connect to rank {rank} within {timeout:.3g} s")
+                lst.settimeout(left)
+                try:
+                    sock, _ = lst.accept()
+                except socket.timeout:
+                    continue
+                sock.settimeout(max(deadline - time.monotonic(), 0.01))
+                try:
+                    magic, peer, n, tok = _HELLO.unpack(_recv_exact(sock, _HELLO.size))
+                except (OSError, ConnectionError, struct.error):
+                    sock.close()
+                    continue
+                if magic != _HELLO_MAGIC or n != ranks or tok != token or not rank < peer < ranks or peer in socks:
+                    sock.close()  # not one of this pipeline's ranks
+                    continue
+                socks[peer] = sock
+            for peer, sock in socks.items():
+                sock.settimeout(None)
+                _tune(sock)
+                fds[peer] = sock.detach()
+            socks.clear()
+            return fds
+        finally:
+            for sock in socks.values():
+                sock.close()
+    finally:
+        if lst is not None:
+            lst.close()
+
+
 class TorchTransport:
     """Point-to-point over a torch.distributed group, for the C runner and optimizer. name: a key
-    every rank of the pipeline gives the same (and no other pipeline of the job), under which a
-    failure is published to the others (see the module docstring); None: no such signal."""
+    every rank of the pipeline gives the same (and no other pipeline of the job), under which the
+    socket transport's addresses and a failure are published to the others (see the module
+    docstring); None: no such signal, and the gloo path. `kind` says which transport runs: "unix",
+    "tcp" or "gloo"; `transport` is the runtime.Transport the runner takes."""
 
     def __init__(self, group=None, timeout=300.0, name=None):
         if not (dist.is_available() and dist.is_initialized()):
@@ -304,6 +534,21 @@ class TorchTransport:
         self._abort_key = _ABORT_PREFIX + name if self._store is not None else None
         self._failed = None  # the first failure's text, once this rank has seen or published it
         self._waiter = None
+        self.kind, self.fallback_reason = "gloo", None
+        wanted = host_transport_kind()
+        if wanted != "gloo" and self.ranks > 1:
+            try:
+                fds = connect_sockets(group, name, timeout, wanted)
+            except _NoSockets as why:
+                self.fallback_reason = str(why)
+            else:
+                family = "unix" if wanted == "unix" or (wanted == "socket" and _is_unix(fds)) else "tcp"
+                me = global_rank(group, self.rank)
+                self.transport = runtime.Transport.socket(self.rank, self.ranks, fds, abort_store=self._store,
+                                                          abort_key=self._abort_key,
+                                                          published_prefix=f"rank {me} failed first: ")
+                self.kind = family
+                return
         self.transport = runtime.Transport.callbacks(self, self.rank, self.ranks)
 
     @property
@@ -396,6 +641,11 @@ class TorchTransport:
             self._keep(self._requests.pop(rid))
 
     def abort(self, reason):
+        if self.kind != "gloo":
+            # The C transport tells its peers over the sockets and publishes in the store.
+            self.last_error = self.last_error or reason
+            self.transport.abort(reason)
+            return
         # gloo has no side channel: the failure goes to the peers through the c10d store (the first
         # rank's wins), where their waits look for it.
         self.last_error = self.last_error or reason

@@ -21,6 +21,7 @@ backend's own stream.
 """
 
 import ctypes
+import os as _os
 
 from . import _lib
 
@@ -141,6 +142,22 @@ class _NcclConfig(_c.Structure):
 
 
 ZB_NCCL_TRANSPORT_CONFIG_VERSION = 1
+
+
+class _SocketConfig(_c.Structure):
+    _fields_ = [
+        ("struct_size", _c.c_uint32),
+        ("version", _c.c_uint32),
+        ("rank", _c.c_int32),
+        ("ranks", _c.c_int32),
+        ("fds", _c.POINTER(_c.c_int32)),
+        ("signal_poll", _SignalPollFn),
+        ("signal_publish", _SignalPublishFn),
+        ("signal_user", _P),
+    ]
+
+
+ZB_SOCKET_TRANSPORT_CONFIG_VERSION = 1
 
 
 class _RunnerConfig(_c.Structure):
@@ -575,8 +592,9 @@ class InprocGroup(_Handle):
 
 
 class Transport(_Handle):
-    """A rank's transport: in-process (`Transport.inproc(group, rank)`) or with Python callbacks
-    (`Transport.callbacks(impl, rank, ranks)`, impl having isend/irecv/wait/cancel/abort)."""
+    """A rank's transport: in-process (`Transport.inproc(group, rank)`), over connected sockets
+    (`Transport.socket(rank, ranks, fds)`), with Python callbacks (`Transport.callbacks(impl, rank,
+    ranks)`, impl having isend/irecv/wait/cancel/abort) or NCCL (`Transport.nccl(...)`)."""
 
     _destroy = "zb_transport_destroy"
 
@@ -638,6 +656,33 @@ class Transport(_Handle):
         return t
 
     @classmethod
+    def socket(cls, rank, ranks, fds, abort_store=None, abort_key=None, published_prefix=""):
+        """The socket transport of rank `rank` of `ranks` (zb_transport_create_socket): fds[r] is a
+        connected stream socket's file descriptor to rank r (-1 for this rank and ranks it never
+        talks to). The transport owns the descriptors from this call on, also when it raises
+        (detach them from their Python socket objects first). abort_store and abort_key as for
+        nccl(): a wait that blocks looks for a published failure every 0.2 s, and this rank's own
+        first failure is published there, after `published_prefix`."""
+        fds = [int(f) for f in fds]
+        if len(fds) != ranks:
+            for f in fds:
+                if f >= 0:
+                    _os.close(f)
+            raise ValueError(f"zbpp: Transport.socket: {len(fds)} descriptors for {ranks} ranks; give one per rank "
+                             "(-1 for this rank)")
+        cfg = _SocketConfig()
+        cfg.struct_size, cfg.version = _c.sizeof(_SocketConfig), ZB_SOCKET_TRANSPORT_CONFIG_VERSION
+        cfg.rank, cfg.ranks = rank, ranks
+        arr = (_c.c_int32 * max(ranks, 1))(*fds)
+        cfg.fds = _c.cast(arr, _c.POINTER(_c.c_int32))
+        t = cls()
+        if abort_store is not None and abort_key is not None:
+            cfg.signal_poll, cfg.signal_publish = _store_signal(abort_store, str(abort_key), published_prefix)
+            t._signal = (cfg.signal_poll, cfg.signal_publish)  # called from C for the transport's life
+        _lib.call("zb_transport_create_socket", [_PP, _c.POINTER(_SocketConfig)], _c.byref(t._h), _c.byref(cfg))
+        return t
+
+    @classmethod
     def nccl(cls, rank, ranks, unique_id, backend, schedule, timeout=300.0, abort_store=None, abort_key=None):
         """The NCCL transport of pipeline rank `rank` of `ranks`: device buffers of `backend` (a
         CUDA Backend, borrowed) between one GPU per process, one communicator and stream per pair
@@ -691,10 +736,11 @@ class Transport(_Handle):
         _lib.call("zb_transport_abort", [_P, _c.c_char_p], self.handle, reason.encode())
 
 
-def _store_signal(store, key):
+def _store_signal(store, key, prefix=""):
     """The C abort signal (zb_abort_signal_t) over a torch.distributed Store: poll reads `key`,
-    publish writes it if nobody has (compare_set: the first failure wins). Both run on the NCCL
-    watchdog's thread; a store that cannot be reached reads as no failure."""
+    publish writes prefix + the message if nobody has (compare_set: the first failure wins). Both
+    run on a library thread (the NCCL watchdog's, or the socket transport's waiting caller); a
+    store that cannot be reached reads as no failure."""
     def poll(_user, buf, cap):
         try:
             if not store.check([key]):
@@ -707,7 +753,7 @@ def _store_signal(store, key):
 
     def publish(_user, msg):
         try:
-            store.compare_set(key, "", (msg or b"").decode("utf-8", errors="replace"))
+            store.compare_set(key, "", prefix + (msg or b"").decode("utf-8", errors="replace"))
         except Exception:  # noqa: BLE001 - best effort: the peers still fail at their timeout
             pass
 
