@@ -87,7 +87,8 @@ class _Stepping:
     def eval(self, *args, target=None, losses=None, **kwargs):
         """One forward-only iteration, as torch's eval(): no gradients, no backward; every rank
         calls it. The loss stage's rank gets the merged output, and each microbatch's loss in
-        `losses` when a loss_fn and a target are given."""
+        `losses` when a loss_fn and a target are given. Takes the batch as step() does, whole or
+        as arg_mbs, kwarg_mbs and target_mbs (torchtitan's validator calls it so)."""
         saved, self._backward_agreed = self._backward_agreed, False
         try:
             return self.step(*args, target=target, losses=losses, **kwargs)
