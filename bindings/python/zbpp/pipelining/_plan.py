@@ -22,6 +22,12 @@ DEFAULT_PROFILE_STEPS = (2, 3)
 # A plan from measured costs replaces the one in force only if it is shorter by this share of its
 # simulated time on those costs: measured costs are noisy, and a swap that buys nothing is a risk.
 REPLAN_MIN_GAIN = 0.01
+# A plan from measured costs is a forecast: after a replan that switched, the new plan's first
+# TRIAL_STEPS steps are measured against the profiled steps of the plan it replaced, and the old
+# plan comes back when the new one measured slower by more than REVERT_MARGIN (a replan is never
+# slower than the plan it replaced, as measured, not only as simulated).
+TRIAL_STEPS = 2
+REVERT_MARGIN = 0.01
 _log = logging.getLogger("zbpp")
 _KEEP = object()
 
@@ -34,6 +40,8 @@ class _Planning:
         rank, which turns them into the same StageCosts and plans again (replan)."""
         runs, self._profile_runs = self._profile_runs, []
         gathered = self._exchange({"runs": [(a, b) for _, a, b in runs], "mem": dict(self._profile_mem)})
+        before = [max(_rank_span(*g["runs"][k]) for g in gathered) for k in range(len(runs))]
+        old_csv = self.schedule.to_csv()
         timelines, bubbles = [], []
         try:
             for k, (text, _, _) in enumerate(runs):
@@ -54,7 +62,36 @@ class _Planning:
         finally:
             for t in timelines:
                 t.close()
-        self.replan(costs, only_if_faster=True, _measured=statistics.median(bubbles) if bubbles else None)
+        info = self.replan(costs, only_if_faster=True, _measured=statistics.median(bubbles) if bubbles else None)
+        if info.switched and before:
+            self._trial = (old_csv, statistics.median(before), [])
+
+    def _trial_step(self):
+        """After each step: while a replan is on trial, every rank's span of this step goes to
+        every rank (a collective, TRIAL_STEPS times after a replan); at the end of the trial the
+        plan it replaced comes back if the new one measured slower (see TRIAL_STEPS)."""
+        trial = getattr(self, "_trial", None)
+        if trial is None or self._last_times is None:
+            return
+        old_csv, before, spans = trial
+        spans.append(max(self._exchange(_rank_span(*self._last_times), "the replanned schedule's trial")))
+        if len(spans) < TRIAL_STEPS:
+            return
+        self._trial = None
+        after = statistics.median(spans)
+        info = self.plan_info
+        if after <= before * (1.0 + REVERT_MARGIN):
+            self.plan_info = info._replace(measured_before=before, measured_after=after)
+            return
+        c = self.costs
+        old = (Schedule.from_csv(old_csv, times=c.times(), comm=c.time_comm, w_share=c.w_share) if c is not None
+               else Schedule.from_csv(old_csv))
+        self._switch_schedule(old)
+        self.plan_info = info._replace(switched=False, reverted=True, measured_before=before, measured_after=after,
+                                       step=self.steps, simulated=info.before or info.simulated,
+                                       digest=hashlib.sha256(old_csv.encode()).hexdigest())
+        if self.rank == 0:
+            _log.info("%s", self.plan_info.summary())
 
     def replan(self, costs=None, mem_limit=_KEEP, *, only_if_faster=False, _measured=None):
         """Plans this schedule's kind again and runs the new plan from the next step on.
@@ -82,6 +119,7 @@ class _Planning:
             except ValueError as exc:
                 raise ValueError(f"zbpp.{name}: {exc}") from None
         with self._failing():
+            self._trial = None  # a replan asked for ends the trial of the one before
             if mem_limit is not _KEEP:
                 self._mem_limit_arg = mem_limit
             return self._replan(costs, only_if_faster, _measured)
@@ -191,6 +229,9 @@ class PlanInfo(NamedTuple):
     switched: bool = True
     candidate: Optional[SimResult] = None
     expected_bubble: Optional[float] = None
+    reverted: bool = False
+    measured_before: Optional[float] = None
+    measured_after: Optional[float] = None
 
     def summary(self):
         text = f"zbpp: planned {self.kind} after step {self.step}"
@@ -199,7 +240,10 @@ class PlanInfo(NamedTuple):
             text += f" from the costs measured in steps {a}-{b}" if a != b else f" from step {a}'s measured costs"
         if self.mem_limit:
             text += f" (memory limit {self.mem_limit:g} microbatches)"
-        if not self.switched:
+        if self.reverted:
+            text += (f": went back to the plan in force before, since the new plan measured slower "
+                     f"({self.measured_after:.1f} ms a step against {self.measured_before:.1f} ms)")
+        elif not self.switched:
             text += (f": kept the plan in force, simulated bubble {100 * self.simulated.bubble_rate:.1f}% on these "
                      f"costs; the new plan would not be faster ({100 * self.candidate.bubble_rate:.1f}%)")
         else:
@@ -215,6 +259,11 @@ class PlanInfo(NamedTuple):
                 f"{c.time_f[s]:.2f}/{c.time_b[s]:.2f}/{c.time_w[s]:.2f}" for s in range(c.stages))
                 + f"; T_comm {c.time_comm:.3f} ms, w_share {c.w_share:.2f}")
         return text
+
+
+def _rank_span(starts, ends):
+    """A rank's span in one step (its first op's start to its last op's end, ms; its own clock)."""
+    return (max(ends) - min(starts)) if starts else 0.0
 
 
 def _profile_window(name, plan_kind, kind, plan_from_measured, profile_steps, times, costs):

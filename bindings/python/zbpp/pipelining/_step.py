@@ -240,6 +240,8 @@ class _Stepping:
                 self._profile_runs.append((self.schedule.to_csv(), *self._last_times))
                 if self.steps == window[1]:
                     self._plan_from_profile()
+            else:
+                self._trial_step()  # a replan on trial is kept or undone (_plan.py, TRIAL_STEPS)
 
     def _scale_grads(self, divisor):
         """Divides the gradients by the number of microbatches, as torch's scale_grads does (a
