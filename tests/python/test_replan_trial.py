@@ -48,3 +48,33 @@ def test_a_replan_that_measures_slower_is_undone(span, kept):
         assert "went back to the plan in force before" in info.summary()
     sched.step(x, target=y)  # and the pipeline runs on
     sched.close()
+
+
+def test_smoothed_costs_merge_stages_within_the_tolerance_only():
+    c = zbpp.StageCosts(4, 1, "loop", [5.4, 6.1, 5.8, 11.0], [0.02, 6.0, 6.3, 12.0], [11.5, 3.0, 3.1, 3.05])
+    s = c.smoothed()
+    assert s.time_f[:3] == [5.8, 5.8, 5.8] and s.time_f[3] == 11.0  # an LM head twice a layer stays
+    assert s.time_b[0] == 0.02 and s.time_b[1] == s.time_b[2] == 6.15 and s.time_b[3] == 12.0
+    assert s.time_w[0] == 11.5 and s.time_w[1:] == [3.05, 3.05, 3.05]
+    assert c.time_f == [5.4, 6.1, 5.8, 11.0], "smoothed() returns a copy"
+
+
+def test_noisy_measurements_of_equal_stages_plan_as_well_as_the_true_costs():
+    """Launches of one configuration measure equal stages a few percent apart; planned on the raw
+    measurements the plans follow that noise and some are longer on the true costs; planned on
+    smoothed costs every one is as short as the plan for the true costs."""
+    import random
+
+    rng = random.Random(7)
+    true = dict(f=5.0, b=5.0, w=2.5)
+    with zbpp.Schedule.generate("zb-v", p=4, m=8, times=true) as best:
+        best_cost = best.simulate().cost
+    smoothed, raw = [], []
+    for _ in range(8):
+        jitter = lambda base: [base * rng.uniform(0.96, 1.04) for _ in range(8)]  # noqa: E731
+        c = zbpp.StageCosts(4, 2, "v", jitter(5.0), jitter(5.0), jitter(2.5))
+        for costs, out in ((c.smoothed(), smoothed), (c, raw)):
+            with costs.plan("zb-v", 8) as sched, zbpp.Schedule.from_csv(sched.to_csv(), times=true) as again:
+                out.append(again.simulate().cost)
+    assert max(smoothed) <= best_cost * 1.001, (smoothed, best_cost)
+    assert max(raw) > best_cost * 1.02, "the raw measurements happened to plan well: the test shows nothing"

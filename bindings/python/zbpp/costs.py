@@ -160,6 +160,12 @@ def _stage_list(values, S, where, key):
     return [_finite(x, where, f"{key}[{i}]") for i, x in enumerate(values)]
 
 
+# StageCosts.smoothed: per-stage times of one op type within this share of each other (or this
+# many ms, near zero) are taken as one cost.
+SMOOTH_TOL = 0.2
+SMOOTH_FLOOR_MS = 0.05
+
+
 class StageCosts:
     """Measured (or given) costs of every stage of a pipeline; see the module docstring.
 
@@ -403,6 +409,37 @@ class StageCosts:
         return statistics.median(results)
 
     # ---- planning --------------------------------------------------------------------------------
+
+    def smoothed(self, tol=SMOOTH_TOL, floor_ms=SMOOTH_FLOOR_MS):
+        """These costs with each op type's per-stage times that lie within `tol` of each other (or
+        within floor_ms, for times near zero) replaced by their median: stages that cost the same
+        measure a little apart on every run (a busier process, a late wake-up), and a plan that
+        follows that noise differs from run to run (bench_synthetic: four launches of one
+        configuration replanned to four different orders). Real differences (an LM head twice a
+        layer, a first stage whose backward is all W) are far larger than tol and stay."""
+        def smooth(values):
+            if values is None:
+                return None
+            order = sorted(range(len(values)), key=lambda s: values[s])
+            out = list(values)
+            group = [order[0]]
+            for s in order[1:] + [None]:
+                low = values[group[0]]
+                if s is not None and values[s] - low <= max(tol * low, floor_ms):
+                    group.append(s)
+                    continue
+                mid = statistics.median(values[g] for g in group)
+                for g in group:
+                    out[g] = mid
+                if s is not None:
+                    group = [s]
+            return out
+
+        copy = StageCosts(self.ranks, self.chunks, self.placement, smooth(self.time_f), smooth(self.time_b),
+                          smooth(self.time_w), smooth(self.time_bw), self.time_comm, self.w_share,
+                          self.mem_f_bytes, self.op_overhead, self.overheads)
+        copy.samples = self.samples
+        return copy
 
     def times(self):
         """The costs as Schedule.generate's per-stage `times` dict."""
