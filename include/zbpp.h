@@ -682,9 +682,10 @@ typedef struct {
   uint32_t version;     /* ZB_SOCKET_TRANSPORT_CONFIG_VERSION */
   int32_t rank, ranks;
   /* `ranks` entries: fds[r] a connected stream socket to rank r, -1 for this rank and for ranks it
-   * never exchanges messages with. Read during the call; from the call on, the transport owns the
-   * sockets (made non-blocking, closed by zb_transport_destroy, or before the call returns when it
-   * fails after reading a valid struct_size and version). */
+   * never exchanges messages with; NULL: none yet (zb_transport_socket_attach gives them later).
+   * Read during the call; from the call on, the transport owns the sockets (made non-blocking,
+   * closed by zb_transport_destroy, or before the call returns when it fails after reading a valid
+   * struct_size and version). */
   const int32_t *fds;
   zb_abort_signal_t abort_signal; /* optional (all NULL: failures travel over the sockets only) */
 } zb_socket_transport_config_t;
@@ -694,6 +695,12 @@ typedef struct {
 
 /* Does not block (no handshake: the caller's sockets are connected already). */
 ZB_API zb_status_t zb_transport_create_socket(zb_transport_t **out, const zb_socket_transport_config_t *config);
+/* Gives a socket transport the sockets of peers it has none for yet (`ranks` entries as in the
+ * config, -1 where nothing changes), so that a transport can be made (and handed to a runner or
+ * an optimizer) before the ranks connect. Owns them from the call on, as the config's. A transfer
+ * with a peer that has no socket fails with ZB_ERR_INVALID_ARGUMENT naming it. Not while another
+ * thread uses the transport. */
+ZB_API zb_status_t zb_transport_socket_attach(zb_transport_t *transport, const int32_t *fds);
 
 /* Tells the peers that this rank failed (their pending and later receives from it fail with
  * ZB_ERR_REMOTE and `reason`). A runner does this itself when an iteration fails. */

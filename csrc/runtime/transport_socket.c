@@ -421,8 +421,9 @@ static zb_status_t sock_start(zb_transport_t *t, zb__request_t *req) {
   sock_t *s = S(t);
   peer_t *p = &s->peers[req->peer];
   if (p->fd < 0)
-    return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "rank %d has no connection to rank %d (channel %d); the socket "
-                   "transport was given none for it", (int)t->rank, (int)req->peer, (int)req->tag);
+    return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "rank %d has no connection to rank %d (channel %d): the socket "
+                   "transport was given no socket for it (zb_transport_create_socket or zb_transport_socket_attach)",
+                   (int)t->rank, (int)req->peer, (int)req->tag);
   sreq_t *r = calloc(1, sizeof(*r));
   if (!r) return ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory starting a transfer with rank %d", (int)req->peer);
   r->is_send = req->is_send, r->peer = req->peer, r->tag = req->tag;
@@ -671,10 +672,49 @@ static const zb__transport_ops_t socket_ops = {
     .memory = ZB__TRANSPORT_HOST_MEMORY,
 };
 
-static void close_fds(const zb_socket_transport_config_t *c) {
-  if (!c->fds) return;
-  for (int32_t k = 0; k < c->ranks; k++)
-    if (c->fds[k] >= 0 && k != c->rank) close(c->fds[k]);
+static void close_fds(const int32_t *fds, int32_t rank, int32_t ranks) {
+  if (!fds) return;
+  for (int32_t k = 0; k < ranks; k++)
+    if (fds[k] >= 0 && k != rank) close(fds[k]);
+}
+
+static zb_status_t check_fds(const int32_t *fds, int32_t rank, int32_t ranks) {
+  for (int32_t k = 0; fds && k < ranks; k++) {
+    int type = 0;
+    socklen_t len = sizeof type;
+    if (k == rank || fds[k] < 0) continue;
+    errno = 0;
+    if (getsockopt(fds[k], SOL_SOCKET, SO_TYPE, &type, &len) != 0 || type != SOCK_STREAM)
+      return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "socket transport: fds[%d] = %d is not a connected stream socket (%s)",
+                     (int)k, fds[k], errno ? strerror(errno) : "another socket type");
+  }
+  return ZB_OK;
+}
+
+static void set_nonblocking(int fd) { fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK); }
+
+zb_status_t zb_transport_socket_attach(zb_transport_t *t, const int32_t *fds) {
+  ZB_ARG_NOT_NULL(t);
+  ZB_ARG_NOT_NULL(fds);
+  if (t->ops != &socket_ops)
+    return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "zb_transport_socket_attach: the transport is a %s transport, not a "
+                   "socket transport", t->ops->name);
+  zb_status_t st = check_fds(fds, t->rank, t->ranks);
+  sock_t *s = S(t);
+  pthread_mutex_lock(&s->mu);
+  for (int32_t k = 0; st == ZB_OK && k < t->ranks; k++)
+    if (k != t->rank && fds[k] >= 0 && s->peers[k].fd >= 0)
+      st = ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "zb_transport_socket_attach: rank %d already has a socket for rank %d",
+                   (int)t->rank, (int)k);
+  for (int32_t k = 0; st == ZB_OK && k < t->ranks; k++)
+    if (k != t->rank && fds[k] >= 0) {
+      set_nonblocking(fds[k]);
+      s->peers[k].fd = fds[k];
+    }
+  if (st == ZB_OK) wake_thread(s); /* the progress thread polls the new sockets from now on */
+  pthread_mutex_unlock(&s->mu);
+  if (st != ZB_OK) close_fds(fds, t->rank, t->ranks);
+  return st;
 }
 
 zb_status_t zb_transport_create_socket(zb_transport_t **out, const zb_socket_transport_config_t *c) {
@@ -693,25 +733,12 @@ zb_status_t zb_transport_create_socket(zb_transport_t **out, const zb_socket_tra
                  (int)c->rank, (int)c->ranks);
     goto fail_early;
   }
-  if (!c->fds && c->ranks > 1) {
-    st = ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "socket transport: fds is NULL; give one socket per rank (-1 for this "
-                 "rank and for ranks it never talks to)");
-    goto fail_early;
-  }
   if (!c->abort_signal.poll != !c->abort_signal.publish) {
     st = ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "the socket transport's abort_signal needs both poll and publish, or neither");
     goto fail_early;
   }
-  for (int32_t k = 0; c->fds && k < c->ranks; k++) {
-    int type = 0;
-    socklen_t len = sizeof type;
-    if (k == c->rank || c->fds[k] < 0) continue;
-    if (getsockopt(c->fds[k], SOL_SOCKET, SO_TYPE, &type, &len) != 0 || type != SOCK_STREAM) {
-      st = ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "socket transport: fds[%d] = %d is not a connected stream socket (%s)",
-                   (int)k, c->fds[k], errno ? strerror(errno) : "another socket type");
-      goto fail_early;
-    }
-  }
+  st = check_fds(c->fds, c->rank, c->ranks);
+  if (st != ZB_OK) goto fail_early;
   zb_transport_t *t = calloc(1, sizeof(*t));
   sock_t *s = calloc(1, sizeof(*s));
   if (s) {
@@ -736,14 +763,14 @@ zb_status_t zb_transport_create_socket(zb_transport_t **out, const zb_socket_tra
   t->ops = &socket_ops, t->rank = c->rank, t->ranks = c->ranks, t->impl = s;
   for (int32_t k = 0; k < c->ranks; k++) {
     s->peers[k].fd = k == c->rank || !c->fds ? -1 : c->fds[k];
-    if (s->peers[k].fd >= 0) fcntl(s->peers[k].fd, F_SETFL, fcntl(s->peers[k].fd, F_GETFL) | O_NONBLOCK);
+    if (s->peers[k].fd >= 0) set_nonblocking(s->peers[k].fd);
   }
   if (pipe(s->wake) != 0) {
     s->wake[0] = s->wake[1] = -1;
     st = ZB_FAIL(ZB_ERR_IO, "socket transport: pipe() failed: %s", strerror(errno));
     goto fail;
   }
-  for (int i = 0; i < 2; i++) fcntl(s->wake[i], F_SETFL, fcntl(s->wake[i], F_GETFL) | O_NONBLOCK);
+  for (int i = 0; i < 2; i++) set_nonblocking(s->wake[i]);
   int e = pthread_create(&s->thread, NULL, progress, t);
   if (e != 0) {
     st = ZB_FAIL(ZB_ERR_IO, "socket transport: cannot start its progress thread: %s", strerror(e));
@@ -757,6 +784,6 @@ fail:
   sock_destroy(t); /* closes the peers' sockets too */
   return st;
 fail_early:
-  close_fds(c);
+  if (c->ranks >= 1 && c->ranks <= 65536) close_fds(c->fds, c->rank, c->ranks);
   return st;
 }

@@ -365,13 +365,42 @@ static void test_bad_configs(void **state) {
   ASSERT_CONTAINS(zb_last_error(), "fds[1]");
   assert_null(t);
   close(p[1]);
-  c.fds = NULL;
-  ASSERT_STATUS(zb_transport_create_socket(&t, &c), ZB_ERR_INVALID_ARGUMENT);
-  ASSERT_CONTAINS(zb_last_error(), "fds is NULL");
   c = (zb_socket_transport_config_t)ZB_SOCKET_TRANSPORT_CONFIG_INIT;
   c.rank = 2, c.ranks = 2;
   ASSERT_STATUS(zb_transport_create_socket(&t, &c), ZB_ERR_INVALID_ARGUMENT);
   ASSERT_CONTAINS(zb_last_error(), "rank 2 of 2");
+}
+
+/* A transport made without sockets refuses transfers naming the peer, and works once attached. */
+static void test_attach_later(void **state) {
+  (void)state;
+  zb_transport_t *t[2];
+  for (int r = 0; r < 2; r++) {
+    zb_socket_transport_config_t c = ZB_SOCKET_TRANSPORT_CONFIG_INIT;
+    c.rank = r, c.ranks = 2;
+    ZB_ASSERT_OK(zb_transport_create_socket(&t[r], &c));
+  }
+  int32_t x = 5, y = 0;
+  zb__request_t s, r;
+  ASSERT_STATUS(zb__transport_isend(t[0], &s, 1, 2, &x, sizeof x), ZB_ERR_INVALID_ARGUMENT);
+  ASSERT_CONTAINS(zb_last_error(), "no connection to rank 1 (channel 2)");
+  int sv[2];
+  assert_int_equal(socketpair(AF_UNIX, SOCK_STREAM, 0, sv), 0);
+  int32_t f0[2] = {-1, sv[0]}, f1[2] = {sv[1], -1};
+  ZB_ASSERT_OK(zb_transport_socket_attach(t[0], f0));
+  ZB_ASSERT_OK(zb_transport_socket_attach(t[1], f1));
+  ZB_ASSERT_OK(zb__transport_irecv(t[1], &r, 0, 2, &y, sizeof y));
+  ZB_ASSERT_OK(zb__transport_isend(t[0], &s, 1, 2, &x, sizeof x));
+  ZB_ASSERT_OK(zb__transport_wait(t[1], &r, 10.0));
+  ZB_ASSERT_OK(zb__transport_wait(t[0], &s, 10.0));
+  assert_int_equal(y, 5);
+  /* A second socket for the same peer is refused (and closed). */
+  assert_int_equal(socketpair(AF_UNIX, SOCK_STREAM, 0, sv), 0);
+  int32_t again[2] = {-1, sv[0]};
+  ASSERT_STATUS(zb_transport_socket_attach(t[0], again), ZB_ERR_INVALID_ARGUMENT);
+  ASSERT_CONTAINS(zb_last_error(), "already has a socket for rank 1");
+  close(sv[1]);
+  for (int k = 0; k < 2; k++) ZB_ASSERT_OK(zb_transport_destroy(t[k]));
 }
 
 int main(void) {
@@ -385,6 +414,7 @@ int main(void) {
       cmocka_unit_test(test_timeout_and_poll),
       cmocka_unit_test(test_size_mismatch),
       cmocka_unit_test(test_bad_configs),
+      cmocka_unit_test(test_attach_later),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -40,7 +40,7 @@ def _absent_worker(rank, world, port, absent, out_dir):
     if rank != absent:
         t0 = time.monotonic()
         try:
-            distributed.TorchTransport(None, timeout=2.0, name=f"absent-{port}")
+            distributed.TorchTransport(None, timeout=2.0, name=f"absent-{port}").connect()
             result["error"] = None
         except Exception as exc:  # noqa: BLE001 - the test reads it
             result["error"] = f"{type(exc).__name__}: {exc}"

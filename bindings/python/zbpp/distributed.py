@@ -535,25 +535,48 @@ class TorchTransport:
         self._failed = None  # the first failure's text, once this rank has seen or published it
         self._waiter = None
         self.kind, self.fallback_reason = "gloo", None
-        wanted = host_transport_kind()
-        if wanted != "gloo" and self.ranks > 1:
-            try:
-                fds = connect_sockets(group, name, timeout, wanted)
-            except _NoSockets as why:
-                self.fallback_reason = str(why)
+        self._name, self._wanted, self._sock = name, host_transport_kind(), None
+        if self._wanted != "gloo" and self.ranks > 1:
+            if self._store is None:
+                self.fallback_reason = "no c10d store or pipeline key to publish the socket addresses under"
             else:
-                family = "unix" if wanted == "unix" or (wanted == "socket" and _is_unix(fds)) else "tcp"
+                # Made now, connected at the pipeline's first step (every rank there at once):
+                # making it is local, so a rank may make it alone (the optimizer's post-validation
+                # asks for it at construction, the handshake then finds any disagreement).
                 me = global_rank(group, self.rank)
-                self.transport = runtime.Transport.socket(self.rank, self.ranks, fds, abort_store=self._store,
-                                                          abort_key=self._abort_key,
-                                                          published_prefix=f"rank {me} failed first: ")
-                self.kind = family
+                self._sock = runtime.Transport.socket(self.rank, self.ranks, None, abort_store=self._store,
+                                                      abort_key=self._abort_key,
+                                                      published_prefix=f"rank {me} failed first: ")
+                self.kind = "socket"
                 return
-        self.transport = runtime.Transport.callbacks(self, self.rank, self.ranks)
+        self._callbacks = runtime.Transport.callbacks(self, self.rank, self.ranks)
+
+    @property
+    def transport(self):
+        """The runtime.Transport for the runner: the socket transport connected to every peer (a
+        collective the first time: every rank asks at the same point of its first step), or the
+        gloo callback transport."""
+        if self._sock is None:
+            return self._callbacks
+        if self.kind == "socket":
+            try:
+                fds = connect_sockets(self.group, self._name, self.timeout, self._wanted)
+            except _NoSockets as why:
+                raise RuntimeError(f"zbpp: the socket host transport cannot be set up ({why}); set "
+                                   "ZBPP_HOST_TRANSPORT=gloo on every rank to use torch.distributed's gloo") from None
+            self.kind = "unix" if _is_unix(fds) else "tcp"
+            self._sock.attach(fds)
+        return self._sock
+
+    def connect(self):
+        """Connects the socket transport now (a collective; see transport)."""
+        self.transport  # noqa: B018
 
     @property
     def handle(self):
-        return self.transport.handle
+        """The C transport's handle, for zb_optimizer and zb_postval; it does not connect (the
+        pipeline's first step does, before any of their exchanges)."""
+        return (self._sock if self._sock is not None else self._callbacks).handle
 
     # ---- called from C (through runtime.Transport's callbacks) -----------------------------------
 
@@ -631,7 +654,11 @@ class TorchTransport:
             self.end_step()
 
     def end_step(self):
-        """A step is over: the requests finished before the previous step's end are dropped."""
+        """A step is over: the requests finished before the previous step's end are dropped. The
+        schedule calls it as each step begins, every rank after the handshake: the socket
+        transport connects there at the latest."""
+        if self.kind == "socket":
+            self.connect()
         self._done_before, self._done = self._done, []
 
     def cancel(self, rid):
@@ -642,9 +669,9 @@ class TorchTransport:
 
     def abort(self, reason):
         if self.kind != "gloo":
-            # The C transport tells its peers over the sockets and publishes in the store.
-            self.last_error = self.last_error or reason
-            self.transport.abort(reason)
+            # The C transport tells its peers over the sockets and publishes in the store; its
+            # errors say everything (no last_error to add).
+            self._sock.abort(reason)
             return
         # gloo has no side channel: the failure goes to the peers through the c10d store (the first
         # rank's wins), where their waits look for it.
@@ -665,7 +692,7 @@ class TorchTransport:
         refuses with ZB_ERR_BUSY), leaves that to the optimizer's close(): the schedule and the
         optimizer may be closed in either order."""
         try:
-            self.transport.close()
+            (self._sock if self._sock is not None else self._callbacks).close()
         except _lib.ZbError as err:
             if err.code != runtime.ZB_ERR_BUSY:
                 raise

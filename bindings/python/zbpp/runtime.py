@@ -659,11 +659,12 @@ class Transport(_Handle):
     def socket(cls, rank, ranks, fds, abort_store=None, abort_key=None, published_prefix=""):
         """The socket transport of rank `rank` of `ranks` (zb_transport_create_socket): fds[r] is a
         connected stream socket's file descriptor to rank r (-1 for this rank and ranks it never
-        talks to). The transport owns the descriptors from this call on, also when it raises
-        (detach them from their Python socket objects first). abort_store and abort_key as for
-        nccl(): a wait that blocks looks for a published failure every 0.2 s, and this rank's own
-        first failure is published there, after `published_prefix`."""
-        fds = [int(f) for f in fds]
+        talks to); None: none yet (attach() gives them). The transport owns the descriptors from
+        this call on, also when it raises (detach them from their Python socket objects first).
+        abort_store and abort_key as for nccl(): a wait that blocks looks for a published failure
+        every 0.2 s, and this rank's own first failure is published there, after
+        `published_prefix`."""
+        fds = [-1] * ranks if fds is None else [int(f) for f in fds]
         if len(fds) != ranks:
             for f in fds:
                 if f >= 0:
@@ -731,6 +732,14 @@ class Transport(_Handle):
         t._backend = backend  # borrowed by the transport: must outlive it
         _lib.call("zb_transport_create_nccl", [_PP, _c.POINTER(_NcclConfig)], _c.byref(t._h), _c.byref(cfg))
         return t
+
+    def attach(self, fds):
+        """Gives a socket transport made without them its peers' sockets (zb_transport_socket_attach):
+        fds as for socket(), owned by the transport from this call on."""
+        fds = [int(f) for f in fds]
+        arr = (_c.c_int32 * max(len(fds), 1))(*fds)
+        _lib.call("zb_transport_socket_attach", [_P, _c.POINTER(_c.c_int32)], self.handle,
+                  _c.cast(arr, _c.POINTER(_c.c_int32)))
 
     def abort(self, reason):
         _lib.call("zb_transport_abort", [_P, _c.c_char_p], self.handle, reason.encode())
