@@ -39,6 +39,8 @@ post-accumulate-grad hooks do not run for these parameters; a pipeline that reli
 bucketing) turns the split off (split_backward=False) or runs a schedule without W.
 """
 
+import sys
+
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
@@ -46,23 +48,34 @@ __all__ = ["backward_input", "register_deferring"]
 
 # autograd.Function classes whose backward pushes its weight gradient to the W store in B.
 _DEFERRING = set()
+# Node class -> whether its nodes are a deferring Function's (a Function's backward node class
+# carries it as _forward_cls); cleared when a Function is registered.
+_DEFERS = {}
 
 
 def register_deferring(function_cls):
     """Marks an autograd.Function class as one that defers its parameters' gradients itself (its
     backward pushes them to the W store): the split does not compute them again in W."""
-    _DEFERRING.add(function_cls)
+    if function_cls not in _DEFERRING:
+        _DEFERRING.add(function_cls)
+        _DEFERS.clear()
     return function_cls
 
 
 def _known_deferring():
     """The deferring Functions of every layer family active now (zbpp.splitters registers them
-    here; a family becomes active once its library is imported, so this asks each time a stage's
-    graph is walked, which costs a few dictionary lookups)."""
-    from . import splitters
+    here). A family becomes active once its library is imported, so the families are asked again
+    whenever the process has imported modules since they last were (asking every time cost a few
+    microseconds per B, for an answer that changes only with an import)."""
+    if _ASKED[0] != len(sys.modules):
+        from . import splitters
 
-    splitters.autograd_splitter()
+        splitters.autograd_splitter()
+        _ASKED[0] = len(sys.modules)
     return _DEFERRING
+
+
+_ASKED = [None]  # len(sys.modules) when the families last registered their deferring Functions
 
 
 def _node(t):
@@ -73,21 +86,31 @@ def _parents(roots, skip):
     """For every node reachable from `roots`: the nodes with an edge to it (the reverse graph),
     leaving out edges from a deferring node to a node in `skip` (its parameters' accumulators)."""
     deferring = _known_deferring()
+    defers_of = _DEFERS
     parents, seen, todo = {}, set(), []
     for node in roots:
         if node not in seen:
             seen.add(node)
             todo.append(node)
+    # The walk visits every node of the stage's graph at every B: kept to the plain operations.
+    pop, push, add = todo.pop, todo.append, seen.add
     while todo:
-        node = todo.pop()
-        defers = getattr(node, "_forward_cls", None) in deferring
+        node = pop()
+        cls = type(node)
+        defers = defers_of.get(cls)
+        if defers is None:
+            defers = defers_of[cls] = getattr(cls, "_forward_cls", None) in deferring
         for nxt, _ in node.next_functions:
             if nxt is None or (defers and nxt in skip):
                 continue
-            parents.setdefault(nxt, []).append(node)
+            got = parents.get(nxt)
+            if got is None:
+                parents[nxt] = [node]
+            else:
+                got.append(node)
             if nxt not in seen:
-                seen.add(nxt)
-                todo.append(nxt)
+                add(nxt)
+                push(nxt)
     return parents
 
 
@@ -116,12 +139,16 @@ def _accumulate(param, grad):
         param.grad += grad
 
 
-def backward_input(outputs, grads, inputs, params):
+def backward_input(outputs, grads, inputs, params, accumulators=None):
     """B of a stage: the input gradients (set as each input's .grad) now, and the W function that
     adds the remaining gradients of `params` to their .grad, or None when no W work is left.
 
     outputs: the stage's output tensors (the loss alone on the loss stage); grads: their gradients
-    (None for a scalar loss); inputs: the stage's input tensors; params: its trainable parameters."""
+    (None for a scalar loss); inputs: the stage's input tensors; params: its trainable parameters.
+    accumulators: a dict the caller keeps while the parameters' gradient accumulators cannot change
+    (a pipeline keeps one for a step): each parameter's accumulator node is looked up once and kept
+    there (the lookup makes a view of the parameter, ~3 us each; holding the node keeps it the one
+    autograd uses)."""
     pairs = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad]
     params = [p for p in params if p.requires_grad]
     needing = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
@@ -139,7 +166,14 @@ def backward_input(outputs, grads, inputs, params):
     roots = [_node(o) for o, _ in pairs]
     accs = {}
     for p in params:
-        accs.setdefault(_node(p), []).append(p)
+        if accumulators is None:
+            acc = _node(p)
+        else:
+            got = accumulators.get(id(p))
+            if got is None or got[0] is not p:
+                got = accumulators[id(p)] = (p, _node(p))
+            acc = got[1]
+        accs.setdefault(acc, []).append(p)
     parents = _parents(roots, set(accs))
     on_path, _ = _upward([_node(x) for x in needing], parents)
     frontier = set()
