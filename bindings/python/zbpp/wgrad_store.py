@@ -97,6 +97,7 @@ class WGradStore:
         self.store = runtime.WStore(self.backend, self._release, before_run=before)
         self.immediate = runtime.WStore(self.backend, self._release, before_run=before)
         self._capturing = False
+        self._scratch = None  # push_action's dw: see there
         # W GEMMs this store has run (released with ran) and dropped (cleared or closed unrun),
         # over both its stores (pipeline groups and immediate runs). Plain counters: read them,
         # or set them back to 0, between steps.
@@ -304,8 +305,12 @@ class WGradStore:
         own weight-gradient work until told to run it (Transformer Engine's backward_dw). The entry
         is an empty GEMM (no rows) whose release runs the action; it counts in gemms_run. On CUDA the
         action runs when the W op is issued, with torch's current stream the run stream."""
-        scratch = torch.zeros(1, dtype=torch.float32, device=self.device)
-        kept = [scratch, *keep]
+        # The entry's GEMM is empty (no rows: it writes nothing), but it needs a dw pointer: one
+        # scratch float per store serves every such entry.
+        scratch = self._scratch
+        if scratch is None:
+            scratch = self._scratch = torch.zeros(1, dtype=torch.float32, device=self.device)
+        kept = list(keep)
         token = next(self._tokens)
         pushed = torch.cuda.current_stream(self.device) if self.is_cuda else None
         self._live[token] = (kept, action, pushed)
