@@ -352,6 +352,8 @@ def _local_address(store):
     given = os.environ.get("ZBPP_HOST_ADDR")
     if given:
         return given
+    while not hasattr(store, "host") and hasattr(store, "underlying_store"):  # PrefixStore
+        store = store.underlying_store
     host = getattr(store, "host", None)
     if host:
         try:
