@@ -66,7 +66,7 @@ from ._agree import _Agreement, pipeline_key
 from ._ir import _TorchIR
 from ._setup import _SetUp
 from ._step import _Stepping
-from ._wsplit import _Splitting, measured_w_share
+from ._wsplit import _marked as _wsplit_marked, _Splitting, measured_w_share
 from ._plan import DEFAULT_PROFILE_STEPS, PLANNED_KINDS, REPLAN_MIN_GAIN, PlanInfo, _Planning, _profile_window  # noqa: F401
 
 __all__ = [
@@ -243,17 +243,7 @@ def _adopt(stage, who):
                     f"or a list of them; got {type(stage).__name__}")
 
 
-def _marked(callback):
-    """The runner's callback, marking what it raises as the stage's own failure (_run_iteration
-    raises those themselves, not the runner's ZbError)."""
-    def call(*args):
-        try:
-            return callback(*args)
-        except Exception as exc:
-            exc._zbpp_in_stage = True
-            raise
-
-    return call
+_marked = _wsplit_marked  # the runner's marking of a stage's own failure (defined in _wsplit.py)
 
 
 # ---- the schedules ---------------------------------------------------------------------------------
@@ -336,7 +326,10 @@ class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning, _Splitting, _Bou
         self._split_arg = split_backward
         self._split_for = None  # (schedule, {(stage, mb) whose W runs apart}, last such B) see _splits
         self._w_empty_warned = False
-        self._w_work = {}  # stage -> whether a B with W apart left W work this step
+        self._w_work = {}  # the stages whose B ran with W apart this step (as keys)
+        self._w_seen = False  # whether one of them left W work this step
+        self._params_cache = (None, {}, {})  # (step, stage -> (module, parameters), accumulators); _stage_params
+        self._generic = None  # the generic splitter, once asked for (_generic_splitter)
         self.scale_grads = scale_grads
         self.group = group
         self.rank = first.group_rank
@@ -438,6 +431,7 @@ class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning, _Splitting, _Bou
         # rank's next stage's input is that stage's input, as it is).
         self._lending = False
         self._lent, self._lent_at, self._lend_ids = {}, {}, itertools.count(1)
+        self._host_views = {}  # (runner buffer address, boundary) -> (metadata, typed views); _views
         self._msg = None  # (group, device) of shape inference and the NCCL unique id; see _messages
         self._last_times = None
         self._last_schedule = None  # the schedule the last step ran (timeline() draws it)
@@ -595,7 +589,10 @@ class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning, _Splitting, _Bou
         dw_builder = getattr(stage, "dw_builder", None)
         split = self._splits(s, i, stage, dw_builder)
         pairs = []
-        before = store.live_entries() if split is not None else 0
+        # Whether this B left W work (for _check_w_work's warning): asked only until one B of the
+        # step did, since one is enough to know the W ops are not all empty.
+        track = split is not None and not self._w_seen and not self._w_empty_warned
+        before = store.live_entries() if track else 0
         store.capturing = True
         try:
             if loss is not None:
@@ -622,7 +619,9 @@ class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning, _Splitting, _Bou
         finally:
             store.capturing = False
         if split is not None:
-            self._w_work[s] = self._w_work.get(s, False) or store.live_entries() > before
+            if track and store.live_entries() > before:
+                self._w_seen = True
+            self._w_work[s] = True
             if (s, i) == self._split_for[2]:
                 self._check_w_work()
         if s > 0 and self._lending:
@@ -674,6 +673,7 @@ class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning, _Splitting, _Bou
         # until its microbatch's W, so nothing is copied on the way (not with OVERLAP_F_B pairs,
         # whose callbacks the runner cannot tell apart: those copy).
         self._lending = not pairs
+        self._host_views = {}  # the old runner's buffers go with it
         self._runner = runtime.Runner(self.schedule, self.rank, self._store.backend, self._store.store,
                                       transport, sizes, self._stage_callback(self._on_forward, "F"),
                                       self._stage_callback(self._on_backward, "B"),

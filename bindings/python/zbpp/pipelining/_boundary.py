@@ -36,17 +36,33 @@ def _meta_of(tensors, stage):
     return meta
 
 
+def _itemsize(dtype):
+    return dtype.itemsize
+
+
 def _layout(meta):
     """Byte offsets of each tensor in a boundary buffer and its total size."""
-    offsets, size = [], 0
-    for dtype, shape in meta:
-        size = (size + _ALIGN - 1) // _ALIGN * _ALIGN
-        offsets.append(size)
-        n = 1
-        for d in shape:
-            n *= d
-        size += n * torch.empty((), dtype=dtype).element_size()
-    return offsets, size
+    key = tuple(meta)
+    got = _LAYOUTS.get(key)
+    if got is None:
+        offsets, size = [], 0
+        for dtype, shape in meta:
+            size = (size + _ALIGN - 1) // _ALIGN * _ALIGN
+            offsets.append(size)
+            n = 1
+            for d in shape:
+                n *= d
+            size += n * _itemsize(dtype)
+        got = _LAYOUTS[key] = (offsets, size)
+        if len(_LAYOUTS) > 4096:  # shapes that change every microbatch: keep the cache bounded
+            _LAYOUTS.clear()
+            _LAYOUTS[key] = got
+    return got
+
+
+# Layouts by metadata (a tuple of (dtype, shape) pairs): computed once per boundary and per shape,
+# since the per-op path asks for them at every forward and backward.
+_LAYOUTS = {}
 
 
 def _buffer(addr, nbytes):
@@ -76,8 +92,7 @@ def _typed(raw, meta):
         n = 1
         for d in shape:
             n *= d
-        nbytes = n * torch.empty((), dtype=dtype).element_size()
-        out.append(raw[off:off + nbytes].view(dtype).view(shape))
+        out.append(raw[off:off + n * _itemsize(dtype)].view(dtype).view(shape))
     return out
 
 
@@ -211,12 +226,13 @@ class _BoundaryBuffers:
         memory may be the runner's. Laid out as the tensors are (their shapes may differ from the
         boundary's on this rank, see the class docstring). Kept alive here until the runner
         releases it."""
-        own = [(t.dtype, tuple(t.shape)) for t in tensors]
-        _, size = _layout(own)
         t0 = tensors[0] if len(tensors) == 1 else None
         if t0 is not None and t0.is_contiguous() and not _shares_storage(t0, inputs):
             keep, typed = t0, [t0]
+            size = t0.numel() * _itemsize(t0.dtype)  # one tensor: its layout is itself
         else:
+            own = [(t.dtype, tuple(t.shape)) for t in tensors]
+            _, size = _layout(own)
             keep = torch.empty(size, dtype=torch.uint8, device=self.device if self._cuda else "cpu")
             typed = _typed(keep, own)
             for view, t in zip(typed, tensors):
@@ -247,6 +263,12 @@ class _BoundaryBuffers:
         compute stream)."""
         meta = self._meta[boundary]
         if self._dviews is None:
-            return _views(addr, meta)
+            # The runner's buffers live as long as it does and are reused op after op, so the views
+            # over one are made once (per boundary and metadata: a new shape inference makes new ones).
+            key = (addr, boundary)
+            got = self._host_views.get(key)
+            if got is None or got[0] is not meta:
+                got = self._host_views[key] = (meta, _views(addr, meta))
+            return got[1]
         dv = self._dviews
         return dv.get(addr, boundary, lambda a: _typed(dv.buffer(a, _layout(meta)[1]), meta))

@@ -18,9 +18,27 @@ _log = logging.getLogger("zbpp")
 
 
 def _marked(callback):
-    from . import _marked as marked  # the runner's marking of a stage's own failure
+    """The runner's callback, marking what it raises as the stage's own failure (_run_iteration
+    raises those themselves, not the runner's ZbError)."""
+    def call(*args):
+        try:
+            return callback(*args)
+        except Exception as exc:
+            exc._zbpp_in_stage = True
+            raise
 
-    return marked(callback)
+    return call
+
+
+_BASE = []  # PipelineSchedule, once asked for (it imports this module)
+
+
+def _base():
+    if not _BASE:
+        from . import PipelineSchedule
+
+        _BASE.append(PipelineSchedule)
+    return _BASE[0]
 
 
 class _Splitting:
@@ -30,11 +48,9 @@ class _Splitting:
         """Whether `stage` splits its backwards: the schedule's split_backward, else the stage's,
         and never with a dw_builder (torch's own W) or a schedule that backpropagates the loss its
         own way (a subclass's _loss_backward, as the Megatron adapter's)."""
-        from . import PipelineSchedule
-
         if stage is None or getattr(stage, "dw_builder", None) is not None:
             return False
-        if type(self)._loss_backward is not PipelineSchedule._loss_backward:
+        if type(self)._loss_backward is not _base()._loss_backward:
             return False
         wanted = self._split_arg if self._split_arg is not None else getattr(stage, "split_backward", True)
         return bool(wanted)
@@ -45,7 +61,7 @@ class _Splitting:
         if self._split_for is None or self._split_for[0] is not self.schedule:
             ops = [(op.stage, op.mb) for op in self.schedule.rank_ops(self.rank) if op.type == "B"]
             self._split_for = (self.schedule, set(ops), ops[-1] if ops else None)
-            self._w_work = {}
+            self._w_work, self._w_seen = {}, False
         return self._split_for
 
     def _prepare_split(self):
@@ -71,15 +87,36 @@ class _Splitting:
         # Every trainable parameter, those of split layers too: the graph walk leaves out the edges
         # from a split layer's own backward (its W is the store's), so a weight it shares with
         # another use (tied, or passed to a functional call) still gets that use's gradient here.
-        params = [prm for prm in stage.submod.parameters() if prm.requires_grad]
-        weight = splitters.autograd_splitter().backward_input(outputs, grads, inputs, params)
+        params = [prm for prm in self._stage_params(stage) if prm.requires_grad]
+        weight = self._generic_splitter().backward_input(outputs, grads, inputs, params,
+                                                          accumulators=self._params_cache[2])
         if weight is not None:
             self._store.push_action(_marked(weight))
 
+    def _stage_params(self, stage):
+        """The parameters of stage's module, read from the module once per step (every B of a
+        step asks; walking the module tree each time cost as much as a small layer's graph walk).
+        Whether each requires a gradient is asked at each B. The step's cache also keeps the
+        parameters' gradient accumulators for the graph split (backward_input's accumulators)."""
+        cache = self._params_cache
+        if cache[0] != self.steps:
+            cache = self._params_cache = (self.steps, {}, {})
+        got = cache[1].get(stage.stage_index)
+        if got is None or got[0] is not stage.submod:
+            got = cache[1][stage.stage_index] = (stage.submod, list(stage.submod.parameters()))
+        return got[1]
+
+    def _generic_splitter(self):
+        """zbpp._autograd_split (splitters.autograd_splitter), looked up once; it registers the
+        active families' deferring Functions itself when new modules were imported."""
+        if self._generic is None:
+            self._generic = splitters.autograd_splitter()
+        return self._generic
+
     def _check_w_work(self):
         """At this rank's last split B of a step: if no stage left any W work, say why, once."""
-        work, self._w_work = self._w_work, {}
-        if any(work.values()) or self._w_empty_warned:
+        work, seen, self._w_work, self._w_seen = self._w_work, self._w_seen, {}, False
+        if seen or self._w_empty_warned:
             return
         self._w_empty_warned = True
         reasons = []
