@@ -6,9 +6,11 @@
  *      validator checked that both ends agree on the order, posting in op order matches each
  *      receive with the right message without tags per microbatch.
  *   2. For each op: wait for its input (a posted receive, or a buffer a previous op of this rank
- *      left for it when both stages live here), post the next receive, run it (F and B through the
- *      caller's callbacks, W from the W store, BW as B then W), stamp its start and end, and start
- *      the send of its output at once. Finished sends are collected without waiting.
+ *      left for it when both stages live here), run it (F and B through the caller's callbacks, W
+ *      from the W store, BW as B then W), stamp its start and end, post the next receive (after
+ *      the compute on host-ordered transports, off the path from the input's arrival to the
+ *      compute; as the input arrives on NCCL, see post_ahead), and start the send of its output
+ *      at once. Finished sends are collected without waiting.
  *   3. Wait for the last sends, and check that the W store is empty and nothing was left over.
  * A failure anywhere aborts the transport, so the peers fail too instead of waiting, and drops what
  * is left (receives cancelled, W-store entries released unrun).
@@ -339,6 +341,21 @@ static zb_status_t run_compute(zb_runner_t *r, const zb_op_t *op, const void *in
   return ZB_OK;
 }
 
+/* Keeps recv_depth receives posted beyond the ones consumed (`consumed`: how many were waited
+ * for). On a host-ordered transport it runs after an op's compute, not between its input's arrival
+ * and its compute: the post (a buffer from the pool, the transport's irecv) then stays off the path
+ * from arrival to compute, and the receive it posts is still depth - 1 ops ahead of the op that
+ * needs it. A device-ordered transport (NCCL: ops->plan) posts as the input arrives, as before: its
+ * receive waits on the device for the compute issued before the post, which would then include
+ * the op's own. */
+static zb_status_t post_ahead(zb_runner_t *r, int32_t *next_post, int32_t consumed) {
+  for (; *next_post < r->n_recv && *next_post < consumed + r->depth; (*next_post)++)
+    ZB_CHECK(post_recv(r, *next_post));
+  return ZB_OK;
+}
+
+static int posts_after_compute(const zb_runner_t *r) { return r->tr && !r->tr->ops->plan; }
+
 /* Takes op k's input (waiting for its receive, or the buffer an earlier op of this rank left) and
  * a buffer for its output. On failure the message says what the op was waiting for, and nothing is
  * held. */
@@ -352,6 +369,9 @@ static zb_status_t op_acquire(zb_runner_t *r, int32_t k, int32_t *next_post, voi
   if (r->tr && r->tr->ops->check) ZB_CHECK(r->tr->ops->check(r->tr));
   if (io->in_kind == IO_REMOTE) {
     int32_t j = io->recv;
+    /* Normally posted long ago (post_ahead); only a pair's second op with recv_depth 1 can get here
+     * first on a host-ordered transport. */
+    for (; *next_post <= j; (*next_post)++) ZB_CHECK(post_recv(r, *next_post));
     zb_status_t st = zb__transport_wait(r->tr, &r->recv_req[j], r->timeout);
     if (st != ZB_OK) {
       take_error(inner, sizeof inner);
@@ -360,14 +380,13 @@ static zb_status_t op_acquire(zb_runner_t *r, int32_t k, int32_t *next_post, voi
     }
     *in = r->recv_buf[j];
     r->recv_buf[j] = NULL;
-    if (*next_post < r->n_recv) {
-      st = post_recv(r, *next_post);
+    if (!posts_after_compute(r)) {
+      st = post_ahead(r, next_post, j + 1);
       if (st != ZB_OK) {
         zb__runner_pool_put(r, io->in_pool, *in);
         *in = NULL;
         return st;
       }
-      (*next_post)++;
     }
   } else if (io->in_kind == IO_LOCAL) {
     *in = r->local[io->in_slot];
@@ -416,8 +435,9 @@ static zb_status_t op_deliver(zb_runner_t *r, int32_t k, void *out, uint64_t tok
 }
 
 /* Runs op k once its input is there, or, when k starts a pair, ops k and k+1 as one unit: both
- * inputs first, both callbacks back to back, both outputs after. *ran is how many ops it ran; on
- * failure, 1 + the position in the pair of the op that failed (the caller names that op). */
+ * inputs first, both callbacks back to back, the next receives posted, both outputs after. *ran
+ * is how many ops it ran; on failure, 1 + the position in the pair of the op that failed (the
+ * caller names that op). */
 static zb_status_t run_op(zb_runner_t *r, int32_t k, int32_t *next_post, int32_t *ran) {
   const int32_t count = r->pair_first && r->pair_first[k] ? 2 : 1;
   void *in[2] = {NULL, NULL}, *out[2] = {NULL, NULL};
@@ -450,6 +470,19 @@ static zb_status_t run_op(zb_runner_t *r, int32_t k, int32_t *next_post, int32_t
     }
   }
   for (int32_t j = 0; j < got; j++) zb__runner_release_input(r, k + j, in[j], in_token[j]);
+  if (st == ZB_OK && posts_after_compute(r)) {
+    /* Before the sends, so the transport sees its requests in the order it did when receives were
+     * posted before the compute. */
+    int32_t consumed = -1;
+    for (int32_t j = 0; j < got; j++)
+      if (r->io[k + j].in_kind == IO_REMOTE) consumed = r->io[k + j].recv + 1;
+    if (consumed >= 0) st = post_ahead(r, next_post, consumed);
+    if (st != ZB_OK) {
+      failed = got - 1;
+      for (int32_t j = 0; r->release_cb && j < got; j++) /* lent, but never delivered */
+        if (r->io[k + j].out_kind != IO_NONE && r->ops[k + j].type != ZB_OP_W) r->release_cb(r->user, out_token[j]);
+    }
+  }
   for (int32_t j = 0; j < got; j++) {
     if (st == ZB_OK) {
       st = op_deliver(r, k + j, out[j], out_token[j]);
