@@ -186,7 +186,6 @@ def backward_input(outputs, grads, inputs, params, accumulators=None):
         frontier |= met
         sources[acc] = met | {r for r in loose_roots if r in inside}
     recorded = {}
-    handles = []
 
     def recorder(node):
         def hook(grad_outputs):
@@ -194,16 +193,7 @@ def backward_input(outputs, grads, inputs, params, accumulators=None):
 
         return hook
 
-    try:
-        for node in frontier:
-            handles.append(node.register_prehook(recorder(node)))
-        got = torch.autograd.grad([o for o, _ in pairs], needing, seeds, retain_graph=True, allow_unused=True)
-    finally:
-        for h in handles:
-            h.remove()
-    for x, g in zip(needing, got):
-        if g is not None:
-            _accumulate(x, g)
+    _grad_into([(node, recorder(node)) for node in frontier], [o for o, _ in pairs], needing, seeds)
     groups = _groups(sources)
     if not groups:
         return None
@@ -236,18 +226,26 @@ def backward_input(outputs, grads, inputs, params, accumulators=None):
         for edges, edge_grads, clamps, params_of in calls:
             # A frontier node below another one would get its gradient twice (seeded, and again
             # through the one above): it is held to what B recorded.
-            held = [node.register_prehook(lambda _, saved=saved: saved) for node, saved in clamps.items()]
-            try:
-                dws = torch.autograd.grad(edges, params_of, edge_grads, retain_graph=True, allow_unused=True)
-            finally:
-                for h in held:
-                    h.remove()
-            for p, dw in zip(params_of, dws):
-                if dw is not None:
-                    _accumulate(p, dw)
+            _grad_into([(node, lambda _, saved=saved: saved) for node, saved in clamps.items()],
+                       edges, params_of, edge_grads)
         calls.clear()
 
     return weight
+
+
+def _grad_into(prehooks, outputs, inputs, grads):
+    """torch.autograd.grad(outputs, inputs, grads) with `prehooks` ((node, hook) pairs) in place
+    while it runs, each result added to its input's .grad (_accumulate). The graph is kept: a split
+    stage's W still needs it after B, and one group's W may share nodes with another's."""
+    handles = [node.register_prehook(hook) for node, hook in prehooks]
+    try:
+        got = torch.autograd.grad(outputs, inputs, grads, retain_graph=True, allow_unused=True)
+    finally:
+        for h in handles:
+            h.remove()
+    for t, g in zip(inputs, got):
+        if g is not None:
+            _accumulate(t, g)
 
 
 def _groups(sources):
