@@ -193,3 +193,99 @@ def test_w_runs_no_input_gradient_work_again():
     assert len(calls) == 1, "W ran the input path's backward again"
     assert torch.equal(w.grad, torch.full((4,), 10.0))
     assert torch.equal(scale.grad, (x.detach() * 2).sum(0))
+
+
+class _Mixer(torch.nn.Module):
+    """A weight matrix that is no Linear (x @ mix): its gradient is a GEMM only the graph split
+    can move to W."""
+
+    def __init__(self, d=8):
+        super().__init__()
+        self.mix = torch.nn.Parameter(torch.eye(d) + 0.1 * torch.randn(d, d, generator=torch.Generator().manual_seed(5)))
+
+    def forward(self, x):
+        return x @ self.mix
+
+
+def _count_graph_splits(monkeypatch):
+    """Counts the calls of the graph split's B (backward_input) whose stage has inputs needing a
+    gradient (the first stage always goes through it: its whole backward runs at W)."""
+    calls = []
+    real = _autograd_split.backward_input
+
+    def counted(outputs, grads, inputs, params, accumulators=None):
+        if any(isinstance(x, torch.Tensor) and x.requires_grad for x in inputs):
+            calls.append(len(params))
+        return real(outputs, grads, inputs, params, accumulators)
+
+    monkeypatch.setattr(_autograd_split, "backward_input", counted)
+    return calls
+
+
+def test_norm_scales_and_biases_left_by_the_linear_split_are_computed_in_b(monkeypatch):
+    """Block's parameters other than its Linears are all of one dimension (a LayerNorm, a bias, a
+    scale): the graph walk would cost more than their W moves, so B computes them. The Linears' W is
+    still apart, and training is still the loop's bit for bit."""
+    calls = _count_graph_splits(monkeypatch)
+    losses, ref_losses, same, share = _pipeline(zbpp.ScheduleZBVZeroBubble)
+    assert losses == ref_losses and same
+    assert share > 0.05, f"W ops did no work (W share {share:.3f})"
+    assert calls == [], "the graph split ran for a stage whose only leftovers are 1-d parameters"
+
+
+def test_a_weight_matrix_no_splitter_knows_still_goes_to_w(monkeypatch):
+    calls = _count_graph_splits(monkeypatch)
+    torch.manual_seed(0)
+    make = lambda: [torch.nn.Sequential(Block(seed=1), _First()),  # noqa: E731
+                    torch.nn.Sequential(_Mixer(), Block(seed=2), _First())]
+    mods, ref = make(), make()
+    for a, b in zip(mods, ref):
+        b.load_state_dict(a.state_dict())
+    stages = [zbpp.PipelineStage(mod, s, 2, "cpu") for s, mod in enumerate(mods)]
+    sched = zbpp.ScheduleZBVZeroBubble(stages, 4, loss_fn=lambda out, y: (out - y).square().mean())
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
+    sched.step(x, target=y)
+    for xi, yi in zip(x.chunk(4), y.chunk(4)):
+        ((ref[1](ref[0](xi)) - yi).square().mean()).backward()
+    sched.close()
+    assert calls, "the graph split did not run for a stage with a weight matrix no splitter defers"
+    for a, b in zip([p for m in mods for p in m.parameters()], [p for m in ref for p in m.parameters()]):
+        assert torch.equal(a.grad, b.grad.div_(4))
+
+
+def test_split_layers_run_as_nn_linear_where_nothing_is_deferred(monkeypatch):
+    """A fused backward (no W op apart: 1F1B-like schedules) and a stage whose input needs no
+    gradient (its whole backward runs at W) have nothing for a split layer to defer: their
+    forwards run nn.Linear's own (no split Function in the graph), with the same bits."""
+    from zbpp.splitters import linear
+
+    seen = []
+    real = linear._SplitLinearFn.apply
+
+    def counted(*args):
+        seen.append(args[0].requires_grad)
+        return real(*args)
+
+    monkeypatch.setattr(linear._SplitLinearFn, "apply", counted)
+    losses, ref_losses, same, share = _pipeline(zbpp.ScheduleInterleaved1F1B)
+    assert losses == ref_losses and same and share == 0.0
+    assert seen == [], f"{len(seen)} split-Function forwards under a schedule without W ops"
+    losses, ref_losses, same, share = _pipeline(zbpp.ScheduleZBVZeroBubble)
+    assert losses == ref_losses and same
+    # Stage 0's input needs no gradient: only stage 1's Linears (2 per microbatch) take the split.
+    assert seen and all(seen) and len(seen) == 2 * 4 * 2, len(seen)
+
+
+def test_fused_forward_is_nn_linear_except_for_main_grad():
+    from zbpp.splitters.linear import fused_forward
+
+    lin = zbpp.split_linear(torch.nn.Linear(4, 3))
+    x = torch.randn(5, 4, requires_grad=True)
+    with fused_forward():
+        out = lin(x)
+    assert "SplitLinear" not in type(out.grad_fn).__name__
+    lin.weight.main_grad = torch.zeros(3, 4)
+    with fused_forward():
+        out = lin(x)
+    assert "SplitLinear" in type(out.grad_fn).__name__, "a layer with main_grad must keep the split"

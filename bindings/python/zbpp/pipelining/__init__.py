@@ -60,6 +60,7 @@ from ..costs import ActivationMeter, StageCosts, parse_mem_limit
 from ..distributed import TorchTransport, group_rank, group_size
 from ..schedule import Schedule
 from ..split import default_store
+from ..splitters.linear import fused_forward
 from ._boundary import _BoundaryBuffers, _as_tuple, _layout, _shares_storage
 from ._custom import CustomFunctions
 from ._agree import _Agreement, pipeline_key
@@ -547,7 +548,13 @@ class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning, _Splitting, _Bou
                 inputs.append(t)
             inputs, kwargs = tuple(inputs), {}
         meter = self._meter(s) if self._profiling and i == 0 else None
-        with torch.enable_grad(), (meter or contextlib.nullcontext()):
+        # Split layers run as nn.Linear where B defers nothing: a fused backward (no W op apart),
+        # or a splitting stage with no input gradient to send, whose whole backward runs at W
+        # (_wsplit; with split_backward=False its B runs and the split layers defer their W).
+        fused = fused_forward((s, i) not in self._apart()[1] or (not any(
+            isinstance(t, torch.Tensor) and t.requires_grad for t in itertools.chain(inputs, kwargs.values()))
+            and self._stage_splits(self._by_index[s])))
+        with torch.enable_grad(), fused, (meter or contextlib.nullcontext()):
             out = self._run_stage(s, i, inputs, kwargs)
             if s == self.loss_stage:
                 loss = self._compute_loss(i, out)

@@ -38,6 +38,9 @@ weights within a stage: autograd sums the uses' gradients before adding them to 
 own apart) and for a frozen-weight layer's inputs that torch's matmul would not fold into rows.
 """
 
+import contextlib
+import threading
+
 import torch
 import torch.nn.functional as F
 
@@ -46,7 +49,8 @@ from .. import wgrad_store as _store
 from .._wlayout import autograd_layout
 from ._base import NOT_SPLIT, SPLIT, frozen_or
 
-__all__ = ["SplitLinear", "NAME", "active", "claims", "classify", "split", "deferred", "deferring_functions"]
+__all__ = ["SplitLinear", "NAME", "active", "claims", "classify", "split", "deferred", "deferring_functions",
+           "fused_forward"]
 
 NAME = "torch.nn.Linear"
 
@@ -145,16 +149,46 @@ def _input_grad(x, layout, wc):
     return dx2 if x.dim() == 2 else dx2.reshape(x.shape)
 
 
+class _Fused(threading.local):
+    on = False
+
+
+_FUSED = _Fused()
+
+
+@contextlib.contextmanager
+def fused_forward(on=True):
+    """Within it, on this thread, split layers run nn.Linear's own forward (F.linear, torch's
+    autograd node): a pipeline's forward of a microbatch whose backward is fused (no W op of its
+    own, as in 1F1B) has nothing to defer, and the split's autograd Function would only cost time
+    (an op in Python per layer and backward). The gradients are the same bits either way (the
+    split's W runs nn.Linear's ops). Layers whose parameters have main_grad keep the split, whose
+    W adds there, as Megatron's accumulation does."""
+    was, _FUSED.on = _FUSED.on, bool(on)
+    try:
+        yield
+    finally:
+        _FUSED.on = was
+
+
 class SplitLinear(torch.nn.Linear):
     """nn.Linear whose backward defers the weight gradient to the W store (see module docstring)."""
 
     def forward(self, x):
+        if (_FUSED.on or not torch.is_grad_enabled()) and not _has_main_grad(self):
+            # Nothing to defer (a fused backward, or no backward at all): nn.Linear itself.
+            return F.linear(x, self.weight, self.bias)
         cast = _autocast_dtype(x.device.type) if x.is_floating_point() else None
         if cast is not None and x.dtype != cast:
             # The input's cast is autograd's own op (it saves nothing), so a double backward
             # (create_graph) reaches x through it, as through nn.Linear's autocast cast.
             x = x.to(cast)
         return _SplitLinearFn.apply(x, self.weight, self.bias)
+
+
+def _has_main_grad(m):
+    return getattr(m.weight, "main_grad", None) is not None or (
+        m.bias is not None and getattr(m.bias, "main_grad", None) is not None)
 
 
 # ---- the family's interface (zbpp.splitters) --------------------------------------------------------
