@@ -42,11 +42,15 @@ b; `costs=` plans from saved costs at once; `save_plan_dir=` (or ZBPP_PLAN_DIR) 
 and the plan; `plan_info` says what happened. Fixed orders (gpipe, 1f1b, interleaved-1f1b) and
 schedules from CSV are never replanned.
 
+Where the parts are: PipelineStage in _stage.py; the schedule classes (torch's hierarchy, one class
+per kind) and get_schedule_class in _classes.py; PipelineSchedule, the runner's callbacks and the
+runner's set-up here, its other parts in the mixins of the other _*.py modules. Every name is
+imported from this package.
+
 What this is not: a tracer or a model splitter. Each rank builds its own stage modules.
 """
 
 import contextlib
-import ctypes
 import itertools
 import logging
 import os
@@ -57,15 +61,15 @@ import torch.distributed as dist
 
 from .. import _lib, cuda, distributed, runtime
 from ..costs import ActivationMeter, StageCosts, parse_mem_limit
-from ..distributed import TorchTransport, group_rank, group_size
+from ..distributed import TorchTransport
 from ..schedule import Schedule
 from ..split import default_store
 from ..splitters.linear import fused_forward
 from ._boundary import _BoundaryBuffers, _as_tuple, _layout, _shares_storage
-from ._custom import CustomFunctions
 from ._agree import _Agreement, pipeline_key
 from ._ir import _TorchIR
 from ._setup import _SetUp
+from ._stage import PipelineStage, _adopt
 from ._step import _Stepping
 from ._wsplit import _marked as _wsplit_marked, _Splitting, measured_w_share
 from ._plan import DEFAULT_PROFILE_STEPS, PLANNED_KINDS, REPLAN_MIN_GAIN, PlanInfo, _Planning, _profile_window  # noqa: F401
@@ -104,144 +108,6 @@ __all__ = [
 
 _V_KINDS = ("zb-v", "v-half", "v-min", "dualpipe-v")
 _log = logging.getLogger("zbpp")
-
-
-class PipelineStage:
-    """One stage of the pipeline on this rank (torch.distributed.pipelining.PipelineStage's shape).
-
-    submodule: the layers of this stage; stage_index in [0, num_stages); device: where its tensors
-    live ("cpu", or a CUDA device: one GPU per rank, all of a rank's stages on it); group: the
-    pipeline's process group (None: the default group, or a single process when torch.distributed
-    is not initialised).
-    The arguments are torch 2.13's, in its order. input_args and output_args (torch's example
-    tensors for the boundaries): when every stage of the pipeline has both, the boundaries' shapes
-    come from them and no shape inference runs, as in torch; otherwise the first step infers them.
-    output_grads and input_grads are accepted for compatibility (gradients have their activation's
-    shape). get_mesh (torch's callback for DTensor boundaries) is accepted too; zbpp's boundaries
-    carry plain tensors.
-    split_backward (zbpp's, default True): under a schedule with W ops (the zero-bubble kinds),
-    each backward of this stage is split into B (the input gradient, sent upstream at once) and W
-    (the weight gradients, run at the schedule's W op), for any module: its nn.Linear layers become
-    zbpp.SplitLinear (W is a GEMM in zbpp's W store), every other parameter gets its W through the
-    autograd graph (zbpp/_autograd_split.py, torch's semantics; the first stage, whose input needs no
-    gradient, runs its whole backward at W, as torch's does). False: the backward runs whole at B
-    and W ops run only what layers split by hand (zbpp.split_linear) deferred. Schedules without W
-    ops (1F1B, GPipe, Interleaved1F1B) run the backward whole either way.
-    dw_builder: as torch's, a function that returns a function computing the stage's weight
-    gradients: the stage's backward then runs autograd's full backward (the module's own hooks
-    decide what it leaves for later), and each W (BACKWARD_WEIGHT) runs the function dw_builder()
-    returned at that microbatch's B; a fused backward runs it at once. It takes the place of
-    split_backward.
-    After a step the last stage holds its microbatches' outputs in `output_chunks` (as torch's);
-    clear_runtime_states() empties it, and every step starts with it.
-    """
-
-    def __init__(self, submodule, stage_index, num_stages, device=None, input_args=None, output_args=None,
-                 output_grads=None, input_grads=None, group=None, dw_builder=None, get_mesh=None, *,
-                 split_backward=True):
-        if not isinstance(submodule, torch.nn.Module):
-            raise TypeError(f"zbpp.PipelineStage: submodule must be a torch.nn.Module, got {type(submodule).__name__}")
-        if not isinstance(num_stages, int) or num_stages < 1:
-            raise ValueError(f"zbpp.PipelineStage: num_stages must be an int >= 1, got {num_stages!r}")
-        if not isinstance(stage_index, int) or not 0 <= stage_index < num_stages:
-            raise ValueError(f"zbpp.PipelineStage: stage_index {stage_index!r} is out of range; "
-                             f"it must be in [0, {num_stages - 1}] for num_stages={num_stages}")
-        if dw_builder is not None and not callable(dw_builder):
-            raise TypeError(f"zbpp.PipelineStage: dw_builder must be a function that returns the weight-gradient "
-                            f"function, got {type(dw_builder).__name__}")
-        self.submod = submodule
-        self.stage_index = stage_index
-        self.num_stages = num_stages
-        try:
-            self.device = cuda.device_of(device)
-        except ValueError as exc:
-            raise ValueError(f"zbpp.PipelineStage: {str(exc).replace('zbpp: ', '', 1)}") from None
-        self.group = group
-        self.group_rank = group_rank(group)
-        self.group_size = group_size(group)
-        self.is_first = stage_index == 0
-        self.is_last = stage_index == num_stages - 1
-        self.dw_builder = dw_builder
-        self.get_mesh = get_mesh
-        self._user_args = (input_args, output_args)  # torch's example tensors: complete on every stage, no inference
-        self.split_backward = bool(split_backward)
-        self.has_backward = True
-        self.output_chunks = []
-        self.fwd_cache = {}
-        self.stage_index_to_group_rank = {}
-
-    def clear_runtime_states(self):
-        """Forgets the last step's outputs (output_chunks) and cached forwards, as torch's does."""
-        self.output_chunks.clear()
-        self.fwd_cache.clear()
-
-    # ---- torch's calls, for the custom functions of _PipelineScheduleRuntime (_custom.py) ----------
-    # Inside such a function they run this stage's work for the action being run: the runner has
-    # received the inputs (args/kwargs are used on stage 0 only, as zbpp split them) and sends the
-    # outputs after the function returns.
-
-    def _runtime(self, call):
-        schedule = self.__dict__.get("_zb_schedule")
-        schedule = schedule() if schedule is not None else None
-        if schedule is None:
-            raise RuntimeError(f"zbpp: stage {self.stage_index}.{call}() runs inside a custom function of a "
-                               "running schedule (_PipelineScheduleRuntime.register_custom_function) only")
-        return schedule
-
-    def forward_one_chunk(self, fwd_chunk_id, args=None, kwargs=None, save_forward_output=True):
-        """torch's: this stage's forward of microbatch fwd_chunk_id; returns its output."""
-        return self._runtime("forward_one_chunk")._custom_run("F", self.stage_index, fwd_chunk_id)
-
-    def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False,
-                           retain_graph_for_packed_imgs=False):
-        """torch's: this stage's backward of microbatch bwd_chunk_id, as the action says (a full
-        backward runs its W at once after the function returns, a split one at its W op)."""
-        self._runtime("backward_one_chunk")._custom_run("B", self.stage_index, bwd_chunk_id)
-
-    def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
-        """torch's: inside the custom function of a BACKWARD_WEIGHT action, runs the function
-        dw_builder returned at that microbatch's B (zbpp's own W work for it has run at the W op)."""
-        self._runtime("backward_weight_one_chunk")._custom_run_w(self.stage_index, bwd_chunk_id)
-
-    def set_local_fwd_input(self, prev_stage_outputs, mb_index):
-        """torch's hand-over between stages of one rank: zbpp's runner does it itself."""
-
-    def set_local_bwd_input(self, next_stage_bwd_outputs, mb_index):
-        """torch's hand-over between stages of one rank: zbpp's runner does it itself."""
-
-    def get_local_bwd_output(self, mb_index):
-        """torch's hand-over between stages of one rank: zbpp's runner does it itself (None)."""
-        return None
-
-    def scale_grads(self, grad_scale_factor):
-        """torch's: divides this stage's gradients by grad_scale_factor now; the schedule's own
-        scaling at the end of the step then leaves this stage alone."""
-        self._runtime("scale_grads")._custom_scale(self, grad_scale_factor)
-
-    def __repr__(self):
-        return f"<zbpp.PipelineStage {self.stage_index}/{self.num_stages} on rank {self.group_rank}>"
-
-
-def _adopt(stage, who):
-    """zbpp's stage for a stage object: itself, or for a stage torch made (torch's PipelineStage,
-    or what torch's Pipe.build_stage returns) a zbpp PipelineStage over the same module, index,
-    device and group, so scripts that build their stages with torch's classes run on zbpp too."""
-    if isinstance(stage, PipelineStage):
-        return stage
-    try:
-        from ._torch import need
-
-        base = need("stage")._PipelineStageBase
-    except ImportError:  # a torch without torch.distributed.pipelining made no stages
-        base = None
-    if base is not None and isinstance(stage, base):
-        if getattr(stage, "submod", None) is None or not hasattr(stage, "stage_index") or not hasattr(stage, "device"):
-            return stage  # a stand-in with only the pipeline's shape (torch's tests' mocks): planned, not run
-        from .stage import from_torch_stage
-
-        return from_torch_stage(stage)
-    raise TypeError(f"zbpp.{who}: expected a zbpp.PipelineStage (or a stage torch.distributed.pipelining made), "
-                    f"or a list of them; got {type(stage).__name__}")
 
 
 _marked = _wsplit_marked  # the runner's marking of a stage's own failure (defined in _wsplit.py)
@@ -747,218 +613,38 @@ class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning, _Splitting, _Bou
         self.schedule.close()
 
 
-_PY_KINDS = ("looped-bfs", "dualpipe-v")  # orders zbpp's Python side makes (the C library validates and runs them)
-
-
-def _kind_name(name):
-    """The canonical kind name for any name the library accepts (ZbError otherwise)."""
-    if name in _PY_KINDS:
-        return name
-    kind, factor = ctypes.c_int(), ctypes.c_double()
-    _lib.call("zb_kind_from_name", [ctypes.c_char_p, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_double)],
-              name.encode(), ctypes.byref(kind), ctypes.byref(factor))
-    return _lib.function("zb_kind_name", [ctypes.c_int], ctypes.c_char_p)(kind.value).decode()
-
-
-def _group_ranks(group):
-    return dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
-
-
-def _global(group, rank):
-    from ..distributed import global_rank
-    return global_rank(group, rank)
-
-
-def _kind_class(kind_name, cls_name, doc, base=None, **attrs):
-    return type(cls_name, (base or PipelineSchedule,),
-                {"kind": kind_name, "__doc__": doc, "__module__": __name__, **attrs})
-
-
-# The schedule classes take torch 2.13's positional arguments in its order (test_torch_names.py
-# compares every signature with the installed torch's), then zbpp's keywords (PipelineSchedule).
-
-class PipelineScheduleSingle(PipelineSchedule):
-    """torch's base class of the schedules with one stage per rank (GPipe, 1F1B). Takes the stage
-    itself or a list with one stage."""
-
-    def __init__(self, stage=None, n_microbatches=None, loss_fn=None, args_chunk_spec=None, kwargs_chunk_spec=None,
-                 output_merge_spec=None, scale_grads=True, **kwargs):
-        super().__init__(stage, n_microbatches, loss_fn, args_chunk_spec, kwargs_chunk_spec, output_merge_spec,
-                         scale_grads, **kwargs)
-
-
-class PipelineScheduleMulti(PipelineSchedule):
-    """torch's base class of the schedules with one or more stages per rank. Itself (no kind), it
-    runs the order a user gives: a subclass sets `self.pipeline_order` (rank -> list of _Action)
-    in its __init__ after this one's, or the script calls _load_csv(path); the C library
-    validates it at the next step and the C runner runs it (zbpp/pipelining/_order.py)."""
-
-    def __init__(self, stages=None, n_microbatches=None, loss_fn=None, args_chunk_spec=None, kwargs_chunk_spec=None,
-                 output_merge_spec=None, use_full_backward=None, scale_grads=True, backward_requires_autograd=True,
-                 **kwargs):
-        super().__init__(stages, n_microbatches, loss_fn, args_chunk_spec, kwargs_chunk_spec, output_merge_spec,
-                         scale_grads, use_full_backward=use_full_backward,
-                         backward_requires_autograd=backward_requires_autograd, **kwargs)
-
-
-class _PipelineScheduleRuntime(CustomFunctions, PipelineScheduleMulti):
-    """torch's runtime for orders with their transfers (compute_comms): zbpp's runner makes its own
-    transfers, so it reads both forms (_prepare_schedule_with_comms, _load_csv(format=...)). Takes
-    torch's custom functions (register_custom_function; zbpp/pipelining/_custom.py)."""
-
-
-class _Interleaved(_PipelineScheduleRuntime):
-    """The signature of torch's interleaved classes (Interleaved1F1B, InterleavedZeroBubble,
-    ZBVZeroBubble, DualPipeV): no use_full_backward, defer_pp_recv last."""
-
-    def __init__(self, stages=None, n_microbatches=None, loss_fn=None, args_chunk_spec=None, kwargs_chunk_spec=None,
-                 output_merge_spec=None, scale_grads=True, backward_requires_autograd=True, defer_pp_recv=False,
-                 **kwargs):
-        super().__init__(stages, n_microbatches, loss_fn, args_chunk_spec, kwargs_chunk_spec, output_merge_spec,
-                         scale_grads=scale_grads, backward_requires_autograd=backward_requires_autograd,
-                         defer_pp_recv=defer_pp_recv, **kwargs)
-
-
-class _ScheduleForwardOnly(PipelineScheduleSingle):
-    """Forward only: every microbatch through every stage, no loss, no backward (torch's)."""
-
-    kind = "gpipe"
-
-    def _trains(self):
-        return False
-
-    def _step_microbatches(self, arg_mbs=None, kwarg_mbs=None, target_mbs=None, losses=None, return_outputs=True,
-                           loss_kwargs=None):
-        if target_mbs is not None or losses is not None:
-            raise RuntimeError("Forward-only schedule does not support loss computation")
-        return super()._step_microbatches(arg_mbs, kwarg_mbs, None, None, return_outputs, loss_kwargs)
-
-
-ScheduleGPipe = _kind_class("gpipe", "ScheduleGPipe", "GPipe: all forwards, then all backwards (memory m).",
-                            PipelineScheduleSingle)
-Schedule1F1B = _kind_class("1f1b", "Schedule1F1B", "1F1B (PipeDream-flush), fused backward.", PipelineScheduleSingle)
-ScheduleInterleaved1F1B = _kind_class("interleaved-1f1b", "ScheduleInterleaved1F1B",
-                                      "Interleaved 1F1B: stages in a loop, any number per rank; m in torch's "
-                                      "rounds (max(1, m // p) of equal size).", _Interleaved)
-
-
-class ScheduleLoopedBFS(_PipelineScheduleRuntime):
-    """Breadth-first pipelining (torch's ScheduleLoopedBFS): stages in a loop; each rank runs all
-    microbatches through a stage before its next stage, and the backwards in reverse. Memory: every
-    microbatch of every stage of the rank."""
-
-    kind = "looped-bfs"
-
-    def __init__(self, stages, n_microbatches, loss_fn=None, output_merge_spec=None, scale_grads=True,
-                 backward_requires_autograd=True, defer_pp_recv=False, **kwargs):
-        super().__init__(stages, n_microbatches, loss_fn, output_merge_spec=output_merge_spec,
-                         scale_grads=scale_grads, backward_requires_autograd=backward_requires_autograd,
-                         defer_pp_recv=defer_pp_recv, **kwargs)
-
-    def _generate(self, kind, p, m, v, times, limit):
-        from ._order import looped_bfs
-
-        schedule = Schedule.from_ops(looped_bfs(p, v, m), m, placement="loop", v=v, times=times, mem_limit=limit)
-        schedule.validate()
-        return schedule
-
-
-class ScheduleDualPipeV(_Interleaved):
-    """DeepSeek's DualPipeV (torch's ScheduleDualPipeV): two stages per rank in a V, m >= 2p, its
-    steady phase in pairs of one stage's forward and the other's backward (OVERLAP_F_B in
-    pipeline_order). zbpp's runner runs each pair's forward, then its backward; the order is
-    validated and run by the C library like any other (zbpp/pipelining/_order.py)."""
-
-    kind = "dualpipe-v"
-
-    def _generate(self, kind, p, m, v, times, limit):
-        from ._order import dualpipe_v, schedule_from_actions
-
-        S = 2 * p
-        if m < S:
-            raise ValueError(f"DualPipeV requires at least as many microbatches as stages, but got {m} microbatches "
-                             f"and {S} stages")
-        order = dualpipe_v(p, m)
-        schedule = schedule_from_actions(order, p, S, m, times=times, mem_limit=limit)
-        # pipeline_order shows the pairs as torch's OVERLAP_F_B actions (the ops are their halves)
-        self._order, self._order_schedule = order, schedule
-        return schedule
-
-
-ScheduleZBH1 = _kind_class("zb-h1", "ScheduleZBH1", "ZB-H1: 1F1B's memory, about a third of its bubble.",
-                           PipelineScheduleMulti)
-ScheduleZBH2 = _kind_class("zb-h2", "ScheduleZBH2", "ZB-H2: memory 2p-1, no bubble once m is large.",
-                           PipelineScheduleMulti)
-ScheduleZBVZeroBubble = _kind_class("zb-v", "ScheduleZBVZeroBubble",
-                                    "ZB-V: two stages per rank in a V, 1F1B's memory, no bubble.",
-                                    _Interleaved)
-ScheduleZBV = ScheduleZBVZeroBubble
-ScheduleVHalf = _kind_class("v-half", "ScheduleVHalf", "V-Half: a V schedule at half of 1F1B's memory.",
-                            PipelineScheduleMulti)
-ScheduleVMin = _kind_class("v-min", "ScheduleVMin", "V-Min: a V schedule at a third of 1F1B's memory.",
-                           PipelineScheduleMulti)
-ScheduleZBAuto = _kind_class("zb-auto", "ScheduleZBAuto",
-                             "Automatic zero bubble for the given costs under a memory limit (mem_limit=).",
-                             PipelineScheduleMulti)
-ScheduleInterleavedZeroBubble = _kind_class("zb-auto", "ScheduleInterleavedZeroBubble",
-                                            "torch's InterleavedZeroBubble name: zbpp's automatic scheduler "
-                                            "over loop-placed stages.", _Interleaved,
-                                            _loop_placement=True)
-
-
-class ScheduleFromCSV(PipelineSchedule):
-    """A schedule read from torch's CSV action grammar: ScheduleFromCSV(stages, m, csv=path_or_text, ...)."""
-
-    def __init__(self, stage_or_stages, n_microbatches, loss_fn=None, *, csv, **kwargs):
-        super().__init__(stage_or_stages, n_microbatches, loss_fn, csv=csv, **kwargs)
-
-
-_CLASSES = {
-    "gpipe": ScheduleGPipe,
-    "1f1b": Schedule1F1B,
-    "interleaved-1f1b": ScheduleInterleaved1F1B,
-    "zb-h1": ScheduleZBH1,
-    "zb-h2": ScheduleZBH2,
-    "zb-v": ScheduleZBVZeroBubble,
-    "v-half": ScheduleVHalf,
-    "v-min": ScheduleVMin,
-    "zb-auto": ScheduleZBAuto,
-}
-
-
-# torch's names that are not zbpp kinds (lower case, without the "Schedule" prefix).
-_TORCH_NAMES = {
-    "interleavedzerobubble": ScheduleInterleavedZeroBubble,
-    "loopedbfs": ScheduleLoopedBFS,
-    "dualpipev": ScheduleDualPipeV,
-    "pipelineschedulesingle": PipelineScheduleSingle,
-    "pipelineschedulemulti": PipelineScheduleMulti,
-}
-
-
-def get_schedule_class(schedule_name):
-    """The schedule class for a name: zbpp's kind names (zb-v, zb-h1, 1f1b, ...) or torch's class
-    names (1F1B, Interleaved1F1B, GPipe, InterleavedZeroBubble, ZBVZeroBubble, also with the
-    "Schedule" prefix), case-insensitively. Raises ValueError listing the valid names."""
-    name = schedule_name
-    if not isinstance(name, str):
-        raise TypeError(f"zbpp.get_schedule_class: name must be a str, got {type(name).__name__}")
-    key = name.strip().lower().replace("_", "-")
-    torch_name = _TORCH_NAMES.get(key[len("schedule"):] if key.startswith("schedule") else key)
-    if torch_name is not None:
-        return torch_name
-    try:
-        kind = _kind_name(name)
-    except _lib.ZbError as exc:
-        raise ValueError(f"zbpp.get_schedule_class: unknown schedule {name!r}; valid names: "
-                         + ", ".join(_CLASSES) + " and torch's 1F1B, Interleaved1F1B, GPipe, LoopedBFS, "
-                         "InterleavedZeroBubble, ZBVZeroBubble, PipelineScheduleSingle, PipelineScheduleMulti "
-                         "(case-insensitive)") from exc
-    cls = _CLASSES.get(kind)
-    if cls is None:
-        raise ValueError(f"zbpp.get_schedule_class: {name!r} ({kind}) has no generator; use "
-                         "ScheduleFromCSV for a schedule from a file")
-    return cls
+# The schedule classes (_classes.py) subclass PipelineSchedule, so they are imported after it; its
+# methods use _kind_name, _PY_KINDS, _group_ranks and _global from there, at call time only. Each
+# name is a name of this package as before the split (schedules.py and scripts import them here).
+from ._classes import (  # noqa: E402, F401
+    PipelineScheduleMulti,
+    PipelineScheduleSingle,
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleFromCSV,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleLoopedBFS,
+    ScheduleVHalf,
+    ScheduleVMin,
+    ScheduleZBAuto,
+    ScheduleZBH1,
+    ScheduleZBH2,
+    ScheduleZBV,
+    ScheduleZBVZeroBubble,
+    get_schedule_class,
+    _CLASSES,
+    _global,
+    _group_ranks,
+    _Interleaved,
+    _kind_class,
+    _kind_name,
+    _PipelineScheduleRuntime,
+    _PY_KINDS,
+    _ScheduleForwardOnly,
+    _TORCH_NAMES,
+)
 
 
 # ---- torch.distributed.pipelining's other names -----------------------------------------------------
