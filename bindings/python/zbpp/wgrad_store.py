@@ -98,6 +98,8 @@ class WGradStore:
         self.immediate = runtime.WStore(self.backend, self._release, before_run=before)
         self._capturing = False
         self._scratch = None  # push_action's dw: see there
+        self._add_scratches = {}  # (shape, dtype) -> the product of an added gradient (_push_torch)
+        self._adds = {}  # token -> [(target, scratch)]: added after the entry ran (_release)
         # W GEMMs this store has run (released with ran) and dropped (cleared or closed unrun),
         # over both its stores (pipeline groups and immediate runs). Plain counters: read them,
         # or set them back to 0, between steps.
@@ -167,6 +169,7 @@ class WGradStore:
     def _release(self, token, ran):
         if token & _ops.TOKEN_BIT:  # pushed by a stable-ABI op, which keeps its tensors itself
             keep, pushed = self._torch_live.pop(token, ((), None))
+            adds = self._adds.pop(token, None)
             after = None
             try:
                 _ops.release(token, ran)  # zbpp::linear_wgrad's entries run torch's ops here
@@ -175,6 +178,9 @@ class WGradStore:
                 if pushed is not None:
                     self._forget_push_stream(pushed)
                 raise
+            if ran and adds:
+                for target, scratch in adds:
+                    target.add_(scratch)
         else:
             keep, after, pushed = self._live.pop(token)
         if ran:
@@ -278,6 +284,24 @@ class WGradStore:
             return None, None
         dw, dw_add = _torch_target(w, fresh)
         db, db_add = _torch_target(b, fresh)
+        adds = None
+        if not self.is_cuda and (dw_add or db_add):
+            # An added gradient (autograd's in-place add to .grad, or main_grad +=): the op writes
+            # the product into a scratch of the target's shape, and Python adds it in place after
+            # the op ran (_release). The stable ABI has no in-place add, so the op would otherwise
+            # make the sum in a new tensor and copy it back: an allocation and a pass over the
+            # gradient more per entry, which showed in bench_torch's W ops. The scratch holds the
+            # product in its own dtype (the inputs'), so the add rounds once, as the sum did (a
+            # bf16 main_grad gets fp32 products added, as Megatron's hook adds .grad). One scratch
+            # per shape and dtype serves every entry: entries run one at a time, each add right
+            # after its product.
+            adds = []
+            if dw_add:
+                adds.append((dw, self._add_scratch(dw, layout.x2.dtype)))
+                dw, dw_add = adds[-1][1], False
+            if db_add:
+                adds.append((db, self._add_scratch(db, layout.dy2.dtype)))
+                db, db_add = adds[-1][1], False
         handle = _NOW if store is _NOW else (store or self.store).handle.value
         pushed = None
         if self.is_cuda and handle != _NOW:
@@ -288,6 +312,12 @@ class WGradStore:
         token = _ops.stable().linear_wgrad(layout.x2, layout.dy2, dw, db, layout.bias_of, layout.bias_dims,
                                            layout.dy_t_x, dw_add, db_add, handle)
         token &= _U64  # the op returns it as an int64; the store hands it back unsigned
+        if adds:
+            if token:
+                self._adds[token] = adds
+            else:  # ran within the call
+                for target, scratch in adds:
+                    target.add_(scratch)
         if token:
             if pushed is not None:
                 self._torch_live[token] = ((layout.x2, layout.dy2, layout.bias_of), pushed)
@@ -298,6 +328,13 @@ class WGradStore:
         else:
             self.gemms_run += 1
         return _returned(w, dw, fresh), _returned(b, db, fresh)
+
+    def _add_scratch(self, target, dtype):
+        key = (tuple(target.shape), dtype)
+        got = self._add_scratches.get(key)
+        if got is None:
+            got = self._add_scratches[key] = torch.empty(target.shape, dtype=dtype, device=self.device)
+        return got
 
     def push_action(self, action, keep=(), store=None):
         """Queues a W that is Python work, not a GEMM zbpp makes: `action()` runs when the entry's
@@ -388,6 +425,7 @@ class WGradStore:
         self.immediate.close()
         self._live.clear()
         self._torch_live.clear()
+        self._adds.clear()
         self._push_streams.clear()
         if not self.is_cuda:
             self.backend.close()  # the CUDA backend is the device's, shared (cuda.backend_for)
