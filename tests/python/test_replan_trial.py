@@ -78,3 +78,38 @@ def test_noisy_measurements_of_equal_stages_plan_as_well_as_the_true_costs():
                 out.append(again.simulate().cost)
     assert max(smoothed) <= best_cost * 1.001, (smoothed, best_cost)
     assert max(raw) > best_cost * 1.02, "the raw measurements happened to plan well: the test shows nothing"
+
+
+def test_snapped_costs_give_launches_with_a_little_noise_one_plan():
+    """Where plans tie on the cost ratios (W = F/2 here), measured noise picks a side per launch:
+    planned on the smoothed costs, launches of one configuration got different orders (which then
+    ran 4% apart); snapped to the cost grid, they get one."""
+    import hashlib
+    import random
+
+    rng = random.Random(3)
+    digests = {"smoothed": set(), "snapped": set()}
+    for _ in range(12):
+        scale = rng.uniform(0.97, 1.03)  # one launch's stages all a little slower or faster
+        jitter = lambda base: [base * scale * rng.uniform(0.99, 1.01) for _ in range(8)]  # noqa: E731
+        c = zbpp.StageCosts(4, 2, "v", jitter(5.0), jitter(5.0), [t * rng.uniform(0.97, 1.03) for t in jitter(2.5)])
+        for name, costs in (("smoothed", c.smoothed()), ("snapped", c.smoothed().snapped())):
+            with costs.plan("zb-v", 8) as sched:
+                digests[name].add(hashlib.sha256(sched.to_csv().encode()).hexdigest())
+    assert len(digests["smoothed"]) > 1, "the noise happened to plan one order: the test shows nothing"
+    assert len(digests["snapped"]) == 1, f"{len(digests['snapped'])} orders from snapped costs"
+
+
+def test_snapping_moves_a_cost_by_at_most_half_a_grid_step():
+    c = zbpp.StageCosts(2, 1, "loop", [4.0, 9.0], [0.0, 7.3], [3.1, 2.05], time_comm=0.05)
+    s = c.snapped()
+    step = 2 ** (1 / 12)
+    for got, want in zip(s.time_f + s.time_b + s.time_w + [s.time_comm], c.time_f + c.time_b + c.time_w + [c.time_comm]):
+        if want == 0:
+            assert got == 0
+        else:  # half a grid step, plus the anchor's and the result's rounding (1/128 + 1/2048 ms)
+            assert want / step ** 0.5 - 0.01 <= got <= want * step ** 0.5 + 0.01, (got, want)
+            assert got * 1024 == int(got * 1024), "not on the 1/1024 ms grid"
+    # the ratios 1/2 and 2 of the reference (the median forward time, 6.5) are grid points
+    half = zbpp.StageCosts(1, 1, "loop", [6.0], [12.02], [2.99]).snapped()
+    assert half.time_b == [12.0] and half.time_w == [3.0]

@@ -164,6 +164,8 @@ def _stage_list(values, S, where, key):
 # many ms, near zero) are taken as one cost.
 SMOOTH_TOL = 0.2
 SMOOTH_FLOOR_MS = 0.05
+# StageCosts.snapped: grid points per doubling of a time.
+SNAP_STEPS_PER_OCTAVE = 12
 
 
 class StageCosts:
@@ -437,6 +439,40 @@ class StageCosts:
 
         copy = StageCosts(self.ranks, self.chunks, self.placement, smooth(self.time_f), smooth(self.time_b),
                           smooth(self.time_w), smooth(self.time_bw), self.time_comm, self.w_share,
+                          self.mem_f_bytes, self.op_overhead, self.overheads)
+        copy.samples = self.samples
+        return copy
+
+    def snapped(self, steps_per_octave=SNAP_STEPS_PER_OCTAVE):
+        """These costs with every time (F, B, W, BW per stage, and T_comm) moved to the nearest
+        point of a geometric grid anchored at the median forward time: steps_per_octave points
+        per doubling (12: points 6% apart, each time moved by at most 3%, the ratios 1/2, 1 and 2
+        on the grid). A plan depends on the ratios of the costs, and where two plans tie on
+        them, on which side of the tie the measured noise falls: F = 10.3 or 10.4 ms against
+        W = 5.1 or 5.2 picked one of two orders per launch (bench_synthetic --stability, zb-v at
+        10/10/5 ms), and the two ran 4% apart. Snapped, every launch plans from the same ratios
+        unless a cost really moved by a grid step."""
+        positive = [t for t in self.time_f if t > 0]
+        if not positive or steps_per_octave <= 0:
+            return self
+        ref = statistics.median(positive)
+        # The anchor on a 1/64 ms grid and every result on a 1/1024 ms grid: sums of such times are
+        # exact in floating point, so the generator's ties are exact ties, broken by its rules, not
+        # by rounding (at F = 4.85 ms and W = F/2 the rounding of a sum picked another order than
+        # at F = 5 ms; at exact binary scales the orders agree).
+        anchor = max(round(ref * 64.0), 1) / 64.0
+        k = float(steps_per_octave)
+
+        def snap(t):
+            if t is None or t <= 0:
+                return t
+            return max(round(anchor * 2.0 ** (round(k * math.log2(t / ref)) / k) * 1024.0), 1) / 1024.0
+
+        def snap_all(values):
+            return None if values is None else [snap(t) for t in values]
+
+        copy = StageCosts(self.ranks, self.chunks, self.placement, snap_all(self.time_f), snap_all(self.time_b),
+                          snap_all(self.time_w), snap_all(self.time_bw), snap(self.time_comm), self.w_share,
                           self.mem_f_bytes, self.op_overhead, self.overheads)
         copy.samples = self.samples
         return copy

@@ -63,8 +63,9 @@ class _Planning:
         finally:
             for t in timelines:
                 t.close()
-        # Planned on smoothed costs: stages that cost the same are planned alike on every run.
-        info = self.replan(costs.smoothed(), only_if_faster=True, _measured=statistics.median(bubbles) if bubbles else None)
+        # Planned on smoothed, snapped costs: stages that cost the same are planned alike, and
+        # every run plans from the same cost ratios (StageCosts.snapped).
+        info = self.replan(costs.smoothed().snapped(), only_if_faster=True, _measured=statistics.median(bubbles) if bubbles else None)
         if info.switched and before:
             self._trial = (old_csv, statistics.median(before), [])
 
