@@ -61,7 +61,10 @@ end of step() and counts as its slowest rank's time. Per configuration the table
   plan     the simulated makespan of the configuration's own op order (its pipeline_order, after
            zbpp's replan, as torch exposes it for every class) on the cell's costs as the stages
            really have them (the first stage's B runs at its W: B = 0, W = B + W), by zbpp's
-           simulator: what the order takes with no runtime cost at all (transfers free)
+           simulator: what the order takes with no runtime cost at all (transfers free), end to
+           end (the first op's start to the last op's end over all ranks, as the step is timed;
+           not zbpp's schedule cost, the largest single rank's span, which leaves out the later
+           ranks' staggered starts: p - 1 forwards)
   eff      plan / step: the share of the step the order explains
   replay   the same op order simulated with each op's measured duration instead (median of each
            op over --record-steps extra recorded steps; zbpp's from schedule.timeline(), torch's
@@ -467,7 +470,7 @@ def run_cell(cfgs, rank, p, m, cost, args, say):
         plan, source = simulated_plan(c, tl)
         entry = {"label": c.label, "impl": c.impl, "name": c.name, "stages_per_rank": c.v,
                  "step_ms": steps, "rep_ms": [statistics.fmean(v) for _, v in sorted(reps.items())],
-                 "median_ms": statistics.median(steps), "warmup_ms": warm_ms, "plan_ms": plan.simulate().cost,
+                 "median_ms": statistics.median(steps), "warmup_ms": warm_ms, "plan_ms": plan.makespan(),
                  "replay_ms": replay(c, tl, durations), "plan_source": source, "op_means_ms": op_means(tl),
                  "stage_op_ms": stage_op_means(tl, durations), "measured_span_ms": tl.measured.cost,
                  "plan_svg": plan.to_svg(), "timeline_svg": tl.to_svg()}

@@ -149,16 +149,17 @@ def stage_op_means(timeline, durations):
 
 
 def replay(cfg, timeline, durations):
-    """The makespan (ms) of the order run (the timeline's ops) simulated with each op's measured
-    duration, transfers free: the step a runtime with no cost of its own between ops would take
-    with these ops. Against the measured step it isolates the runtime's own cost."""
+    """The makespan (ms, end to end over all ranks) of the order run (the timeline's ops) simulated
+    with each op's measured duration, transfers free: the step a runtime with no cost of its own
+    between ops would take with these ops. Against the measured step it isolates the runtime's
+    own cost."""
     import zbpp
 
     ops = [timeline.rank_ops(r) for r in range(timeline.ranks)]
     sched = zbpp.Schedule.from_ops(ops, cfg.m, placement=_placement(cfg), v=cfg.v)
     try:
         sched.validate()
-        return sched.simulate_durations(durations).cost
+        return sched.makespan_durations(durations)
     finally:
         sched.close()
 

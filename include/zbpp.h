@@ -268,6 +268,12 @@ ZB_API zb_status_t zb_schedule_cost_bound(const zb_schedule_t *schedule, double 
  * a measured spread, to see what noise does to a plan). */
 ZB_API zb_status_t zb_schedule_simulate_durations(const zb_schedule_t *schedule,
                                                   const double *const *durations, zb_sim_result_t *out);
+/* As zb_schedule_simulate_durations, but *out_makespan gets the end-to-end time: the last op's end
+ * less the first op's start over every rank. The figures' cost is the largest single rank's span
+ * (the paper's measure, which bubble rates use); a step timed by a wall clock also holds the ranks'
+ * staggered starts (the last rank of a pipeline starts p - 1 forwards after the first). */
+ZB_API zb_status_t zb_schedule_makespan_durations(const zb_schedule_t *schedule,
+                                                  const double *const *durations, double *out_makespan);
 
 /* After zb_schedule_simulate: start/end of rank r's ops (aligned with zb_schedule_rank_ops). */
 ZB_API zb_status_t zb_schedule_rank_times(const zb_schedule_t *schedule, int32_t rank,

@@ -137,11 +137,10 @@ zb_status_t zb__simulate_durations(const zb_schedule_t *s, const double *dur, do
 static zb_sim_result_t stats_of(const zb_schedule_t *s, const double *start, const double *end, double *span_out,
                                 double *busy_out, double *peak_out);
 
-zb_status_t zb_schedule_simulate_durations(const zb_schedule_t *s, const double *const *durations,
-                                          zb_sim_result_t *out) {
-  ZB_ARG_NOT_NULL(s);
-  ZB_ARG_NOT_NULL(durations);
-  ZB_ARG_NOT_NULL(out);
+/* The op order run with the given durations: start and end of every op (arrays of n_ops), which
+ * the caller frees. */
+static zb_status_t run_durations(const zb_schedule_t *s, const double *const *durations, double **start_out,
+                                 double **end_out) {
   ZB_CHECK(zb__validate_structure(s));
   size_t n = (size_t)(s->n_ops ? s->n_ops : 1);
   double *dur = malloc(n * sizeof(double)), *start = malloc(n * sizeof(double)), *end = malloc(n * sizeof(double));
@@ -164,9 +163,42 @@ zb_status_t zb_schedule_simulate_durations(const zb_schedule_t *s, const double 
     }
   }
   if (st == ZB_OK) st = zb__simulate_durations(s, dur, start, end);
-  if (st == ZB_OK) *out = stats_of(s, start, end, NULL, NULL, NULL);
-  free(dur), free(start), free(end);
-  return st;
+  free(dur);
+  if (st != ZB_OK) {
+    free(start), free(end);
+    return st;
+  }
+  *start_out = start, *end_out = end;
+  return ZB_OK;
+}
+
+zb_status_t zb_schedule_simulate_durations(const zb_schedule_t *s, const double *const *durations,
+                                          zb_sim_result_t *out) {
+  ZB_ARG_NOT_NULL(s);
+  ZB_ARG_NOT_NULL(durations);
+  ZB_ARG_NOT_NULL(out);
+  double *start = NULL, *end = NULL;
+  ZB_CHECK(run_durations(s, durations, &start, &end));
+  *out = stats_of(s, start, end, NULL, NULL, NULL);
+  free(start), free(end);
+  return ZB_OK;
+}
+
+zb_status_t zb_schedule_makespan_durations(const zb_schedule_t *s, const double *const *durations,
+                                           double *out_makespan) {
+  ZB_ARG_NOT_NULL(s);
+  ZB_ARG_NOT_NULL(durations);
+  ZB_ARG_NOT_NULL(out_makespan);
+  double *start = NULL, *end = NULL;
+  ZB_CHECK(run_durations(s, durations, &start, &end));
+  double first = 0.0, last = 0.0;
+  for (int k = 0; k < s->n_ops; k++) {
+    if (k == 0 || start[k] < first) first = start[k];
+    if (k == 0 || end[k] > last) last = end[k];
+  }
+  *out_makespan = s->n_ops ? last - first : 0.0;
+  free(start), free(end);
+  return ZB_OK;
 }
 
 zb_status_t zb_schedule_simulate(zb_schedule_t *s, zb_sim_result_t *out) {

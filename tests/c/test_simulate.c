@@ -52,6 +52,33 @@ static void test_two_ranks_by_hand(void **state) {
   zb_schedule_destroy(s);
 }
 
+/* A split pipeline whose last rank ends last (its W is long) and whose first rank starts first:
+ *   rank 0: F [0,1]                              B [4,5] W [5,5.1]
+ *   rank 1:        F [1.5,2.5] B [2.5,3.5] W [3.5,13.5]
+ * (T_comm 0.5). The largest rank span (the cost) is rank 1's, 12; end to end it is 13.5. */
+static void test_makespan_durations_counts_the_staggered_start(void **state) {
+  (void)state;
+  const zb_op_t r0[] = {F(0, 0), B(0, 0), W(0, 0)};
+  const zb_op_t r1[] = {F(1, 0), B(1, 0), W(1, 0)};
+  const zb_op_t *ops[] = {r0, r1};
+  const int32_t counts[] = {3, 3};
+  zb_schedule_spec_t spec = zb_test_spec(ZB_KIND_CUSTOM, 2, 1, 1);
+  spec.time_f = 1, spec.time_b = 1, spec.time_w = 1, spec.time_comm = 0.5;
+  zb_schedule_t *s = NULL;
+  ZB_ASSERT_OK(zb_schedule_create_from_ops(&s, &spec, ZB_PLACEMENT_LOOP, ops, counts));
+  const double d0[] = {1, 1, 0.1}, d1[] = {1, 1, 10};
+  const double *d[] = {d0, d1};
+  zb_sim_result_t r;
+  double makespan = 0;
+  ZB_ASSERT_OK(zb_schedule_simulate_durations(s, d, &r));
+  ZB_ASSERT_OK(zb_schedule_makespan_durations(s, d, &makespan));
+  assert_near(r.cost, 12), assert_near(makespan, 13.5);
+  const double *missing[] = {d0, NULL};
+  ASSERT_STATUS(zb_schedule_makespan_durations(s, missing, &makespan), ZB_ERR_INVALID_ARGUMENT);
+  ASSERT_STATUS(zb_schedule_makespan_durations(s, d, NULL), ZB_ERR_INVALID_ARGUMENT);
+  zb_schedule_destroy(s);
+}
+
 /* The same pipeline run with given op durations: the default ones reproduce the simulation, and
  * rank 1's BW taking 7 instead of 5 moves rank 0's BW to [10, 15]: cost 15, busy 8 (rank 1),
  * bubble 7/15. The handle's own simulation is left as it was. */
@@ -159,6 +186,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_two_ranks_by_hand),
       cmocka_unit_test(test_simulate_durations_by_hand),
+      cmocka_unit_test(test_makespan_durations_counts_the_staggered_start),
       cmocka_unit_test(test_memory_split_backward),
       cmocka_unit_test(test_stage_times),
       cmocka_unit_test(test_bubble_uses_busiest_rank),

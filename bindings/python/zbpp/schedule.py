@@ -753,6 +753,30 @@ class Schedule:
         del keep
         return _sim_result(raw)
 
+    def makespan_durations(self, durations):
+        """The end-to-end time (ms) of this op order run with the given op durations (as in
+        simulate_durations): the last op's end less the first op's start over every rank, which a
+        wall clock timing the whole step sees. simulate_durations' cost is the largest single
+        rank's span, the paper's measure; the two differ by the ranks' staggered starts."""
+        keep = []
+        ptrs = self._per_rank(durations, "makespan_durations: durations", "duration", keep)
+        out = ctypes.c_double()
+        _lib.call("zb_schedule_makespan_durations",
+                  [ctypes.c_void_p, ctypes.POINTER(_c_double_p), ctypes.POINTER(ctypes.c_double)],
+                  self.handle, ptrs, ctypes.byref(out))
+        del keep
+        return out.value
+
+    def makespan(self):
+        """The end-to-end time of this schedule's own simulation: the last op's end less the first
+        op's start over every rank (simulate().cost is the largest single rank's span)."""
+        starts, ends = [], []
+        for r in range(self.ranks):
+            a, e = self.rank_times(r)
+            starts += a
+            ends += e
+        return max(ends) - min(starts) if starts else 0.0
+
     def stage_costs(self):
         """Per-stage mean op durations of the current times: {'f': [S], 'b': [S], 'w': [S],
         'bw': [S]} (simulated: the spec's units; after set_times: milliseconds). A stage with no op
