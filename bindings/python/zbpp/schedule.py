@@ -5,7 +5,9 @@ A `Schedule` owns one zb_schedule_t handle. It is made by `Schedule.generate` (a
 "zb-v" or torch's "ZBVZeroBubble"), `Schedule.from_csv` (torch.distributed.pipelining's
 compute_only action CSV) or `Schedule.from_ops` (explicit per-rank op lists), and it answers
 questions about itself: per-rank op lists, placement, simulated times, memory, and exports in the
-text, CSV, JSON, Chrome-trace and SVG formats.
+text, CSV, JSON, Chrome-trace and SVG formats. Two private modules hold parts of it:
+_schedule_args.py checks the constructors' arguments, _schedule_exports.py has the export methods
+(a mixin of Schedule) and stack_svgs; both are used through this module.
 
 What this is not: a scheduler written in Python, or torch-aware. Every rule, generator and number
 comes from the C library, so the CLI, the runtime and this module can never disagree about a
@@ -19,16 +21,12 @@ activations through all of a rank's layers (1F1B peaks at p).
 """
 
 import ctypes
-import math
-import numbers
-import operator
 import os
-import re
 from typing import NamedTuple
-from xml.sax.saxutils import escape
 
 from . import _lib
-from ._files import write_text
+from ._schedule_args import _TIME_KEYS, _count, _index, _is_number, _mem_limit, _number, _parse_times
+from ._schedule_exports import _ScheduleExports, stack_svgs
 
 __all__ = ["Op", "Schedule", "SimResult", "kinds", "stack_svgs"]
 
@@ -53,16 +51,6 @@ _PLACEMENT_NAMES = ("loop", "v", "custom")
 # S = p * v before the schedule exists. A wrong entry would only make the length check stricter
 # than the library, and the C side checks the shape again.
 _TWO_CHUNK_KINDS = frozenset({"interleaved-1f1b", "zb-v", "v-half", "v-min"})
-
-# File name endings save() understands; longer endings first, so "x.trace.json" is a Chrome trace.
-_EXTENSION_FORMATS = (
-    ("trace.json", "chrome"),
-    (".trace", "chrome"),
-    (".svg", "svg"),
-    (".csv", "csv"),
-    (".json", "json"),
-    (".txt", "text"),
-)
 
 # ---- ctypes records, laid out exactly as in include/zbpp.h --------------------------------------
 
@@ -200,35 +188,6 @@ def _resolve_kind(kind):
     return out_kind.value, factor.value
 
 
-def _is_number(x):
-    # bool is an int to Python, but True as a time or a size is a mistake, not a 1.
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)
-
-
-def _number(x, what):
-    if not _is_number(x):
-        raise TypeError(f"{what} must be a number, got {x!r}")
-    return float(x)
-
-
-def _index(x, what):
-    """An integer argument (a rank, a stage); the library checks its range and names it."""
-    if isinstance(x, bool):
-        raise TypeError(f"{what} must be an integer, got {x!r}")
-    try:
-        return operator.index(x)
-    except TypeError:
-        raise TypeError(f"{what} must be an integer, got {x!r}") from None
-
-
-def _count(x, what, minimum=1):
-    """An integer argument such as p or m, >= minimum."""
-    value = _index(x, what)
-    if value < minimum:
-        raise ValueError(f"{what} must be >= {minimum}, got {value}")
-    return value
-
-
 def _op_code(type_, what):
     """zb_op_type_t for 'F', 'B', 'W' or 'BW' (any case)."""
     if isinstance(type_, str):
@@ -236,80 +195,6 @@ def _op_code(type_, what):
         if code is not None:
             return code
     raise ValueError(f"{what}: op type {type_!r} is not one of 'F', 'B', 'W', 'BW'")
-
-
-_TIME_KEYS = ("f", "b", "w", "bw")
-
-
-def _parse_times(times, stages, where):
-    """The spec's cost fields from the `times` argument.
-
-    Returns ({'f': scalar, ...}, {'f': [S floats] or None, ...}). `stages` is S, the number of
-    per-stage values a list must have; `where` says how S was worked out, for the message.
-    """
-    scalars = {"f": 1.0, "b": 1.0, "w": 1.0, "bw": 0.0}  # bw <= 0 means b + w (zbpp.h)
-    arrays = dict.fromkeys(_TIME_KEYS)
-    if times is None:
-        return scalars, arrays
-    if isinstance(times, (tuple, list)):
-        if len(times) not in (3, 4) or not all(_is_number(t) for t in times):
-            raise ValueError(
-                f"times as a tuple must be (f, b, w) or (f, b, w, bw) numbers (per-rank times), got {times!r}; "
-                "use a dict such as {'f': [...], 'b': ...} for per-stage times")
-        for key, value in zip(_TIME_KEYS, times):
-            scalars[key] = float(value)
-        return scalars, arrays
-    if not isinstance(times, dict):
-        raise TypeError(
-            f"times must be None, a dict with keys among 'f', 'b', 'w', 'bw', or a tuple (f, b, w[, bw]); "
-            f"got {type(times).__name__}")
-    for raw_key, value in times.items():
-        key = raw_key.lower() if isinstance(raw_key, str) else raw_key
-        if key not in _TIME_KEYS:
-            raise ValueError(f"times has an unknown key {raw_key!r}; allowed keys: 'f', 'b', 'w', 'bw' (any case)")
-        if _is_number(value):
-            scalars[key] = float(value)
-            continue
-        if isinstance(value, (str, bytes)) or not hasattr(value, "__len__"):
-            raise TypeError(
-                f"times[{raw_key!r}] must be a number (the time of one microbatch through all of a rank's "
-                f"layers) or a sequence of {stages} per-stage times, got {value!r}")
-        values = list(value)
-        if len(values) != stages:
-            raise ValueError(
-                f"times[{raw_key!r}] has {len(values)} values; per-stage times need one per stage, "
-                f"S = {stages} ({where})")
-        for i, t in enumerate(values):
-            if not _is_number(t):
-                raise TypeError(f"times[{raw_key!r}][{i}] must be a number, got {t!r}")
-        arrays[key] = [float(t) for t in values]
-    return scalars, arrays
-
-
-def _mem_limit(mem_limit, p):
-    """A memory limit in microbatches (0.0 for none) from None, a number or "<x>p"."""
-    if mem_limit is None:
-        return 0.0
-    if isinstance(mem_limit, str):
-        # "2p", "1.5 p", "2*p", "p" (a multiple of p, as the paper writes limits), or "6".
-        text = mem_limit.strip().lower().replace("*", "")
-        multiple = text.endswith("p")
-        number = text[:-1].strip() if multiple else text
-        try:
-            value = float(number) if number else (1.0 if multiple else None)
-        except ValueError:
-            value = None
-        if value is None:
-            raise ValueError(
-                f"mem_limit {mem_limit!r} is not understood; give a number of microbatches, or a multiple "
-                "of p such as 'p', '2p' or '1.5p'")
-        if multiple:
-            value *= p
-    else:
-        value = _number(mem_limit, "mem_limit")
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"mem_limit must be a finite number > 0 (None for no limit), got {mem_limit!r}")
-    return value
 
 
 def _build_spec(kind, p, v, m, times_parts, comm, w_share, mem_limit):
@@ -347,7 +232,7 @@ def _import_csv(cls, text, spec):
 # ---- the schedule ---------------------------------------------------------------------------------
 
 
-class Schedule:
+class Schedule(_ScheduleExports):
     """One pipeline schedule (an owned zb_schedule_t handle).
 
     Make one with `generate`, `from_csv` or `from_ops`. Close it with `close()` or a `with` block;
@@ -787,84 +672,3 @@ class Schedule:
         _lib.call("zb_schedule_stage_costs", [ctypes.c_void_p] + [_c_double_p] * 4,
                   self.handle, *(ctypes.cast(bufs[key], _c_double_p) for key in _TIME_KEYS))
         return {key: list(bufs[key]) for key in _TIME_KEYS}
-
-    # -- exports --
-
-    def export(self, fmt):
-        """The schedule as text in a format: 'text', 'csv', 'json', 'chrome', 'svg' or 'csv-comms'
-        (torch's compute_comms form: the CSV with the transfers, receives placed by the
-        schedule's times, which torch's _PipelineScheduleRuntime._load_csv(format="compute_comms")
-        runs). Formats with times simulate first if that has not been done."""
-        if not isinstance(fmt, str):
-            raise TypeError(f"fmt must be a format name ('text', 'csv', 'json', 'chrome', 'svg', 'csv-comms'), "
-                            f"got {fmt!r}")
-        fmt_value = ctypes.c_int(0)
-        _lib.call("zb_format_from_name", [ctypes.c_char_p, ctypes.POINTER(ctypes.c_int)],
-                  fmt.lower().encode("utf-8"), ctypes.byref(fmt_value))
-        # The buffer is the caller's to free with zb_free; c_void_p keeps ctypes from converting
-        # (and losing) the pointer the way c_char_p would.
-        text = ctypes.c_void_p()
-        length = ctypes.c_size_t(0)
-        _lib.call("zb_schedule_export",
-                  [ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_size_t)],
-                  self.handle, fmt_value.value, ctypes.byref(text), ctypes.byref(length))
-        try:
-            return ctypes.string_at(text.value, length.value).decode("utf-8", errors="replace")
-        finally:
-            _lib.function("zb_free", [ctypes.c_void_p], None)(text)
-
-    def to_text(self):
-        return self.export("text")
-
-    def to_csv(self, comms=False):
-        """torch's CSV: compute_only, or with comms=True the compute_comms form (see export)."""
-        return self.export("csv-comms" if comms else "csv")
-
-    def to_json(self):
-        return self.export("json")
-
-    def to_chrome(self):
-        return self.export("chrome")
-
-    def to_svg(self):
-        return self.export("svg")
-
-    def save(self, path, fmt=None):
-        """Writes the schedule to a file. fmt None picks it from the name: .svg, .csv, .json,
-        .txt (text), and a name ending in 'trace.json' or '.trace' for a Chrome trace."""
-        if fmt is None:
-            name = os.fspath(path)
-            name = name.decode("utf-8", errors="replace") if isinstance(name, bytes) else name
-            lowered = name.lower()
-            fmt = next((f for ending, f in _EXTENSION_FORMATS if lowered.endswith(ending)), None)
-            if fmt is None:
-                endings = ", ".join(f"'{ending}' ({f})" for ending, f in _EXTENSION_FORMATS)
-                raise ValueError(f"save: cannot tell the format of {name!r} from its name; use one of {endings}, "
-                                 "or pass fmt= ('text', 'csv', 'json', 'chrome', 'svg')")
-        # Whole or not at all: a failed write leaves an existing file as it was (_files.py).
-        write_text(path, self.export(fmt))
-
-
-
-def stack_svgs(parts):
-    """One SVG picture of several schedule pictures one above the other, each under its caption:
-    `parts` is a list of (caption, svg text) such as Schedule.to_svg() gives. Used to draw a
-    run's measured timeline under the plan it ran (examples/train_gpt.py), where a person compares
-    them at a glance. Each picture keeps its own time scale (its width is its span)."""
-    pieces, y, width = [], 0, 0
-    for caption, svg in parts:
-        head = re.match(r"\s*<svg\b[^>]*>", svg)
-        w = re.search(r'\bwidth="([0-9.]+)"', head.group(0)) if head else None
-        h = re.search(r'\bheight="([0-9.]+)"', head.group(0)) if head else None
-        if not (head and w and h):
-            raise ValueError("stack_svgs: each part must be an <svg> element with width and height, "
-                             "as Schedule.to_svg() writes")
-        w, h = float(w.group(1)), float(h.group(1))
-        pieces.append(f'<text x="10" y="{y + 20:g}" font-size="16" font-weight="bold">{escape(caption)}</text>')
-        inner = head.group(0).replace("<svg", f'<svg x="0" y="{y + 28:g}"', 1) + svg[head.end():]
-        pieces.append(inner.strip())
-        y += 28 + h + 12
-        width = max(width, w)
-    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:g}" height="{y:g}" '
-            f'viewBox="0 0 {width:g} {y:g}" font-family="Helvetica, Arial, sans-serif">\n'
-            + "\n".join(pieces) + "\n</svg>\n")
