@@ -33,14 +33,13 @@ _log = logging.getLogger("zbpp")
 _KEEP = object()
 
 
-def _keeps_in_force(old_makespan, new_makespan):
-    """Whether the plan in force stays: the new one is not shorter end to end (first op's start to
-    last op's end over all ranks, what a step takes) by REPLAN_MIN_GAIN on the measured costs. Not
-    the largest single rank's span (Schedule cost), by which a plan can look shorter and run longer:
-    on the paper's 1.5B costs (p 4, m 8) zbpp's replan of ScheduleInterleavedZeroBubble had the
-    shorter rank span but the longer makespan (423 against 409 ms on the nominal costs), and
-    stepped 4% slower than torch's order it replaced (bench_synthetic)."""
-    return old_makespan <= new_makespan / (1.0 - REPLAN_MIN_GAIN)
+def _keeps_in_force(old, new):
+    """Whether the plan in force stays: `new` (a Schedule simulated on the measured costs, as `old`,
+    the plan in force, is) is not shorter end to end (Schedule.makespan: the first op's start to the
+    last op's end over all ranks, what a step takes) by REPLAN_MIN_GAIN. Not by the largest single
+    rank's span (Schedule cost), by which a plan can look shorter and step longer
+    (test_replan_trial has such a case)."""
+    return old.makespan() <= new.makespan() / (1.0 - REPLAN_MIN_GAIN)
 
 
 class _Planning:
@@ -138,7 +137,7 @@ class _Planning:
             return self._replan(costs, only_if_faster, _measured)
 
     def _replan(self, costs, only_if_faster, _measured):
-        before_makespan = None
+        keeps = False
         name = type(self).__name__
         costs = costs if costs is not None else self.costs
         limit = self._mem_limit_arg
@@ -172,14 +171,14 @@ class _Planning:
                 with Schedule.from_csv(self.schedule.to_csv(), times=costs.times(), comm=costs.time_comm,
                                        w_share=costs.w_share) as old:
                     before = old.simulate()
-                    before_makespan = old.makespan()
+                    keeps = _keeps_in_force(old, new)
                     expected_old = costs.expected_bubble(old)
         except BaseException:
             new.close()
             raise
         if only_if_faster and before is not None:
             room = max(sim.max_peak_memory, new.mem_limit or 0.0) + 1e-9
-            if _keeps_in_force(before_makespan, new.makespan()) and before.max_peak_memory <= room:
+            if keeps and before.max_peak_memory <= room:
                 # The plan in force is as good on the measured costs (within the margin): keep it.
                 self.costs = costs
                 self.plan_info = PlanInfo(step=self.steps, kind=new.kind, mem_limit=new.mem_limit, costs=costs,
