@@ -107,6 +107,10 @@ zb_status_t zb__runner_buffer_plan(const zb_schedule_t *s, int32_t rank, int32_t
 zb_status_t zb__runner_held_inputs(const zb_schedule_t *s, int32_t rank, int32_t *held);
 /* Buffers the runner had to allocate inside iterations because the plan fell short (0 expected). */
 zb_status_t zb__runner_late_allocs(const zb_runner_t *r, int64_t *out);
+/* The W store's group of (stage, mb), wherever it is in the stage's queue, run and recycled (as
+ * zb_wstore_pop_run runs the oldest): a W op or a fused BW runs its own microbatch's W work even
+ * when an earlier B's W is still pending. ZB_ERR_INVALID_SCHEDULE when there is none. */
+zb_status_t zb__wstore_pop_run_mb(zb_wstore_t *w, int32_t stage, int32_t mb);
 
 /* The order in which the two ranks of a pair issue the transfers between them on one shared
  * communicator (pairorder.c says why it cannot deadlock). For one rank: the peers it exchanges

@@ -318,7 +318,7 @@ static zb_status_t run_compute(zb_runner_t *r, const zb_op_t *op, const void *in
       ZB_CHECK(zb_wstore_end(r->ws));
       if (st == ZB_OK && op->type == ZB_OP_BW) {
         what = "W part of the fused backward";
-        st = zb_wstore_pop_run(r->ws, op->stage, NULL);
+        st = zb__wstore_pop_run_mb(r->ws, op->stage, op->mb);
         if (st != ZB_OK) {
           take_error(inner, sizeof inner);
           return ZB_FAIL(st, "the %s failed: %s", what, inner);
@@ -326,7 +326,7 @@ static zb_status_t run_compute(zb_runner_t *r, const zb_op_t *op, const void *in
       }
       break;
     default:
-      st = zb_wstore_pop_run(r->ws, op->stage, NULL);
+      st = zb__wstore_pop_run_mb(r->ws, op->stage, op->mb);
       if (st != ZB_OK) {
         take_error(inner, sizeof inner);
         return ZB_FAIL(st, "the W store failed: %s", inner);

@@ -2,10 +2,12 @@
  * wstore.c - the deferred weight-gradient store (DESIGN.md section 4, the paper's B/W split).
  *
  * During B the split-backward layers push plain-data entries (pointers, shapes, dtype, the fp32
- * buffer to accumulate into) into the group of the backward op being run; a W op pops the oldest
- * group of its stage and runs its entries in push order. One FIFO per stage keeps every stage's
- * accumulation in the order its B ops ran, which is microbatch order in every generated schedule:
- * that is what makes the pipelined gradients bit-for-bit equal to a sequential loop's.
+ * buffer to accumulate into) into the group of the backward op being run; the runner's W op (and
+ * the W part of a fused BW) runs the group of its own stage and microbatch, in push order
+ * (zb__wstore_pop_run_mb), so a stage's accumulations run in the schedule's order of its W and BW
+ * ops; zb_wstore_pop_run, for callers without a schedule, runs a stage's oldest group. Every
+ * generated schedule runs them in microbatch order (a mix of B + W and BW too: fuse.c keeps it),
+ * which is what makes the pipelined gradients bit-for-bit equal to a sequential loop's.
  *
  * What it is not: a scheduler (the schedule decides when W runs) or an owner of tensors. It keeps
  * no closures; the caller learns through one release callback when an entry's tensors may go.
@@ -176,19 +178,8 @@ zb_status_t zb_wstore_end(zb_wstore_t *w) {
   return ZB_OK;
 }
 
-zb_status_t zb_wstore_pop_run(zb_wstore_t *w, int32_t stage, int32_t *out_mb) {
-  ZB_ARG_NOT_NULL(w);
-  if (stage < 0 || stage >= w->n_stages || !w->fifo[stage].head)
-    return ZB_FAIL(ZB_ERR_INVALID_SCHEDULE,
-                   "W for stage %d: the W store has no pending group for that stage (a W op must "
-                   "follow the B op of the same stage and microbatch)",
-                   (int)stage);
-  fifo_t *f = &w->fifo[stage];
-  group_t *g = f->head;
-  f->head = g->next;
-  if (!f->head) f->tail = NULL;
-  f->count--;
-  if (out_mb) *out_mb = g->mb;
+/* Runs group g (already unlinked) and recycles it. */
+static zb_status_t run_group(zb_wstore_t *w, group_t *g) {
   zb_status_t st = ZB_OK;
   int k = 0;
   for (; k < g->n && st == ZB_OK; k++) {
@@ -207,6 +198,39 @@ zb_status_t zb_wstore_pop_run(zb_wstore_t *w, int32_t stage, int32_t *out_mb) {
   g->next = w->spare;
   w->spare = g;
   return st;
+}
+
+zb_status_t zb_wstore_pop_run(zb_wstore_t *w, int32_t stage, int32_t *out_mb) {
+  ZB_ARG_NOT_NULL(w);
+  if (stage < 0 || stage >= w->n_stages || !w->fifo[stage].head)
+    return ZB_FAIL(ZB_ERR_INVALID_SCHEDULE,
+                   "W for stage %d: the W store has no pending group for that stage (a W op must "
+                   "follow the B op of the same stage and microbatch)",
+                   (int)stage);
+  fifo_t *f = &w->fifo[stage];
+  group_t *g = f->head;
+  f->head = g->next;
+  if (!f->head) f->tail = NULL;
+  f->count--;
+  if (out_mb) *out_mb = g->mb;
+  return run_group(w, g);
+}
+
+zb_status_t zb__wstore_pop_run_mb(zb_wstore_t *w, int32_t stage, int32_t mb) {
+  ZB_ARG_NOT_NULL(w);
+  group_t *prev = NULL, *g = stage >= 0 && stage < w->n_stages ? w->fifo[stage].head : NULL;
+  while (g && g->mb != mb) prev = g, g = g->next;
+  if (!g)
+    return ZB_FAIL(ZB_ERR_INVALID_SCHEDULE,
+                   "W for stage %d, mb %d: the W store has no pending group for it (a W op must "
+                   "follow the B op of the same stage and microbatch)",
+                   (int)stage, (int)mb);
+  fifo_t *f = &w->fifo[stage];
+  if (prev) prev->next = g->next;
+  else f->head = g->next;
+  if (f->tail == g) f->tail = prev;
+  f->count--;
+  return run_group(w, g);
 }
 
 zb_status_t zb_wstore_pending(const zb_wstore_t *w, int32_t stage, int32_t *out_groups) {

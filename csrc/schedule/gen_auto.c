@@ -15,8 +15,14 @@
  *      They win when F, B and W differ, where the list scheduler's ready-now choices lose time.
  *   3. zb-auto also tries every handcrafted schedule of the placement (1F1B, ZB-H1, ZB-H2, GPipe;
  *      V-Half, V-Min), kept when its peak memory fits: never worse than the best one that fits.
- *   The shortest candidate under the limit wins (ties: the lower peak memory, then the first tried),
- *   so the result does not depend on which thread finished first.
+ *   The shortest candidate under the limit wins, end to end (the first op's start to the last op's
+ *   end over all ranks: what a step takes; ties: the shorter largest rank span, the paper's cost,
+ *   then the lower peak memory, then the first tried), so the result does not depend on which
+ *   thread finished first.
+ *   4. Fused where splitting does not pay (fuse.c): each candidate's B and W become one BW wherever
+ *      the W apart does not make it shorter, and 1F1B with its cool-down's backwards split where
+ *      that shortens it is one more candidate. With measured time_bw below time_b + time_w (a
+ *      split costs something where it runs), W runs apart only where it fills a hole.
  *
  * Speed: rule sets run in parallel on a few threads. On very large problems (more than
  * FULL_SEARCH_CELLS rank x microbatch cells) every rule set first runs on a copy with fewer
@@ -35,9 +41,10 @@
 
 #include "internal.h"
 
-enum { FULL_SEARCH_CELLS = 8192, MAX_THREADS = 8, FINALISTS = 2 };
+enum { FULL_SEARCH_CELLS = 8192, MAX_THREADS = 8, FINALISTS = 2, FUSE_EACH_MAX_OPS = 2048,
+       FUSE_MAX_OPS = 6144 };
 
-typedef enum { JOB_GREEDY, JOB_ROUNDS, JOB_KIND } job_kind_t;
+typedef enum { JOB_GREEDY, JOB_ROUNDS, JOB_KIND, JOB_1F1B_SPLIT } job_kind_t;
 
 /* One rule set and, after it ran, its best candidate. */
 typedef struct {
@@ -46,7 +53,7 @@ typedef struct {
   zb__rounds_policy_t rounds; /* JOB_ROUNDS (limit filled in at run time) */
   zb_status_t (*gen)(zb_schedule_t *); /* JOB_KIND */
   zb_schedule_t *best;
-  double cost, peak;
+  double cost, span, peak; /* cost: end to end (makespan); span: the largest rank span */
   int oom;
 } job_t;
 
@@ -56,20 +63,31 @@ typedef struct {
   int n, next;
   const zb_schedule_t *shape;
   double limit;
+  int fuse;
   pthread_mutex_t lock;
 } pool_t;
 
-/* Keeps c in *job if it fits and beats what the job has; takes ownership of c. */
-static void keep(job_t *job, zb_schedule_t *c, double limit) {
+/* Keeps c in *job if it fits and beats what the job has; takes ownership of c. zb-auto's
+ * candidates (fuse set) are compared after fuse.c's pass: a candidate whose W's apart mostly fill
+ * no hole can be the shortest once they are fused (with time_bw below time_b + time_w). */
+static void keep(job_t *job, zb_schedule_t *c, double limit, int fuse) {
   zb_sim_result_t r;
-  if (zb_schedule_simulate(c, &r) == ZB_OK && r.max_peak_memory <= limit + ZB_EPS &&
-      (!job->best || r.cost < job->cost - ZB_EPS ||
-       (r.cost <= job->cost + ZB_EPS && r.max_peak_memory < job->peak - ZB_EPS))) {
-    zb__schedule_free(job->best);
-    job->best = c;
-    job->cost = r.cost;
-    job->peak = r.max_peak_memory;
+  if (fuse && zb__fuse_free(c, FUSE_EACH_MAX_OPS) != ZB_OK) {
+    zb__schedule_free(c);
     return;
+  }
+  if (zb_schedule_simulate(c, &r) == ZB_OK && r.max_peak_memory <= limit + ZB_EPS) {
+    double mk = zb__makespan(c);
+    if (!job->best || mk < job->cost - ZB_EPS ||
+        (mk <= job->cost + ZB_EPS && (r.cost < job->span - ZB_EPS ||
+                                       (r.cost <= job->span + ZB_EPS && r.max_peak_memory < job->peak - ZB_EPS)))) {
+      zb__schedule_free(job->best);
+      job->best = c;
+      job->cost = mk;
+      job->span = r.cost;
+      job->peak = r.max_peak_memory;
+      return;
+    }
   }
   zb__schedule_free(c);
 }
@@ -90,6 +108,9 @@ static int run_one(job_t *job, const zb_schedule_t *shape, double limit, zb_sche
     pol.limit = limit;
     st = c->placement == ZB_PLACEMENT_V ? zb__rounds_v(c, &pol, maxb, bubble)
                                         : zb__rounds_loop(c, &pol, maxb, bubble);
+  } else if (job->kind == JOB_1F1B_SPLIT) {
+    st = zb__gen_1f1b(c);
+    if (st == ZB_OK) st = zb__unfuse_tail(c, limit, FUSE_EACH_MAX_OPS);
   } else {
     st = job->gen(c);
   }
@@ -101,13 +122,13 @@ static int run_one(job_t *job, const zb_schedule_t *shape, double limit, zb_sche
   return 1;
 }
 
-static void run_job(job_t *job, const zb_schedule_t *shape, double limit) {
+static void run_job(job_t *job, const zb_schedule_t *shape, double limit, int fuse) {
   zb_schedule_t *c = NULL;
   if (job->kind != JOB_ROUNDS || shape->placement != ZB_PLACEMENT_V) {
     double maxb;
     int got = run_one(job, shape, limit, &c, &maxb, NULL);
     if (got < 0) job->oom = 1;
-    if (got > 0) keep(job, c, limit);
+    if (got > 0) keep(job, c, limit, fuse);
     return;
   }
   /* The V rounds again with each rank's bubble as its allowance while the largest bubble falls;
@@ -125,7 +146,7 @@ static void run_job(job_t *job, const zb_schedule_t *shape, double limit) {
     int got = run_one(&step, shape, limit, &c, &maxb, bubble);
     if (got < 0) job->oom = 1;
     if (got <= 0) break;
-    keep(job, c, limit);
+    keep(job, c, limit, fuse);
     if (!(maxb < prev - ZB_EPS)) break;
     prev = maxb;
     for (int r = 0; r < p; r++) allow[r] = bubble[r];
@@ -141,13 +162,14 @@ static void *worker(void *arg) {
     int i = pool->next < pool->n ? pool->which[pool->next++] : -1;
     pthread_mutex_unlock(&pool->lock);
     if (i < 0) return NULL;
-    run_job(&pool->jobs[i], pool->shape, pool->limit);
+    run_job(&pool->jobs[i], pool->shape, pool->limit, pool->fuse);
   }
 }
 
 /* Runs jobs[which[0..n)] on copies of `shape`, on up to MAX_THREADS threads. */
-static void run_jobs(job_t *jobs, const int *which, int n, const zb_schedule_t *shape, double limit) {
-  pool_t pool = {jobs, which, n, 0, shape, limit, PTHREAD_MUTEX_INITIALIZER};
+static void run_jobs(job_t *jobs, const int *which, int n, const zb_schedule_t *shape, double limit,
+                     int fuse) {
+  pool_t pool = {jobs, which, n, 0, shape, limit, fuse, PTHREAD_MUTEX_INITIALIZER};
   long cpus = sysconf(_SC_NPROCESSORS_ONLN);
   int nt = cpus < 1 ? 1 : cpus > MAX_THREADS ? MAX_THREADS : (int)cpus;
   if (nt > n) nt = n;
@@ -160,12 +182,15 @@ static void run_jobs(job_t *jobs, const int *which, int n, const zb_schedule_t *
   pthread_mutex_destroy(&pool.lock);
 }
 
-/* Is job a's result better than b's (shorter; then less memory; then a comes first)? */
+/* Is job a's result better than b's (shorter end to end; then the shorter largest rank span; then
+ * less memory; then a comes first)? */
 static int better(const job_t *a, const job_t *b) {
   if (!a->best) return 0;
   if (!b->best) return 1;
   if (a->cost < b->cost - ZB_EPS) return 1;
-  return a->cost <= b->cost + ZB_EPS && a->peak < b->peak - ZB_EPS;
+  if (a->cost > b->cost + ZB_EPS) return 0;
+  if (a->span < b->span - ZB_EPS) return 1;
+  return a->span <= b->span + ZB_EPS && a->peak < b->peak - ZB_EPS;
 }
 
 /* The rule sets for the placement; `with_kinds` adds zb-auto's handcrafted candidates. Returns
@@ -219,8 +244,12 @@ static int make_jobs(const zb_schedule_t *s, int with_kinds, job_t *jobs, int *r
     /* zb-v's own rules are the search itself at limit p; v-half's and v-min's run at their lower
      * limits, which can order differently. */
     zb_status_t (*const v_kinds[])(zb_schedule_t *) = {zb__gen_v_half, zb__gen_v_min};
-    if (s->placement == ZB_PLACEMENT_LOOP && s->v == 1)
+    if (s->placement == ZB_PLACEMENT_LOOP && s->v == 1) {
       for (int i = 0; i < 4; i++) jobs[n++] = (job_t){.kind = JOB_KIND, .gen = loop_kinds[i]};
+      /* 1F1B with the cool-down's backwards split where that shortens it (fuse.c): with time_bw
+       * below time_b + time_w, the zero-bubble plan that splits only where W fills a hole. */
+      jobs[n++] = (job_t){.kind = JOB_1F1B_SPLIT};
+    }
     /* Several loop-placed chunks per rank: interleaved 1F1B where it applies (torch's rounds
      * divide m) and its zero-bubble variants (warm-up factor 1 is the order of torch's
      * ScheduleInterleavedZeroBubble), so zb-auto is never worse than either within the same memory. */
@@ -254,7 +283,7 @@ static zb_status_t search(zb_schedule_t *s, double limit, int with_kinds) {
     zb_schedule_t *small = NULL;
     st = zb__schedule_clone_shape(s, m_small, &small);
     if (st == ZB_OK) {
-      run_jobs(jobs, which, n, small, limit);
+      run_jobs(jobs, which, n, small, limit, with_kinds);
       zb__schedule_free(small);
       int keep_n = 0;
       for (int f = 0; f < FINALISTS; f++) {
@@ -274,7 +303,7 @@ static zb_status_t search(zb_schedule_t *s, double limit, int with_kinds) {
       n = keep_n;
     }
   }
-  if (st == ZB_OK) run_jobs(jobs, which, n, s, limit);
+  if (st == ZB_OK) run_jobs(jobs, which, n, s, limit, with_kinds);
 
   int win = -1;
   for (int q = 0; q < n; q++) {
@@ -304,5 +333,8 @@ zb_status_t zb__gen_auto(zb_schedule_t *s, double limit) {
                    "memory limit %.4g is below what any schedule needs: the minimum is 1 (one "
                    "microbatch's activations through all of a rank's layers)",
                    limit);
-  return search(s, limit, 1);
+  ZB_CHECK(search(s, limit, 1));
+  /* Candidates too large to fuse each are fused once, the winner (fuse.c: a W apart only where
+   * it shortens the plan). */
+  return zb__fuse_free(s, FUSE_MAX_OPS);
 }

@@ -201,6 +201,15 @@ zb_status_t zb_schedule_makespan_durations(const zb_schedule_t *s, const double 
   return ZB_OK;
 }
 
+double zb__makespan(const zb_schedule_t *s) {
+  double first = 0.0, last = 0.0;
+  for (int k = 0; k < s->n_ops; k++) {
+    if (k == 0 || s->start[k] < first) first = s->start[k];
+    if (k == 0 || s->end[k] > last) last = s->end[k];
+  }
+  return s->n_ops ? last - first : 0.0;
+}
+
 zb_status_t zb_schedule_simulate(zb_schedule_t *s, zb_sim_result_t *out) {
   ZB_ARG_NOT_NULL(s);
   if (s->simulated) {

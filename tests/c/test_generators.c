@@ -270,6 +270,111 @@ static void test_zb_auto_reaches_zb_h1_bound(void **state) {
   }
 }
 
+/* Whether every stage's weight-gradient accumulations (its W and BW ops) run in microbatch order on
+ * its rank: what makes a pipeline's gradients equal a sequential loop's bit for bit. */
+static int accumulates_in_order(zb_schedule_t *s, int p) {
+  for (int r = 0; r < p; r++) {
+    const zb_op_t *ops;
+    int32_t n;
+    ZB_ASSERT_OK(zb_schedule_rank_ops(s, r, &ops, &n));
+    for (int k = 0; k < n; k++)
+      for (int j = k + 1; j < n; j++)
+        if (ops[j].stage == ops[k].stage && (ops[k].type == ZB_OP_W || ops[k].type == ZB_OP_BW) &&
+            (ops[j].type == ZB_OP_W || ops[j].type == ZB_OP_BW) && ops[j].mb < ops[k].mb)
+          return 0;
+  }
+  return 1;
+}
+
+/* Simulated end-to-end length (first op's start to last op's end, what a step takes). */
+static double makespan_of(zb_schedule_t *s) {
+  zb_schedule_info_t info;
+  ZB_ASSERT_OK(zb_schedule_get_info(s, &info));
+  double first = 0, last = 0;
+  for (int r = 0; r < info.ranks; r++) {
+    const double *a, *b;
+    const zb_op_t *ops;
+    int32_t n;
+    ZB_ASSERT_OK(zb_schedule_rank_ops(s, r, &ops, &n));
+    ZB_ASSERT_OK(zb_schedule_rank_times(s, r, &a, &b));
+    for (int k = 0; k < n; k++) {
+      if ((r == 0 && k == 0) || a[k] < first) first = a[k];
+      if ((r == 0 && k == 0) || b[k] > last) last = b[k];
+    }
+  }
+  return last - first;
+}
+
+static int count_type(zb_schedule_t *s, int p, int type) {
+  int c = 0;
+  for (int r = 0; r < p; r++) {
+    const zb_op_t *ops;
+    int32_t n;
+    ZB_ASSERT_OK(zb_schedule_rank_ops(s, r, &ops, &n));
+    for (int k = 0; k < n; k++) c += ops[k].type == type;
+  }
+  return c;
+}
+
+/* A split that costs something (time_bw < time_b + time_w, as measured where the split layer's
+ * B + W run longer than its fused backward): zb-auto splits only where W fills a hole. On bench_torch's
+ * GPT costs (2 ranks, the first stage's whole backward at W) its plan is shorter end to end than
+ * both 1F1B (nothing split) and ZB-H1 (everything split) on the same costs, mixes BW with B + W,
+ * and keeps every stage's accumulations in microbatch order. */
+static void test_zb_auto_splits_where_it_pays(void **state) {
+  (void)state;
+  double f[2] = {3.9, 3.9}, b[2] = {0.0, 4.7}, w[2] = {6.45, 2.8}, bw[2] = {6.45, 6.45};
+  zb_schedule_spec_t spec = zb_test_spec(ZB_KIND_ZB_AUTO, 2, 8, 1);
+  spec.stage_time_f = f, spec.stage_time_b = b, spec.stage_time_w = w, spec.stage_time_bw = bw;
+  made_t a = make_spec(&spec);
+  spec.kind = ZB_KIND_1F1B;
+  made_t one = make_spec(&spec);
+  spec.kind = ZB_KIND_ZB_H1;
+  made_t h1 = make_spec(&spec);
+  double ma = makespan_of(a.s), m1 = makespan_of(one.s), mh = makespan_of(h1.s);
+  if (!(ma < m1 - 1e-9 && ma < mh - 1e-9))
+    fail_msg("zb-auto %.4g ms end to end, 1F1B %.4g, ZB-H1 %.4g: zb-auto should be the shortest", ma, m1, mh);
+  assert_true(count_type(a.s, 2, ZB_OP_W) > 0);
+  assert_true(count_type(a.s, 2, ZB_OP_BW) > 0);
+  assert_true(accumulates_in_order(a.s, 2));
+  zb_schedule_destroy(a.s), zb_schedule_destroy(one.s), zb_schedule_destroy(h1.s);
+}
+
+/* Whatever a split costs (time_bw from time_b + time_w down to well below it), zb-auto is never
+ * longer end to end than 1F1B or ZB-H1 on the same costs, keeps every stage's accumulations in
+ * microbatch order and its memory within the limit; the dearer the split, the fewer W's apart. */
+static void test_zb_auto_fused_mix_rules(void **state) {
+  (void)state;
+  for (int p = 2; p <= 8; p *= 2)
+    for (int m = p; m <= 4 * p; m += p) {
+      int w_apart[3];
+      for (int variant = 0; variant < 3; variant++) {
+        zb_schedule_spec_t spec = zb_test_spec(ZB_KIND_ZB_AUTO, p, m, 1);
+        spec.time_f = 1.0, spec.time_b = 1.0, spec.time_w = 1.0;
+        spec.time_bw = variant == 0 ? 2.0 : variant == 1 ? 1.8 : 1.2;
+        made_t a = make_spec(&spec);
+        assert_true(accumulates_in_order(a.s, p));
+        assert_true(a.r.max_peak_memory <= p + 1e-9);
+        w_apart[variant] = count_type(a.s, p, ZB_OP_W);
+        double ma = makespan_of(a.s);
+        const zb_kind_t rivals[2] = {ZB_KIND_1F1B, ZB_KIND_ZB_H1};
+        for (int k = 0; k < 2; k++) {
+          spec.kind = rivals[k];
+          made_t o = make_spec(&spec);
+          double mo = makespan_of(o.s);
+          if (ma > mo + 1e-9)
+            fail_msg("p=%d m=%d bw=%g: zb-auto %.4g longer than %s %.4g", p, m, spec.time_bw, ma,
+                     zb_kind_name(rivals[k]), mo);
+          zb_schedule_destroy(o.s);
+        }
+        zb_schedule_destroy(a.s);
+      }
+      if (!(w_apart[2] <= w_apart[1] && w_apart[1] <= w_apart[0]))
+        fail_msg("p=%d m=%d: W's apart %d, %d, %d as the split gets dearer: should not grow", p, m, w_apart[0],
+                 w_apart[1], w_apart[2]);
+    }
+}
+
 /* Without a limit zb-auto keeps 1F1B's memory. */
 static void test_zb_auto_default_limit(void **state) {
   (void)state;
@@ -470,6 +575,8 @@ int main(void) {
       cmocka_unit_test(test_zb_auto_limits),
       cmocka_unit_test(test_zb_auto_default_limit),
       cmocka_unit_test(test_zb_auto_reaches_zb_h1_bound),
+      cmocka_unit_test(test_zb_auto_splits_where_it_pays),
+      cmocka_unit_test(test_zb_auto_fused_mix_rules),
       cmocka_unit_test(test_zb_auto_unequal_stages_and_comm),
       cmocka_unit_test(test_comm_is_counted),
       cmocka_unit_test(test_zb_auto_v),

@@ -30,6 +30,7 @@ typedef struct {
   const float *fin[MAXS][MAXM];   /* F's input, as the callback saw it (NULL on stage 0) */
   float x0[MAXM][2], dylast[MAXM][2]; /* the model's own "input" on stage 0 and "loss gradient" */
   float dw[MAXS][4];
+  int ran_mb[MAXM * 4], n_ran; /* the microbatch of each W entry run, in order (wstore's release) */
   int no_lend_at_stage; /* a callback that forgets to lend (misuse test); -1: none */
 } model_t;
 
@@ -56,6 +57,12 @@ static void on_release(void *user, uint64_t token) {
   mo->arena[j][0] = mo->arena[j][1] = NAN; /* a use after release shows as NaN in dw */
 }
 
+static zb_status_t on_w_done(void *user, uint64_t token, int32_t ran) {
+  model_t *mo = user;
+  if (ran && mo->n_ran < MAXM * 4) mo->ran_mb[mo->n_ran++] = (int)token - 1;
+  return ZB_OK;
+}
+
 static zb_status_t lend_fwd(void *user, int32_t s, int32_t mb, const void *in, void *out) {
   model_t *mo = user;
   if (out) mo->bad++; /* with release_cb the runner hands no output buffer */
@@ -76,8 +83,8 @@ static zb_status_t lend_bwd(void *user, int32_t s, int32_t mb, const void *gout,
   const float *dy = gout ? (const float *)gout : mo->dylast[mb];
   if (dy[1] != (float)mb) mo->bad++;
   const float *x = mo->fin[s][mb] ? mo->fin[s][mb] : mo->x0[mb];
-  zb_wgrad_t e = {sizeof e, ZB_DTYPE_F32, 1, 2, 2, x, ZB_LD_DENSE, dy, ZB_LD_DENSE, mo->dw[s], NULL, 0,
-                  ZB_DTYPE_F32, 0};
+  zb_wgrad_t e = {sizeof e, ZB_DTYPE_F32, 1, 2, 2, x, ZB_LD_DENSE, dy, ZB_LD_DENSE, mo->dw[s], NULL,
+                  (uint64_t)mb + 1, ZB_DTYPE_F32, 0};
   ZB_CHECK(zb_wstore_push(mo->ws, &e));
   if (s == 0) return ZB_OK;
   uint64_t token = 0;
@@ -104,7 +111,7 @@ static void *rank_main(void *arg) {
   zb_schedule_info_t info;
   zb_schedule_get_info(c->s, &info);
   zb_backend_create_host(&be);
-  zb_wstore_create(&c->mo.ws, be, NULL, NULL);
+  zb_wstore_create(&c->mo.ws, be, on_w_done, &c->mo);
   if (info.ranks > 1) zb_transport_create_inproc(&tr, c->g, c->rank);
   zb_runner_config_t rc = ZB_RUNNER_CONFIG_INIT;
   rc.rank = c->rank, rc.schedule = c->s, rc.backend = be, rc.transport = tr, rc.wstore = c->mo.ws;
@@ -195,6 +202,37 @@ static void test_zero_copy_stages(void **state) {
       ran++;
     }
   assert_true(ran >= 25);
+}
+
+/* A fused backward between a B and its W (F0 F1 B0 BW1 W0, as a torch order may run it): the BW runs
+ * its own microbatch's W work and W0 microbatch 0's, each while its inputs are still held. */
+static void test_fused_between_split(void **state) {
+  (void)state;
+  const zb_op_t ops[] = {{ZB_OP_F, 0, 0}, {ZB_OP_F, 0, 1}, {ZB_OP_B, 0, 0}, {ZB_OP_BW, 0, 1}, {ZB_OP_W, 0, 0}};
+  const zb_op_t *lists[1] = {ops};
+  int32_t counts[1] = {5};
+  zb_schedule_spec_t spec = zb_test_spec(ZB_KIND_1F1B, 1, 2, 1);
+  zb_schedule_t *s;
+  ZB_ASSERT_OK(zb_schedule_create_from_ops(&s, &spec, ZB_PLACEMENT_LOOP, lists, counts));
+  ZB_ASSERT_OK(zb_schedule_validate(s));
+  rank_t c[1];
+  run_ranks(s, c, 1, -1);
+  if (c[0].st != ZB_OK) fail_msg("%s", c[0].err);
+  /* One stage: x = (0, mb) (the model's own input), dy = (1000 mb, mb) (its own loss gradient). */
+  double want[4] = {0, 0, 0, 0};
+  for (int mb = 0; mb < 2; mb++) {
+    double x[2] = {0, mb}, dy[2] = {1000.0 * mb, mb};
+    for (int o = 0; o < 2; o++)
+      for (int i = 0; i < 2; i++) want[o * 2 + i] += dy[o] * x[i];
+  }
+  for (int e = 0; e < 4; e++)
+    if (c[0].mo.dw[0][e] != (float)want[e])
+      fail_msg("dw[%d] = %g, expected %g", e, (double)c[0].mo.dw[0][e], want[e]);
+  /* BW1 ran microbatch 1's W work, then W0 microbatch 0's: each op its own. */
+  assert_int_equal(c[0].mo.n_ran, 2);
+  if (c[0].mo.ran_mb[0] != 1 || c[0].mo.ran_mb[1] != 0)
+    fail_msg("W work ran for microbatches %d then %d; the ops were BW1 then W0", c[0].mo.ran_mb[0], c[0].mo.ran_mb[1]);
+  zb_schedule_destroy(s);
 }
 
 /* The held inputs are counted in the plan: 1F1B's rank 0 keeps each gradient from B to W (none:
@@ -290,6 +328,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_zero_copy_stages),
       cmocka_unit_test(test_held_input_counts),
+      cmocka_unit_test(test_fused_between_split),
       cmocka_unit_test(test_lend_misuse),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
