@@ -117,15 +117,16 @@ def test_snapping_moves_a_cost_by_at_most_half_a_grid_step():
 
 def test_a_plan_with_the_shorter_rank_span_but_the_longer_step_is_not_swapped_in():
     """The replan keeps the plan in force unless the new one is shorter end to end (what a step
-    takes). Here zb-auto's plan for these costs has a rank span 7% shorter than the equal-cost plan
-    in force, but it runs 2% longer from the first op to the last: it must not replace it."""
-    f, b, w = [13.61, 13.83, 15.81, 15.7], [0.1, 15.2, 11.79, 12.69], [15.84, 8.37, 9.57, 11.69]
+    takes). Here ZB-H1's plan for these costs has a rank span 3% shorter than the equal-cost plan
+    in force, but it runs 2% longer from the first op to the last: it must not replace it. (zb-auto
+    itself now chooses end to end, so it no longer makes such a plan.)"""
+    f, b, w = [14.3, 14.63, 10.73, 12.92], [0.1, 11.02, 12.57, 9.79], [5.9, 7.93, 14.8, 11.21]
     times = {"f": f, "b": b, "w": w}
     with zbpp.Schedule.generate("zb-auto", p=4, m=8) as equal:
         in_force = equal.to_csv()
     with zbpp.Schedule.from_csv(in_force, times=times, comm=0.17) as old, \
-            zbpp.Schedule.generate("zb-auto", p=4, m=8, times=times, comm=0.17) as new:
-        assert new.simulate().cost < 0.95 * old.simulate().cost  # shorter by the paper's measure
-        assert new.makespan() > old.makespan()  # longer end to end
+            zbpp.Schedule.generate("zb-h1", p=4, m=8, times=times, comm=0.17) as new:
+        assert new.simulate().cost < 0.97 * old.simulate().cost  # shorter by the paper's measure
+        assert new.makespan() > 1.01 * old.makespan()  # longer end to end
         assert _plan._keeps_in_force(old, new)
         assert not _plan._keeps_in_force(new, old)
