@@ -146,7 +146,9 @@ class _First(torch.nn.Module):
 
 @pytest.mark.parametrize("cls", ["ScheduleZBVZeroBubble", "ScheduleInterleavedZeroBubble"])
 def test_a_zero_bubble_schedule_splits_any_module_and_trains_like_the_loop(cls):
-    losses, ref_losses, same, share = _pipeline(getattr(zbpp, cls))
+    # Three steps: zb-auto (ScheduleInterleavedZeroBubble) runs step 2 with every backward fused,
+    # to measure a fused backward (_plan.fused_variant); step 3 runs its plan, with W apart.
+    losses, ref_losses, same, share = _pipeline(getattr(zbpp, cls), steps=3)
     assert losses == ref_losses
     assert same, "gradients differ from the sequential loop's"
     assert share > 0.05, f"W ops did no work (W share of the backward {share:.3f})"

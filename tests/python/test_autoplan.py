@@ -327,20 +327,43 @@ def test_bad_mem_limit_is_a_clear_error():
 
 def test_a_plan_no_faster_on_the_measured_costs_is_not_swapped_in():
     # One process, two stages: every plan runs without a bubble, so the plan for the measured
-    # costs cannot be faster than the one in force, which stays.
+    # costs cannot be faster than the one in force, which stays. (One profiled step: no fused
+    # step, so no fused backward measured to weigh; see the test below for that.)
     stages = _one_process_stages()
-    sched = zbpp.ScheduleZBAuto(stages, M, loss_fn=gpt.loss_fn)
+    sched = zbpp.ScheduleZBAuto(stages, M, loss_fn=gpt.loss_fn, profile_steps=(3, 3))
     first = sched.schedule.to_csv()
     data = gpt.Batches(8, BATCH, seed=SEED)
     for _ in range(4):
         x, y = data.next()
         sched.step(x, target=y)
     info = sched.plan_info
-    assert info is not None and info.step == 3 and info.profile_steps == (2, 3)
+    assert info is not None and info.step == 3 and info.profile_steps == (3, 3)
+    assert info.costs.time_bw is None
     assert not info.switched and sched.schedule.to_csv() == first
     assert info.simulated == info.before and info.candidate.cost >= 0.99 * info.before.cost
     assert "kept the plan in force" in info.summary()
     assert info.costs.ranks == 1 and info.costs.chunks == 2 and all(t > 0 for t in info.costs.time_f)
+    sched.close()
+
+
+def test_zb_auto_measures_a_fused_backward_and_splits_only_where_it_pays():
+    # The first profiled step runs the plan with every backward fused, the second the plan itself:
+    # the costs then hold a fused backward next to B and W apart. One process has no bubble to
+    # fill, so the replan fuses every backward (a split costs, here, and pays nowhere). (That the
+    # fused step and the replanned ones train bit for bit as one process: the test above.)
+    stages = _one_process_stages()
+    sched = zbpp.ScheduleZBAuto(stages, M, loss_fn=gpt.loss_fn)
+    assert any(o.type == "W" for o in sched.schedule.rank_ops(0))
+    data = gpt.Batches(8, BATCH, seed=SEED)
+    kinds = []
+    for _ in range(4):
+        x, y = data.next()
+        sched.step(x, target=y)
+        kinds.append(sorted({o.type for o in sched._last_schedule.rank_ops(0)}))
+    assert kinds[1] == ["BW", "F"] and "W" in kinds[2]  # step 2 fused, step 3 the plan in force
+    info = sched.plan_info
+    assert info.costs.time_bw is not None and "/BW per stage" in info.summary()
+    assert info.switched and all(o.type != "W" for o in sched.schedule.rank_ops(0))
     sched.close()
 
 

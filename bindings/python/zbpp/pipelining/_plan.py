@@ -33,6 +33,25 @@ _log = logging.getLogger("zbpp")
 _KEEP = object()
 
 
+def fused_variant(schedule):
+    """`schedule` with every backward fused: each B becomes a BW at its place and its W goes (the
+    same order otherwise), a valid plan for the same pipeline (a BW waits for what its B waited
+    for). zb-auto's first profiled step runs it, so that the profile measures what a fused backward
+    costs next to B and W apart, which differ where the split costs something (zb-auto then splits
+    only where that pays: csrc/schedule/fuse.c). Its stages' W work still runs in microbatch
+    order, so the step's gradients are the sequential loop's, as the plan's are."""
+    p = schedule.ranks
+    ops = [[("BW" if o.type == "B" else o.type, o.stage, o.mb) for o in schedule.rank_ops(r) if o.type != "W"]
+           for r in range(p)]
+    fused = Schedule.from_ops(ops, schedule.microbatches, placement=schedule.placement, v=schedule.chunks)
+    try:
+        fused.validate()
+    except BaseException:
+        fused.close()
+        raise
+    return fused
+
+
 def _keeps_in_force(old, new):
     """Whether the plan in force stays: `new` (a Schedule simulated on the measured costs, as `old`,
     the plan in force, is) is not shorter end to end (Schedule.makespan: the first op's start to the
@@ -45,20 +64,37 @@ def _keeps_in_force(old, new):
 class _Planning:
     """PipelineSchedule's replanning (a mixin: it uses the schedule's state and _exchange)."""
 
+    def _profiles_fused(self):
+        """Whether the first profiled step runs the plan fused (fused_variant): zb-auto only (the
+        kind that weighs a fused backward against B + W), with two or more profiled steps (the
+        rest run the plan itself), a loop or V placement, and some W apart to fuse. The same on
+        every rank (the plan and the window are)."""
+        window = self._profile
+        if self._plan_kind != "zb-auto" or window is None or window[1] <= window[0]:
+            return False
+        s = self.schedule
+        if s is None or s.placement not in ("loop", "v"):
+            return False
+        return any(o.type == "W" for r in range(s.ranks) for o in s.rank_ops(r))
+
     def _plan_from_profile(self):
         """After the last profiled step: every rank's op times and activation memory go to every
         rank, which turns them into the same StageCosts and plans again (replan)."""
         runs, self._profile_runs = self._profile_runs, []
+        fused, self._profile_fused = self._profile_fused, []
         gathered = self._exchange({"runs": [(a, b) for _, a, b in runs], "mem": dict(self._profile_mem)})
-        before = [max(_rank_span(*g["runs"][k]) for g in gathered) for k in range(len(runs))]
+        # The plan in force as measured: its own steps, not a fused one (fused_variant).
+        own = [k for k in range(len(runs)) if not (k < len(fused) and fused[k])]
+        before = [max(_rank_span(*g["runs"][k]) for g in gathered) for k in own]
         old_csv = self.schedule.to_csv()
         timelines, bubbles = [], []
         try:
             for k, (text, _, _) in enumerate(runs):
                 t = Schedule.from_csv(text)
                 timelines.append(t)
-                bubbles.append(t.set_times([g["runs"][k][0] for g in gathered],
-                                           [g["runs"][k][1] for g in gathered]).bubble_rate)
+                bubble = t.set_times([g["runs"][k][0] for g in gathered], [g["runs"][k][1] for g in gathered]).bubble_rate
+                if k in own:
+                    bubbles.append(bubble)
             S = self.stages[0].num_stages
             mem = {}
             for g in gathered:
@@ -269,9 +305,10 @@ class PlanInfo(NamedTuple):
             text += (f", measured {100 * self.measured_bubble:.1f}%)" if self.measured_bubble is not None else ")")
         if self.costs is not None:
             c = self.costs
-            text += (f"; F/B/W per stage (ms): " + ", ".join(
-                f"{c.time_f[s]:.2f}/{c.time_b[s]:.2f}/{c.time_w[s]:.2f}" for s in range(c.stages))
-                + f"; T_comm {c.time_comm:.3f} ms, w_share {c.w_share:.2f}")
+            bw = c.time_bw
+            text += ("; F/B/W" + ("/BW" if bw else "") + " per stage (ms): " + ", ".join(
+                f"{c.time_f[s]:.2f}/{c.time_b[s]:.2f}/{c.time_w[s]:.2f}" + (f"/{bw[s]:.2f}" if bw else "")
+                for s in range(c.stages)) + f"; T_comm {c.time_comm:.3f} ms, w_share {c.w_share:.2f}")
         return text
 
 

@@ -17,6 +17,7 @@ import torch
 
 from .. import _lib
 from ._boundary import _as_metadata_error
+from ._plan import fused_variant
 
 
 class _Stepping:
@@ -202,6 +203,27 @@ class _Stepping:
         m = self.n_microbatches
         window = self._profile
         profiling = window is not None and window[0] <= self.steps + 1 <= window[1]
+        fused = profiling and self.steps + 1 == window[0] and self._profiles_fused()
+        if fused:
+            # The first profiled step runs the plan with every backward fused (same order), so the
+            # profile measures a fused backward too (_plan.fused_variant says why).
+            self._held_plan = self.schedule
+            if self._runner is not None:
+                self._runner.close()
+                self._runner = None
+            self.schedule = fused_variant(self.schedule)
+        try:
+            self._run_iteration_body(m, window, profiling, fused)
+        finally:
+            if self._held_plan is not None:  # the fused step failed: the plan in force stays in force
+                fused_plan, self.schedule, self._held_plan = self.schedule, self._held_plan, None
+                if self._runner is not None:
+                    self._runner.close()
+                    self._runner = None
+                if fused_plan is not self._last_schedule:
+                    fused_plan.close()
+
+    def _run_iteration_body(self, m, window, profiling, fused):
         with self._device_scope():
             self._agree()
             self._infer_for(True)
@@ -233,11 +255,16 @@ class _Stepping:
                 self._profiling = False
             self._last_times = self._runner.times()
             old, self._last_schedule = self._last_schedule, self.schedule
-            if old is not None and old is not self.schedule:
+            if old is not None and old is not self.schedule and old is not self._held_plan:
                 old.close()  # the plan before a replan: its last step's timeline was drawn, if wanted
             self.steps += 1
             if profiling:
                 self._profile_runs.append((self.schedule.to_csv(), *self._last_times))
+                self._profile_fused.append(fused)
+                if fused:  # the plan in force again from the next step
+                    self._runner.close()
+                    self._runner = None
+                    self.schedule, self._held_plan = self._held_plan, None
                 if self.steps == window[1]:
                     self._plan_from_profile()
             else:
