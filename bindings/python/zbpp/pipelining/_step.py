@@ -206,22 +206,32 @@ class _Stepping:
         fused = profiling and self.steps + 1 == window[0] and self._profiles_fused()
         if fused:
             # The first profiled step runs the plan with every backward fused (same order), so the
-            # profile measures a fused backward too (_plan.fused_variant says why).
+            # profile measures a fused backward too (_plan.fused_variant says why). Its own runner:
+            # the plan's stays as it is and runs the next step warm, as a measured step must (a
+            # runner made again costs its first step tens of ms).
             self._held_plan = self.schedule
-            if self._runner is not None:
-                self._runner.close()
-                self._runner = None
+            self._held_runner = (self._runner, self._host_views, self._lending)
+            self._runner = None
+            if self._dviews is not None:
+                self._dviews.clear()
             self.schedule = fused_variant(self.schedule)
         try:
             self._run_iteration_body(m, window, profiling, fused)
         finally:
             if self._held_plan is not None:  # the fused step failed: the plan in force stays in force
-                fused_plan, self.schedule, self._held_plan = self.schedule, self._held_plan, None
-                if self._runner is not None:
-                    self._runner.close()
-                    self._runner = None
+                fused_plan = self.schedule
+                self._restore_held()
                 if fused_plan is not self._last_schedule:
                     fused_plan.close()
+
+    def _restore_held(self):
+        """After the fused profiled step: the plan in force and its runner again."""
+        if self._runner is not None:
+            self._runner.close()
+        if self._dviews is not None:
+            self._dviews.clear()
+        (self._runner, self._host_views, self._lending), self._held_runner = self._held_runner, None
+        self.schedule, self._held_plan = self._held_plan, None
 
     def _run_iteration_body(self, m, window, profiling, fused):
         with self._device_scope():
@@ -262,9 +272,7 @@ class _Stepping:
                 self._profile_runs.append((self.schedule.to_csv(), *self._last_times))
                 self._profile_fused.append(fused)
                 if fused:  # the plan in force again from the next step
-                    self._runner.close()
-                    self._runner = None
-                    self.schedule, self._held_plan = self._held_plan, None
+                    self._restore_held()
                 if self.steps == window[1]:
                     self._plan_from_profile()
             else:
