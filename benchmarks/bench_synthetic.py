@@ -485,11 +485,14 @@ def run_cell(cfgs, rank, p, m, cost, args, say):
 
 def replan_figures(info, warm_ms, after_ms):
     """The replan table's figures from zbpp's PlanInfo and the warm-up steps (warm_ms[k] is step
-    k + 2): the median of the profiled steps before the one the replan ran at the end of, that
-    step, and the median step after (the timed steps)."""
+    k + 2): the median of the profiled steps before the one the replan ran at the end of (not a
+    step that ran the plan fused: None when no other is left), that step, and the median step
+    after (the timed steps)."""
     a, b = info.profile_steps or (info.step, info.step)
     step_ms = {k + 2: ms for k, ms in enumerate(warm_ms)}
-    before = [step_ms[k] for k in range(a, b) if k in step_ms]
+    # A step that ran the plan fused (zb-auto's first profiled step) is not the plan in force.
+    fused = set(getattr(info, "fused_steps", ()) or ())
+    before = [step_ms[k] for k in range(a, b) if k in step_ms and k not in fused]
     return {"summary": info.summary(), "profile_steps": [a, b], "step": info.step, "switched": bool(info.switched),
             "digest": info.digest,
             "before_ms": statistics.median(before) if before else None, "replan_step_ms": step_ms.get(info.step),

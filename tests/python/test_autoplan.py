@@ -346,11 +346,12 @@ def test_a_plan_no_faster_on_the_measured_costs_is_not_swapped_in():
     sched.close()
 
 
-def test_zb_auto_measures_a_fused_backward_and_splits_only_where_it_pays():
+def test_zb_auto_measures_a_fused_backward():
     # The first profiled step runs the plan with every backward fused, the second the plan itself:
-    # the costs then hold a fused backward next to B and W apart. One process has no bubble to
-    # fill, so the replan fuses every backward (a split costs, here, and pays nowhere). (That the
-    # fused step and the replanned ones train bit for bit as one process: the test above.)
+    # the costs then hold a fused backward next to B and W apart, for the replan to weigh. (Which
+    # backwards the replan then fuses depends on the measured times; csrc/schedule/fuse.c's rule is
+    # tested in test_generators.c. That the fused step and the replanned ones train bit for bit as
+    # one process: test_replanned_run_trains_bit_for_bit_like_one_process.)
     stages = _one_process_stages()
     sched = zbpp.ScheduleZBAuto(stages, M, loss_fn=gpt.loss_fn)
     assert any(o.type == "W" for o in sched.schedule.rank_ops(0))
@@ -362,8 +363,9 @@ def test_zb_auto_measures_a_fused_backward_and_splits_only_where_it_pays():
         kinds.append(sorted({o.type for o in sched._last_schedule.rank_ops(0)}))
     assert kinds[1] == ["BW", "F"] and "W" in kinds[2]  # step 2 fused, step 3 the plan in force
     info = sched.plan_info
-    assert info.costs.time_bw is not None and "/BW per stage" in info.summary()
-    assert info.switched and all(o.type != "W" for o in sched.schedule.rank_ops(0))
+    assert info.fused_steps == (2,)
+    assert info.costs.time_bw is not None and all(t > 0 for t in info.costs.time_bw)
+    assert "/BW per stage" in info.summary()
     sched.close()
 
 

@@ -111,6 +111,10 @@ class _Planning:
         # Planned on smoothed, snapped costs: stages that cost the same are planned alike, and
         # every run plans from the same cost ratios (StageCosts.snapped).
         info = self.replan(costs.smoothed().snapped(), only_if_faster=True, _measured=statistics.median(bubbles) if bubbles else None)
+        if any(fused):
+            window = self._profile
+            info = self.plan_info = info._replace(
+                fused_steps=tuple(window[0] + k for k, f in enumerate(fused) if f))
         if info.switched and before:
             self._trial = (old_csv, statistics.median(before), [])
 
@@ -264,7 +268,8 @@ class PlanInfo(NamedTuple):
     `files` what save_plan_dir received. `expected_bubble`: the bubble the runner should measure
     for the plan that runs now (StageCosts.expected_bubble: the simulation with each op's measured
     runtime overhead counted as idle, as the runner's timestamps count it, and op times drawn from
-    the measured ones); None without measured costs."""
+    the measured ones); None without measured costs. `fused_steps`: the profiled steps that ran
+    the plan in force with every backward fused (zb-auto's first, to measure a fused backward)."""
 
     step: int
     kind: str
@@ -282,6 +287,7 @@ class PlanInfo(NamedTuple):
     reverted: bool = False
     measured_before: Optional[float] = None
     measured_after: Optional[float] = None
+    fused_steps: tuple = ()  # profiled steps that ran the plan with every backward fused (fused_variant)
 
     def summary(self):
         text = f"zbpp: planned {self.kind} after step {self.step}"
