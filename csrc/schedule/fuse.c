@@ -15,8 +15,9 @@
  * microbatch order (so the gradients are summed as a sequential loop sums them, bit for bit) and
  * the schedule then simulates shorter: end to end (first op's start to last op's end over all
  * ranks, what a step takes) and no longer as the largest rank span (the paper's cost), or the other
- * way round, by more than ZB_EPS; passes repeat until one changes nothing. Only shorter: with
- * time_bw = time_b + time_w (nothing measured) a fused backward never is, and the plan stays the
+ * way round, by more than ZB_EPS; passes repeat until one changes nothing (or the work budget
+ * is spent). Only shorter: with time_bw = time_b + time_w (nothing measured) that is rare (a W
+ * moved up next to its B can still free a hole further on), and the plan mostly stays the
  * search's. Memory never grows: a BW frees the microbatch's whole share at the B's place, where B
  * freed part of it and W the rest later. Each candidate costs a simulation,
  * so the pass runs on schedules of at most `max_ops` ops and leaves larger ones as the search
@@ -36,7 +37,10 @@
 
 #include "internal.h"
 
+/* At most this many ops simulated by one call (each candidate is a simulation of all ops): about
+ * 10-20 ms here. What fits is searched; beyond it the schedule keeps what was found so far. */
 enum { FUSE_MAX_PASSES = 8 };
+#define FUSE_WORK_BUDGET 400000LL
 
 /* Largest rank span and end-to-end length of `s`'s ops with the given starts and ends. */
 static void lengths(const zb_schedule_t *s, const double *start, const double *end, double *cost,
@@ -96,10 +100,11 @@ zb_status_t zb__fuse_free(zb_schedule_t *s, int max_ops) {
   double cost = 0, makespan = 0;
   if (st == ZB_OK) lengths(s, start, end, &cost, &makespan);
   int changed = st == ZB_OK;
-  for (int pass = 0; changed && pass < FUSE_MAX_PASSES && st == ZB_OK; pass++) {
+  long long work = 0; /* simulated ops; the pass stops at FUSE_WORK_BUDGET */
+  for (int pass = 0; changed && pass < FUSE_MAX_PASSES && st == ZB_OK && work < FUSE_WORK_BUDGET; pass++) {
     changed = 0;
-    for (int r = 0; r < s->p && st == ZB_OK; r++) {
-      for (int k = s->rank_off[r]; k < s->rank_off[r + 1] && st == ZB_OK; k++) {
+    for (int r = 0; r < s->p && st == ZB_OK && work < FUSE_WORK_BUDGET; r++) {
+      for (int k = s->rank_off[r]; k < s->rank_off[r + 1] && st == ZB_OK && work < FUSE_WORK_BUDGET; k++) {
         zb_op_t b = s->ops[k];
         if (b.type != ZB_OP_B) continue;
         int w = -1;
@@ -111,9 +116,10 @@ zb_status_t zb__fuse_free(zb_schedule_t *s, int max_ops) {
         zb_schedule_t t = *s; /* the same schedule but for its op list */
         t.ops = cand, t.rank_off = cand_off, t.n_ops = s->n_ops - 1, t.simulated = 0;
         zb_status_t sim = zb__simulate_times(&t, start, end);
+        work += t.n_ops;
         if (sim != ZB_OK) {
           /* Fusing cannot add a dependency (BW(s,i) waits for what B(s,i) waited for), so a
-           * deadlock here is a bug of this pass; keep the schedule the search made. */
+           * deadlock here is a bug of this pass: reported, not hidden. */
           st = sim;
           break;
         }
@@ -180,12 +186,17 @@ zb_status_t zb__unfuse_tail(zb_schedule_t *s, double limit, int max_ops) {
   double cost = 0, makespan = 0;
   if (st == ZB_OK) lengths(&cur, start, end, &cost, &makespan);
   const int tail = 2 * s->p + 2; /* the microbatches and positions tried: the cool-down's */
-  for (int improved = st == ZB_OK; improved && st == ZB_OK;) {
+  /* Simulated ops, all candidates together: the search stops there (at p = 32, m = 32 an unbounded
+   * one took seconds, where zb-auto's other work takes milliseconds). */
+  long long work = 0;
+  const long long budget = FUSE_WORK_BUDGET;
+  for (int improved = st == ZB_OK; improved && st == ZB_OK && work < budget;) {
     improved = 0;
-    for (int r = 0; r < cur.p && !improved && st == ZB_OK; r++) {
+    for (int r = 0; r < cur.p && st == ZB_OK && work < budget; r++) {
       int a = cur.rank_off[r], b = cur.rank_off[r + 1];
-      /* The rank's BW's from its last backward up: a split pays where a B's gradient is awaited. */
-      for (int k = b - 1; k >= a && !improved && st == ZB_OK; k--) {
+      /* The rank's BW's from its last backward up: a split pays where a B's gradient is awaited.
+       * After a split the scan goes on up the same rank (the BW's above are where they were). */
+      for (int k = b - 1; k >= a && st == ZB_OK && work < budget; k--) {
         zb_op_t bw = cur.ops[k];
         if (bw.type != ZB_OP_BW || bw.mb < cur.m - tail) continue;
         int hi = b; /* W(s, i) before any later W or BW of its stage: microbatch order */
@@ -201,7 +212,8 @@ zb_status_t zb__unfuse_tail(zb_schedule_t *s, double limit, int max_ops) {
           zb_schedule_t t = cur;
           t.ops = cand, t.rank_off = cand_off, t.n_ops = cur.n_ops + 1;
           st = zb__simulate_times(&t, start, end);
-          if (st != ZB_OK) break; /* cannot deadlock (W depends on its B only): a bug, keep s */
+          work += t.n_ops;
+          if (st != ZB_OK) break; /* cannot deadlock (W depends on its B only): a bug, reported */
           double c, mk;
           lengths(&t, start, end, &c, &mk);
           int shorter = (mk < bm - ZB_EPS && c <= bc + ZB_EPS) || (mk <= bm + ZB_EPS && c < bc - ZB_EPS);
@@ -216,6 +228,7 @@ zb_status_t zb__unfuse_tail(zb_schedule_t *s, double limit, int max_ops) {
           memcpy(cur.rank_off, best_off, ((size_t)cur.p + 1) * sizeof(int));
           cur.n_ops++;
           cost = bc, makespan = bm, improved = 1;
+          b++; /* this rank's list grew by the W; the ops above k did not move */
         }
       }
     }

@@ -72,9 +72,13 @@ typedef struct {
  * no hole can be the shortest once they are fused (with time_bw below time_b + time_w). */
 static void keep(job_t *job, zb_schedule_t *c, double limit, int fuse) {
   zb_sim_result_t r;
-  if (fuse && zb__fuse_free(c, FUSE_EACH_MAX_OPS) != ZB_OK) {
-    zb__schedule_free(c);
-    return;
+  if (fuse) {
+    zb_status_t st = zb__fuse_free(c, FUSE_EACH_MAX_OPS);
+    if (st != ZB_OK) {
+      if (st == ZB_ERR_OUT_OF_MEMORY) job->oom = 1;
+      zb__schedule_free(c);
+      return;
+    }
   }
   if (zb_schedule_simulate(c, &r) == ZB_OK && r.max_peak_memory <= limit + ZB_EPS) {
     double mk = zb__makespan(c);

@@ -166,13 +166,13 @@ zb_status_t zb__gen_auto(zb_schedule_t *s, double limit);
 zb_status_t zb__gen_rules_best(zb_schedule_t *s, double limit);
 /* zb-auto's last pass (fuse.c): each B whose W running apart does not make the schedule shorter
  * (largest rank span and end to end, simulated on s's costs) becomes a fused BW; schedules of
- * more than max_ops ops are left as they are. */
+ * more than max_ops ops are left as they are, and the search stops at a work budget. */
 zb_status_t zb__fuse_free(zb_schedule_t *s, int max_ops);
 /* After zb_schedule_simulate: the first op's start to the last op's end over all ranks. */
 double zb__makespan(const zb_schedule_t *s);
 /* The other way (fuse.c): from a schedule of fused backwards (1F1B), each BW of the last 2p + 2
  * microbatches is split into B + W, the W at the best of the next places, while that makes the
- * schedule shorter within `limit`; what zb-auto tries besides its search. */
+ * schedule shorter within `limit` (up to a work budget); what zb-auto tries besides its search. */
 zb_status_t zb__unfuse_tail(zb_schedule_t *s, double limit, int max_ops);
 /* V-Half (third = 0) and V-Min (third = 1) from the controllable-memory paper's building blocks,
  * squeezed (pattern_v.c): fills s->ops; the costs play no part in the shape. */

@@ -207,9 +207,15 @@ class _Stepping:
         if fused:
             # The first profiled step runs the plan with every backward fused (same order), so the
             # profile measures a fused backward too (_plan.fused_variant says why). Its own runner:
-            # the plan's stays as it is and runs the next step warm, as a measured step must (a
-            # runner made again costs its first step tens of ms).
+            # on the host the plan's stays as it is and runs the next step warm, as a measured step
+            # must (a runner made again costs its first step tens of ms).
             self._held_plan = self.schedule
+            if self._cuda and self._runner is not None:
+                # Not on CUDA: a runner plans the NCCL transport's pair order for its schedule, and
+                # the held one would then run under the fused variant's order (and two runners'
+                # buffers would be on the device at once). Made again for step 3 instead.
+                self._runner.close()
+                self._runner = None
             self._held_runner = (self._runner, self._host_views, self._lending)
             self._runner = None
             if self._dviews is not None:
