@@ -4,11 +4,11 @@
  *
  * Splitting a backward is not free where it really runs. A W apart is a second op (a call, a
  * dispatch, its own bookkeeping) and, in the torch layer, a split layer's forward and backward go
- * through an autograd Function in Python instead of torch's own node: on bench_torch.py's GPT
- * stage B + W measured about 1 ms (15%) more than the fused backward per microbatch (RESULTS.md).
+ * through an autograd Function in Python instead of torch's own node: on bench_torch.py's GPT the
+ * second stage's B + W measured 8% more than its fused backward (RESULTS.md).
  * The plan needs a W apart only where it fills a hole the fused backward would leave. Given
  * time_bw below time_b + time_w (StageCosts measures it from the timelines), the planner weighs
- * that itself; given only time_b + time_w, nothing here changes the search's plan.
+ * that itself; given only time_b + time_w, this rarely changes the search's plan.
  *
  * The rule, stated so that it can be tested: in list order, rank by rank, each B whose W is on the
  * same rank becomes a BW at the B's place (its W removed) when the stage's W and BW ops stay in
@@ -41,28 +41,6 @@
  * 10-20 ms here. What fits is searched; beyond it the schedule keeps what was found so far. */
 enum { FUSE_MAX_PASSES = 8 };
 #define FUSE_WORK_BUDGET 400000LL
-
-/* Largest rank span and end-to-end length of `s`'s ops with the given starts and ends. */
-static void lengths(const zb_schedule_t *s, const double *start, const double *end, double *cost,
-                    double *makespan) {
-  double c = 0, first = 0, last = 0;
-  int any = 0;
-  for (int r = 0; r < s->p; r++) {
-    int a = s->rank_off[r], b = s->rank_off[r + 1];
-    if (b == a) continue;
-    double f = start[a], l = end[a];
-    for (int k = a + 1; k < b; k++) {
-      if (start[k] < f) f = start[k];
-      if (end[k] > l) l = end[k];
-    }
-    if (l - f > c) c = l - f;
-    if (!any || f < first) first = f;
-    if (!any || l > last) last = l;
-    any = 1;
-  }
-  *cost = c;
-  *makespan = any ? last - first : 0;
-}
 
 /* Writes into `dst` (ops) and `dst_off` (rank offsets) the ops of `s` with the B at index k made a
  * BW and the W at index w (same rank, after or before it) removed. */
@@ -98,7 +76,7 @@ zb_status_t zb__fuse_free(zb_schedule_t *s, int max_ops) {
   }
   zb_status_t st = zb__simulate_times(s, start, end);
   double cost = 0, makespan = 0;
-  if (st == ZB_OK) lengths(s, start, end, &cost, &makespan);
+  if (st == ZB_OK) cost = zb__sim_stats(s, start, end).cost, makespan = zb__makespan_of(s, start, end);
   int changed = st == ZB_OK;
   long long work = 0; /* simulated ops; the pass stops at FUSE_WORK_BUDGET */
   for (int pass = 0; changed && pass < FUSE_MAX_PASSES && st == ZB_OK && work < FUSE_WORK_BUDGET; pass++) {
@@ -123,8 +101,7 @@ zb_status_t zb__fuse_free(zb_schedule_t *s, int max_ops) {
           st = sim;
           break;
         }
-        double c, mk;
-        lengths(&t, start, end, &c, &mk);
+        double c = zb__sim_stats(&t, start, end).cost, mk = zb__makespan_of(&t, start, end);
         if ((mk < makespan - ZB_EPS && c <= cost + ZB_EPS) || (mk <= makespan + ZB_EPS && c < cost - ZB_EPS)) {
           memcpy(s->ops, cand, (size_t)t.n_ops * sizeof(zb_op_t));
           memcpy(s->rank_off, cand_off, ((size_t)s->p + 1) * sizeof(int));
@@ -140,19 +117,6 @@ zb_status_t zb__fuse_free(zb_schedule_t *s, int max_ops) {
   free(cand), free(cand_off), free(start), free(end);
   s->simulated = 0;
   return st;
-}
-
-/* Peak memory of any rank of `t` (units of DESIGN.md section 3), for the limit unfusing must keep. */
-static double peak_of(const zb_schedule_t *t) {
-  double top = 0;
-  for (int r = 0; r < t->p; r++) {
-    double mem = 0;
-    for (int k = t->rank_off[r]; k < t->rank_off[r + 1]; k++) {
-      mem += zb__op_mem_at(t, t->ops[k].type, t->ops[k].stage);
-      if (mem > top) top = mem;
-    }
-  }
-  return top;
 }
 
 /* Writes into dst/dst_off the ops of `s` with the BW at index k (on rank r) made a B and its W
@@ -184,7 +148,7 @@ zb_status_t zb__unfuse_tail(zb_schedule_t *s, double limit, int max_ops) {
   cur.ops = ops, cur.rank_off = off, cur.simulated = 0;
   zb_status_t st = zb__simulate_times(&cur, start, end);
   double cost = 0, makespan = 0;
-  if (st == ZB_OK) lengths(&cur, start, end, &cost, &makespan);
+  if (st == ZB_OK) cost = zb__sim_stats(&cur, start, end).cost, makespan = zb__makespan_of(&cur, start, end);
   const int tail = 2 * s->p + 2; /* the microbatches and positions tried: the cool-down's */
   /* Simulated ops, all candidates together: the search stops there (at p = 32, m = 32 an unbounded
    * one took seconds, where zb-auto's other work takes milliseconds). */
@@ -214,10 +178,10 @@ zb_status_t zb__unfuse_tail(zb_schedule_t *s, double limit, int max_ops) {
           st = zb__simulate_times(&t, start, end);
           work += t.n_ops;
           if (st != ZB_OK) break; /* cannot deadlock (W depends on its B only): a bug, reported */
-          double c, mk;
-          lengths(&t, start, end, &c, &mk);
+          zb_sim_result_t res = zb__sim_stats(&t, start, end);
+          double c = res.cost, mk = zb__makespan_of(&t, start, end);
           int shorter = (mk < bm - ZB_EPS && c <= bc + ZB_EPS) || (mk <= bm + ZB_EPS && c < bc - ZB_EPS);
-          if (shorter && peak_of(&t) <= limit + ZB_EPS) {
+          if (shorter && res.max_peak_memory <= limit + ZB_EPS) {
             memcpy(best, cand, (size_t)t.n_ops * sizeof(zb_op_t));
             memcpy(best_off, cand_off, ((size_t)cur.p + 1) * sizeof(int));
             bc = c, bm = mk, found = 1;

@@ -81,7 +81,7 @@ static void keep(job_t *job, zb_schedule_t *c, double limit, int fuse) {
     }
   }
   if (zb_schedule_simulate(c, &r) == ZB_OK && r.max_peak_memory <= limit + ZB_EPS) {
-    double mk = zb__makespan(c);
+    double mk = zb__makespan_of(c, c->start, c->end);
     if (!job->best || mk < job->cost - ZB_EPS ||
         (mk <= job->cost + ZB_EPS && (r.cost < job->span - ZB_EPS ||
                                        (r.cost <= job->span + ZB_EPS && r.max_peak_memory < job->peak - ZB_EPS)))) {

@@ -168,8 +168,10 @@ zb_status_t zb__gen_rules_best(zb_schedule_t *s, double limit);
  * (largest rank span and end to end, simulated on s's costs) becomes a fused BW; schedules of
  * more than max_ops ops are left as they are, and the search stops at a work budget. */
 zb_status_t zb__fuse_free(zb_schedule_t *s, int max_ops);
-/* After zb_schedule_simulate: the first op's start to the last op's end over all ranks. */
-double zb__makespan(const zb_schedule_t *s);
+/* The first op's start to the last op's end over all ranks, for op times aligned with s->ops. */
+double zb__makespan_of(const zb_schedule_t *s, const double *start, const double *end);
+/* Cost, busy, bubble and peak memory (zb_sim_result_t) for op times aligned with s->ops. */
+zb_sim_result_t zb__sim_stats(const zb_schedule_t *s, const double *start, const double *end);
 /* The other way (fuse.c): from a schedule of fused backwards (1F1B), each BW of the last 2p + 2
  * microbatches is split into B + W, the W at the best of the next places, while that makes the
  * schedule shorter within `limit` (up to a work budget); what zb-auto tries besides its search. */

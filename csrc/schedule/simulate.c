@@ -191,23 +191,22 @@ zb_status_t zb_schedule_makespan_durations(const zb_schedule_t *s, const double 
   ZB_ARG_NOT_NULL(out_makespan);
   double *start = NULL, *end = NULL;
   ZB_CHECK(run_durations(s, durations, &start, &end));
+  *out_makespan = zb__makespan_of(s, start, end);
+  free(start), free(end);
+  return ZB_OK;
+}
+
+double zb__makespan_of(const zb_schedule_t *s, const double *start, const double *end) {
   double first = 0.0, last = 0.0;
   for (int k = 0; k < s->n_ops; k++) {
     if (k == 0 || start[k] < first) first = start[k];
     if (k == 0 || end[k] > last) last = end[k];
   }
-  *out_makespan = s->n_ops ? last - first : 0.0;
-  free(start), free(end);
-  return ZB_OK;
+  return s->n_ops ? last - first : 0.0;
 }
 
-double zb__makespan(const zb_schedule_t *s) {
-  double first = 0.0, last = 0.0;
-  for (int k = 0; k < s->n_ops; k++) {
-    if (k == 0 || s->start[k] < first) first = s->start[k];
-    if (k == 0 || s->end[k] > last) last = s->end[k];
-  }
-  return s->n_ops ? last - first : 0.0;
+zb_sim_result_t zb__sim_stats(const zb_schedule_t *s, const double *start, const double *end) {
+  return stats_of(s, start, end, NULL, NULL, NULL);
 }
 
 zb_status_t zb_schedule_simulate(zb_schedule_t *s, zb_sim_result_t *out) {

@@ -305,10 +305,10 @@ class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning, _Splitting, _Bou
         self._shapes_known = False  # _meta holds what a training inference found (a replan's runner reuses it)
         self._inferred_for = None  # whether the last shape inference was for training (_SetUp._infer_for)
         self._profiling = False
-        self._profile_runs = []  # (schedule CSV, starts, ends) of this rank in each profiled step
-        self._profile_fused = []  # per profiled step: whether it ran the plan fused (_plan.fused_variant)
+        # (schedule CSV, starts, ends, whether it ran the plan fused: _plan.fused_variant) of this
+        # rank in each profiled step
+        self._profile_runs = []
         self._held_plan = None  # the plan in force while a profiled step runs its fused variant
-        self._held_runner = None  # and its runner, host views and lending, kept for the step after
         self._profile_mem = {}  # stage -> (saved bytes, W-only bytes, CUDA bytes) of one microbatch
         self.plan_info = None
         self.steps = 0

@@ -81,15 +81,14 @@ class _Planning:
         """After the last profiled step: every rank's op times and activation memory go to every
         rank, which turns them into the same StageCosts and plans again (replan)."""
         runs, self._profile_runs = self._profile_runs, []
-        fused, self._profile_fused = self._profile_fused, []
-        gathered = self._exchange({"runs": [(a, b) for _, a, b in runs], "mem": dict(self._profile_mem)})
+        gathered = self._exchange({"runs": [(a, b) for _, a, b, _ in runs], "mem": dict(self._profile_mem)})
         # The plan in force as measured: its own steps, not a fused one (fused_variant).
-        own = [k for k in range(len(runs)) if not (k < len(fused) and fused[k])]
+        own = [k for k, run in enumerate(runs) if not run[3]]
         before = [max(_rank_span(*g["runs"][k]) for g in gathered) for k in own]
         old_csv = self.schedule.to_csv()
         timelines, bubbles = [], []
         try:
-            for k, (text, _, _) in enumerate(runs):
+            for k, (text, _, _, _) in enumerate(runs):
                 t = Schedule.from_csv(text)
                 timelines.append(t)
                 bubble = t.set_times([g["runs"][k][0] for g in gathered], [g["runs"][k][1] for g in gathered]).bubble_rate
@@ -111,10 +110,9 @@ class _Planning:
         # Planned on smoothed, snapped costs: stages that cost the same are planned alike, and
         # every run plans from the same cost ratios (StageCosts.snapped).
         info = self.replan(costs.smoothed().snapped(), only_if_faster=True, _measured=statistics.median(bubbles) if bubbles else None)
-        if any(fused):
-            window = self._profile
+        if len(own) < len(runs):
             info = self.plan_info = info._replace(
-                fused_steps=tuple(window[0] + k for k, f in enumerate(fused) if f))
+                fused_steps=tuple(self._profile[0] + k for k in range(len(runs)) if k not in own))
         if info.switched and before:
             self._trial = (old_csv, statistics.median(before), [])
 

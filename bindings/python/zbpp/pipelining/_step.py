@@ -206,20 +206,10 @@ class _Stepping:
         fused = profiling and self.steps + 1 == window[0] and self._profiles_fused()
         if fused:
             # The first profiled step runs the plan with every backward fused (same order), so the
-            # profile measures a fused backward too (_plan.fused_variant says why). Its own runner:
-            # on the host the plan's stays as it is and runs the next step warm, as a measured step
-            # must (a runner made again costs its first step tens of ms).
+            # profile measures a fused backward too (_plan.fused_variant says why), on a runner
+            # made for it; the plan's runner is made again for the next step.
             self._held_plan = self.schedule
-            if self._cuda and self._runner is not None:
-                # Not on CUDA: a runner plans the NCCL transport's pair order for its schedule, and
-                # the held one would then run under the fused variant's order (and two runners'
-                # buffers would be on the device at once). Made again for step 3 instead.
-                self._runner.close()
-                self._runner = None
-            self._held_runner = (self._runner, self._host_views, self._lending)
-            self._runner = None
-            if self._dviews is not None:
-                self._dviews.clear()
+            self._drop_runner()
             self.schedule = fused_variant(self.schedule)
         try:
             self._run_iteration_body(m, window, profiling, fused)
@@ -230,13 +220,16 @@ class _Stepping:
                 if fused_plan is not self._last_schedule:
                     fused_plan.close()
 
-    def _restore_held(self):
-        """After the fused profiled step: the plan in force and its runner again."""
+    def _drop_runner(self):
         if self._runner is not None:
             self._runner.close()
+            self._runner = None
         if self._dviews is not None:
             self._dviews.clear()
-        (self._runner, self._host_views, self._lending), self._held_runner = self._held_runner, None
+
+    def _restore_held(self):
+        """After the fused profiled step: the plan in force again (its runner is made at the next step)."""
+        self._drop_runner()
         self.schedule, self._held_plan = self._held_plan, None
 
     def _run_iteration_body(self, m, window, profiling, fused):
@@ -275,8 +268,7 @@ class _Stepping:
                 old.close()  # the plan before a replan: its last step's timeline was drawn, if wanted
             self.steps += 1
             if profiling:
-                self._profile_runs.append((self.schedule.to_csv(), *self._last_times))
-                self._profile_fused.append(fused)
+                self._profile_runs.append((self.schedule.to_csv(), *self._last_times, fused))
                 if fused:  # the plan in force again from the next step
                     self._restore_held()
                 if self.steps == window[1]:
