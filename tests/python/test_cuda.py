@@ -389,15 +389,16 @@ def _reference(device):
 
 
 def _pipeline_worker(rank, world, init, out_dir):
-    """One rank of a ZB-V pipeline on GPU `rank` (2 stages per rank), trained STEPS steps."""
-    torch.cuda.set_device(rank)
+    """One rank of a ZB-V pipeline on GPU `rank` modulo the GPUs there are (2 stages per rank),
+    trained STEPS steps."""
+    torch.cuda.set_device(rank % torch.cuda.device_count())
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
     result = {}
     try:
-        dev = torch.device("cuda", rank)
+        dev = torch.device("cuda", rank % torch.cuda.device_count())
         S = 2 * world
         modules = gpt.build_stages(_config(), S, seed=SEED)
         mine = [rank, S - 1 - rank]
@@ -464,6 +465,33 @@ def _compare_with_reference(results, world):
 @pytest.mark.gpu
 def test_one_gpu_holds_both_stages_of_zbv_and_trains_like_a_loop(tmp_path):
     _compare_with_reference(_spawn_pipeline(1, tmp_path), 1)
+
+
+def test_ranks_sharing_a_gpu_are_named_before_nccl_is_asked():
+    # NCCL refuses two ranks of a communicator on one GPU; the pipeline says which ranks share which
+    # GPU, and what to do, with the same text on every rank (each computes it from the same list).
+    a, b = ("host1", "GPU-aaaa"), ("host1", "GPU-bbbb")
+    assert cuda.shared_gpus([a, b]) is None
+    assert cuda.shared_gpus([a, ("host2", "GPU-aaaa")]) is None  # equal UUIDs on two hosts: two GPUs
+    text = cuda.shared_gpus([a, b, a, b])
+    assert "pipeline ranks 0, 2 are all on one GPU (GPU-aaaa on host1)" in text
+    assert "1 more GPU(s) shared" in text and "its own GPU" in text
+
+
+@pytest.mark.gpu
+def test_two_ranks_on_one_gpu_fail_at_once_on_every_rank(tmp_path):
+    if torch.cuda.device_count() != 1:
+        pytest.skip(f"needs exactly 1 GPU (this machine has {torch.cuda.device_count()})")
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        init = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    mp.spawn(_pipeline_worker, args=(2, init, str(tmp_path)), nprocs=2, join=True)
+    for r in range(2):
+        res = torch.load(tmp_path / f"rank{r}.pt")
+        assert "error" in res, f"rank {r} trained with two ranks on one GPU"
+        assert "are all on one GPU" in res["error"], res["error"]
 
 
 @pytest.mark.gpu

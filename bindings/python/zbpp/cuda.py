@@ -35,6 +35,8 @@ __all__ = [
     "backend_for",
     "device_buffer",
     "device_of",
+    "gpu_identity",
+    "shared_gpus",
     "sq_norm",
     "stream_handle",
     "tensor_pairs",
@@ -61,6 +63,34 @@ def device_of(device):
     if not 0 <= index < count:
         raise ValueError(f"zbpp: CUDA device {index} does not exist; this process sees {count} (0..{count - 1})")
     return torch.device("cuda", index)
+
+
+def gpu_identity(device):
+    """(host name, the GPU's UUID) of a CUDA device: what tells two processes' devices apart (device
+    indices do not: CUDA_VISIBLE_DEVICES renumbers them per process)."""
+    import socket
+
+    props = torch.cuda.get_device_properties(device_of(device))
+    return socket.gethostname(), str(getattr(props, "uuid", f"index {device_of(device).index}"))
+
+
+def shared_gpus(identities):
+    """A message naming the ranks that share a GPU, or None. identities: gpu_identity() per rank,
+    indexed by rank. NCCL refuses two ranks of one communicator on one GPU (ncclInvalidUsage,
+    "Duplicate GPU detected", since NCCL 2.5), so the NCCL transport cannot join such ranks; saying
+    so before NCCL is asked gives every rank the same clear error instead of NCCL's."""
+    seen = {}
+    for rank, ident in enumerate(identities):
+        seen.setdefault(tuple(ident), []).append(rank)
+    shared = [ranks for ranks in seen.values() if len(ranks) > 1]
+    if not shared:
+        return None
+    (host, uuid), ranks = next((k, v) for k, v in seen.items() if len(v) > 1)
+    more = f" (and {len(shared) - 1} more GPU(s) shared likewise)" if len(shared) > 1 else ""
+    return (f"pipeline ranks {', '.join(map(str, ranks))} are all on one GPU ({uuid} on {host}){more}: "
+            "their activations would travel over NCCL, which allows no two ranks of a communicator on one "
+            "GPU. Give each rank its own GPU (torch.cuda.set_device(local_rank), or CUDA_VISIBLE_DEVICES), "
+            "or put those stages in one process: a rank may hold several stages (chunks).")
 
 
 def stream_handle(stream):

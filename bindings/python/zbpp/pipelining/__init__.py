@@ -566,6 +566,12 @@ class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning, _Splitting, _Bou
             except _lib.ZbError as exc:
                 failure = exc
         group, device = self._messages()
+        if device.type == "cpu":  # a gloo group: ask it before NCCL is asked (cuda.shared_gpus says why)
+            ids = [None] * dist.get_world_size(group)
+            dist.all_gather_object(ids, (self.rank, cuda.gpu_identity(self.device)), group=group)
+            shared = cuda.shared_gpus([ident for _, ident in sorted(ids)])
+            if shared is not None:
+                raise _lib.ZbError(runtime.ZB_ERR_INVALID_ARGUMENT, f"rank {self.rank}: {shared}")
         got = distributed.broadcast_bytes(bytes([failure is None]) + uid, _global(self.group, 0), group, device)
         if failure is not None:
             raise failure
