@@ -12,8 +12,11 @@ once there is a plan from measured costs; at the end the last step's measured ti
 as SVG and as a Chrome trace (open in https://ui.perfetto.dev), and the measured costs as
 zbpp-costs JSON (`zbpp schedule KIND --stage-times FILE` reads it).
 
-What this is not: a GPU run yet (the CUDA backend is its own issue); the model is small enough for
-a 2-core machine to finish the defaults in about a minute.
+--device cuda runs the stages on GPUs (zbpp's CUDA backend, the W GEMMs through the W store on torch's
+stream, activations over the library's NCCL transport): one GPU per rank, as NCCL allows no two
+ranks of a communicator on one GPU; --ranks 1 runs every stage in one process on one GPU.
+What this is not: a benchmark; the model is small enough for a 2-core machine to finish the CPU
+defaults in about a minute.
 """
 
 import argparse
@@ -37,6 +40,9 @@ def parse_args(argv=None):
                     help="schedule kind: zb-auto (default), zb-v, zb-h1, zb-h2, v-half, v-min, 1f1b, "
                          "interleaved-1f1b, gpipe, or torch's names (ZBVZeroBubble, 1F1B, ...)")
     ap.add_argument("--ranks", type=int, default=2, help="pipeline ranks = processes (default 2)")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                    help="where the stages run (default cpu). cuda: rank r on GPU r modulo the GPUs there are, on "
+                         "zbpp's CUDA backend; activations between ranks go over NCCL, which needs a GPU per rank")
     ap.add_argument("--chunks", type=int, default=None,
                     help="stages per rank (default: 2 for V kinds and interleaved-1f1b, else 1; zb-auto takes "
                          "1 or 2, in a V)")
@@ -104,12 +110,14 @@ def train(rank, ranks, args, group=None, report=print):
     torch.set_num_threads(1)  # the ranks share the cores; also keeps results independent of threads
     cls, chunks = stage_layout(args.schedule, args.chunks)
     S = ranks * chunks
+    device = _rank_device(args.device, rank)
     config = gpt.GPTConfig(seq=args.seq, d_model=args.d_model, n_head=args.heads, n_layer=args.layers)
     modules = gpt.build_stages(config, S, seed=args.seed)
     probe = zbpp.Schedule.generate(cls.kind, p=ranks, m=args.microbatches, v=chunks)
     mine = probe.rank_stages(rank)
     probe.close()
-    stages = [zbpp.PipelineStage(zbpp.split_linear(modules[s]), s, S, "cpu", group=group) for s in mine]
+    stages = [zbpp.PipelineStage(zbpp.split_linear(modules[s].to(device)), s, S, device, group=group)
+              for s in mine]
     kwargs = {"mem_limit": args.mem_limit} if args.mem_limit else {}
     if not args.plan_from_measured:
         kwargs["plan_from_measured"] = False
@@ -126,6 +134,7 @@ def train(rank, ranks, args, group=None, report=print):
     out = {"losses": [], "bubbles": [], "rolled_back": 0, "step_seconds": []}
     for step in range(args.steps):
         x, y = data.next()  # every rank draws the batch so the data streams stay in step
+        x, y = x.to(device), y.to(device)
         t0 = time.perf_counter()
         losses = []
         if sched.holds_first and sched.holds_loss:
@@ -196,6 +205,20 @@ def train(rank, ranks, args, group=None, report=print):
     return out
 
 
+def _rank_device(kind, rank):
+    """The torch device of `rank`'s stages: the CPU, or GPU rank modulo the GPUs there are."""
+    import torch
+
+    if kind == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"--device cuda: torch {torch.__version__} sees no CUDA device "
+                           f"(torch.cuda.is_available() is false; torch's CUDA: {torch.version.cuda})")
+    dev = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    return dev
+
+
 def _plan_bubble(info):
     """The plan's bubble as the runner measures it (each op's runtime overhead idle), or its
     simulated bubble when it was not planned from measured costs."""
@@ -241,6 +264,10 @@ def _spawned(rank, ranks, port, args, queue):
         result = train(rank, ranks, args)
         result.pop("params", None)
         queue.put((rank, result))
+    except Exception as exc:
+        # torch.multiprocessing shows the first failed rank's traceback only: every rank says its own.
+        print(f"[rank {rank}] {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        raise
     finally:
         dist.destroy_process_group()
 
@@ -261,13 +288,17 @@ def main(argv=None):
         train(dist.get_rank(), dist.get_world_size(), args)
         dist.destroy_process_group()
         return 0
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print(f"train_gpt: --device cuda, but torch {torch.__version__} sees no CUDA device "
+              f"(torch.cuda.is_available() is false; torch's CUDA: {torch.version.cuda})", file=sys.stderr)
+        return 2
     cls, chunks = stage_layout(args.schedule, args.chunks)
     from zbpp.pipelining import PLANNED_KINDS
 
     a, b = args.profile_steps
     how = (f", planned from the costs measured in steps {a}-{b}" if args.plan_from_measured and cls.kind in PLANNED_KINDS
            else ", planned for equal F/B/W costs" if cls.kind in PLANNED_KINDS else "")
-    print(f"zbpp {cls.kind}{how}: {args.ranks} processes x {chunks} stage(s), {args.layers} layers, d_model "
+    print(f"zbpp {cls.kind}{how}: {args.ranks} processes x {chunks} stage(s) on {args.device}, {args.layers} layers, d_model "
           f"{args.d_model}, {args.microbatches} microbatches of {args.batch // args.microbatches} x "
           f"{args.seq} tokens, {args.steps} steps, AdamW with "
           f"{'post-validation' if args.post_validation else 'a global sync'} (clip {args.clip_grad})", flush=True)
