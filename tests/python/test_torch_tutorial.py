@@ -23,7 +23,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 {IMPORT}
 
-WORLD, N_MB, STEPS = 2, 4, 3
+WORLD, N_MB, STEPS = int(os.environ.get("TUTORIAL_WORLD", "2")), 4, 3
+DEVICE = torch.device(os.environ.get("TUTORIAL_DEVICE", "cpu"))
+if DEVICE.type == "cuda":  # the same kernels in both runs, so the losses can be compared bit for bit
+    torch.use_deterministic_algorithms(True)
 DIM, HEADS, LAYERS, VOCAB, SEQ, BATCH = 16, 2, 4, 32, 6, 8
 
 
@@ -68,13 +71,14 @@ def main(rank, store_path, kind, out):
     torch.set_num_threads(1)
     n = 2 * WORLD
     ids = [rank, n - 1 - rank] if kind in ("ScheduleZBVZeroBubble", "ScheduleDualPipeV") else [rank, rank + WORLD]
-    stages = [PipelineStage(stage_model(i, n), i, n, torch.device("cpu")) for i in ids]
+    stages = [PipelineStage(stage_model(i, n).to(DEVICE), i, n, DEVICE) for i in ids]
     schedule = globals()[kind](stages, n_microbatches=N_MB, loss_fn=loss_fn)
     params = [p for s in stages for p in s.submod.parameters()]
     opt = torch.optim.SGD(params, lr=0.1)
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
     y = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    x, y = x.to(DEVICE), y.to(DEVICE)
     holds = {s.stage_index for s in stages}
     report = {"losses": []}
     for _ in range(STEPS):
@@ -105,12 +109,12 @@ ZBPP_IMPORT = f"from zbpp.pipelining import {NAMES}"
 CLASSES = ["ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV"]
 
 
-def _run(tmp_path, import_line, kind, repo_root, tag):
+def _run(tmp_path, import_line, kind, repo_root, tag, **script_env):
     path = tmp_path / f"tutorial_{tag}.py"
     path.write_text(SCRIPT.replace("{IMPORT}", import_line))
     out = tmp_path / f"report_{tag}"
     store = tmp_path / f"store_{tag}"
-    env = dict(os.environ, PYTHONPATH=str(repo_root / "bindings" / "python"))
+    env = dict(os.environ, PYTHONPATH=str(repo_root / "bindings" / "python"), **script_env)
     proc = subprocess.run([sys.executable, str(path), str(store), kind, str(out)], env=env,
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -131,3 +135,18 @@ def test_the_tutorial_with_the_import_changed_trains_as_torch_with_w_ops(tmp_pat
     assert ours == theirs, "losses differ from torch's own run"
     assert report["w_ops"] > 0
     assert report["w_share"] > 0.05, f"zbpp's W ops did no work: W share {report['w_share']:.3f}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", CLASSES)
+def test_the_tutorial_on_one_gpu_trains_as_torch_with_w_ops(tmp_path, repo_root, kind):
+    # One process holds both stages (NCCL allows no two ranks on one GPU, and torch's own run of two
+    # processes on one GPU has nothing to send CUDA tensors over): the torch layer on CUDA tensors,
+    # the W store on torch's stream, against torch's own classes on the same GPU.
+    pytest.importorskip("torch.distributed.pipelining")
+    env = {"TUTORIAL_WORLD": "1", "TUTORIAL_DEVICE": "cuda", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+    ours, report = _run(tmp_path, ZBPP_IMPORT, kind, repo_root, "zbpp", **env)
+    theirs, _ = _run(tmp_path, TORCH_IMPORT, kind, repo_root, "torch", **env)
+    assert len(ours) == 3 and all(len(s) == 4 for s in ours)
+    assert ours == theirs, "losses differ from torch's own run on the GPU"
+    assert report["w_ops"] > 0 and report["w_share"] > 0.05, report
