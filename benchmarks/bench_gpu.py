@@ -5,9 +5,10 @@ What it measures (each benchmark checks its results before it times anything; a 
 reported and that row is not timed):
 
   (a) W GEMM: zbpp's W store, dW[out, in] += dY^T X accumulated into an fp32 main_grad (cuBLASLt,
-      one launch per entry), for bf16, fp16 and fp32 inputs, against torch.matmul(dy.t(), x)
-      followed by main_grad.add_ (Megatron's unfused path) on the same shapes. TFLOP/s of both
-      (2 * rows * in * out per GEMM) and zbpp/torch.
+      one launch per entry), for bf16, fp16 and fp32 inputs, hidden 1024 to 8192, against
+      torch.matmul(dy.t(), x) followed by main_grad.add_ (Megatron's unfused path) on the same
+      shapes. TFLOP/s of both (2 * rows * in * out per GEMM), zbpp/torch, and zbpp's fraction of the
+      bf16 peak the card shows on one large torch.matmul (measured first).
   (b) Optimizer kernels over ~100M fp32 parameters: zb_optim_step AdamW without and with the undo
       copy (post-validation), zb_sq_norm of fp32 and bf16 gradients, torch's AdamW (foreach, and
       fused where this torch has it) for context. GB/s from the bytes each element touches (stated
@@ -119,9 +120,21 @@ def check(name, ok, detail):
 
 # ---- (a) W GEMM -----------------------------------------------------------------------------------
 
+def bf16_peak(dev):
+    """TFLOP/s of one large bf16 torch.matmul (8192^3; --quick 4096^3) on this card: the yardstick
+    the W GEMM rows are given as a fraction of (what the card shows, not its data-sheet figure)."""
+    n = 4096 if ARGS.quick else 8192
+    g = torch.Generator(device=dev).manual_seed(1)
+    a = torch.randn(n, n, device=dev, generator=g).to(torch.bfloat16)
+    b = torch.randn(n, n, device=dev, generator=g).to(torch.bfloat16)
+    t = gpu_time(lambda: torch.matmul(a, b))
+    return {"n": n, "tflops": 2.0 * n ** 3 / t / 1e12}
+
+
 def bench_wgemm(dev):
     rows = 2048 if ARGS.quick else 8192
-    shapes = [(1024, 1024), (4096, 4096)] if ARGS.quick else [(1024, 1024), (4096, 4096), (4096, 11008), (11008, 4096)]
+    shapes = ([(1024, 1024), (4096, 4096), (8192, 8192)] if ARGS.quick
+              else [(1024, 1024), (2048, 2048), (4096, 4096), (4096, 11008), (11008, 4096), (8192, 8192)])
     backend = zcuda.backend_for(dev)
     store = runtime.WStore(backend, lambda token, ran: None)
     out = []
@@ -134,7 +147,7 @@ def bench_wgemm(dev):
                 torch.cuda.empty_cache()
     finally:
         store.close()
-    return out
+    return {"peak": bf16_peak(dev), "rows": out}
 
 
 def _wgemm_case(dev, backend, store, dtype, rows, fin, fout, row):
@@ -184,17 +197,22 @@ def _wgemm_case(dev, backend, store, dtype, rows, fin, fout, row):
     row.update(zbpp_tflops=flops / t_zb / 1e12, torch_tflops=flops / t_torch / 1e12, ratio=t_torch / t_zb)
 
 
-def print_wgemm(rows):
+def print_wgemm(result):
+    peak, rows = result["peak"], result["rows"]
     log("\n(a) W GEMM, dW += dY^T X into fp32 main_grad; torch: main_grad.add_(torch.matmul(dy.t(), x))")
+    log(f"  bf16 peak as this card shows it: {peak['tflops']:.0f} TF/s (one {peak['n']}^3 bf16 torch.matmul); "
+        "'of peak' is zbpp's TF/s over it")
     log(f"{'dtype':>9} {'rows':>6} {'in':>6} {'out':>6} {'zbpp TF/s':>10} {'torch TF/s':>11} {'zbpp/torch':>11} "
-        f"{'rel.err zbpp':>13} {'rel.err torch':>14}")
+        f"{'of peak':>8} {'rel.err zbpp':>13} {'rel.err torch':>14}")
     for r in rows:
         zb = f"{r['zbpp_tflops']:.1f}" if "zbpp_tflops" in r else "-"
+        frac = f"{r['zbpp_tflops'] / peak['tflops']:.2f}" if "zbpp_tflops" in r else "-"
         tc = f"{r['torch_tflops']:.1f}" if "torch_tflops" in r else "-"
         ratio = f"{r['ratio']:.2f}x" if "ratio" in r else "-"
         e1 = f"{r['max_rel_err']:.2e}" if "max_rel_err" in r else "-"
         e2 = f"{r['torch_max_rel_err']:.2e}" if "torch_max_rel_err" in r else "-"
-        log(f"{r['dtype']:>9} {r['rows']:>6} {r['in']:>6} {r['out']:>6} {zb:>10} {tc:>11} {ratio:>11} {e1:>13} {e2:>14}")
+        log(f"{r['dtype']:>9} {r['rows']:>6} {r['in']:>6} {r['out']:>6} {zb:>10} {tc:>11} {ratio:>11} {frac:>8} {e1:>13} "
+            f"{e2:>14}")
     log("  rel.err: max |result - fp32 product| / max |fp32 product| of one GEMM (the torch path rounds the "
         "product to the input dtype before adding it)")
 
