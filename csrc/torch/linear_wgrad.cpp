@@ -63,7 +63,9 @@ struct NoGrad {
 void mm_out(Tensor &out, const Tensor &a, const Tensor &b) {
   std::array<StableIValue, 3> stack{torch::stable::detail::from(a), torch::stable::detail::from(b),
                                     torch::stable::detail::from(out)};
-  STABLE_TORCH_ERROR_CODE_CHECK(torch_call_dispatcher("aten::mm", "out", stack.data(), TORCH_ABI_VERSION));
+  // TORCH_ERROR_CODE_CHECK, not STABLE_TORCH_ERROR_CODE_CHECK: torch 2.11's headers lack the latter,
+  // and for a 2.10 target torch 2.13 defines it as the former.
+  TORCH_ERROR_CODE_CHECK(torch_call_dispatcher("aten::mm", "out", stack.data(), TORCH_ABI_VERSION));
   (void)torch::stable::detail::to<Tensor>(stack[0]);  // the returned reference to out
 }
 
