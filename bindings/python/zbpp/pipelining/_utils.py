@@ -6,9 +6,10 @@ from ._torch import need
 
 _u = need("_utils")
 
-PipeliningMetadataError = _u.PipeliningMetadataError
-# Newer torch names the error a stage raises for a mismatched shape or dtype PipeliningShapeError;
-# where this torch has only the older name, both names are one class.
+# torch 2.13 names the error a stage raises for mismatched metadata PipeliningMetadataError; torch
+# up to 2.11 (the GPU machine's) named it PipeliningShapeError. Both names here, one class: this
+# torch's.
+PipeliningMetadataError = getattr(_u, "PipeliningMetadataError", None) or _u.PipeliningShapeError
 PipeliningShapeError = getattr(_u, "PipeliningShapeError", PipeliningMetadataError)
 generate_stage_to_rank_mapping = _u.generate_stage_to_rank_mapping
 generate_rank_to_stage_mapping = _u.generate_rank_to_stage_mapping
