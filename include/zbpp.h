@@ -708,6 +708,17 @@ ZB_API zb_status_t zb_transport_create_socket(zb_transport_t **out, const zb_soc
  * thread uses the transport. */
 ZB_API zb_status_t zb_transport_socket_attach(zb_transport_t *transport, const int32_t *fds);
 
+/* A transport for any backend's buffers over a host-memory transport (`inner`: the socket or the
+ * callback transport), staged through host memory: a send copies its buffer to the host on the
+ * backend's compute stream, waits for that copy and sends it; a receive lands on the host and is
+ * copied into the runner's buffer when it is waited on. For ranks that share a GPU, which NCCL
+ * refuses (two ranks of a communicator on one GPU); one GPU per rank with NCCL is the fast path.
+ * Ranks, failures, abort and timeouts are the inner transport's. `inner` must outlive it (its
+ * zb_transport_destroy is ZB_ERR_BUSY until this one is destroyed) and may keep serving other
+ * channels (the optimizer's) directly. ZB_ERR_INVALID_ARGUMENT for an inner transport that does not
+ * move host memory (NCCL, in-process). */
+ZB_API zb_status_t zb_transport_create_staged(zb_transport_t **out, zb_transport_t *inner);
+
 /* Tells the peers that this rank failed (their pending and later receives from it fail with
  * ZB_ERR_REMOTE and `reason`). A runner does this itself when an iteration fails. */
 ZB_API zb_status_t zb_transport_abort(zb_transport_t *transport, const char *reason);

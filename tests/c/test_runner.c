@@ -285,7 +285,7 @@ static zb_status_t probe_bwd(void *user, int32_t stage, int32_t mb, const void *
 
 typedef struct {
   zb_schedule_t *s;
-  int rank, fail;
+  int rank, fail, staged; /* staged: the runner gets zb_transport_create_staged over the callbacks */
   zb_inproc_group_t *g;
   probe_t probe;
   cb_user_t user;
@@ -299,7 +299,7 @@ static void *cb_rank_main(void *arg) {
   cb_rank_t *c = arg;
   zb_backend_t *be = NULL;
   zb_wstore_t *ws = NULL;
-  zb_transport_t *inner = NULL, *tr = NULL;
+  zb_transport_t *inner = NULL, *tr = NULL, *staged = NULL;
   zb_runner_t *run = NULL;
   zb_backend_create_host(&be);
   zb_wstore_create(&ws, be, NULL, NULL);
@@ -308,9 +308,10 @@ static void *cb_rank_main(void *arg) {
   c->user.fail_waits = c->fail;
   zb_transport_callbacks_t cb = {sizeof cb, &c->user, cb_isend, cb_irecv, cb_wait, cb_cancel, NULL};
   c->st = zb_transport_create_callback(&tr, &cb, c->rank, 2);
+  if (c->st == ZB_OK && c->staged) c->st = zb_transport_create_staged(&staged, tr);
   if (c->st == ZB_OK) {
     zb_runner_config_t rc = ZB_RUNNER_CONFIG_INIT;
-    rc.rank = c->rank, rc.schedule = c->s, rc.backend = be, rc.transport = tr, rc.wstore = ws;
+    rc.rank = c->rank, rc.schedule = c->s, rc.backend = be, rc.transport = staged ? staged : tr, rc.wstore = ws;
     rc.boundary_bytes_all = 2 * sizeof(float);
     rc.forward_cb = probe_fwd, rc.backward_cb = probe_bwd, rc.user = &c->probe;
     rc.timeout_s = 2;
@@ -323,6 +324,7 @@ static void *cb_rank_main(void *arg) {
    * rank the way a real peer's timeout would. */
   if (c->st != ZB_OK) zb_transport_abort(inner, "callback test rank failed");
   zb_runner_destroy(run);
+  zb_transport_destroy(staged);
   zb_transport_destroy(tr);
   zb_transport_destroy(inner);
   zb_wstore_destroy(ws);
@@ -330,13 +332,13 @@ static void *cb_rank_main(void *arg) {
   return NULL;
 }
 
-static void run_two_ranks(zb_schedule_t *s, cb_rank_t c[2], int fail_rank) {
+static void run_two_ranks(zb_schedule_t *s, cb_rank_t c[2], int fail_rank, int staged) {
   zb_inproc_group_t *g;
   ZB_ASSERT_OK(zb_inproc_group_create(&g, 2));
   pthread_t th[2];
   for (int r = 0; r < 2; r++) {
     memset(&c[r], 0, sizeof c[r]);
-    c[r].s = s, c[r].rank = r, c[r].g = g, c[r].fail = r == fail_rank;
+    c[r].s = s, c[r].rank = r, c[r].g = g, c[r].fail = r == fail_rank, c[r].staged = staged;
     c[r].probe.S = 4, c[r].probe.m = 4;
     pthread_create(&th[r], NULL, cb_rank_main, &c[r]);
   }
@@ -344,12 +346,12 @@ static void run_two_ranks(zb_schedule_t *s, cb_rank_t c[2], int fail_rank) {
   ZB_ASSERT_OK(zb_inproc_group_destroy(g));
 }
 
-static void test_callback_transport(void **state) {
+static void check_callback_transport(int staged) {
   zb_schedule_spec_t spec = zb_test_spec(ZB_KIND_ZB_V, 2, 4, 0); /* S = 4, V: stage 3 on rank 0 */
   zb_schedule_t *s;
   ZB_ASSERT_OK(zb_schedule_create(&s, &spec));
   cb_rank_t c[2];
-  run_two_ranks(s, c, -1);
+  run_two_ranks(s, c, -1, staged);
   for (int r = 0; r < 2; r++)
     if (c[r].st != ZB_OK) fail_msg("rank %d: %s", r, c[r].err);
   /* Rank 0 holds the first and the last stage: forward adds 1+2+3 over stages 0..2; backward
@@ -367,11 +369,38 @@ static void test_callback_transport(void **state) {
 
   /* A wait that times out in the callback: the runner fails naming the peer and cancels what is
    * still posted; the other rank fails too. */
-  run_two_ranks(s, c, 1);
+  run_two_ranks(s, c, 1, staged);
   assert_int_equal(c[1].st, ZB_ERR_TIMEOUT);
   assert_non_null(strstr(c[1].err, "nothing from rank 0"));
   assert_int_not_equal(c[0].st, ZB_OK);
   zb_schedule_destroy(s);
+}
+
+static void test_callback_transport(void **state) { check_callback_transport(0); }
+
+/* The staged transport (host copies around a host-memory transport, for ranks sharing a GPU) over
+ * the callback transport, on the host backend: every value arrives in order both ways, each
+ * message goes through the inner transport once, and a failing wait fails both ranks as before.
+ * It wraps host-memory transports only, and holds its inner transport until it is destroyed. */
+static void test_staged_transport(void **state) {
+  check_callback_transport(1);
+  zb_inproc_group_t *g;
+  ZB_ASSERT_OK(zb_inproc_group_create(&g, 1));
+  zb_transport_t *in = NULL, *st = NULL;
+  ZB_ASSERT_OK(zb_transport_create_inproc(&in, g, 0));
+  ASSERT_STATUS(zb_transport_create_staged(&st, in), ZB_ERR_INVALID_ARGUMENT);
+  ASSERT_CONTAINS(zb_last_error(), "not a host-memory transport");
+  assert_null(st);
+  ZB_ASSERT_OK(zb_transport_destroy(in));
+  ZB_ASSERT_OK(zb_inproc_group_destroy(g));
+  cb_user_t u = {0};
+  zb_transport_callbacks_t cb = {sizeof cb, &u, cb_isend, cb_irecv, cb_wait, cb_cancel, NULL};
+  ZB_ASSERT_OK(zb_transport_create_callback(&in, &cb, 0, 2));
+  ZB_ASSERT_OK(zb_transport_create_staged(&st, in));
+  ASSERT_STATUS(zb_transport_destroy(in), ZB_ERR_BUSY);
+  ZB_ASSERT_OK(zb_transport_destroy(st));
+  ZB_ASSERT_OK(zb_transport_destroy(in));
+  ASSERT_STATUS(zb_transport_create_staged(NULL, NULL), ZB_ERR_INVALID_ARGUMENT);
 }
 
 /* A measured timeline goes into the schedule, exports as Chrome trace and SVG, and its per-stage
@@ -926,6 +955,7 @@ int main(void) {
       cmocka_unit_test(test_rank_failure_propagates),
       cmocka_unit_test(test_silent_rank_times_out),
       cmocka_unit_test(test_callback_transport),
+      cmocka_unit_test(test_staged_transport),
       cmocka_unit_test(test_measured_timeline),
       cmocka_unit_test(test_runner_misuse),
       cmocka_unit_test(test_runner_pairs),
