@@ -92,3 +92,68 @@ def test_the_nccl_abort_signal_over_a_store_keeps_the_first_failure(tmp_path):
     small = ctypes.create_string_buffer(8)  # cut to the caller's buffer, NUL-terminated
     assert poll(None, ctypes.addressof(small), 8) == 1
     assert small.value == b"rank 2 "
+
+
+def _staged_rank(rank, fd, got, errors, staged=True):
+    """Rank `rank` of a 2-rank 1F1B over a socket transport, staged (Transport.staged) or not:
+    activations carry (stage, mb) so the receiver checks what arrived."""
+    schedule = Schedule.generate("1f1b", p=2, m=4)
+    backend = runtime.Backend("host")
+    store = runtime.WStore(backend, lambda token, ran: None)
+    sock = runtime.Transport.socket(rank, 2, [fd if r != rank else -1 for r in range(2)])
+    tr = runtime.Transport.staged(sock) if staged else sock
+
+    def forward(stage, mb, inp, out):
+        if inp:
+            got.append(("F", stage, mb, ctypes.string_at(inp, 16)))
+        if out:
+            ctypes.memmove(out, bytes([stage + 1, mb]) * 8, 16)
+
+    def backward(stage, mb, gout, gin):
+        if gout:
+            got.append(("B", stage, mb, ctypes.string_at(gout, 16)))
+        if gin:
+            ctypes.memmove(gin, bytes([100 + stage, mb]) * 8, 16)
+
+    run = runtime.Runner(schedule, rank, backend, store, tr, [16], forward, backward, timeout_s=20.0)
+    try:
+        for _ in range(2):
+            run.run()
+        run.close()
+        if staged:
+            with pytest.raises(ZbError, match="still used"):
+                sock.close()  # the staged transport holds it
+            tr.close()
+        sock.close()
+    except BaseException as exc:  # noqa: BLE001 - a thread's failure: the test reads it
+        errors.append(exc)
+    finally:
+        run.close()
+        tr.close()
+        sock.close()
+        store.close()
+        backend.close()
+        schedule.close()
+
+
+@pytest.mark.parametrize("staged", [True, False])
+def test_the_staged_transport_carries_a_runner_over_sockets(staged):
+    # The staged transport (host copies around a host transport; the pipeline's answer to ranks
+    # sharing a GPU) carries every activation and gradient to its stage, as the socket one does.
+    import socket
+    import threading
+
+    a, b = socket.socketpair()
+    got = [[], []]
+    errors = []
+    threads = [threading.Thread(target=_staged_rank, args=(r, s.detach(), got[r], errors, staged))
+               for r, s in enumerate((a, b))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    want_f = [("F", 1, mb, bytes([1, mb]) * 8) for mb in range(4)] * 2  # stage 0 -> 1
+    want_b = [("B", 0, mb, bytes([101, mb]) * 8) for mb in range(4)] * 2  # stage 1 -> 0
+    assert got[1] == want_f
+    assert got[0] == want_b

@@ -97,7 +97,8 @@ class InprocGroup(_Handle):
 class Transport(_Handle):
     """A rank's transport: in-process (`Transport.inproc(group, rank)`), over connected sockets
     (`Transport.socket(rank, ranks, fds)`), with Python callbacks (`Transport.callbacks(impl, rank,
-    ranks)`, impl having isend/irecv/wait/cancel/abort) or NCCL (`Transport.nccl(...)`)."""
+    ranks)`, impl having isend/irecv/wait/cancel/abort), NCCL (`Transport.nccl(...)`), or device
+    buffers staged through host memory over a host one (`Transport.staged(inner)`)."""
 
     _destroy = "zb_transport_destroy"
 
@@ -234,6 +235,21 @@ class Transport(_Handle):
             t._signal = (cfg.signal_poll, cfg.signal_publish)  # called from C's watchdog: keep alive
         t._backend = backend  # borrowed by the transport: must outlive it
         _lib.call("zb_transport_create_nccl", [_PP, _c.POINTER(_NcclConfig)], _c.byref(t._h), _c.byref(cfg))
+        return t
+
+    @classmethod
+    def staged(cls, inner):
+        """Any backend's buffers over `inner`, a host-memory transport (socket() or callbacks()), by
+        way of host copies (zb_transport_create_staged): for pipeline ranks that share a GPU, which
+        NCCL refuses. Each message costs a device-to-host copy, a stream synchronisation and a
+        host-to-device copy; one GPU per rank with nccl() is the fast path. `inner` stays open at
+        least as long (this object holds it) and may keep carrying other channels."""
+        if not isinstance(inner, Transport):
+            raise TypeError(f"zbpp: Transport.staged wraps a zbpp Transport (socket or callbacks), got "
+                            f"{type(inner).__name__}")
+        t = cls()
+        t._inner = inner  # the C transport holds it too: it must outlive this one
+        _lib.call("zb_transport_create_staged", [_PP, _P], _c.byref(t._h), inner.handle)
         return t
 
     def attach(self, fds):
