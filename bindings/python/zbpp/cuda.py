@@ -75,22 +75,20 @@ def gpu_identity(device):
 
 
 def shared_gpus(identities):
-    """A message naming the ranks that share a GPU, or None. identities: gpu_identity() per rank,
-    indexed by rank. NCCL refuses two ranks of one communicator on one GPU (ncclInvalidUsage,
-    "Duplicate GPU detected", since NCCL 2.5), so the NCCL transport cannot join such ranks; saying
-    so before NCCL is asked gives every rank the same clear error instead of NCCL's."""
+    """A phrase naming the ranks that share a GPU ("pipeline ranks 0, 2 share one GPU (<uuid> on
+    <host>)"), or None. identities: gpu_identity() per rank, indexed by rank. NCCL refuses two
+    ranks of one communicator on one GPU (ncclInvalidUsage, "Duplicate GPU detected", since NCCL
+    2.5), so such ranks need another transport; every rank computes this from the same list, so
+    every rank decides alike."""
     seen = {}
     for rank, ident in enumerate(identities):
         seen.setdefault(tuple(ident), []).append(rank)
-    shared = [ranks for ranks in seen.values() if len(ranks) > 1]
+    shared = [(k, v) for k, v in seen.items() if len(v) > 1]
     if not shared:
         return None
-    (host, uuid), ranks = next((k, v) for k, v in seen.items() if len(v) > 1)
-    more = f" (and {len(shared) - 1} more GPU(s) shared likewise)" if len(shared) > 1 else ""
-    return (f"pipeline ranks {', '.join(map(str, ranks))} are all on one GPU ({uuid} on {host}){more}: "
-            "their activations would travel over NCCL, which allows no two ranks of a communicator on one "
-            "GPU. Give each rank its own GPU (torch.cuda.set_device(local_rank), or CUDA_VISIBLE_DEVICES), "
-            "or put those stages in one process: a rank may hold several stages (chunks).")
+    (host, uuid), ranks = shared[0]
+    more = f" (and {len(shared) - 1} more GPU(s) likewise)" if len(shared) > 1 else ""
+    return f"pipeline ranks {', '.join(map(str, ranks))} share one GPU ({uuid} on {host}){more}"
 
 
 def stream_handle(stream):

@@ -13,8 +13,9 @@ as SVG and as a Chrome trace (open in https://ui.perfetto.dev), and the measured
 zbpp-costs JSON (`zbpp schedule KIND --stage-times FILE` reads it).
 
 --device cuda runs the stages on GPUs (zbpp's CUDA backend, the W GEMMs through the W store on torch's
-stream, activations over the library's NCCL transport): one GPU per rank, as NCCL allows no two
-ranks of a communicator on one GPU; --ranks 1 runs every stage in one process on one GPU.
+stream, activations over the library's NCCL transport with one GPU per rank; ranks that share a GPU,
+which NCCL refuses, go through host memory instead, with a warning); --ranks 1 runs every stage in
+one process on one GPU.
 What this is not: a benchmark; the model is small enough for a 2-core machine to finish the CPU
 defaults in about a minute.
 """
@@ -42,7 +43,8 @@ def parse_args(argv=None):
     ap.add_argument("--ranks", type=int, default=2, help="pipeline ranks = processes (default 2)")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                     help="where the stages run (default cpu). cuda: rank r on GPU r modulo the GPUs there are, on "
-                         "zbpp's CUDA backend; activations between ranks go over NCCL, which needs a GPU per rank")
+                         "zbpp's CUDA backend; activations between ranks go over NCCL with a GPU per rank, else "
+                         "through host memory")
     ap.add_argument("--chunks", type=int, default=None,
                     help="stages per rank (default: 2 for V kinds and interleaved-1f1b, else 1; zb-auto takes "
                          "1 or 2, in a V)")

@@ -108,6 +108,7 @@ __all__ = [
 
 _V_KINDS = ("zb-v", "v-half", "v-min", "dualpipe-v")
 _log = logging.getLogger("zbpp")
+_SHARED_GPU_WARNED = []  # the shared-GPU warning is given once per process
 
 
 _marked = _wsplit_marked  # the runner's marking of a stage's own failure (defined in _wsplit.py)
@@ -558,7 +559,9 @@ class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning, _Splitting, _Bou
 
     def _make_nccl(self):
         """The NCCL transport: rank 0 makes the unique id and sends it to every rank (with a flag,
-        so that a rank 0 that failed makes the others fail at once instead of at their timeout)."""
+        so that a rank 0 that failed makes the others fail at once instead of at their timeout).
+        Where ranks share a GPU (NCCL refuses them), the host transport staged through host memory
+        instead, with a warning."""
         uid, failure = bytes(runtime.NCCL_UNIQUE_ID_BYTES), None
         if self.rank == 0:
             try:
@@ -570,8 +573,15 @@ class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning, _Splitting, _Bou
             ids = [None] * dist.get_world_size(group)
             dist.all_gather_object(ids, (self.rank, cuda.gpu_identity(self.device)), group=group)
             shared = cuda.shared_gpus([ident for _, ident in sorted(ids)])
-            if shared is not None:
-                raise _lib.ZbError(runtime.ZB_ERR_INVALID_ARGUMENT, f"rank {self.rank}: {shared}")
+            if shared is not None:  # every rank finds the same, so every rank takes this path
+                if not _SHARED_GPU_WARNED:
+                    _SHARED_GPU_WARNED.append(True)
+                    _log.warning("zbpp: %s. NCCL allows no two ranks of a communicator on one GPU, so their "
+                                 "activations and gradients go through host memory instead (the staged transport: "
+                                 "a copy to the host, a stream sync and a copy back per message), which is slower. "
+                                 "Give each rank its own GPU (torch.cuda.set_device(local_rank), or "
+                                 "CUDA_VISIBLE_DEVICES) for NCCL.", shared)
+                return runtime.Transport.staged(self.transport.transport)
         got = distributed.broadcast_bytes(bytes([failure is None]) + uid, _global(self.group, 0), group, device)
         if failure is not None:
             raise failure
