@@ -8,7 +8,7 @@ reported and that row is not timed):
       one launch per entry), for bf16, fp16 and fp32 inputs, hidden 1024 to 8192, against
       torch.matmul(dy.t(), x) followed by main_grad.add_ (Megatron's unfused path) on the same
       shapes. TFLOP/s of both (2 * rows * in * out per GEMM), zbpp/torch, and zbpp's fraction of the
-      bf16 peak the card shows on one large torch.matmul (measured first).
+      bf16 peak the card shows on one large torch.matmul (measured after the rows).
   (b) Optimizer kernels over ~100M fp32 parameters: zb_optim_step AdamW without and with the undo
       copy (post-validation), zb_sq_norm of fp32 and bf16 gradients, torch's AdamW (foreach, and
       fused where this torch has it) for context. GB/s from the bytes each element touches (stated

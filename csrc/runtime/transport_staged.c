@@ -19,6 +19,11 @@
 
 typedef struct {
   zb_transport_t *inner;
+  /* Host buffers of requests that were cancelled or failed: an inner transport that cannot take
+   * back a posted request (the callback transport over gloo) may still read or write them, so
+   * they are freed only with the transport. */
+  void **parked;
+  int n_parked, cap_parked;
 } staged_impl_t;
 
 typedef struct {
@@ -31,6 +36,20 @@ static zb_transport_t *inner_of(zb_transport_t *t) { return ((staged_impl_t *)t-
 static void req_free(staged_req_t *s) {
   if (!s) return;
   free(s->host);
+  free(s);
+}
+
+/* Frees a request whose inner transfer may still touch its host buffer: the buffer waits for
+ * staged_destroy (kept even when the list cannot grow: a leak is safer than a write into freed
+ * memory). */
+static void req_park(zb_transport_t *t, staged_req_t *s) {
+  staged_impl_t *impl = t->impl;
+  if (impl->n_parked == impl->cap_parked) {
+    int cap = impl->cap_parked ? 2 * impl->cap_parked : 8;
+    void **grown = realloc(impl->parked, (size_t)cap * sizeof(void *));
+    if (grown) impl->parked = grown, impl->cap_parked = cap;
+  }
+  if (impl->n_parked < impl->cap_parked) impl->parked[impl->n_parked++] = s->host;
   free(s);
 }
 
@@ -74,7 +93,10 @@ static zb_status_t staged_wait(zb_transport_t *t, zb__request_t *req, double tim
     st = be->ops->copy(be, req->buf, s->host, req->bytes);
     if (st == ZB_OK) st = be->ops->sync(be);
   }
-  req_free(s);
+  if (st != ZB_OK)
+    req_park(t, s); /* the inner transfer failed or timed out: it may still read or land */
+  else
+    req_free(s);
   req->handle = NULL;
   return st;
 }
@@ -83,7 +105,7 @@ static void staged_cancel(zb_transport_t *t, zb__request_t *req) {
   staged_req_t *s = req->handle;
   if (!s) return;
   zb__transport_cancel(inner_of(t), &s->in);
-  req_free(s);
+  req_park(t, s);
   req->handle = NULL;
 }
 
@@ -98,8 +120,11 @@ static zb_status_t staged_check(zb_transport_t *t) {
 }
 
 static void staged_destroy(zb_transport_t *t) {
-  zb__transport_unref(inner_of(t));
-  free(t->impl);
+  staged_impl_t *impl = t->impl;
+  zb__transport_unref(impl->inner);
+  for (int k = 0; k < impl->n_parked; k++) free(impl->parked[k]);
+  free(impl->parked);
+  free(impl);
   free(t);
 }
 

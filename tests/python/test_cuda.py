@@ -388,17 +388,18 @@ def _reference(device):
     return reference(steps=STEPS, m=M, batch=BATCH, seed=SEED, lr=LR, device=device)
 
 
-def _pipeline_worker(rank, world, init, out_dir):
-    """One rank of a ZB-V pipeline on GPU `rank` modulo the GPUs there are (2 stages per rank),
-    trained STEPS steps."""
-    torch.cuda.set_device(rank % torch.cuda.device_count())
+def _pipeline_worker(rank, world, init, out_dir, one_gpu=False):
+    """One rank of a ZB-V pipeline on GPU `rank` modulo the GPUs there are (on GPU 0 with
+    one_gpu), 2 stages per rank, trained STEPS steps."""
+    index = 0 if one_gpu else rank % torch.cuda.device_count()
+    torch.cuda.set_device(index)
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
     result = {}
     try:
-        dev = torch.device("cuda", rank % torch.cuda.device_count())
+        dev = torch.device("cuda", index)
         S = 2 * world
         modules = gpt.build_stages(_config(), S, seed=SEED)
         mine = [rank, S - 1 - rank]
@@ -421,7 +422,9 @@ def _pipeline_worker(rank, world, init, out_dir):
                 losses.append([float(v) for v in got])
         result = {"params": {s: [p.detach().cpu() for p in modules[s].parameters()] for s in mine},
                   "losses": losses, "live": default_store(dev).live_entries(),
-                  "device": torch.cuda.get_device_name(dev)}
+                  "device": torch.cuda.get_device_name(dev),
+                  # the pipeline's device transport: staged through host memory, or NCCL
+                  "staged": getattr(getattr(sched, "_nccl", None), "_inner", None) is not None}
         sched.close()
     except BaseException:  # noqa: BLE001 - the test prints it
         import traceback
@@ -431,7 +434,7 @@ def _pipeline_worker(rank, world, init, out_dir):
     dist.destroy_process_group()
 
 
-def _spawn_pipeline(world, tmp_path):
+def _spawn_pipeline(world, tmp_path, one_gpu=False):
     import torch.multiprocessing as mp
 
     if world == 1:
@@ -440,7 +443,7 @@ def _spawn_pipeline(world, tmp_path):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             init = f"tcp://127.0.0.1:{s.getsockname()[1]}"
-    mp.spawn(_pipeline_worker, args=(world, init, str(tmp_path)), nprocs=world, join=True)
+    mp.spawn(_pipeline_worker, args=(world, init, str(tmp_path), one_gpu), nprocs=world, join=True)
     out = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     for r, res in enumerate(out):
         assert "error" not in res, f"rank {r}:\n{res['error']}"
@@ -480,11 +483,10 @@ def test_ranks_sharing_a_gpu_are_found_alike_on_every_rank():
 
 @pytest.mark.gpu
 def test_two_ranks_on_one_gpu_train_like_a_loop_through_host_memory(tmp_path):
-    # One GPU, two processes: NCCL cannot join them, so the pipeline stages its messages through
+    # Two processes on GPU 0: NCCL cannot join them, so the pipeline stages its messages through
     # host memory (Transport.staged over the host transport), warns once, and trains bit for bit.
-    if torch.cuda.device_count() != 1:
-        pytest.skip(f"needs exactly 1 GPU (this machine has {torch.cuda.device_count()})")
-    results = _spawn_pipeline(2, tmp_path)
+    results = _spawn_pipeline(2, tmp_path, one_gpu=True)
+    assert all(r["staged"] for r in results), "ranks on one GPU must not be given NCCL"
     _compare_with_reference(results, 2)
 
 
@@ -493,6 +495,7 @@ def test_two_ranks_over_nccl_train_like_a_loop(tmp_path):
     if torch.cuda.device_count() < 2:
         pytest.skip(f"needs 2 GPUs, this machine has {torch.cuda.device_count()}")
     results = _spawn_pipeline(2, tmp_path)
+    assert not any(r["staged"] for r in results), "ranks on two GPUs must use NCCL"
     if len({r["device"] for r in results}) != 1:
         pytest.skip(f"GPUs of different models ({[r['device'] for r in results]}) need not give the same bits")
     _compare_with_reference(results, 2)

@@ -569,19 +569,24 @@ class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning, _Splitting, _Bou
             except _lib.ZbError as exc:
                 failure = exc
         group, device = self._messages()
-        if device.type == "cpu":  # a gloo group: ask it before NCCL is asked (cuda.shared_gpus says why)
-            ids = [None] * dist.get_world_size(group)
-            dist.all_gather_object(ids, (self.rank, cuda.gpu_identity(self.device)), group=group)
-            shared = cuda.shared_gpus([ident for _, ident in sorted(ids)])
-            if shared is not None:  # every rank finds the same, so every rank takes this path
-                if not _SHARED_GPU_WARNED:
-                    _SHARED_GPU_WARNED.append(True)
-                    _log.warning("zbpp: %s. NCCL allows no two ranks of a communicator on one GPU, so their "
-                                 "activations and gradients go through host memory instead (the staged transport: "
-                                 "a copy to the host, a stream sync and a copy back per message), which is slower. "
-                                 "Give each rank its own GPU (torch.cuda.set_device(local_rank), or "
-                                 "CUDA_VISIBLE_DEVICES) for NCCL.", shared)
-                return runtime.Transport.staged(self.transport.transport)
+        # Asked before NCCL is (cuda.shared_gpus says why); bounded by the schedule's timeout.
+        ids = self._exchange(cuda.gpu_identity(self.device), "finding the ranks that share a GPU")
+        shared = cuda.shared_gpus(ids)
+        if shared is not None:  # every rank finds the same, so every rank takes this path
+            if device.type != "cpu":  # no host group to stage over
+                raise _lib.ZbError(runtime.ZB_ERR_INVALID_ARGUMENT,
+                                   f"rank {self.rank}: {shared}, and NCCL allows no two ranks of a communicator on "
+                                   "one GPU. Give each rank its own GPU (torch.cuda.set_device(local_rank), or "
+                                   "CUDA_VISIBLE_DEVICES), or pass cpu_group= (a gloo group over the pipeline's "
+                                   "ranks) to the schedule so their messages can go through host memory")
+            if not _SHARED_GPU_WARNED:
+                _SHARED_GPU_WARNED.append(True)
+                _log.warning("zbpp: %s. NCCL allows no two ranks of a communicator on one GPU, so their "
+                             "activations and gradients go through host memory instead (the staged transport: "
+                             "a copy to the host, a stream sync and a copy back per message), which is slower. "
+                             "Give each rank its own GPU (torch.cuda.set_device(local_rank), or "
+                             "CUDA_VISIBLE_DEVICES) for NCCL.", shared)
+            return runtime.Transport.staged(self.transport.transport)
         got = distributed.broadcast_bytes(bytes([failure is None]) + uid, _global(self.group, 0), group, device)
         if failure is not None:
             raise failure
