@@ -97,6 +97,13 @@ typedef enum {
   ZB_OP_B = 1,  /* backward for the input only */
   ZB_OP_W = 2,  /* backward for the weights only */
   ZB_OP_BW = 3, /* fused backward (B and W together, as 1F1B runs it) */
+  /* PipeOffload's copies, on the rank's copy lane beside its compute: OFFLOAD moves the
+   * activations (stage, mb)'s F saved to host memory, RELOAD brings them back before its backward
+   * (B or BW, and W) reads them. They run after the op before them in the list has started (the
+   * point where the runtime issues them) and after their dependency (OFFLOAD after the F, RELOAD
+   * after the OFFLOAD), one at a time on the lane, and never hold up compute by themselves. */
+  ZB_OP_OFFLOAD = 4,
+  ZB_OP_RELOAD = 5,
 } zb_op_type_t;
 
 typedef struct {
@@ -154,7 +161,7 @@ ZB_API zb_status_t zb_kind_from_name(const char *name, zb_kind_t *out_kind, doub
  * ownership). mem_limit is in units of one microbatch's activations through all of a rank's layers;
  * <= 0 means no limit (zb-auto then keeps 1F1B's memory, p).
  * ------------------------------------------------------------------------------------------- */
-#define ZB_SCHEDULE_SPEC_VERSION 1
+#define ZB_SCHEDULE_SPEC_VERSION 2
 
 typedef struct {
   uint32_t struct_size; /* sizeof(zb_schedule_spec_t) as the caller compiled it */
@@ -174,12 +181,18 @@ typedef struct {
    * interleaved schedules place them) or V with v = 2; other kinds must get their own. */
   int32_t placement_set;
   zb_placement_t placement;
+  /* Version 2: the time to copy one microbatch's activations through all of a rank's layers to
+   * host memory (OFFLOAD) and back (RELOAD), per rank like the other times (a stage's is 1/v of
+   * it), or per stage (S values, absolute) when the arrays are given. Only schedules with
+   * OFFLOAD/RELOAD ops use them. */
+  double time_offload, time_reload;
+  const double *stage_time_offload, *stage_time_reload;
 } zb_schedule_spec_t;
 
 #define ZB_SCHEDULE_SPEC_INIT                                                                      \
   {                                                                                                \
     sizeof(zb_schedule_spec_t), ZB_SCHEDULE_SPEC_VERSION, ZB_KIND_1F1B, 1, 0, 1, 1.0, 1.0, 1.0,    \
-        0.0, NULL, NULL, NULL, NULL, 0.0, 0.5, 0.0, 0, ZB_PLACEMENT_LOOP                           \
+        0.0, NULL, NULL, NULL, NULL, 0.0, 0.5, 0.0, 0, ZB_PLACEMENT_LOOP, 0.0, 0.0, NULL, NULL     \
   }
 
 typedef struct zb_schedule zb_schedule_t; /* opaque */
@@ -238,7 +251,9 @@ ZB_API zb_status_t zb_schedule_op_time(const zb_schedule_t *schedule, zb_op_type
 /* Checks every rule of DESIGN.md section 3: each (stage, microbatch) has one F and either one BW or
  * one B and one W, each op on the rank its stage lives on, dependencies in order within a rank, FIFO
  * channels, no deadlock under the runtime's channel model, and memory under the limit when one is
- * set. ZB_ERR_INVALID_SCHEDULE with a message naming the rank, the position and the rule broken. */
+ * set. An OFFLOAD of (stage, mb) comes after its F and is followed by exactly one RELOAD, which
+ * comes before its backward; the limit bounds device-resident memory. ZB_ERR_INVALID_SCHEDULE with
+ * a message naming the rank, the position and the rule broken. */
 ZB_API zb_status_t zb_schedule_validate(const zb_schedule_t *schedule);
 
 typedef struct {
@@ -258,7 +273,8 @@ ZB_API zb_status_t zb_schedule_simulate(zb_schedule_t *schedule, zb_sim_result_t
  * microbatch's round trip and, for loop placement with one stage per rank, each rank's warm-up and
  * drain under the memory limit (csrc/schedule/bound.c says why each holds). A schedule whose
  * simulated cost equals it is shortest; the gap is the most any scheduler could still win. Needs no
- * simulation and does not read the op lists. */
+ * simulation; it reads the op lists only to see whether they hold copies (OFFLOAD/RELOAD), with
+ * which the memory limit no longer bounds the warm-up and drain. */
 ZB_API zb_status_t zb_schedule_cost_bound(const zb_schedule_t *schedule, double *out_cost);
 
 /* Simulates the schedule's op order with the given durations instead of its per-stage costs:
@@ -281,6 +297,14 @@ ZB_API zb_status_t zb_schedule_rank_times(const zb_schedule_t *schedule, int32_t
 /* After zb_schedule_simulate: rank r's span, busy time and peak memory. */
 ZB_API zb_status_t zb_schedule_rank_stats(const zb_schedule_t *schedule, int32_t rank, double *span,
                                           double *busy, double *peak_memory);
+/* After zb_schedule_simulate: rank r's peak of activations resident on the device (the same as
+ * zb_schedule_rank_stats' peak_memory) and of activations held in host memory by OFFLOAD ops, both
+ * in microbatches through all of the rank's layers, counted in time order over the compute and the
+ * copy lane: F adds its share at its start, B/W/BW free theirs at their end, an OFFLOAD moves the
+ * (stage, mb)'s share from the device (freed at its end) to the host (taken at its start), a
+ * RELOAD moves it back (device taken at its start, host freed at its end). */
+ZB_API zb_status_t zb_schedule_rank_memory(const zb_schedule_t *schedule, int32_t rank, double *device_peak,
+                                           double *host_peak);
 
 typedef enum {
   ZB_FORMAT_TEXT = 0,   /* a rank-by-time grid for a terminal */

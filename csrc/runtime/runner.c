@@ -191,6 +191,17 @@ zb_status_t zb_runner_create(zb_runner_t **out, const zb_runner_config_t *c) {
     return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
                    "the schedule has %d ranks, so the runner needs a transport (zb_runner_config_t.transport)",
                    (int)info.ranks);
+  for (int32_t q = 0; q < info.ranks; q++) { /* every rank alike: each refuses, none waits for another */
+    const zb_op_t *ops;
+    int32_t n = 0;
+    ZB_CHECK(zb_schedule_rank_ops(c->schedule, q, &ops, &n));
+    for (int32_t k = 0; k < n; k++)
+      if (ops[k].type == ZB_OP_OFFLOAD || ops[k].type == ZB_OP_RELOAD)
+        return ZB_FAIL(ZB_ERR_UNSUPPORTED,
+                       "rank %d, position %d: the schedule has %s ops (PipeOffload's copies); the runner does "
+                       "not run them yet: plan and simulate such schedules, run the schedule without them",
+                       (int)q, (int)k, ops[k].type == ZB_OP_OFFLOAD ? "OFFLOAD" : "RELOAD");
+  }
   if (c->transport && (c->transport->ranks != info.ranks || c->transport->rank != c->rank))
     return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
                    "the transport is rank %d of %d but the runner is rank %d of the schedule's %d",

@@ -90,7 +90,11 @@ static double warmup_drain_idle(const zb_schedule_t *s, int r) {
     fmax_r = fmax(fmax_r, s->tf[st]), bwmax_r = fmax(bwmax_r, bwmax(s, st)), wmax_r = fmax(wmax_r, s->tw[st]);
   }
   if (lo < 0) return 0;
-  double limit = s->mem_limit > 0 ? s->mem_limit : m; /* microbatches through the rank's layers */
+  /* Microbatches through the rank's layers. A schedule with copies (PipeOffload) holds more in
+   * flight than its device limit, so for it the limit bounds nothing here. */
+  int copies = 0;
+  for (int k = 0; k < s->n_ops && !copies; k++) copies = zb__op_is_copy(s->ops[k].type);
+  double limit = s->mem_limit > 0 && !copies ? s->mem_limit : m;
   double D = hops(s, lo, S - 1) + hops(s, hi, S - 1);
   for (int st = lo; st < S; st++) D += s->tf[st];
   for (int st = hi + 1; st < S; st++) D += bmin(s, st);

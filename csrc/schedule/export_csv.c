@@ -14,6 +14,8 @@
  * does not run: an error says so. Export writes the compute-only form, or the compute_comms form
  * (zb__export_csv_comms) with the transfers and REDUCE_GRAD cells torch's runtime needs. Import does not validate either: zb_schedule_validate is
  * the caller's next step and gives the better message for a schedule that parses but breaks a rule.
+ * zbpp's copies (PipeOffload) are cells of two types of zbpp's own, "0OFFLOAD3" and "0RELOAD3",
+ * which zbpp reads and writes and torch's runtime does not know.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -26,8 +28,9 @@
 #define MAX_STAGES 65536     /* S = p * v */
 #define MAX_OPS 200000000LL  /* ops in the whole file, and 3 * S * m */
 
-/* torch's letter for each of our op types, indexed by zb_op_type_t. */
-static const char csv_letter[4] = {'F', 'I', 'W', 'B'};
+/* The CSV type of each of our op types, indexed by zb_op_type_t: torch's letter for the compute
+ * ops, zbpp's own names for the copies. */
+static const char *const csv_type[6] = {"F", "I", "W", "B", "OFFLOAD", "RELOAD"};
 
 zb_status_t zb__export_csv(const zb_schedule_t *s, char **out, size_t *len) {
   zb__sbuf_t b = {0};
@@ -36,15 +39,15 @@ zb_status_t zb__export_csv(const zb_schedule_t *s, char **out, size_t *len) {
       const zb_op_t *op = &s->ops[k];
       /* A schedule from zb_schedule_create_from_ops is not validated; refuse what could not be read
        * back rather than write a file that import would reject. */
-      if (op->type < ZB_OP_F || op->type > ZB_OP_BW || op->stage < 0 || op->mb < 0) {
+      if (op->type < ZB_OP_F || op->type > ZB_OP_RELOAD || op->stage < 0 || op->mb < 0) {
         free(b.buf);
         return ZB_FAIL(ZB_ERR_INVALID_SCHEDULE,
                        "rank %d, position %d: op (type %d, stage %d, mb %d) cannot be written as "
-                       "CSV; types are F, B, W, BW and stage and microbatch must be >= 0",
+                       "CSV; types are F, B, W, BW, OFFLOAD, RELOAD and stage and microbatch must be >= 0",
                        r, k - s->rank_off[r], (int)op->type, (int)op->stage, (int)op->mb);
       }
       if (k > s->rank_off[r]) zb__sbuf_putc(&b, ',');
-      zb__sbuf_printf(&b, "%d%c%d", (int)op->stage, csv_letter[op->type], (int)op->mb);
+      zb__sbuf_printf(&b, "%d%s%d", (int)op->stage, csv_type[op->type], (int)op->mb);
     }
     zb__sbuf_putc(&b, '\n');
   }
@@ -130,7 +133,7 @@ zb_status_t zb__export_csv_comms(const zb_schedule_t *s, char **out, size_t *len
       }
       if (k == hi) break;
       const zb_op_t *op = &s->ops[k];
-      zb__sbuf_printf(&b, "%s%d%c%d", first ? "" : ",", (int)op->stage, csv_letter[op->type], (int)op->mb);
+      zb__sbuf_printf(&b, "%s%d%s%d", first ? "" : ",", (int)op->stage, csv_type[op->type], (int)op->mb);
       first = 0;
       int to;
       if (sends_to(s, op, &to) >= 0)
@@ -204,8 +207,12 @@ static zb_status_t parse_one(const char *cell, size_t n, int row, int col, int i
                    row, row - 1, col, cell_excerpt(cell, n, ex));
   char letter = cell[type_at];
   int is_compute = type_len == 1 && (letter == 'F' || letter == 'I' || letter == 'B' || letter == 'W');
-  int is_comm = 0;
+  int is_comm = 0, copy = -1;
   if (!is_compute) {
+    for (int t = ZB_OP_OFFLOAD; t <= ZB_OP_RELOAD; t++)
+      if (strlen(csv_type[t]) == type_len && memcmp(csv_type[t], cell + type_at, type_len) == 0) copy = t;
+  }
+  if (!is_compute && copy < 0) {
     static const char *const comm[] = {"SEND_F", "RECV_F", "SEND_B", "RECV_B"};
     static const char *const sharding[] = {"UNSHARD", "RESHARD"};
     /* REDUCE_GRAD (torch >= 2.10: a stage's gradients are final; torch scales and reduces them
@@ -236,7 +243,8 @@ static zb_status_t parse_one(const char *cell, size_t n, int row, int col, int i
       return ZB_FAIL(ZB_ERR_PARSE,
                      "row %d (rank %d), column %d: cell '%s' has type '%s'; torch's CSV types are F "
                      "(forward), I (input-gradient backward), B (full backward), W (weight-gradient "
-                     "backward), the transfers SEND_F, RECV_F, SEND_B, RECV_B and (a;b)OVERLAP_F_B pairs",
+                     "backward), the transfers SEND_F, RECV_F, SEND_B, RECV_B and (a;b)OVERLAP_F_B pairs; "
+                     "zbpp's copies are OFFLOAD and RELOAD",
                      row, row - 1, col, cell_excerpt(cell, n, ex),
                      cell_excerpt(cell + type_at, type_len, ty));
     }
@@ -253,7 +261,13 @@ static zb_status_t parse_one(const char *cell, size_t n, int row, int col, int i
                    "0F3; types are F, I, B and W (and torch's SEND_F, RECV_F, SEND_B, RECV_B)",
                    row, row - 1, col, cell_excerpt(cell, n, ex));
   if (is_comm) return ZB_OK; /* the runner makes its own transfers */
-  op->type = letter == 'F' ? ZB_OP_F : letter == 'I' ? ZB_OP_B : letter == 'W' ? ZB_OP_W : ZB_OP_BW;
+  if (copy >= 0 && in_pair)
+    return ZB_FAIL(ZB_ERR_PARSE,
+                   "row %d (rank %d), column %d: cell '%s' is a copy inside an OVERLAP_F_B pair; a pair "
+                   "holds compute actions only",
+                   row, row - 1, col, cell_excerpt(cell, n, ex));
+  op->type = copy >= 0 ? copy
+             : letter == 'F' ? ZB_OP_F : letter == 'I' ? ZB_OP_B : letter == 'W' ? ZB_OP_W : ZB_OP_BW;
   op->stage = stage;
   op->mb = mb;
   *count = 1;
@@ -434,7 +448,8 @@ zb_status_t zb__import_csv(zb_schedule_t **out, const char *text, size_t len,
     copy.kind = ZB_KIND_CUSTOM;
     copy.ranks = p;
     copy.microbatches = m;
-    if ((spec->stage_time_f || spec->stage_time_b || spec->stage_time_w || spec->stage_time_bw) &&
+    if ((spec->stage_time_f || spec->stage_time_b || spec->stage_time_w || spec->stage_time_bw ||
+        spec->stage_time_offload || spec->stage_time_reload) &&
         (long long)spec->ranks * (spec->chunks > 0 ? spec->chunks : 1) != S) {
       st = ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
                    "the spec gives per-stage times for ranks * chunks = %lld stages, but the CSV has %d "
@@ -462,7 +477,8 @@ zb_status_t zb__import_csv(zb_schedule_t **out, const char *text, size_t len,
   int v = S / p;
   /* Per-stage times in the spec must describe exactly these stages, or alloc would read past the
    * caller's arrays. */
-  if (spec->stage_time_f || spec->stage_time_b || spec->stage_time_w || spec->stage_time_bw) {
+  if (spec->stage_time_f || spec->stage_time_b || spec->stage_time_w || spec->stage_time_bw ||
+        spec->stage_time_offload || spec->stage_time_reload) {
     long long given = (long long)spec->ranks * (spec->chunks > 0 ? spec->chunks : 1);
     if (given != S) {
       st = ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,

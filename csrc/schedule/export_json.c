@@ -40,6 +40,18 @@ static void put_str(zb__sbuf_t *b, const char *str) {
   zb__sbuf_putc(b, '"');
 }
 
+static int has_copies(const zb_schedule_t *s) {
+  for (int k = 0; k < s->n_ops; k++)
+    if (zb__op_is_copy(s->ops[k].type)) return 1;
+  return 0;
+}
+
+static int rank_has_copies(const zb_schedule_t *s, int r) {
+  for (int k = s->rank_off[r]; k < s->rank_off[r + 1]; k++)
+    if (zb__op_is_copy(s->ops[k].type)) return 1;
+  return 0;
+}
+
 zb_status_t zb__export_json(const zb_schedule_t *s, char **out, size_t *len) {
   zb__sbuf_t b = {0};
   zb__sbuf_printf(&b, "{\"kind\": ");
@@ -77,12 +89,22 @@ zb_status_t zb__export_json(const zb_schedule_t *s, char **out, size_t *len) {
     if (r) zb__sbuf_printf(&b, ", ");
     put_num(&b, s->peak[r]);
   }
-  zb__sbuf_printf(&b, "]}\n");
+  zb__sbuf_putc(&b, ']');
+  if (has_copies(s)) { /* what the OFFLOADs hold in host memory at once, per rank */
+    zb__sbuf_printf(&b, ", \"host_peak_memory\": [");
+    for (int r = 0; r < s->p; r++) {
+      if (r) zb__sbuf_printf(&b, ", ");
+      put_num(&b, s->host_peak[r]);
+    }
+    zb__sbuf_putc(&b, ']');
+  }
+  zb__sbuf_printf(&b, "}\n");
   return zb__sbuf_finish(&b, out, len);
 }
 
 /* Chrome's trace event format: complete ("X") events with times in microseconds, and metadata
- * ("M") events that name the process and one thread per rank. Simulated times are in ms. */
+ * ("M") events that name the process and one thread per rank, plus one per rank with copies (its
+ * copy lane, tid p + r, drawn under the rank). Simulated times are in ms. */
 zb_status_t zb__export_chrome(const zb_schedule_t *s, char **out, size_t *len) {
   zb__sbuf_t b = {0};
   zb__sbuf_printf(&b, "{\"traceEvents\": [\n");
@@ -94,15 +116,19 @@ zb_status_t zb__export_chrome(const zb_schedule_t *s, char **out, size_t *len) {
   put_str(&b, pname);
   zb__sbuf_printf(&b, "}}");
   for (int r = 0; r < s->p; r++) {
-    zb__sbuf_printf(&b,
-                    ",\n{\"name\": \"thread_name\", \"ph\": \"M\", \"pid\": 0, \"tid\": %d, "
-                    "\"args\": {\"name\": \"rank %d\"}}",
-                    r, r);
-    /* Without a sort index viewers order threads by name, which puts rank 10 before rank 2. */
-    zb__sbuf_printf(&b,
-                    ",\n{\"name\": \"thread_sort_index\", \"ph\": \"M\", \"pid\": 0, \"tid\": %d, "
-                    "\"args\": {\"sort_index\": %d}}",
-                    r, r);
+    int copies = rank_has_copies(s, r);
+    for (int lane = 0; lane <= copies; lane++) {
+      int tid = lane ? s->p + r : r;
+      zb__sbuf_printf(&b,
+                      ",\n{\"name\": \"thread_name\", \"ph\": \"M\", \"pid\": 0, \"tid\": %d, "
+                      "\"args\": {\"name\": \"rank %d%s\"}}",
+                      tid, r, lane ? " copy" : "");
+      /* Without a sort index viewers order threads by name, which puts rank 10 before rank 2. */
+      zb__sbuf_printf(&b,
+                      ",\n{\"name\": \"thread_sort_index\", \"ph\": \"M\", \"pid\": 0, \"tid\": %d, "
+                      "\"args\": {\"sort_index\": %d}}",
+                      tid, 2 * r + lane);
+    }
   }
   for (int r = 0; r < s->p; r++) {
     for (int k = s->rank_off[r]; k < s->rank_off[r + 1]; k++) {
@@ -116,7 +142,8 @@ zb_status_t zb__export_chrome(const zb_schedule_t *s, char **out, size_t *len) {
       zb__sbuf_printf(&b,
                       ", \"pid\": 0, \"tid\": %d, \"args\": {\"stage\": %d, \"mb\": %d, "
                       "\"chunk\": %d}}",
-                      r, (int)op->stage, (int)op->mb, zb__stage_chunk(s, op->stage));
+                      zb__op_is_copy(op->type) ? s->p + r : r, (int)op->stage, (int)op->mb,
+                      zb__stage_chunk(s, op->stage));
     }
   }
   zb__sbuf_printf(&b, "\n],\n\"displayTimeUnit\": \"ms\"}\n");

@@ -5,6 +5,8 @@
  *
  * The picture is always about WIDTH pixels wide (long schedules are scaled down) and its height
  * grows with p. Later chunks of a V or interleaved schedule use darker shades of their type's colour.
+ * A schedule with copies (PipeOffload) gets a thinner lane under every rank's row for its OFFLOAD
+ * and RELOAD ops, which run beside the compute.
  *
  * What this is not: an interactive view (use the chrome format in Perfetto for that) or a plotting
  * library. It writes SVG 1.1 text only; any text it places is XML-escaped.
@@ -26,14 +28,17 @@ typedef struct {
 
 /* Light shade (chunk 0) and dark shade (last chunk) per op type, indexed by zb_op_type_t. BW is a
  * darker blend of B's teal and W's green, so a fused backward reads as "both". */
-static const rgb_t light[4] = {{0x9f, 0xc5, 0xe8}, {0x7f, 0xd6, 0xd6}, {0xb6, 0xd7, 0xa8}, {0x7b, 0xab, 0x99}};
-static const rgb_t dark[4] = {{0x3d, 0x78, 0xb5}, {0x2b, 0x9a, 0x9a}, {0x5f, 0x9e, 0x48}, {0x3e, 0x7a, 0x68}};
-static const char *const type_label[4] = {"F forward", "B input-grad backward",
-                                          "W weight-grad backward", "BW fused backward"};
+static const rgb_t light[6] = {{0x9f, 0xc5, 0xe8}, {0x7f, 0xd6, 0xd6}, {0xb6, 0xd7, 0xa8},
+                               {0x7b, 0xab, 0x99}, {0xf6, 0xc0, 0x8c}, {0xc9, 0xb3, 0xe6}};
+static const rgb_t dark[6] = {{0x3d, 0x78, 0xb5}, {0x2b, 0x9a, 0x9a}, {0x5f, 0x9e, 0x48},
+                              {0x3e, 0x7a, 0x68}, {0xc8, 0x6a, 0x1a}, {0x7a, 0x55, 0xb0}};
+static const char *const type_label[6] = {"F forward", "B input-grad backward", "W weight-grad backward",
+                                          "BW fused backward", "offload to host", "reload"};
 
 static rgb_t op_colour(int type, int chunk, int v) {
   double t = v > 1 ? (double)chunk / (v - 1) : 0;
-  rgb_t a = light[type & 3], z = dark[type & 3];
+  if (type < 0 || type > ZB_OP_RELOAD) type = ZB_OP_BW;
+  rgb_t a = light[type], z = dark[type];
   rgb_t c = {(unsigned char)(a.r + (z.r - a.r) * t + 0.5), (unsigned char)(a.g + (z.g - a.g) * t + 0.5),
              (unsigned char)(a.b + (z.b - a.b) * t + 0.5)};
   return c;
@@ -60,11 +65,13 @@ static double fin(double x) { return isfinite(x) ? x : 0; }
 
 zb_status_t zb__export_svg(const zb_schedule_t *s, char **out, size_t *len) {
   double origin = INFINITY, last = -INFINITY;
-  int used[4] = {0, 0, 0, 0};
+  int used[6] = {0, 0, 0, 0, 0, 0}, copies = 0;
   for (int k = 0; k < s->n_ops; k++) {
     if (s->start[k] < origin) origin = s->start[k];
     if (s->end[k] > last) last = s->end[k];
-    used[s->ops[k].type & 3] = 1;
+    int t = s->ops[k].type;
+    if (t >= 0 && t <= ZB_OP_RELOAD) used[t] = 1;
+    copies += zb__op_is_copy(t);
   }
   if (!isfinite(origin)) origin = 0;
   double extent = last - origin;
@@ -74,7 +81,9 @@ zb_status_t zb__export_svg(const zb_schedule_t *s, char **out, size_t *len) {
   /* Rows keep a readable height up to 16 ranks, then share about 420 px. */
   double row_h = s->p <= 16 ? 26 : fmax(4, 420.0 / s->p);
   double gap = row_h >= 10 ? 3 : 1;
-  double axis_y = TOP + s->p * (row_h + gap) + 4;
+  double lane_h = copies ? fmax(3, 0.55 * row_h) : 0; /* the copy lane under each rank's row */
+  double pitch = row_h + lane_h + gap;
+  double axis_y = TOP + s->p * pitch + 4;
   double height = axis_y + 36;
 
   zb__sbuf_t b = {0};
@@ -98,7 +107,7 @@ zb_status_t zb__export_svg(const zb_schedule_t *s, char **out, size_t *len) {
 
   /* Legend: one swatch per op type present, then a note on chunk shades. */
   double lx = LEFT;
-  for (int t = 0; t < 4; t++) {
+  for (int t = 0; t < 6; t++) {
     if (!used[t]) continue;
     rgb_t c = op_colour(t, 0, 1);
     zb__sbuf_printf(&b,
@@ -121,33 +130,35 @@ zb_status_t zb__export_svg(const zb_schedule_t *s, char **out, size_t *len) {
 
   /* Rows. */
   for (int r = 0; r < s->p; r++) {
-    double y = TOP + r * (row_h + gap);
+    double y0 = TOP + r * pitch;
     zb__sbuf_printf(&b,
                     "<text x=\"%.0f\" y=\"%.1f\" font-size=\"%.1f\" text-anchor=\"end\" "
                     "dominant-baseline=\"central\">rank %d</text>\n",
-                    LEFT - 8, y + row_h / 2, fmin(13, fmax(4, row_h * 0.7)), r);
+                    LEFT - 8, y0 + row_h / 2, fmin(13, fmax(4, row_h * 0.7)), r);
     for (int k = s->rank_off[r]; k < s->rank_off[r + 1]; k++) {
       const zb_op_t *op = &s->ops[k];
+      int copy = zb__op_is_copy(op->type);
+      double y = copy ? y0 + row_h + 1 : y0, h = copy ? lane_h - 1 : row_h;
       double x = LEFT + fin((s->start[k] - origin) * scale);
       double w = fin((s->end[k] - s->start[k]) * scale);
       if (x > WIDTH - RIGHT) x = WIDTH - RIGHT;
       if (w < 0) w = 0;
       rgb_t c = op_colour(op->type, zb__stage_chunk(s, op->stage), s->v);
       zb__sbuf_printf(&b,
-                      "<rect class=\"op\" x=\"%.2f\" y=\"%.1f\" width=\"%.2f\" height=\"%.1f\" "
+                      "<rect class=\"%s\" x=\"%.2f\" y=\"%.1f\" width=\"%.2f\" height=\"%.1f\" "
                       "fill=\"#%02x%02x%02x\" stroke=\"white\" stroke-width=\"%.2f\"/>\n",
-                      x, y, w, row_h, c.r, c.g, c.b, w >= 4 ? 1.0 : 0.25);
+                      copy ? "copy" : "op", x, y, w, h, c.r, c.g, c.b, w >= 4 ? 1.0 : 0.25);
       /* The number, sized to the box; left out only where even a 6 px digit would not fit. */
       char num[16];
       int nd = snprintf(num, sizeof num, "%d", (int)op->mb);
-      double font = fmin(13, fmin(row_h * 0.62, (w - 1) / (0.62 * nd)));
+      double font = fmin(13, fmin(h * 0.62, (w - 1) / (0.62 * nd)));
       if (font >= 6) {
         /* Dark shades get white text, light ones black (relative luminance, ITU-R BT.709). */
         double lum = 0.2126 * c.r + 0.7152 * c.g + 0.0722 * c.b;
         zb__sbuf_printf(&b,
                         "<text x=\"%.2f\" y=\"%.1f\" font-size=\"%.1f\" text-anchor=\"middle\" "
                         "dominant-baseline=\"central\" fill=\"%s\">%s</text>\n",
-                        x + w / 2, y + row_h / 2, font, lum < 140 ? "white" : "black", num);
+                        x + w / 2, y + h / 2, font, lum < 140 ? "white" : "black", num);
       }
     }
   }

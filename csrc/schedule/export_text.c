@@ -3,7 +3,8 @@
  *
  * Each op is its type letter (F, B, W, or X for a fused backward) followed by its microbatch number,
  * padded with '-' to its length in time; '.' is idle. Chunks after the first are drawn in lower case
- * so the two legs of a V (or the laps of an interleaved loop) can be told apart.
+ * so the two legs of a V (or the laps of an interleaved loop) can be told apart. A rank with copies
+ * (PipeOffload) gets a second line below its own, its copy lane: O offload, R reload.
  *
  * What this is not: an exact picture. Columns are rounded to a time unit, every op gets at least one
  * column (so a zero-time op pushes its rank's later ops right by one), and a line longer than
@@ -35,17 +36,19 @@ static int col_of(double t, double origin, double scale) {
   return (int)c;
 }
 
-/* Lays out rank r. Writes into line (MAX_COLS + 1 bytes) when it is not NULL, and returns the
- * columns used; *cut gets the number of ops that did not fit before MAX_COLS. */
-static int layout_rank(const zb_schedule_t *s, int r, double origin, double scale, char *line,
+/* Lays out rank r's compute ops (copy = 0) or its copies (copy = 1). Writes into line (MAX_COLS + 1
+ * bytes) when it is not NULL, and returns the columns used; *cut gets the number of ops that did
+ * not fit before MAX_COLS. */
+static int layout_rank(const zb_schedule_t *s, int r, int copy, double origin, double scale, char *line,
                        int *cut) {
   int cursor = 0;
   *cut = 0;
   for (int k = s->rank_off[r]; k < s->rank_off[r + 1]; k++) {
+    if (zb__op_is_copy(s->ops[k].type) != copy) continue;
     int c0 = col_of(s->start[k], origin, scale);
     if (c0 < cursor) c0 = cursor; /* rounding or an earlier zero-time op pushed us right */
     if (c0 >= MAX_COLS) {
-      *cut = s->rank_off[r + 1] - k;
+      for (int j = k; j < s->rank_off[r + 1]; j++) *cut += zb__op_is_copy(s->ops[j].type) == copy;
       break;
     }
     int c1 = col_of(s->end[k], origin, scale);
@@ -53,7 +56,7 @@ static int layout_rank(const zb_schedule_t *s, int r, double origin, double scal
     if (c1 > MAX_COLS) c1 = MAX_COLS;
     if (line) {
       const zb_op_t *op = &s->ops[k];
-      char letter = "FBWX"[op->type & 3];
+      char letter = "FBWXOR"[op->type >= 0 && op->type <= ZB_OP_RELOAD ? op->type : 3];
       if (zb__stage_chunk(s, op->stage) > 0) letter = (char)(letter - 'A' + 'a');
       memset(line + cursor, '.', (size_t)(c0 - cursor));
       memset(line + c0, '-', (size_t)(c1 - c0));
@@ -91,11 +94,13 @@ zb_status_t zb__export_text(const zb_schedule_t *s, char **out, size_t *len) {
   }
   double scale = per_unit / unit;
 
-  int width = 0;
-  for (int r = 0; r < s->p; r++) {
-    int cut, w = layout_rank(s, r, origin, scale, NULL, &cut);
-    if (w > width) width = w;
-  }
+  int width = 0, copies = 0;
+  for (int k = 0; k < s->n_ops; k++) copies += zb__op_is_copy(s->ops[k].type);
+  for (int r = 0; r < s->p; r++)
+    for (int lane = 0; lane <= (copies > 0); lane++) {
+      int cut, w = layout_rank(s, r, lane, origin, scale, NULL, &cut);
+      if (w > width) width = w;
+    }
 
   zb__sbuf_t b = {0};
   const char *kind = zb_kind_name(s->kind);
@@ -104,8 +109,9 @@ zb_status_t zb__export_text(const zb_schedule_t *s, char **out, size_t *len) {
                   s->sim.max_peak_memory);
   zb__sbuf_printf(&b,
                   "legend: F forward, B input-grad backward, W weight-grad backward, X fused B+W, "
-                  "each then its microbatch; . idle;%s time per column %.4g\n",
-                  s->v > 1 ? " lower case (f b w x) = chunk 1 and up;" : "", 1 / scale);
+                  "each then its microbatch; . idle;%s%s time per column %.4g\n",
+                  s->v > 1 ? " lower case (f b w x) = chunk 1 and up;" : "",
+                  copies ? " copy lane: O offload, R reload (peak: device-resident, and host);" : "", 1 / scale);
 
   int rw = digits(s->p > 0 ? s->p - 1 : 0);
   if (rw < 2) rw = 2;
@@ -115,11 +121,20 @@ zb_status_t zb__export_text(const zb_schedule_t *s, char **out, size_t *len) {
     return ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory drawing the text grid");
   }
   for (int r = 0; r < s->p; r++) {
-    int cut, w = layout_rank(s, r, origin, scale, line, &cut);
+    int cut, w = layout_rank(s, r, 0, origin, scale, line, &cut);
     memset(line + w, '.', (size_t)(width - w));
     line[width] = '\0';
     zb__sbuf_printf(&b, "rank %*d |%s| peak %.4g", rw, r, line, s->peak[r]);
     if (cut) zb__sbuf_printf(&b, " (truncated: %d more ops; export svg or chrome for all)", cut);
+    zb__sbuf_putc(&b, '\n');
+    int has = 0;
+    for (int k = s->rank_off[r]; k < s->rank_off[r + 1]; k++) has |= zb__op_is_copy(s->ops[k].type);
+    if (!has) continue;
+    w = layout_rank(s, r, 1, origin, scale, line, &cut);
+    memset(line + w, ' ', (size_t)(width - w));
+    line[width] = '\0';
+    zb__sbuf_printf(&b, "%*s |%s| host %.4g", rw + 5, "copy", line, s->host_peak[r]);
+    if (cut) zb__sbuf_printf(&b, " (truncated: %d more copies)", cut);
     zb__sbuf_putc(&b, '\n');
   }
 

@@ -26,6 +26,7 @@ struct zb_schedule {
   double mem_limit; /* <= 0: none */
   double t_comm;
   double *tf, *tb, *tw, *tbw; /* S each */
+  double *toff, *trel;        /* S each: OFFLOAD and RELOAD copy times */
 
   zb_op_t *ops;  /* all ranks' ops, rank by rank */
   int *rank_off; /* p + 1 offsets into ops */
@@ -35,6 +36,7 @@ struct zb_schedule {
   int simulated;
   double *start, *end; /* aligned with ops */
   double *span, *busy, *peak; /* p each */
+  double *host_peak;          /* p each: activations held in host memory by OFFLOADs */
   zb_sim_result_t sim;
 };
 
@@ -104,17 +106,27 @@ static inline double zb__op_cost(const zb_schedule_t *s, int type, int stage) {
     case ZB_OP_F: return s->tf[stage];
     case ZB_OP_B: return s->tb[stage];
     case ZB_OP_W: return s->tw[stage];
+    case ZB_OP_OFFLOAD: return s->toff[stage];
+    case ZB_OP_RELOAD: return s->trel[stage];
     default: return s->tbw[stage];
   }
 }
 
-/* Memory change of one op in units of a microbatch through all of a rank's layers (DESIGN.md 3). */
+/* OFFLOAD and RELOAD run on a rank's copy lane, not its compute. */
+static inline int zb__op_is_copy(int type) { return type == ZB_OP_OFFLOAD || type == ZB_OP_RELOAD; }
+
+/* Device memory change of one op in units of a microbatch through all of a rank's layers
+ * (DESIGN.md 3): what it leaves resident once done, in list order. A copy moves memory between the
+ * device and the host and leaves the device's total after its RELOAD as it was before its OFFLOAD,
+ * so in list order it counts 0; the simulator counts both in time (simulate.c). */
 static inline double zb__op_mem(const zb_schedule_t *s, int type) {
   double unit = 1.0 / s->v;
   switch (type) {
     case ZB_OP_F: return unit;
     case ZB_OP_B: return -(1.0 - s->w_share) * unit;
     case ZB_OP_W: return -s->w_share * unit;
+    case ZB_OP_OFFLOAD:
+    case ZB_OP_RELOAD: return 0.0;
     default: return -unit;
   }
 }
@@ -126,7 +138,8 @@ static inline double zb__op_mem_at(const zb_schedule_t *s, int type, int stage) 
   return s->stage_unit ? mem * s->v * s->stage_unit[stage] : mem;
 }
 
-/* Name of an op type in messages and JSON: F, B, W and "BW" (CSV uses torch's letters instead). */
+/* Name of an op type in messages and JSON: F, B, W, "BW", "OFFLOAD" and "RELOAD" (CSV uses torch's
+ * letters for the first four instead). */
 const char *zb__op_name(int type);
 
 /* Tolerance for comparing simulated times and memory (sums of a few thousand doubles). */
@@ -139,8 +152,14 @@ zb_status_t zb__simulate_times(const zb_schedule_t *s, double *start, double *en
 /* The same with each op's duration from dur (aligned with s->ops) instead of the stage costs. */
 zb_status_t zb__simulate_durations(const zb_schedule_t *s, const double *dur, double *start, double *end);
 
+/* Rank r's device-resident and host memory peaks for op times aligned with s->ops, in time over
+ * both lanes where the rank has copies (list order otherwise), and the index into s->ops of the op
+ * at which device memory first exceeds `limit` (> 0; else -1) with the memory then. */
+zb_status_t zb__rank_memory(const zb_schedule_t *s, int r, const double *start, const double *end, double limit,
+                            double *dev_peak, double *host_peak, int *first_over, double *over_mem);
 /* Span, busy and peak per rank and the overall figures from s->start/end (simulated or measured);
- * sets s->simulated. Spans run from a rank's earliest start to its latest end. */
+ * sets s->simulated. Spans run from a rank's earliest start to its latest end, over compute ops;
+ * busy sums compute ops (copies run beside them). */
 void zb__schedule_fill_stats(zb_schedule_t *s);
 
 /* The validator's rules 1-4 (well-formed, complete, same-rank order, FIFO channels); the simulator

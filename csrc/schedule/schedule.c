@@ -18,6 +18,8 @@ const char *zb__op_name(int type) {
     case ZB_OP_B: return "B";
     case ZB_OP_W: return "W";
     case ZB_OP_BW: return "BW";
+    case ZB_OP_OFFLOAD: return "OFFLOAD";
+    case ZB_OP_RELOAD: return "RELOAD";
     default: return "?";
   }
 }
@@ -201,6 +203,9 @@ void zb__schedule_free(zb_schedule_t *s) {
   free(s->tb);
   free(s->tw);
   free(s->tbw);
+  free(s->toff);
+  free(s->trel);
+  free(s->host_peak);
   free(s->ops);
   free(s->rank_off);
   free(s->start);
@@ -247,11 +252,15 @@ static zb_status_t alloc_named(zb_schedule_t **out, const zb_schedule_spec_t *sp
   s->tb = malloc(S * sizeof(double));
   s->tw = malloc(S * sizeof(double));
   s->tbw = malloc(S * sizeof(double));
+  s->toff = malloc(S * sizeof(double));
+  s->trel = malloc(S * sizeof(double));
   s->rank_off = calloc((size_t)p + 1, sizeof(int));
   s->span = calloc((size_t)p, sizeof(double));
   s->busy = calloc((size_t)p, sizeof(double));
   s->peak = calloc((size_t)p, sizeof(double));
-  if (!s->tf || !s->tb || !s->tw || !s->tbw || !s->rank_off || !s->span || !s->busy || !s->peak) {
+  s->host_peak = calloc((size_t)p, sizeof(double));
+  if (!s->tf || !s->tb || !s->tw || !s->tbw || !s->toff || !s->trel || !s->rank_off || !s->span || !s->busy ||
+      !s->peak || !s->host_peak) {
     zb__schedule_free(s);
     return ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory allocating a schedule of %d stages", p * v);
   }
@@ -266,6 +275,8 @@ static zb_status_t alloc_named(zb_schedule_t **out, const zb_schedule_spec_t *sp
       s->tbw[st] = spec->time_bw / v;
     else
       s->tbw[st] = s->tb[st] + s->tw[st];
+    s->toff[st] = spec->stage_time_offload ? spec->stage_time_offload[st] : spec->time_offload / v;
+    s->trel[st] = spec->stage_time_reload ? spec->stage_time_reload[st] : spec->time_reload / v;
   }
   zb_status_t st = zb__schedule_check_total(s, named);
   if (st != ZB_OK) {
@@ -292,7 +303,7 @@ zb_status_t zb__schedule_alloc_mapped(zb_schedule_t **out, const zb_schedule_spe
   /* Per-rank scalar times go to each rank's stages in equal parts: alloc divides by v, so give it
    * per-stage arrays made here. */
   zb_schedule_spec_t copy = *spec;
-  double *t = malloc((size_t)S * 4 * sizeof(double));
+  double *t = malloc((size_t)S * 6 * sizeof(double));
   zb_status_t st = ZB_OK;
   if (!t) st = ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory for %d stages", S);
   if (st == ZB_OK) {
@@ -304,9 +315,12 @@ zb_status_t zb__schedule_alloc_mapped(zb_schedule_t **out, const zb_schedule_spe
       t[3 * S + k] = spec->stage_time_bw ? spec->stage_time_bw[k]
                      : spec->time_bw > 0 ? spec->time_bw / n
                                          : t[S + k] + t[2 * S + k];
+      t[4 * S + k] = spec->stage_time_offload ? spec->stage_time_offload[k] : spec->time_offload / n;
+      t[5 * S + k] = spec->stage_time_reload ? spec->stage_time_reload[k] : spec->time_reload / n;
     }
     copy.stage_time_f = t, copy.stage_time_b = t + S, copy.stage_time_w = t + 2 * S;
     copy.stage_time_bw = t + 3 * S;
+    copy.stage_time_offload = t + 4 * S, copy.stage_time_reload = t + 5 * S;
     /* alloc sizes the stage arrays by p * v: as one rank with S chunks they are S long, and the
      * per-stage times above are read as given; the per-rank arrays and the shape are set below. */
     st = alloc_named(out, &copy, spec, 1, S, m, ZB_PLACEMENT_CUSTOM);
@@ -314,15 +328,17 @@ zb_status_t zb__schedule_alloc_mapped(zb_schedule_t **out, const zb_schedule_spe
   free(t);
   zb_schedule_t *s = *out;
   if (st == ZB_OK) {
-    free(s->rank_off), free(s->span), free(s->busy), free(s->peak);
+    free(s->rank_off), free(s->span), free(s->busy), free(s->peak), free(s->host_peak);
     s->rank_off = calloc((size_t)p + 1, sizeof(int));
     s->span = calloc((size_t)p, sizeof(double));
     s->busy = calloc((size_t)p, sizeof(double));
     s->peak = calloc((size_t)p, sizeof(double));
+    s->host_peak = calloc((size_t)p, sizeof(double));
     s->stage_map = malloc((size_t)S * sizeof(int32_t));
     s->stage_chunk = malloc((size_t)S * sizeof(int));
     s->stage_unit = malloc((size_t)S * sizeof(double));
-    if (!s->rank_off || !s->span || !s->busy || !s->peak || !s->stage_map || !s->stage_chunk || !s->stage_unit)
+    if (!s->rank_off || !s->span || !s->busy || !s->peak || !s->host_peak || !s->stage_map || !s->stage_chunk ||
+        !s->stage_unit)
       st = ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory allocating a schedule of %d stages", S);
   }
   if (st == ZB_OK) {
@@ -348,6 +364,8 @@ zb_status_t zb__schedule_clone_shape(const zb_schedule_t *s, int m, zb_schedule_
   spec.stage_time_b = s->tb;
   spec.stage_time_w = s->tw;
   spec.stage_time_bw = s->tbw;
+  spec.stage_time_offload = s->toff;
+  spec.stage_time_reload = s->trel;
   spec.time_comm = s->t_comm;
   spec.w_share = s->w_share;
   spec.mem_limit = s->mem_limit;
@@ -667,9 +685,9 @@ zb_status_t zb_schedule_op_time(const zb_schedule_t *s, zb_op_type_t type, int32
   if (stage < 0 || stage >= s->S)
     return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "stage %d is out of range; the schedule has stages 0..%d",
                    (int)stage, s->S - 1);
-  if (type < ZB_OP_F || type > ZB_OP_BW)
-    return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "op type %d; use ZB_OP_F, ZB_OP_B, ZB_OP_W or ZB_OP_BW",
-                   (int)type);
+  if (type < ZB_OP_F || type > ZB_OP_RELOAD)
+    return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
+                   "op type %d; use ZB_OP_F, ZB_OP_B, ZB_OP_W, ZB_OP_BW, ZB_OP_OFFLOAD or ZB_OP_RELOAD", (int)type);
   *out = zb__op_cost(s, type, stage);
   return ZB_OK;
 }

@@ -8,6 +8,13 @@
  * frees w/v, BW frees 1/v. Cost is the largest span (last end - first start) of any rank; the bubble
  * rate is (cost - busy)/cost with busy the largest total compute of any rank (the paper, section 5).
  *
+ * Copies (OFFLOAD, RELOAD; PipeOffload) run on the rank's copy lane, one at a time in list order,
+ * starting at the latest of: the start of the compute op before them in the list (where the
+ * runtime issues them; 0 when none), the end of the lane's previous copy, and their dependency
+ * (OFFLOAD(s,i) after F(s,i); RELOAD(s,i) after OFFLOAD(s,i)). An offloaded (s,i)'s B/BW and W wait
+ * for its RELOAD. Copies never hold up compute otherwise. Memory is then counted in time over both
+ * lanes (rank_memory below); span and busy count compute ops only.
+ *
  * What this is not: a check of the schedule's rules; zb_schedule_simulate runs the validator's
  * structural rules first, so the core below may assume every op is in range and appears once.
  */
@@ -18,12 +25,38 @@
 
 #include "internal.h"
 
+/* Per (stage, mb): when its F, B/BW, B alone, OFFLOAD and RELOAD ended (NAN: not yet), and whether
+ * it is offloaded at all (its backward then waits for the RELOAD). */
+typedef struct {
+  double *endF, *endB, *endBonly, *endOff, *endRel;
+  unsigned char *offloaded;
+} ends_t;
+
 /* Which op an op waits for, if any is not yet done: fills *dep (type, stage, mb) and returns 1. */
-static int pending_dep(const zb_schedule_t *s, const zb_op_t *op, const double *endF,
-                       const double *endB, const double *endBonly, int rank, double *ready,
+static int pending_dep(const zb_schedule_t *s, const zb_op_t *op, const ends_t *e_, int rank, double *ready,
                        zb_op_t *dep) {
+  const double *endF = e_->endF, *endB = e_->endB, *endBonly = e_->endBonly;
   int st = op->stage, i = op->mb, m = s->m;
+  size_t key = (size_t)st * m + i;
   double t = 0;
+  if (zb__op_is_copy(op->type)) {
+    int off = op->type == ZB_OP_OFFLOAD;
+    double e = off ? endF[key] : e_->endOff[key];
+    if (isnan(e)) {
+      *dep = (zb_op_t){off ? ZB_OP_F : ZB_OP_OFFLOAD, st, i};
+      return 1;
+    }
+    *ready = e;
+    return 0;
+  }
+  if (op->type != ZB_OP_F && e_->offloaded[key]) {
+    double e = e_->endRel[key];
+    if (isnan(e)) {
+      *dep = (zb_op_t){ZB_OP_RELOAD, st, i};
+      return 1;
+    }
+    t = e;
+  }
   if (op->type == ZB_OP_F) {
     if (st > 0) {
       double e = endF[(size_t)(st - 1) * m + i];
@@ -39,7 +72,8 @@ static int pending_dep(const zb_schedule_t *s, const zb_op_t *op, const double *
       *dep = (zb_op_t){ZB_OP_F, st, i};
       return 1;
     }
-    t = e + (zb__stage_rank(s, st) != rank ? s->t_comm : 0);
+    e += zb__stage_rank(s, st) != rank ? s->t_comm : 0;
+    if (e > t) t = e;
     if (st + 1 < s->S) {
       double eb = endB[(size_t)(st + 1) * m + i];
       if (isnan(eb)) {
@@ -55,7 +89,8 @@ static int pending_dep(const zb_schedule_t *s, const zb_op_t *op, const double *
       *dep = (zb_op_t){ZB_OP_B, st, i};
       return 1;
     }
-    t = e + (zb__stage_rank(s, st) != rank ? s->t_comm : 0);
+    e += zb__stage_rank(s, st) != rank ? s->t_comm : 0;
+    if (e > t) t = e;
   }
   *ready = t;
   return 0;
@@ -67,16 +102,26 @@ zb_status_t zb__simulate_times(const zb_schedule_t *s, double *start, double *en
 
 zb_status_t zb__simulate_durations(const zb_schedule_t *s, const double *dur, double *start, double *end) {
   size_t n = (size_t)s->S * (size_t)s->m;
-  double *endF = malloc(n * sizeof(double));
-  double *endB = malloc(n * sizeof(double));     /* B or BW: what the stage below waits for */
-  double *endBonly = malloc(n * sizeof(double)); /* B only: what W waits for */
+  ends_t e = {0};
+  e.endF = malloc(n * sizeof(double));
+  e.endB = malloc(n * sizeof(double));     /* B or BW: what the stage below waits for */
+  e.endBonly = malloc(n * sizeof(double)); /* B only: what W waits for */
+  e.endOff = malloc(n * sizeof(double));
+  e.endRel = malloc(n * sizeof(double));
+  e.offloaded = calloc(n, 1);
   int *pos = calloc((size_t)s->p, sizeof(int));
   double *free_at = calloc((size_t)s->p, sizeof(double));
-  if (!endF || !endB || !endBonly || !pos || !free_at) {
-    free(endF), free(endB), free(endBonly), free(pos), free(free_at);
-    return ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory simulating %d ops", s->n_ops);
+  double *copy_free = calloc((size_t)s->p, sizeof(double)); /* the copy lane */
+  double *issued = calloc((size_t)s->p, sizeof(double));    /* start of the last compute op */
+  zb_status_t st = ZB_OK;
+  if (!e.endF || !e.endB || !e.endBonly || !e.endOff || !e.endRel || !e.offloaded || !pos || !free_at ||
+      !copy_free || !issued) {
+    st = ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory simulating %d ops", s->n_ops);
+    goto done;
   }
-  for (size_t k = 0; k < n; k++) endF[k] = endB[k] = endBonly[k] = NAN;
+  for (size_t k = 0; k < n; k++) e.endF[k] = e.endB[k] = e.endBonly[k] = e.endOff[k] = e.endRel[k] = NAN;
+  for (int k = 0; k < s->n_ops; k++)
+    if (s->ops[k].type == ZB_OP_OFFLOAD) e.offloaded[(size_t)s->ops[k].stage * s->m + s->ops[k].mb] = 1;
 
   /* Round-robin passes: each pass runs every rank as far as its dependencies allow. The times do
    * not depend on the order in which ranks are advanced, only on each rank's list order. */
@@ -89,16 +134,27 @@ zb_status_t zb__simulate_durations(const zb_schedule_t *s, const double *dur, do
         const zb_op_t *op = &s->ops[base + pos[r]];
         double ready;
         zb_op_t dep;
-        if (pending_dep(s, op, endF, endB, endBonly, r, &ready, &dep)) break;
-        double t0 = ready > free_at[r] ? ready : free_at[r];
-        double t1 = t0 + (dur ? dur[base + pos[r]] : zb__op_cost(s, op->type, op->stage));
+        if (pending_dep(s, op, &e, r, &ready, &dep)) break;
+        double d = dur ? dur[base + pos[r]] : zb__op_cost(s, op->type, op->stage);
+        double t0, t1;
+        if (zb__op_is_copy(op->type)) {
+          t0 = fmax(ready, fmax(copy_free[r], issued[r]));
+          t1 = t0 + d;
+          copy_free[r] = t1;
+        } else {
+          t0 = ready > free_at[r] ? ready : free_at[r];
+          t1 = t0 + d;
+          free_at[r] = t1;
+          issued[r] = t0;
+        }
         start[base + pos[r]] = t0;
         end[base + pos[r]] = t1;
-        free_at[r] = t1;
         size_t key = (size_t)op->stage * s->m + op->mb;
-        if (op->type == ZB_OP_F) endF[key] = t1;
-        if (op->type == ZB_OP_B || op->type == ZB_OP_BW) endB[key] = t1;
-        if (op->type == ZB_OP_B) endBonly[key] = t1;
+        if (op->type == ZB_OP_F) e.endF[key] = t1;
+        if (op->type == ZB_OP_B || op->type == ZB_OP_BW) e.endB[key] = t1;
+        if (op->type == ZB_OP_B) e.endBonly[key] = t1;
+        if (op->type == ZB_OP_OFFLOAD) e.endOff[key] = t1;
+        if (op->type == ZB_OP_RELOAD) e.endRel[key] = t1;
         pos[r]++;
         done++;
         progress = 1;
@@ -106,7 +162,6 @@ zb_status_t zb__simulate_durations(const zb_schedule_t *s, const double *dur, do
     }
   }
 
-  zb_status_t st = ZB_OK;
   if (done < s->n_ops) {
     /* Name every stuck rank: where it stopped and what it waits for. */
     char msg[1536];
@@ -119,8 +174,9 @@ zb_status_t zb__simulate_durations(const zb_schedule_t *s, const double *dur, do
       const zb_op_t *op = &s->ops[base + pos[r]];
       double ready;
       zb_op_t dep = {0, 0, 0};
-      pending_dep(s, op, endF, endB, endBonly, r, &ready, &dep);
-      const char *dname = dep.type == ZB_OP_B ? (op->type == ZB_OP_W ? "B" : "B/BW") : "F";
+      pending_dep(s, op, &e, r, &ready, &dep);
+      const char *dname = dep.type == ZB_OP_B ? (op->type == ZB_OP_W ? "B" : "B/BW")
+                          : dep.type == ZB_OP_F ? "F" : zb__op_name(dep.type);
       len += (size_t)snprintf(msg + len, sizeof msg - len,
                               "%s rank %d at position %d (%s stage %d mb %d) waits for %s stage %d "
                               "mb %d on rank %d",
@@ -130,12 +186,14 @@ zb_status_t zb__simulate_durations(const zb_schedule_t *s, const double *dur, do
     }
     st = ZB_FAIL(ZB_ERR_INVALID_SCHEDULE, "%s", msg);
   }
-  free(endF), free(endB), free(endBonly), free(pos), free(free_at);
+done:
+  free(e.endF), free(e.endB), free(e.endBonly), free(e.endOff), free(e.endRel), free(e.offloaded);
+  free(pos), free(free_at), free(copy_free), free(issued);
   return st;
 }
 
 static zb_sim_result_t stats_of(const zb_schedule_t *s, const double *start, const double *end, double *span_out,
-                                double *busy_out, double *peak_out);
+                                double *busy_out, double *peak_out, double *host_out);
 
 /* The op order run with the given durations: start and end of every op (arrays of n_ops), which
  * the caller frees. */
@@ -179,7 +237,7 @@ zb_status_t zb_schedule_simulate_durations(const zb_schedule_t *s, const double 
   ZB_ARG_NOT_NULL(out);
   double *start = NULL, *end = NULL;
   ZB_CHECK(run_durations(s, durations, &start, &end));
-  *out = stats_of(s, start, end, NULL, NULL, NULL);
+  *out = stats_of(s, start, end, NULL, NULL, NULL, NULL);
   free(start), free(end);
   return ZB_OK;
 }
@@ -206,7 +264,7 @@ double zb__makespan_of(const zb_schedule_t *s, const double *start, const double
 }
 
 zb_sim_result_t zb__sim_stats(const zb_schedule_t *s, const double *start, const double *end) {
-  return stats_of(s, start, end, NULL, NULL, NULL);
+  return stats_of(s, start, end, NULL, NULL, NULL, NULL);
 }
 
 zb_status_t zb_schedule_simulate(zb_schedule_t *s, zb_sim_result_t *out) {
@@ -228,23 +286,100 @@ zb_status_t zb_schedule_simulate(zb_schedule_t *s, zb_sim_result_t *out) {
   return ZB_OK;
 }
 
+typedef struct {
+  double t, delta;
+  int host, order; /* order: the op's index, for ties */
+} mem_event_t;
+
+static int event_cmp(const void *a, const void *b) {
+  const mem_event_t *x = a, *y = b;
+  if (x->t != y->t) return x->t < y->t ? -1 : 1;
+  /* At one instant memory is freed before it is taken, as the runtime frees at an op's end what
+   * the next op then allocates; then list order. */
+  if ((x->delta < 0) != (y->delta < 0)) return x->delta < 0 ? -1 : 1;
+  return x->order - y->order;
+}
+
+zb_status_t zb__rank_memory(const zb_schedule_t *s, int r, const double *start, const double *end, double limit,
+                            double *dev_peak, double *host_peak, int *first_over, double *over_mem) {
+  int a = s->rank_off[r], b = s->rank_off[r + 1], copies = 0;
+  double dev = 0, host = 0, pd = 0, ph = 0;
+  *first_over = -1;
+  for (int k = a; k < b; k++) copies += zb__op_is_copy(s->ops[k].type);
+  if (!copies) { /* list order: compute ops run one after another */
+    for (int k = a; k < b; k++) {
+      dev += zb__op_mem_at(s, s->ops[k].type, s->ops[k].stage);
+      if (dev > pd) pd = dev;
+      if (limit > 0 && *first_over < 0 && dev > limit + ZB_EPS) *first_over = k, *over_mem = dev;
+    }
+    *dev_peak = pd, *host_peak = 0;
+    return ZB_OK;
+  }
+  mem_event_t *ev = malloc((size_t)(2 * (b - a)) * sizeof *ev);
+  if (!ev) return ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory counting rank %d's memory", r);
+  int n = 0;
+  for (int k = a; k < b; k++) {
+    const zb_op_t *op = &s->ops[k];
+    double u = zb__op_mem_at(s, ZB_OP_F, op->stage); /* the (stage, mb)'s whole share */
+    switch (op->type) {
+      case ZB_OP_F: ev[n++] = (mem_event_t){start[k], u, 0, k}; break;
+      case ZB_OP_OFFLOAD: /* on the host from its start, off the device at its end */
+        ev[n++] = (mem_event_t){start[k], u, 1, k};
+        ev[n++] = (mem_event_t){end[k], -u, 0, k};
+        break;
+      case ZB_OP_RELOAD: /* on the device from its start, off the host at its end */
+        ev[n++] = (mem_event_t){start[k], u, 0, k};
+        ev[n++] = (mem_event_t){end[k], -u, 1, k};
+        break;
+      default: ev[n++] = (mem_event_t){end[k], zb__op_mem_at(s, op->type, op->stage), 0, k};
+    }
+  }
+  qsort(ev, (size_t)n, sizeof *ev, event_cmp);
+  for (int k = 0; k < n; k++) {
+    if (ev[k].host) {
+      host += ev[k].delta;
+      if (host > ph) ph = host;
+    } else {
+      dev += ev[k].delta;
+      if (dev > pd) pd = dev;
+      if (limit > 0 && *first_over < 0 && dev > limit + ZB_EPS) *first_over = ev[k].order, *over_mem = dev;
+    }
+  }
+  free(ev);
+  *dev_peak = pd, *host_peak = ph;
+  return ZB_OK;
+}
+
 /* Span, busy and peak of each rank (into the arrays when not NULL) and the overall figures, from
- * op times aligned with s->ops (simulated or measured; busy is the sum of op durations). */
+ * op times aligned with s->ops (simulated or measured; busy is the sum of compute op durations,
+ * span runs over compute ops: copies run beside them). */
 static zb_sim_result_t stats_of(const zb_schedule_t *s, const double *start, const double *end, double *span_out,
-                                double *busy_out, double *peak_out) {
+                                double *busy_out, double *peak_out, double *host_out) {
   zb_sim_result_t res = {0, 0, 0, 0};
   for (int r = 0; r < s->p; r++) {
-    int a = s->rank_off[r], b = s->rank_off[r + 1];
-    double busy = 0, mem = 0, peak = 0, first = 0, last = 0;
+    int a = s->rank_off[r], b = s->rank_off[r + 1], seen = 0;
+    double busy = 0, peak = 0, host = 0, first = 0, last = 0;
     for (int k = a; k < b; k++) {
+      if (zb__op_is_copy(s->ops[k].type)) continue;
       busy += end[k] - start[k];
-      mem += zb__op_mem_at(s, s->ops[k].type, s->ops[k].stage);
-      if (mem > peak) peak = mem;
-      if (k == a || start[k] < first) first = start[k];
-      if (k == a || end[k] > last) last = end[k];
+      if (!seen || start[k] < first) first = start[k];
+      if (!seen || end[k] > last) last = end[k];
+      seen = 1;
     }
-    double span = b > a ? last - first : 0;
+    int over;
+    double at;
+    /* Out of memory for the event list: the list-order count (copies as 0) stands in. */
+    if (zb__rank_memory(s, r, start, end, 0, &peak, &host, &over, &at) != ZB_OK) {
+      double mem = 0;
+      peak = host = 0;
+      for (int k = a; k < b; k++) {
+        mem += zb__op_mem_at(s, s->ops[k].type, s->ops[k].stage);
+        if (mem > peak) peak = mem;
+      }
+    }
+    double span = seen ? last - first : 0;
     if (span_out) span_out[r] = span, busy_out[r] = busy, peak_out[r] = peak;
+    if (host_out) host_out[r] = host;
     if (span > res.cost) res.cost = span;
     if (busy > res.busy) res.busy = busy;
     if (peak > res.max_peak_memory) res.max_peak_memory = peak;
@@ -256,7 +391,7 @@ static zb_sim_result_t stats_of(const zb_schedule_t *s, const double *start, con
 }
 
 void zb__schedule_fill_stats(zb_schedule_t *s) {
-  s->sim = stats_of(s, s->start, s->end, s->span, s->busy, s->peak);
+  s->sim = stats_of(s, s->start, s->end, s->span, s->busy, s->peak, s->host_peak);
   s->simulated = 1;
 }
 
@@ -286,5 +421,12 @@ zb_status_t zb_schedule_rank_stats(const zb_schedule_t *s, int32_t rank, double 
   if (span) *span = s->span[rank];
   if (busy) *busy = s->busy[rank];
   if (peak) *peak = s->peak[rank];
+  return ZB_OK;
+}
+
+zb_status_t zb_schedule_rank_memory(const zb_schedule_t *s, int32_t rank, double *device_peak, double *host_peak) {
+  ZB_CHECK(check_simulated_rank(s, rank));
+  if (device_peak) *device_peak = s->peak[rank];
+  if (host_peak) *host_peak = s->host_peak[rank];
   return ZB_OK;
 }

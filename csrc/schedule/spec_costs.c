@@ -26,8 +26,9 @@ zb_status_t zb__spec_check_costs(const zb_schedule_spec_t *spec, int S) {
   const struct {
     const char *name;
     double v;
-  } scalars[] = {{"time_f", spec->time_f},     {"time_b", spec->time_b},
-                 {"time_w", spec->time_w},     {"time_comm", spec->time_comm}};
+  } scalars[] = {{"time_f", spec->time_f},           {"time_b", spec->time_b},
+                 {"time_w", spec->time_w},           {"time_comm", spec->time_comm},
+                 {"time_offload", spec->time_offload}, {"time_reload", spec->time_reload}};
   for (size_t i = 0; i < sizeof scalars / sizeof scalars[0]; i++)
     if (bad_number(scalars[i].v))
       return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "%s is %g; times must be finite and >= 0",
@@ -41,8 +42,10 @@ zb_status_t zb__spec_check_costs(const zb_schedule_spec_t *spec, int S) {
   } arrays[] = {{"stage_time_f", spec->stage_time_f},
                 {"stage_time_b", spec->stage_time_b},
                 {"stage_time_w", spec->stage_time_w},
-                {"stage_time_bw", spec->stage_time_bw}};
-  for (size_t i = 0; i < 4; i++) {
+                {"stage_time_bw", spec->stage_time_bw},
+                {"stage_time_offload", spec->stage_time_offload},
+                {"stage_time_reload", spec->stage_time_reload}};
+  for (size_t i = 0; i < sizeof arrays / sizeof arrays[0]; i++) {
     if (!arrays[i].a) continue;
     for (int st = 0; st < S; st++)
       if (bad_number(arrays[i].a[st]))

@@ -53,8 +53,8 @@ zb_status_t zb_schedule_stage_costs(const zb_schedule_t *s, double *tf, double *
   if (!s->simulated)
     return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
                    "the schedule has no times yet; call zb_schedule_simulate or zb_schedule_set_times first");
-  double *sum = calloc((size_t)s->S * 4, sizeof(double));
-  int *cnt = calloc((size_t)s->S * 4, sizeof(int));
+  double *sum = calloc((size_t)s->S * 6, sizeof(double)); /* per op type, copies included */
+  int *cnt = calloc((size_t)s->S * 6, sizeof(int));
   if (!sum || !cnt) {
     free(sum), free(cnt);
     return ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory averaging op times");

@@ -10,6 +10,10 @@
  *      equals the consumer's receive order (what lets the runtime post receives early);
  *   5. the schedule cannot deadlock (the simulator can run every op);
  *   6. the memory peak of every rank stays under the limit, when one is set.
+ * Copies (OFFLOAD, RELOAD) are checked with rules 2 and 3: at most one of each per (stage,
+ * microbatch), an OFFLOAD after its F and before its backward, a RELOAD after its OFFLOAD and
+ * before its backward (so every OFFLOAD has its RELOAD, since every F has its backward). Rule 6 counts device-resident memory in
+ * simulated time when copies are present (they move memory while compute runs).
  */
 #include <stdlib.h>
 #include <string.h>
@@ -20,17 +24,47 @@
 
 typedef struct {
   int *posF, *posB, *posW; /* position in the owning rank's list; posB covers B and BW */
+  int *posOff, *posRel;    /* the copies of (stage, mb), when it has them */
   int *isBW;
   int *orderF, *orderB; /* S x m: k-th F (resp. B/BW) of a stage is for microbatch order[k] */
   int *nF, *nB;         /* S counters while filling order* */
 } tables_t;
 
 static void tables_free(tables_t *t) {
-  free(t->posF), free(t->posB), free(t->posW), free(t->isBW);
+  free(t->posF), free(t->posB), free(t->posW), free(t->isBW), free(t->posOff), free(t->posRel);
   free(t->orderF), free(t->orderB), free(t->nF), free(t->nB);
 }
 
 static const char *rank_label(int type) { return zb__op_name(type); }
+
+/* Rules 2 and 3 for a copy op at position k of rank r (the ops before it are in the tables). */
+static zb_status_t check_copy(const zb_schedule_t *s, tables_t *t, int r, int k, const zb_op_t *op, size_t key) {
+  (void)s;
+  const char *rule = "(rule: an OFFLOAD after its F and before its backward, then one RELOAD before the backward)";
+  int *slot = op->type == ZB_OP_OFFLOAD ? &t->posOff[key] : &t->posRel[key];
+  if (*slot != NONE)
+    return ZB_FAIL(ZB_ERR_INVALID_SCHEDULE, "rank %d, position %d: a second %s for stage %d mb %d (the first is at "
+                                            "position %d) %s",
+                   r, k, zb__op_name(op->type), op->stage, op->mb, *slot, rule);
+  if (op->type == ZB_OP_OFFLOAD) {
+    if (t->posF[key] == NONE)
+      return ZB_FAIL(ZB_ERR_INVALID_SCHEDULE,
+                     "rank %d, position %d: OFFLOAD of stage %d mb %d comes before its F, which saves what it "
+                     "moves %s",
+                     r, k, op->stage, op->mb, rule);
+    if (t->posB[key] != NONE)
+      return ZB_FAIL(ZB_ERR_INVALID_SCHEDULE,
+                     "rank %d, position %d: OFFLOAD of stage %d mb %d comes after its backward at position %d, "
+                     "which has used the activations already %s",
+                     r, k, op->stage, op->mb, t->posB[key], rule);
+  } else if (t->posOff[key] == NONE) {
+    return ZB_FAIL(ZB_ERR_INVALID_SCHEDULE,
+                   "rank %d, position %d: RELOAD of stage %d mb %d with no OFFLOAD of them before it %s", r, k,
+                   op->stage, op->mb, rule);
+  }
+  *slot = k;
+  return ZB_OK;
+}
 
 zb_status_t zb__validate_structure(const zb_schedule_t *s) {
   size_t n = (size_t)s->S * (size_t)s->m;
@@ -46,26 +80,30 @@ zb_status_t zb__validate_structure(const zb_schedule_t *s) {
   t.posF = malloc(n * sizeof(int));
   t.posB = malloc(n * sizeof(int));
   t.posW = malloc(n * sizeof(int));
+  t.posOff = malloc(n * sizeof(int));
+  t.posRel = malloc(n * sizeof(int));
   t.isBW = calloc(n, sizeof(int));
   t.orderF = malloc(n * sizeof(int));
   t.orderB = malloc(n * sizeof(int));
   t.nF = calloc((size_t)s->S, sizeof(int));
   t.nB = calloc((size_t)s->S, sizeof(int));
   zb_status_t st = ZB_OK;
-  if (!t.posF || !t.posB || !t.posW || !t.isBW || !t.orderF || !t.orderB || !t.nF || !t.nB) {
+  if (!t.posF || !t.posB || !t.posW || !t.posOff || !t.posRel || !t.isBW || !t.orderF || !t.orderB || !t.nF ||
+      !t.nB) {
     st = ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory validating %d ops", s->n_ops);
     goto fail;
   }
-  for (size_t k = 0; k < n; k++) t.posF[k] = t.posB[k] = t.posW[k] = NONE;
+  for (size_t k = 0; k < n; k++) t.posF[k] = t.posB[k] = t.posW[k] = t.posOff[k] = t.posRel[k] = NONE;
 
   /* Rules 1 and 2 (duplicates), and rule 3 as we go: a same-rank dependency must already be seen. */
   for (int r = 0; r < s->p; r++) {
     int base = s->rank_off[r], cnt = s->rank_off[r + 1] - base;
     for (int k = 0; k < cnt; k++) {
       const zb_op_t *op = &s->ops[base + k];
-      if (op->type < ZB_OP_F || op->type > ZB_OP_BW) {
+      if (op->type < ZB_OP_F || op->type > ZB_OP_RELOAD) {
         st = ZB_FAIL(ZB_ERR_INVALID_SCHEDULE,
-                     "rank %d, position %d: op type %d is not F, B, W or BW (rule: well-formed ops)",
+                     "rank %d, position %d: op type %d is not F, B, W, BW, OFFLOAD or RELOAD (rule: "
+                     "well-formed ops)",
                      r, k, op->type);
         goto fail;
       }
@@ -86,6 +124,11 @@ zb_status_t zb__validate_structure(const zb_schedule_t *s) {
         goto fail;
       }
       size_t key = (size_t)op->stage * s->m + op->mb;
+      if (zb__op_is_copy(op->type)) {
+        st = check_copy(s, &t, r, k, op, key);
+        if (st != ZB_OK) goto fail;
+        continue;
+      }
       int *slot = op->type == ZB_OP_F ? &t.posF[key] : op->type == ZB_OP_W ? &t.posW[key] : &t.posB[key];
       if (*slot != NONE) {
         const char *what = op->type == ZB_OP_F ? "F" : op->type == ZB_OP_W ? "W" : "B or BW";
@@ -121,6 +164,15 @@ zb_status_t zb__validate_structure(const zb_schedule_t *s) {
         }
         dep_stage = op->stage, dep_type = ZB_OP_B;
         dep_pos = t.isBW[key] ? NONE : t.posB[key];
+      }
+      /* A backward reads what its F saved: offloaded, that must be back first. */
+      if ((op->type == ZB_OP_B || op->type == ZB_OP_BW) && t.posOff[key] != NONE && t.posRel[key] == NONE) {
+        st = ZB_FAIL(ZB_ERR_INVALID_SCHEDULE,
+                     "rank %d, position %d: %s stage %d mb %d reads the activations offloaded at position "
+                     "%d, but no RELOAD of them comes before it (rule: a RELOAD after each OFFLOAD and "
+                     "before its backward)",
+                     r, k, rank_label(op->type), op->stage, op->mb, t.posOff[key]);
+        goto fail;
       }
       if (dep_stage >= 0 && dep_pos == NONE) {
         st = ZB_FAIL(ZB_ERR_INVALID_SCHEDULE,
@@ -210,26 +262,21 @@ zb_status_t zb_schedule_validate(const zb_schedule_t *s) {
     return ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory validating %d ops", s->n_ops);
   }
   zb_status_t st = zb__simulate_times(s, start, end);
-  free(start), free(end);
-  if (st != ZB_OK) return st;
 
-  /* Rule 6: memory. */
-  if (s->mem_limit > 0) {
-    for (int r = 0; r < s->p; r++) {
-      double mem = 0;
-      for (int k = s->rank_off[r]; k < s->rank_off[r + 1]; k++) {
-        mem += zb__op_mem_at(s, s->ops[k].type, s->ops[k].stage);
-        if (mem > s->mem_limit + ZB_EPS) {
-          const zb_op_t *op = &s->ops[k];
-          return ZB_FAIL(ZB_ERR_INVALID_SCHEDULE,
-                         "rank %d, position %d: after %s stage %d mb %d the rank holds %.4g "
-                         "microbatches of activations, above the limit %.4g (rule: memory under "
-                         "the limit)",
-                         r, k - s->rank_off[r], zb__op_name(op->type), op->stage, op->mb, mem,
-                         s->mem_limit);
-        }
-      }
+  /* Rule 6: memory (device-resident, in time over both lanes where there are copies). */
+  for (int r = 0; st == ZB_OK && s->mem_limit > 0 && r < s->p; r++) {
+    double dev, host, at = 0;
+    int over;
+    st = zb__rank_memory(s, r, start, end, s->mem_limit, &dev, &host, &over, &at);
+    if (st == ZB_OK && over >= 0) {
+      const zb_op_t *op = &s->ops[over];
+      st = ZB_FAIL(ZB_ERR_INVALID_SCHEDULE,
+                   "rank %d, position %d: after %s stage %d mb %d the rank holds %.4g microbatches of "
+                   "activations on the device, above the limit %.4g (rule: memory under the limit)",
+                   r, over - s->rank_off[r], zb__op_name(op->type), op->stage, op->mb, at, s->mem_limit);
     }
   }
+  free(start), free(end);
+  if (st != ZB_OK) return st;
   return ZB_OK;
 }

@@ -1,0 +1,215 @@
+/*
+ * test_copies.c - PipeOffload's copies in the schedule model: OFFLOAD and RELOAD ops on a rank's
+ * copy lane, checked by the validator, timed by the simulator, counted in device and host memory,
+ * written by every export and read back from CSV, refused by the runner (which does not run them
+ * yet). Expected times and memory are worked out by hand in the comments from the rules in zbpp.h.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "helpers.h"
+
+#define F(s, i) {ZB_OP_F, s, i}
+#define X(s, i) {ZB_OP_BW, s, i}
+#define O(s, i) {ZB_OP_OFFLOAD, s, i}
+#define R(s, i) {ZB_OP_RELOAD, s, i}
+
+static void assert_near(double got, double want) {
+  if (fabs(got - want) > 1e-12) fail_msg("got %.15g, want %.15g", got, want);
+}
+
+/* One rank, one stage, three microbatches, T_F = 2, T_BW = 3, copies 1 each way. */
+static zb_schedule_t *one_rank(const zb_op_t *ops, int32_t n, double mem_limit) {
+  const zb_op_t *lists[] = {ops};
+  zb_schedule_spec_t spec = zb_test_spec(ZB_KIND_CUSTOM, 1, 3, 1);
+  spec.time_f = 2, spec.time_b = 1, spec.time_w = 1, spec.time_bw = 3;
+  spec.time_offload = 1, spec.time_reload = 1, spec.mem_limit = mem_limit;
+  zb_schedule_t *s = NULL;
+  ZB_ASSERT_OK(zb_schedule_create_from_ops(&s, &spec, ZB_PLACEMENT_LOOP, lists, &n));
+  return s;
+}
+
+/* F0 O0 F1 O1 F2 X2 R1 X1 R0 X0, by the rules (a copy starts at the latest of the start of the
+ * compute op before it in the list, the lane's previous copy's end and its dependency):
+ *   compute: F0 [0,2]  F1 [2,4]  F2 [4,6]  X2 [6,9]  X1 [9,12]  X0 [12,15]
+ *   copies:  O0 [2,3] (after F0)  O1 [4,5] (after F1)  R1 [6,7] (issued at X2's start)
+ *            R0 [9,10] (issued at X1's start)
+ * Device memory: +1 at 0 and 2 (2), -1 at 3 (1), +1 at 4 (2), -1 at 5 (1), +1 at 6 (2), at 9 X2
+ * frees before R0 takes (1, 2), -1 at 12 and 15: peak 2, where the same order without copies
+ * holds all three microbatches (3). Host: +1 at 2, +1 at 4 (2), -1 at 7 and 10: peak 2. The
+ * copies run beside the compute: span 15, busy 15, no bubble. */
+static const zb_op_t offloaded[] = {F(0, 0), O(0, 0), F(0, 1), O(0, 1), F(0, 2),
+                                    X(0, 2), R(0, 1), X(0, 1), R(0, 0), X(0, 0)};
+
+static void test_copy_lane_by_hand(void **state) {
+  (void)state;
+  zb_schedule_t *s = one_rank(offloaded, 10, 0);
+  ZB_ASSERT_OK(zb_schedule_validate(s));
+  zb_sim_result_t r;
+  ZB_ASSERT_OK(zb_schedule_simulate(s, &r));
+  const double want_start[] = {0, 2, 2, 4, 4, 6, 6, 9, 9, 12}, want_end[] = {2, 3, 4, 5, 6, 9, 7, 12, 10, 15};
+  const double *st, *en;
+  ZB_ASSERT_OK(zb_schedule_rank_times(s, 0, &st, &en));
+  for (int k = 0; k < 10; k++) assert_near(st[k], want_start[k]), assert_near(en[k], want_end[k]);
+  double dev, host, span, busy, peak;
+  ZB_ASSERT_OK(zb_schedule_rank_memory(s, 0, &dev, &host));
+  assert_near(dev, 2), assert_near(host, 2);
+  ZB_ASSERT_OK(zb_schedule_rank_stats(s, 0, &span, &busy, &peak));
+  assert_near(span, 15), assert_near(busy, 15), assert_near(peak, 2);
+  assert_near(r.cost, 15), assert_near(r.bubble_rate, 0), assert_near(r.max_peak_memory, 2);
+  double t;
+  ZB_ASSERT_OK(zb_schedule_op_time(s, ZB_OP_RELOAD, 0, &t));
+  assert_near(t, 1);
+  zb_schedule_destroy(s);
+
+  /* The same compute order without the copies keeps every microbatch resident. */
+  const zb_op_t plain[] = {F(0, 0), F(0, 1), F(0, 2), X(0, 2), X(0, 1), X(0, 0)};
+  s = one_rank(plain, 6, 0);
+  ZB_ASSERT_OK(zb_schedule_simulate(s, &r));
+  ZB_ASSERT_OK(zb_schedule_rank_memory(s, 0, &dev, &host));
+  assert_near(dev, 3), assert_near(host, 0), assert_near(r.cost, 15);
+  zb_schedule_destroy(s);
+}
+
+/* A reload issued late holds its backward back. F0 O0 F1 F2 X2 X1 R0 X0 with T_RELOAD 5: R0 is
+ * issued at the start of X1, the compute op before it (9), and runs [9,14]; X0 waits for it,
+ * [14,17] instead of [12,15]: span 17, busy 15, bubble 2/17. */
+static void test_a_late_reload_delays_its_backward(void **state) {
+  (void)state;
+  const zb_op_t ops[] = {F(0, 0), O(0, 0), F(0, 1), F(0, 2), X(0, 2), X(0, 1), R(0, 0), X(0, 0)};
+  const zb_op_t *lists[] = {ops};
+  int32_t n = 8;
+  zb_schedule_spec_t spec = zb_test_spec(ZB_KIND_CUSTOM, 1, 3, 1);
+  spec.time_f = 2, spec.time_bw = 3, spec.time_offload = 1, spec.time_reload = 5;
+  zb_schedule_t *s = NULL;
+  ZB_ASSERT_OK(zb_schedule_create_from_ops(&s, &spec, ZB_PLACEMENT_LOOP, lists, &n));
+  zb_sim_result_t r;
+  ZB_ASSERT_OK(zb_schedule_simulate(s, &r));
+  const double *st, *en;
+  ZB_ASSERT_OK(zb_schedule_rank_times(s, 0, &st, &en));
+  assert_near(st[6], 9), assert_near(en[6], 14), assert_near(st[7], 14), assert_near(en[7], 17);
+  assert_near(r.cost, 17), assert_near(r.bubble_rate, 2.0 / 17.0);
+  zb_schedule_destroy(s);
+}
+
+/* The limit bounds device-resident memory: 2 passes with the copies and fails without them. */
+static void test_memory_limit_counts_the_device(void **state) {
+  (void)state;
+  zb_schedule_t *s = one_rank(offloaded, 10, 2);
+  ZB_ASSERT_OK(zb_schedule_validate(s));
+  zb_schedule_destroy(s);
+  const zb_op_t plain[] = {F(0, 0), F(0, 1), F(0, 2), X(0, 2), X(0, 1), X(0, 0)};
+  s = one_rank(plain, 6, 2);
+  ASSERT_STATUS(zb_schedule_validate(s), ZB_ERR_INVALID_SCHEDULE);
+  ASSERT_CONTAINS(zb_last_error(), "above the limit 2");
+  zb_schedule_destroy(s);
+}
+
+/* Every copy rule, each with a message naming the rank, the position and the rule. */
+static void test_copy_rules(void **state) {
+  (void)state;
+  const struct {
+    zb_op_t ops[8];
+    int32_t n;
+    const char *want;
+  } cases[] = {
+      {{O(0, 0), F(0, 0), F(0, 1), F(0, 2), X(0, 0), X(0, 1), X(0, 2)}, 7, "position 0: OFFLOAD of stage 0 mb 0 comes before its F"},
+      {{F(0, 0), R(0, 0), F(0, 1), F(0, 2), X(0, 0), X(0, 1), X(0, 2)}, 7, "RELOAD of stage 0 mb 0 with no OFFLOAD"},
+      {{F(0, 0), O(0, 0), F(0, 1), F(0, 2), X(0, 0), R(0, 0), X(0, 1), X(0, 2)}, 8, "reads the activations offloaded at position 1"},
+      {{F(0, 0), O(0, 0), F(0, 1), F(0, 2), X(0, 1), X(0, 2), O(0, 1)}, 7, "comes after its backward"},
+      {{F(0, 0), O(0, 0), O(0, 0), F(0, 1), F(0, 2), X(0, 1), X(0, 2)}, 7, "a second OFFLOAD for stage 0 mb 0"},
+      {{F(0, 0), O(0, 0), F(0, 1), F(0, 2), X(0, 1), X(0, 2)}, 6, "has no B or BW"},
+  };
+  for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+    zb_schedule_t *s = one_rank(cases[c].ops, cases[c].n, 0);
+    ASSERT_STATUS(zb_schedule_validate(s), ZB_ERR_INVALID_SCHEDULE);
+    ASSERT_CONTAINS(zb_last_error(), cases[c].want);
+    ASSERT_CONTAINS(zb_last_error(), "rank 0");
+    zb_schedule_destroy(s);
+  }
+}
+
+/* Every export shows the copies, and the CSV reads back to the same ops and times. */
+static void test_exports_show_the_copy_lane(void **state) {
+  (void)state;
+  zb_schedule_t *s = one_rank(offloaded, 10, 0);
+  char *text = NULL;
+  size_t len = 0;
+  ZB_ASSERT_OK(zb_schedule_export(s, ZB_FORMAT_TEXT, &text, &len));
+  ASSERT_CONTAINS(text, " copy |");
+  ASSERT_CONTAINS(text, "O0");
+  ASSERT_CONTAINS(text, "host 2");
+  zb_free(text);
+  ZB_ASSERT_OK(zb_schedule_export(s, ZB_FORMAT_JSON, &text, &len));
+  ASSERT_CONTAINS(text, "\"op\": \"OFFLOAD\", \"stage\": 0, \"mb\": 0, \"start\": 2, \"end\": 3");
+  ASSERT_CONTAINS(text, "\"host_peak_memory\": [2]");
+  zb_free(text);
+  ZB_ASSERT_OK(zb_schedule_export(s, ZB_FORMAT_CHROME, &text, &len));
+  ASSERT_CONTAINS(text, "\"name\": \"rank 0 copy\"");
+  ASSERT_CONTAINS(text, "\"name\": \"RELOAD1\", \"cat\": \"RELOAD\", \"ph\": \"X\", \"ts\": 6000, \"dur\": 1000, "
+                        "\"pid\": 0, \"tid\": 1");
+  zb_free(text);
+  ZB_ASSERT_OK(zb_schedule_export(s, ZB_FORMAT_SVG, &text, &len));
+  ASSERT_CONTAINS(text, "<rect class=\"copy\"");
+  ASSERT_CONTAINS(text, "offload to host");
+  zb_free(text);
+
+  ZB_ASSERT_OK(zb_schedule_export(s, ZB_FORMAT_CSV, &text, &len));
+  ASSERT_CONTAINS(text, "0F0,0OFFLOAD0,0F1,0OFFLOAD1,0F2,0B2,0RELOAD1,0B1,0RELOAD0,0B0");
+  zb_schedule_spec_t spec = zb_test_spec(ZB_KIND_CUSTOM, 1, 3, 1);
+  spec.time_f = 2, spec.time_bw = 3, spec.time_offload = 1, spec.time_reload = 1;
+  zb_schedule_t *back = NULL;
+  ZB_ASSERT_OK(zb_schedule_import(&back, ZB_FORMAT_CSV, text, len, &spec));
+  zb_free(text);
+  const zb_op_t *a, *b;
+  int32_t na, nb;
+  ZB_ASSERT_OK(zb_schedule_rank_ops(s, 0, &a, &na));
+  ZB_ASSERT_OK(zb_schedule_rank_ops(back, 0, &b, &nb));
+  assert_int_equal(na, nb);
+  assert_memory_equal(a, b, sizeof(zb_op_t) * (size_t)na);
+  zb_sim_result_t r1, r2;
+  ZB_ASSERT_OK(zb_schedule_simulate(s, &r1));
+  ZB_ASSERT_OK(zb_schedule_simulate(back, &r2));
+  assert_near(r2.cost, r1.cost), assert_near(r2.max_peak_memory, 2);
+  zb_schedule_destroy(back);
+  zb_schedule_destroy(s);
+}
+
+/* The runner does not run copies yet: it says so instead of running a schedule it would get wrong. */
+static zb_status_t noop_fwd(void *u, int32_t s, int32_t m, const void *i, void *o) {
+  (void)u, (void)s, (void)m, (void)i, (void)o;
+  return ZB_OK;
+}
+
+static void test_runner_refuses_copies(void **state) {
+  (void)state;
+  zb_schedule_t *s = one_rank(offloaded, 10, 0);
+  zb_backend_t *be = NULL;
+  zb_wstore_t *ws = NULL;
+  ZB_ASSERT_OK(zb_backend_create_host(&be));
+  ZB_ASSERT_OK(zb_wstore_create(&ws, be, NULL, NULL));
+  zb_runner_config_t rc = ZB_RUNNER_CONFIG_INIT;
+  rc.rank = 0, rc.schedule = s, rc.backend = be, rc.wstore = ws;
+  rc.forward_cb = noop_fwd, rc.backward_cb = noop_fwd;
+  zb_runner_t *run = NULL;
+  ASSERT_STATUS(zb_runner_create(&run, &rc), ZB_ERR_UNSUPPORTED);
+  ASSERT_CONTAINS(zb_last_error(), "position 1: the schedule has OFFLOAD ops");
+  assert_null(run);
+  zb_wstore_destroy(ws);
+  zb_backend_destroy(be);
+  zb_schedule_destroy(s);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_copy_lane_by_hand),
+      cmocka_unit_test(test_a_late_reload_delays_its_backward),
+      cmocka_unit_test(test_memory_limit_counts_the_device),
+      cmocka_unit_test(test_copy_rules),
+      cmocka_unit_test(test_exports_show_the_copy_lane),
+      cmocka_unit_test(test_runner_refuses_copies),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
