@@ -717,3 +717,25 @@ def test_stack_svgs_draws_pictures_one_above_the_other_under_their_captions():
     assert float(root.attrib["width"]) == max(float(ET.fromstring(svg).attrib["width"]) for _, svg in parts)
     with pytest.raises(ValueError, match="width and height"):
         stack_svgs([("x", "<g/>")])
+
+
+def test_copies_from_python_run_on_their_own_lane():
+    # PipeOffload's copies through the Python API: the same hand-worked case as test_copies.c
+    # (one rank, T_F 2, T_BW 3, copies 1): the OFFLOADs take microbatches 0 and 1 off the device,
+    # so the device peak is 2 where the order without copies holds 3, and the host holds 2.
+    order = ["F0", "OFFLOAD0", "F1", "OFFLOAD1", "F2", "BW2", "RELOAD1", "BW1", "RELOAD0", "BW0"]
+    ops = [Op(t.rstrip("0123456789"), 0, int(t[-1])) for t in order]
+    times = {"f": 2, "b": 1, "w": 1, "bw": 3, "offload": 1, "reload": 1}
+    with Schedule.from_ops([ops], m=3, times=times) as s:
+        s.validate()
+        assert [op.type for op in s.rank_ops(0)][:2] == ["F", "OFFLOAD"]
+        assert s.rank_memory(0) == (2.0, 2.0)
+        starts, ends = s.rank_times(0)
+        assert (starts[6], ends[6]) == (6.0, 7.0)  # RELOAD1, issued at BW2's start
+        assert s.simulate().cost == 15.0 and s.op_time("RELOAD", 0) == 1.0
+        assert "0OFFLOAD0" in s.export("csv")
+    plain = [op for op in ops if op.type in ("F", "BW")]
+    with Schedule.from_ops([plain], m=3, times=times) as s:
+        assert s.rank_memory(0) == (3.0, 0.0)
+    with pytest.raises(ValueError, match="'OFFLOAD', 'RELOAD'"):
+        Schedule.from_ops([[Op("COPY", 0, 0)]], m=1)

@@ -42,7 +42,7 @@ def _count(x, what, minimum=1):
     return value
 
 
-_TIME_KEYS = ("f", "b", "w", "bw")
+_TIME_KEYS = ("f", "b", "w", "bw", "offload", "reload")
 
 
 def _parse_times(times, stages, where):
@@ -51,7 +51,8 @@ def _parse_times(times, stages, where):
     Returns ({'f': scalar, ...}, {'f': [S floats] or None, ...}). `stages` is S, the number of
     per-stage values a list must have; `where` says how S was worked out, for the message.
     """
-    scalars = {"f": 1.0, "b": 1.0, "w": 1.0, "bw": 0.0}  # bw <= 0 means b + w (zbpp.h)
+    # bw <= 0 means b + w (zbpp.h); offload and reload: the copy times of PipeOffload's ops
+    scalars = {"f": 1.0, "b": 1.0, "w": 1.0, "bw": 0.0, "offload": 0.0, "reload": 0.0}
     arrays = dict.fromkeys(_TIME_KEYS)
     if times is None:
         return scalars, arrays
@@ -60,17 +61,19 @@ def _parse_times(times, stages, where):
             raise ValueError(
                 f"times as a tuple must be (f, b, w) or (f, b, w, bw) numbers (per-rank times), got {times!r}; "
                 "use a dict such as {'f': [...], 'b': ...} for per-stage times")
-        for key, value in zip(_TIME_KEYS, times):
+        for key, value in zip(_TIME_KEYS[:4], times):
             scalars[key] = float(value)
         return scalars, arrays
     if not isinstance(times, dict):
         raise TypeError(
-            f"times must be None, a dict with keys among 'f', 'b', 'w', 'bw', or a tuple (f, b, w[, bw]); "
+            f"times must be None, a dict with keys among 'f', 'b', 'w', 'bw', 'offload', 'reload', or a tuple "
+            f"(f, b, w[, bw]); "
             f"got {type(times).__name__}")
     for raw_key, value in times.items():
         key = raw_key.lower() if isinstance(raw_key, str) else raw_key
         if key not in _TIME_KEYS:
-            raise ValueError(f"times has an unknown key {raw_key!r}; allowed keys: 'f', 'b', 'w', 'bw' (any case)")
+            raise ValueError(f"times has an unknown key {raw_key!r}; allowed keys: 'f', 'b', 'w', 'bw', 'offload', "
+                             "'reload' (any case)")
         if _is_number(value):
             scalars[key] = float(value)
             continue

@@ -32,12 +32,12 @@ __all__ = ["Op", "Schedule", "SimResult", "kinds", "stack_svgs"]
 
 # ---- constants mirrored from include/zbpp.h ------------------------------------------------------
 
-ZB_SCHEDULE_SPEC_VERSION = 1
+ZB_SCHEDULE_SPEC_VERSION = 2
 ZB_KIND_COUNT = 10
 ZB_KIND_CUSTOM = 9
 
 # zb_op_type_t: the index is the C value.
-_OP_NAMES = ("F", "B", "W", "BW")
+_OP_NAMES = ("F", "B", "W", "BW", "OFFLOAD", "RELOAD")
 _OP_CODES = {name: code for code, name in enumerate(_OP_NAMES)}
 
 # zb_format_t: the one format zb_schedule_import reads.
@@ -83,14 +83,18 @@ class _Spec(ctypes.Structure):
         ("mem_limit", ctypes.c_double),
         ("placement_set", ctypes.c_int32),
         ("placement", ctypes.c_int),  # zb_placement_t
+        ("time_offload", ctypes.c_double),  # version 2: PipeOffload's copy times
+        ("time_reload", ctypes.c_double),
+        ("stage_time_offload", _c_double_p),
+        ("stage_time_reload", _c_double_p),
     ]
 
     @classmethod
     def init(cls):
         # The same values as ZB_SCHEDULE_SPEC_INIT: kind 1F1B, p = 1, v = 0 (the kind's default),
-        # m = 1, times 1/1/1 with bw = b + w, no comm, w_share 0.5, no memory limit.
+        # m = 1, times 1/1/1 with bw = b + w, no comm, w_share 0.5, no memory limit, free copies.
         return cls(ctypes.sizeof(cls), ZB_SCHEDULE_SPEC_VERSION, 1, 1, 0, 1,
-                   1.0, 1.0, 1.0, 0.0, None, None, None, None, 0.0, 0.5, 0.0, 0, 0)
+                   1.0, 1.0, 1.0, 0.0, None, None, None, None, 0.0, 0.5, 0.0, 0, 0, 0.0, 0.0, None, None)
 
 
 class _Info(ctypes.Structure):
@@ -189,12 +193,12 @@ def _resolve_kind(kind):
 
 
 def _op_code(type_, what):
-    """zb_op_type_t for 'F', 'B', 'W' or 'BW' (any case)."""
+    """zb_op_type_t for 'F', 'B', 'W', 'BW', 'OFFLOAD' or 'RELOAD' (any case)."""
     if isinstance(type_, str):
         code = _OP_CODES.get(type_.upper())
         if code is not None:
             return code
-    raise ValueError(f"{what}: op type {type_!r} is not one of 'F', 'B', 'W', 'BW'")
+    raise ValueError(f"{what}: op type {type_!r} is not one of {', '.join(repr(n) for n in _OP_NAMES)}")
 
 
 def _build_spec(kind, p, v, m, times_parts, comm, w_share, mem_limit):
@@ -205,7 +209,8 @@ def _build_spec(kind, p, v, m, times_parts, comm, w_share, mem_limit):
     spec.ranks = p
     spec.chunks = v
     spec.microbatches = m
-    spec.time_f, spec.time_b, spec.time_w, spec.time_bw = (scalars[k] for k in _TIME_KEYS)
+    spec.time_f, spec.time_b, spec.time_w, spec.time_bw, spec.time_offload, spec.time_reload = (
+        scalars[k] for k in _TIME_KEYS)
     keep = []
     for key in _TIME_KEYS:
         if arrays[key] is not None:
@@ -511,7 +516,8 @@ class Schedule(_ScheduleExports):
                    ctypes.POINTER(ctypes.c_int32)],
                   self.handle, _index(rank, "rank"), ctypes.byref(ops), ctypes.byref(count))
         # Copy out now: the array belongs to the handle and dies with it.
-        return [Op(_OP_NAMES[o.type] if 0 <= o.type < 4 else str(o.type), o.stage, o.mb) for o in ops[: count.value]]
+        return [Op(_OP_NAMES[o.type] if 0 <= o.type < len(_OP_NAMES) else str(o.type), o.stage, o.mb)
+                for o in ops[: count.value]]
 
     def stage_rank(self, stage):
         """The rank that holds `stage` under the schedule's placement."""
@@ -529,8 +535,8 @@ class Schedule(_ScheduleExports):
         return [s for s in range(self.stages) if self.stage_rank(s) == rank]
 
     def op_time(self, type, stage):
-        """The time of one op of a type ('F', 'B', 'W', 'BW') at a stage, as the model uses it
-        (a per-rank time already divided by v)."""
+        """The time of one op of a type ('F', 'B', 'W', 'BW', 'OFFLOAD', 'RELOAD') at a stage, as
+        the model uses it (a per-rank time already divided by v)."""
         out = ctypes.c_double(0.0)
         _lib.call("zb_schedule_op_time",
                   [ctypes.c_void_p, ctypes.c_int, ctypes.c_int32, ctypes.POINTER(ctypes.c_double)],
@@ -587,6 +593,18 @@ class Schedule(_ScheduleExports):
                   [ctypes.c_void_p, ctypes.c_int32] + [ctypes.POINTER(ctypes.c_double)] * 3,
                   self.handle, rank, ctypes.byref(span), ctypes.byref(busy), ctypes.byref(peak))
         return span.value, busy.value, peak.value
+
+    def rank_memory(self, rank):
+        """(device peak, host peak) of rank `rank` in microbatches through all of its layers;
+        simulates first if needed. The device peak is rank_stats' peak memory; the host peak is
+        what its OFFLOAD ops hold in host memory at once (0 without them). Both are counted in
+        time over the compute and the copy lane (zb_schedule_rank_memory)."""
+        rank = _index(rank, "rank")
+        self.simulate()
+        dev, host = ctypes.c_double(), ctypes.c_double()
+        _lib.call("zb_schedule_rank_memory", [ctypes.c_void_p, ctypes.c_int32] + [ctypes.POINTER(ctypes.c_double)] * 2,
+                  self.handle, rank, ctypes.byref(dev), ctypes.byref(host))
+        return dev.value, host.value
 
     def set_times(self, starts, ends):
         """Replaces the simulated times with measured ones and returns the new figures.
@@ -668,7 +686,8 @@ class Schedule(_ScheduleExports):
         of a type gets 0. Feed them back as generate(times=...) to plan for measured costs."""
         self.simulate()
         S = self.stages
-        bufs = {key: (ctypes.c_double * S)() for key in _TIME_KEYS}
+        keys = _TIME_KEYS[:4]  # the compute ops' (zb_schedule_stage_costs)
+        bufs = {key: (ctypes.c_double * S)() for key in keys}
         _lib.call("zb_schedule_stage_costs", [ctypes.c_void_p] + [_c_double_p] * 4,
-                  self.handle, *(ctypes.cast(bufs[key], _c_double_p) for key in _TIME_KEYS))
-        return {key: list(bufs[key]) for key in _TIME_KEYS}
+                  self.handle, *(ctypes.cast(bufs[key], _c_double_p) for key in keys))
+        return {key: list(bufs[key]) for key in keys}
