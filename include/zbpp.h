@@ -306,6 +306,31 @@ ZB_API zb_status_t zb_schedule_rank_stats(const zb_schedule_t *schedule, int32_t
 ZB_API zb_status_t zb_schedule_rank_memory(const zb_schedule_t *schedule, int32_t rank, double *device_peak,
                                            double *host_peak);
 
+/* The offload pass (PipeOffload): a new schedule, *out, with the same compute ops in the same
+ * order and OFFLOAD/RELOAD copies added where they pay (the schedule's own T_OFFLOAD/T_RELOAD).
+ * The rule (csrc/schedule/offload.c): microbatches whose activations live at least a round trip
+ * are tried longest-lived first; each gets its OFFLOAD right after its F and its RELOAD after the
+ * latest compute op that leaves T_RELOAD before its backward; a candidate is kept only when the
+ * step (makespan) stays within (1 + slowdown) of the schedule without copies, the rank's device
+ * peak does not grow and the host peak stays under host_limit. A copy that does not fit is left
+ * out, never an error. With device_limit > 0 the pass stops once every rank's device peak is at
+ * most that; with <= 0 it offloads all it can. *out comes simulated; schedule is not changed. */
+#define ZB_OFFLOAD_CONFIG_VERSION 1
+
+typedef struct {
+  uint32_t struct_size; /* sizeof(zb_offload_config_t) */
+  uint32_t version;     /* ZB_OFFLOAD_CONFIG_VERSION */
+  double device_limit;  /* microbatches through all of a rank's layers; <= 0: offload all that fits */
+  double slowdown;      /* the step may grow by this fraction at most (>= 0; 0: not at all) */
+  double host_limit;    /* microbatches held in host memory per rank at most; <= 0: none */
+} zb_offload_config_t;
+
+#define ZB_OFFLOAD_CONFIG_INIT {sizeof(zb_offload_config_t), ZB_OFFLOAD_CONFIG_VERSION, 0.0, 0.0, 0.0}
+
+/* config may be NULL for ZB_OFFLOAD_CONFIG_INIT. */
+ZB_API zb_status_t zb_schedule_plan_offload(zb_schedule_t **out, const zb_schedule_t *schedule,
+                                            const zb_offload_config_t *config);
+
 typedef enum {
   ZB_FORMAT_TEXT = 0,   /* a rank-by-time grid for a terminal */
   ZB_FORMAT_CSV = 1,    /* torch.distributed.pipelining's compute_only action grammar */

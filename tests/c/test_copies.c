@@ -202,6 +202,137 @@ static void test_runner_refuses_copies(void **state) {
   zb_schedule_destroy(s);
 }
 
+/* End to end: the first op's start to the last op's end over all ranks. */
+static double makespan(zb_schedule_t *s) {
+  zb_schedule_info_t info;
+  ZB_ASSERT_OK(zb_schedule_get_info(s, &info));
+  ZB_ASSERT_OK(zb_schedule_simulate(s, NULL));
+  double lo = INFINITY, hi = -INFINITY;
+  for (int r = 0; r < info.ranks; r++) {
+    const zb_op_t *ops;
+    int32_t n;
+    const double *st, *en;
+    ZB_ASSERT_OK(zb_schedule_rank_ops(s, r, &ops, &n));
+    ZB_ASSERT_OK(zb_schedule_rank_times(s, r, &st, &en));
+    for (int k = 0; k < n; k++) lo = fmin(lo, st[k]), hi = fmax(hi, en[k]);
+  }
+  return hi - lo;
+}
+
+static int count_copies(const zb_schedule_t *s, int p) {
+  int copies = 0;
+  for (int r = 0; r < p; r++) {
+    const zb_op_t *ops;
+    int32_t n;
+    ZB_ASSERT_OK(zb_schedule_rank_ops(s, r, &ops, &n));
+    for (int k = 0; k < n; k++) copies += ops[k].type == ZB_OP_OFFLOAD || ops[k].type == ZB_OP_RELOAD;
+  }
+  return copies;
+}
+
+/* The compute ops of `a` and `b` are the same, in the same order, on every rank. */
+static void assert_same_compute(const zb_schedule_t *a, const zb_schedule_t *b, int p) {
+  for (int r = 0; r < p; r++) {
+    const zb_op_t *x, *y;
+    int32_t nx, ny, i = 0, j = 0;
+    ZB_ASSERT_OK(zb_schedule_rank_ops(a, r, &x, &nx));
+    ZB_ASSERT_OK(zb_schedule_rank_ops(b, r, &y, &ny));
+    for (;; i++, j++) {
+      while (i < nx && (x[i].type == ZB_OP_OFFLOAD || x[i].type == ZB_OP_RELOAD)) i++;
+      while (j < ny && (y[j].type == ZB_OP_OFFLOAD || y[j].type == ZB_OP_RELOAD)) j++;
+      if (i == nx || j == ny) break;
+      if (memcmp(&x[i], &y[j], sizeof x[i]) != 0) fail_msg("rank %d: compute op %d differs", r, i);
+    }
+    assert_int_equal(nx - i, 0), assert_int_equal(ny - j, 0);
+  }
+}
+
+static zb_schedule_t *generated(zb_kind_t kind, int p, int m, double copy) {
+  zb_schedule_spec_t spec = zb_test_spec(kind, p, m, 0);
+  spec.time_f = spec.time_b = spec.time_w = 1;
+  spec.time_offload = spec.time_reload = copy;
+  zb_schedule_t *s = NULL;
+  ZB_ASSERT_OK(zb_schedule_create(&s, &spec));
+  return s;
+}
+
+/* 1F1B, p = 4, m = 8, F = B = W = 1, copies of 1/4: rank 0 holds 4 microbatches without copies;
+ * the pass moves the long-lived ones out and the step is as long as before. */
+static void test_offload_pass_keeps_the_step(void **state) {
+  (void)state;
+  zb_schedule_t *base = generated(ZB_KIND_1F1B, 4, 8, 0.25), *off = NULL;
+  ZB_ASSERT_OK(zb_schedule_plan_offload(&off, base, NULL));
+  ZB_ASSERT_OK(zb_schedule_validate(off));
+  assert_same_compute(base, off, 4);
+  double t0 = makespan(base), t1 = makespan(off), dev0, dev1, host;
+  if (t1 > t0 + 1e-9) fail_msg("the step grew from %g to %g", t0, t1);
+  ZB_ASSERT_OK(zb_schedule_rank_memory(base, 0, &dev0, &host));
+  ZB_ASSERT_OK(zb_schedule_rank_memory(off, 0, &dev1, &host));
+  assert_near(dev0, 4);
+  if (!(dev1 < dev0 - 0.5)) fail_msg("rank 0's device peak %g did not fall below %g", dev1, dev0);
+  assert_true(host > 0);
+  int all = count_copies(off, 4);
+  assert_true(all > 0);
+
+  /* A device limit stops the pass once met: no more copies than offloading all it can. */
+  zb_offload_config_t cfg = ZB_OFFLOAD_CONFIG_INIT;
+  cfg.device_limit = 3;
+  zb_schedule_t *lim = NULL;
+  ZB_ASSERT_OK(zb_schedule_plan_offload(&lim, base, &cfg));
+  ZB_ASSERT_OK(zb_schedule_validate(lim));
+  for (int r = 0; r < 4; r++) {
+    ZB_ASSERT_OK(zb_schedule_rank_memory(lim, r, &dev1, &host));
+    if (dev1 > 3 + 1e-9) fail_msg("rank %d holds %g, above the limit 3", r, dev1);
+  }
+  assert_true(count_copies(lim, 4) > 0 && count_copies(lim, 4) < all);
+  zb_schedule_destroy(lim);
+  zb_schedule_destroy(off);
+
+  /* Copies slower than any lifespan: nothing is offloaded, and that is no error. */
+  zb_schedule_t *slow = generated(ZB_KIND_1F1B, 4, 8, 50);
+  ZB_ASSERT_OK(zb_schedule_plan_offload(&off, slow, NULL));
+  assert_int_equal(count_copies(off, 4), 0);
+  assert_same_compute(slow, off, 4);
+  zb_schedule_destroy(off);
+  zb_schedule_destroy(slow);
+
+  /* A schedule with copies already, and bad configs, are refused with the reason. */
+  zb_schedule_t *again = NULL;
+  ZB_ASSERT_OK(zb_schedule_plan_offload(&off, base, NULL));
+  ASSERT_STATUS(zb_schedule_plan_offload(&again, off, NULL), ZB_ERR_INVALID_ARGUMENT);
+  ASSERT_CONTAINS(zb_last_error(), "has copies already");
+  cfg.slowdown = -1;
+  ASSERT_STATUS(zb_schedule_plan_offload(&again, base, &cfg), ZB_ERR_INVALID_ARGUMENT);
+  ASSERT_CONTAINS(zb_last_error(), "slowdown");
+  assert_null(again);
+  zb_schedule_destroy(off);
+  zb_schedule_destroy(base);
+}
+
+/* Every kind: the pass validates, keeps the compute order and never lengthens the step. */
+static void test_offload_pass_on_every_kind(void **state) {
+  (void)state;
+  const zb_kind_t kinds[] = {ZB_KIND_GPIPE, ZB_KIND_1F1B, ZB_KIND_INTERLEAVED_1F1B, ZB_KIND_ZB_H1, ZB_KIND_ZB_H2,
+                             ZB_KIND_ZB_V, ZB_KIND_V_HALF, ZB_KIND_V_MIN, ZB_KIND_ZB_AUTO};
+  for (size_t k = 0; k < sizeof kinds / sizeof kinds[0]; k++)
+    for (int p = 2; p <= 4; p += 2) {
+      zb_schedule_t *base = generated(kinds[k], p, 4 * p, 0.2), *off = NULL;
+      ZB_ASSERT_OK(zb_schedule_plan_offload(&off, base, NULL));
+      ZB_ASSERT_OK(zb_schedule_validate(off));
+      assert_same_compute(base, off, p);
+      double t0 = makespan(base), t1 = makespan(off);
+      if (t1 > t0 + 1e-9) fail_msg("%s p=%d: the step grew from %g to %g", zb_kind_name(kinds[k]), p, t0, t1);
+      zb_sim_result_t a, b;
+      ZB_ASSERT_OK(zb_schedule_simulate(base, &a));
+      ZB_ASSERT_OK(zb_schedule_simulate(off, &b));
+      if (b.max_peak_memory > a.max_peak_memory + 1e-9)
+        fail_msg("%s p=%d: the device peak grew from %g to %g", zb_kind_name(kinds[k]), p, a.max_peak_memory,
+                 b.max_peak_memory);
+      zb_schedule_destroy(off);
+      zb_schedule_destroy(base);
+    }
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_copy_lane_by_hand),
@@ -210,6 +341,8 @@ int main(void) {
       cmocka_unit_test(test_copy_rules),
       cmocka_unit_test(test_exports_show_the_copy_lane),
       cmocka_unit_test(test_runner_refuses_copies),
+      cmocka_unit_test(test_offload_pass_keeps_the_step),
+      cmocka_unit_test(test_offload_pass_on_every_kind),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

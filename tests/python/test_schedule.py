@@ -739,3 +739,24 @@ def test_copies_from_python_run_on_their_own_lane():
         assert s.rank_memory(0) == (3.0, 0.0)
     with pytest.raises(ValueError, match="'OFFLOAD', 'RELOAD'"):
         Schedule.from_ops([[Op("COPY", 0, 0)]], m=1)
+
+
+def test_plan_offload_halves_1f1b_memory_at_the_same_step():
+    # 1F1B, p = 4, m = 8, F = B = W = 1, copies of 1/4: every rank's activations are resident
+    # p - r microbatches deep without copies; the offload pass moves the ones that wait out to the
+    # host, so no rank holds more than 2, and the step is as long as before.
+    times = {"f": 1, "b": 1, "w": 1, "offload": 0.25, "reload": 0.25}
+    with Schedule.generate("1f1b", 4, 8, times=times) as base, base.plan_offload() as off:
+        off.validate()
+        assert off.simulate().cost == base.simulate().cost
+        assert [base.rank_memory(r)[0] for r in range(4)] == [4.0, 3.0, 2.0, 1.0]  # 1F1B: p - r
+        assert max(off.rank_memory(r)[0] for r in range(4)) <= 2.0
+        compute = [[op for op in off.rank_ops(r) if op.type not in ("OFFLOAD", "RELOAD")] for r in range(4)]
+        assert compute == [base.rank_ops(r) for r in range(4)]
+        with base.plan_offload(device_limit=3) as lim:
+            assert max(lim.rank_memory(r)[0] for r in range(4)) <= 3
+            n = sum(op.type == "OFFLOAD" for r in range(4) for op in lim.rank_ops(r))
+            assert 0 < n < sum(op.type == "OFFLOAD" for r in range(4) for op in off.rank_ops(r))
+    with pytest.raises(ZbError, match="slowdown"):
+        with Schedule.generate("1f1b", 2, 4) as s:
+            s.plan_offload(slowdown=-1)

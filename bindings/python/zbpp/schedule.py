@@ -97,6 +97,21 @@ class _Spec(ctypes.Structure):
                    1.0, 1.0, 1.0, 0.0, None, None, None, None, 0.0, 0.5, 0.0, 0, 0, 0.0, 0.0, None, None)
 
 
+ZB_OFFLOAD_CONFIG_VERSION = 1
+
+
+class _OffloadConfig(ctypes.Structure):
+    """zb_offload_config_t."""
+
+    _fields_ = [
+        ("struct_size", ctypes.c_uint32),
+        ("version", ctypes.c_uint32),
+        ("device_limit", ctypes.c_double),
+        ("slowdown", ctypes.c_double),
+        ("host_limit", ctypes.c_double),
+    ]
+
+
 class _Info(ctypes.Structure):
     """zb_schedule_info_t."""
 
@@ -544,6 +559,26 @@ class Schedule(_ScheduleExports):
         return out.value
 
     # -- checking and simulating --
+
+    def plan_offload(self, device_limit=None, slowdown=0.0, host_limit=None):
+        """A new Schedule: this one's compute ops in the same order, with PipeOffload's copies
+        (OFFLOAD after an F, RELOAD before its backward) where they pay, timed on this schedule's
+        times['offload'] and times['reload'] (zb_schedule_plan_offload; csrc/schedule/offload.c
+        states the rule). Longest-lived activations go first; a copy is kept only when the step
+        grows by at most `slowdown` (a fraction), the rank's device peak does not grow, and the host
+        holds at most `host_limit` microbatches (None: no limit). With `device_limit` (microbatches
+        through all of a rank's layers) the pass stops once every rank's device peak is at most
+        that; with None it offloads all it can. A copy that does not
+        fit is left out, never an error: check rank_memory() of the result."""
+        cfg = _OffloadConfig(ctypes.sizeof(_OffloadConfig), ZB_OFFLOAD_CONFIG_VERSION,
+                             0.0 if device_limit is None else _number(device_limit, "device_limit"),
+                             _number(slowdown, "slowdown"),
+                             0.0 if host_limit is None else _number(host_limit, "host_limit"))
+        out = ctypes.c_void_p()
+        _lib.call("zb_schedule_plan_offload", [ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p,
+                                               ctypes.POINTER(_OffloadConfig)],
+                  ctypes.byref(out), self.handle, ctypes.byref(cfg))
+        return Schedule(out)
 
     def validate(self):
         """Checks every rule of DESIGN.md section 3; returns self, or raises ZbError

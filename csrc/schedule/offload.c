@@ -1,0 +1,217 @@
+/*
+ * offload.c - the offload pass (PipeOffload): copies placed into any schedule, zb_schedule_plan_offload.
+ *
+ * The rule, stated so it can be tested:
+ *   1. Candidates are the (stage, mb) whose activations live longer than a round trip: from the end
+ *      of F(s,i) to the start of its backward (B or BW) at least T_OFFLOAD(s) + T_RELOAD(s), in the
+ *      schedule as given. They are tried longest lifespan first (ties: lower stage, then lower mb),
+ *      as the activations held longest are the ones worth moving (PipeOffload's selective offload).
+ *   2. A candidate gets its OFFLOAD right after its F in the rank's list (issued with the F, so it
+ *      starts when the F ends and the lane is free) and its RELOAD right after the latest compute
+ *      op whose start leaves T_RELOAD before the backward starts (it is issued there), in the
+ *      schedule as it stands with the copies accepted so far, each behind copies already issued at
+ *      that point. With no compute op between the F and that point, there is no room: the
+ *      candidate is skipped.
+ *   3. The schedule with the candidate's copies is simulated; it is kept when the end-to-end time
+ *      (makespan) stays within (1 + slowdown) of the schedule without copies, the rank's device peak
+ *      does not grow, and the host peak stays under host_limit where one is set. Otherwise the
+ *      candidate is dropped and the next one is tried: a copy that does not fit is never an error,
+ *      the result just has fewer copies.
+ *   4. With device_limit set, the pass stops once every rank's device peak is at most the limit;
+ *      without, it offloads every candidate that the rule keeps.
+ * Compute ops keep their order, so what the ranks compute, and in which order, is unchanged.
+ *
+ * What this is not: a search over op orders (the compute order is the input's; zb-auto's planning
+ * with offload is a later step), nor a model of a PCIe link shared by two ranks.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+typedef struct {
+  int stage, mb;
+  double life;
+} cand_t;
+
+static int cand_cmp(const void *a, const void *b) {
+  const cand_t *x = a, *y = b;
+  if (x->life != y->life) return x->life > y->life ? -1 : 1;
+  if (x->stage != y->stage) return x->stage - y->stage;
+  return x->mb - y->mb;
+}
+
+/* Simulates t's ops into start/end and fills the makespan and rank r's (or every rank's, r < 0)
+ * device peak and the largest host peak. ZB_ERR_INVALID_SCHEDULE when the ops cannot run. */
+static zb_status_t measure(const zb_schedule_t *t, double *start, double *end, double *makespan, double *dev,
+                           double *host_max) {
+  ZB_CHECK(zb__simulate_times(t, start, end));
+  *makespan = zb__makespan_of(t, start, end);
+  *host_max = 0;
+  for (int r = 0; r < t->p; r++) {
+    double d, h, at;
+    int over;
+    ZB_CHECK(zb__rank_memory(t, r, start, end, 0, &d, &h, &over, &at));
+    dev[r] = d;
+    if (h > *host_max) *host_max = h;
+  }
+  return ZB_OK;
+}
+
+/* Positions (in t's flat list) of F(s,i) and its backward on their rank; -1 if absent. */
+static void find_ops(const zb_schedule_t *t, int r, int stage, int mb, int *pf, int *pb) {
+  *pf = *pb = -1;
+  for (int k = t->rank_off[r]; k < t->rank_off[r + 1]; k++) {
+    const zb_op_t *op = &t->ops[k];
+    if (op->stage != stage || op->mb != mb) continue;
+    if (op->type == ZB_OP_F) *pf = k;
+    if ((op->type == ZB_OP_B || op->type == ZB_OP_BW) && *pb < 0) *pb = k;
+  }
+}
+
+/* t's ops with OFFLOAD inserted after position pf and RELOAD after position q (pf < q, compute
+ * ops of rank r), each behind the copies already there: the copy lane runs in list order, so a
+ * copy put ahead of one issued at the same point could hold it up (an OFFLOAD waits for its F to
+ * end, while a RELOAD behind it could have started at the F's start). `into` has n_ops + 2
+ * entries; rank_off of t is updated. */
+static void insert_copies(zb_schedule_t *t, zb_op_t *into, int r, int pf, int q, int stage, int mb) {
+  int last = t->rank_off[r + 1] - 1;
+  while (pf < last && zb__op_is_copy(t->ops[pf + 1].type)) pf++;
+  while (q < last && zb__op_is_copy(t->ops[q + 1].type)) q++;
+  int j = 0;
+  for (int k = 0; k < t->n_ops; k++) {
+    into[j++] = t->ops[k];
+    if (k == pf) into[j++] = (zb_op_t){ZB_OP_OFFLOAD, stage, mb};
+    if (k == q) into[j++] = (zb_op_t){ZB_OP_RELOAD, stage, mb};
+  }
+  memcpy(t->ops, into, (size_t)j * sizeof *into);
+  t->n_ops = j;
+  for (int x = r + 1; x <= t->p; x++) t->rank_off[x] += 2;
+  zb__schedule_invalidate(t);
+}
+
+zb_status_t zb_schedule_plan_offload(zb_schedule_t **out, const zb_schedule_t *src, const zb_offload_config_t *cfg) {
+  ZB_ARG_NOT_NULL(out);
+  *out = NULL;
+  ZB_ARG_NOT_NULL(src);
+  zb_offload_config_t c = ZB_OFFLOAD_CONFIG_INIT;
+  if (cfg) {
+    if (cfg->struct_size < sizeof(zb_offload_config_t) || cfg->version != ZB_OFFLOAD_CONFIG_VERSION)
+      return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
+                     "zb_offload_config_t has struct_size %u and version %u; initialise it with "
+                     "ZB_OFFLOAD_CONFIG_INIT (size %zu, version %d)",
+                     (unsigned)cfg->struct_size, (unsigned)cfg->version, sizeof(zb_offload_config_t),
+                     ZB_OFFLOAD_CONFIG_VERSION);
+    c = *cfg;
+  }
+  if (isnan(c.device_limit) || isinf(c.device_limit) || isnan(c.host_limit) || isinf(c.host_limit) ||
+      !(c.slowdown >= 0) || isinf(c.slowdown))
+    return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
+                   "zb_offload_config_t: device_limit %g, host_limit %g (finite; <= 0 for none) and slowdown %g "
+                   "(a fraction >= 0 the step may grow by)",
+                   c.device_limit, c.host_limit, c.slowdown);
+  ZB_CHECK(zb__validate_structure(src));
+  for (int k = 0; k < src->n_ops; k++)
+    if (zb__op_is_copy(src->ops[k].type))
+      return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
+                     "the schedule has copies already (%s stage %d mb %d); plan offload on a schedule without them",
+                     zb__op_name(src->ops[k].type), src->ops[k].stage, src->ops[k].mb);
+
+  zb_schedule_t *t = NULL;
+  ZB_CHECK(zb__schedule_clone_empty(src, &t));
+  t->kind = src->kind;
+  size_t cap = (size_t)src->n_ops + 2 * (size_t)src->S * (size_t)src->m + 1;
+  zb_op_t *ops = malloc(cap * sizeof *ops), *scratch = malloc(cap * sizeof *ops);
+  double *start = malloc(cap * sizeof(double)), *end = malloc(cap * sizeof(double));
+  double *tstart = malloc(cap * sizeof(double)), *tend = malloc(cap * sizeof(double));
+  double *dev = malloc((size_t)src->p * sizeof(double)), *tdev = malloc((size_t)src->p * sizeof(double));
+  cand_t *cand = malloc(((size_t)src->S * (size_t)src->m + 1) * sizeof *cand);
+  zb_op_t *saved = malloc(cap * sizeof *saved);
+  int *saved_off = malloc(((size_t)src->p + 1) * sizeof(int));
+  zb_status_t st = ZB_OK;
+  if (!ops || !scratch || !start || !end || !tstart || !tend || !dev || !tdev || !cand || !saved || !saved_off) {
+    st = ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory planning offload for %d ops", src->n_ops);
+    goto done;
+  }
+  memcpy(ops, src->ops, (size_t)src->n_ops * sizeof *ops);
+  free(t->ops);
+  t->ops = ops, ops = NULL;
+  t->n_ops = src->n_ops;
+  memcpy(t->rank_off, src->rank_off, ((size_t)src->p + 1) * sizeof(int));
+
+  double base, host;
+  ZB_CHECK_GOTO(measure(t, start, end, &base, dev, &host), st, done);
+  double bound = base * (1 + c.slowdown) + ZB_EPS * fmax(1.0, base);
+
+  /* 1: candidates from the schedule as given. */
+  int nc = 0;
+  for (int r = 0; r < t->p; r++)
+    for (int k = t->rank_off[r]; k < t->rank_off[r + 1]; k++) {
+      const zb_op_t *op = &t->ops[k];
+      if (op->type != ZB_OP_F) continue;
+      int pf, pb;
+      find_ops(t, r, op->stage, op->mb, &pf, &pb);
+      double life = start[pb] - end[pf];
+      if (life + ZB_EPS >= t->toff[op->stage] + t->trel[op->stage])
+        cand[nc++] = (cand_t){op->stage, op->mb, life};
+    }
+  qsort(cand, (size_t)nc, sizeof *cand, cand_cmp);
+
+  for (int ci = 0; ci < nc; ci++) {
+    if (c.device_limit > 0) {
+      int met = 1;
+      for (int r = 0; r < t->p; r++) met &= dev[r] <= c.device_limit + ZB_EPS;
+      if (met) break;
+    }
+    int stage = cand[ci].stage, mb = cand[ci].mb, r = zb__stage_rank(t, stage), pf, pb;
+    find_ops(t, r, stage, mb, &pf, &pb);
+    /* 2: the RELOAD's place, in the schedule as it stands. */
+    double latest = start[pb] - t->trel[stage];
+    int q = -1;
+    for (int k = pf + 1; k < pb; k++)
+      if (!zb__op_is_copy(t->ops[k].type) && start[k] <= latest + ZB_EPS) q = k;
+    if (q < 0) continue;
+    /* 3: try it; keep it or put the lists back. */
+    memcpy(saved, t->ops, (size_t)t->n_ops * sizeof *saved);
+    memcpy(saved_off, t->rank_off, ((size_t)t->p + 1) * sizeof(int));
+    int saved_n = t->n_ops;
+    insert_copies(t, scratch, r, pf, q, stage, mb);
+    double span, thost;
+    zb_status_t ms = measure(t, tstart, tend, &span, tdev, &thost);
+    int keep = ms == ZB_OK && span <= bound && tdev[r] <= dev[r] + ZB_EPS &&
+               (c.host_limit <= 0 || thost <= c.host_limit + ZB_EPS);
+    if (keep) {
+      memcpy(start, tstart, (size_t)t->n_ops * sizeof(double));
+      memcpy(end, tend, (size_t)t->n_ops * sizeof(double));
+      memcpy(dev, tdev, (size_t)t->p * sizeof(double));
+    } else {
+      memcpy(t->ops, saved, (size_t)saved_n * sizeof *saved);
+      memcpy(t->rank_off, saved_off, ((size_t)t->p + 1) * sizeof(int));
+      t->n_ops = saved_n;
+      zb__schedule_invalidate(t);
+    }
+  }
+
+  /* The result carries its simulation. */
+  free(t->start), free(t->end);
+  t->start = malloc(cap * sizeof(double));
+  t->end = malloc(cap * sizeof(double));
+  if (!t->start || !t->end) {
+    st = ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory for %d times", t->n_ops);
+    goto done;
+  }
+  memcpy(t->start, start, (size_t)t->n_ops * sizeof(double));
+  memcpy(t->end, end, (size_t)t->n_ops * sizeof(double));
+  zb__schedule_fill_stats(t);
+
+done:
+  free(ops), free(scratch), free(start), free(end), free(tstart), free(tend), free(dev), free(tdev), free(cand);
+  free(saved), free(saved_off);
+  if (st != ZB_OK) {
+    zb__schedule_free(t);
+    return st;
+  }
+  *out = t;
+  return ZB_OK;
+}
