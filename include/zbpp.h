@@ -314,7 +314,9 @@ ZB_API zb_status_t zb_schedule_rank_memory(const zb_schedule_t *schedule, int32_
  * step (makespan) stays within (1 + slowdown) of the schedule without copies, the rank's device
  * peak does not grow and the host peak stays under host_limit. A copy that does not fit is left
  * out, never an error. With device_limit > 0 the pass stops once every rank's device peak is at
- * most that; with <= 0 it offloads all it can. *out comes simulated; schedule is not changed. */
+ * most that; with <= 0 it offloads all it can. Each try is a simulation: past a work budget
+ * (about a second on large pipelines) the pass keeps what it placed and stops. *out comes
+ * simulated; schedule is not changed. */
 #define ZB_OFFLOAD_CONFIG_VERSION 1
 
 typedef struct {

@@ -19,6 +19,8 @@
  *      the result just has fewer copies.
  *   4. With device_limit set, the pass stops once every rank's device peak is at most the limit;
  *      without, it offloads every candidate that the rule keeps.
+ *   5. Each try simulates the whole schedule, so the pass stops trying after WORK_BUDGET simulated
+ *      ops (about a second here), keeping what it placed: 1F1B at p = 32, m = 128 takes all of it.
  * Compute ops keep their order, so what the ranks compute, and in which order, is unchanged.
  *
  * What this is not: a search over op orders (the compute order is the input's; zb-auto's planning
@@ -29,6 +31,9 @@
 #include <string.h>
 
 #include "internal.h"
+
+/* Simulated ops the pass may spend on tries (rule 5). */
+#define WORK_BUDGET 40000000LL
 
 typedef struct {
   int stage, mb;
@@ -158,7 +163,8 @@ zb_status_t zb_schedule_plan_offload(zb_schedule_t **out, const zb_schedule_t *s
     }
   qsort(cand, (size_t)nc, sizeof *cand, cand_cmp);
 
-  for (int ci = 0; ci < nc; ci++) {
+  long long work = 0;
+  for (int ci = 0; ci < nc && work < WORK_BUDGET; ci++) {
     if (c.device_limit > 0) {
       int met = 1;
       for (int r = 0; r < t->p; r++) met &= dev[r] <= c.device_limit + ZB_EPS;
@@ -177,6 +183,7 @@ zb_status_t zb_schedule_plan_offload(zb_schedule_t **out, const zb_schedule_t *s
     memcpy(saved_off, t->rank_off, ((size_t)t->p + 1) * sizeof(int));
     int saved_n = t->n_ops;
     insert_copies(t, scratch, r, pf, q, stage, mb);
+    work += t->n_ops;
     double span, thost;
     zb_status_t ms = measure(t, tstart, tend, &span, tdev, &thost);
     int keep = ms == ZB_OK && span <= bound && tdev[r] <= dev[r] + ZB_EPS &&
