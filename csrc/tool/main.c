@@ -65,6 +65,13 @@ static void usage(FILE *out) {
           "                       time_comm and w_share apply unless --comm / --w-share are given\n"
           "  --comm C             time added to every dependency that crosses ranks (default 0)\n"
           "  --w-share W          share of activations only W needs, in [0,1] (default 0.5)\n"
+          "  --copy-times O,R     time to copy one microbatch's activations through all of a rank's\n"
+          "                       layers to host memory and back (PipeOffload; default 0,0)\n"
+          "  --offload            place copies into the schedule (offload pass): longest-lived\n"
+          "                       activations first, only where the step does not grow; prints\n"
+          "                       each rank's device and host peak\n"
+          "  --offload-limit L    stop offloading once every rank's device peak is at most L\n"
+          "  --offload-slowdown X let the step grow by the fraction X for more offload (default 0)\n"
           "  --mem-limit L        peak activation memory per rank in microbatches, or 'Np' for N*p\n"
           "                       (zb-auto's target; a limit for validation otherwise)\n"
           "  --placement P        loop or v: where zb-auto puts the stages (default: v for v = 2, else\n"
@@ -78,6 +85,7 @@ static void usage(FILE *out) {
           "Examples:\n"
           "  zbpp schedule zb-v -p 4 -m 8\n"
           "  zbpp schedule zb-auto -p 8 -m 24 --times 18.5,18.1,9.3 --comm 0.6 --mem-limit 2p\n"
+          "  zbpp schedule 1f1b -p 4 -m 8 --copy-times 0.25,0.25 --offload\n"
           "  zbpp schedule zb-auto -p 4 -m 16 -v 2 --stage-times costs.json --format svg -o zbv.svg\n"
           "  zbpp schedule 1f1b -p 4 -m 8 --format csv -o 1f1b.csv && zbpp simulate 1f1b.csv\n");
 }
@@ -88,6 +96,10 @@ typedef struct {
   int placement; /* -1: not given; else a zb_placement_t */
   double times[4];
   int n_times;
+  double copy_times[2]; /* --copy-times: OFFLOAD, RELOAD */
+  int offload;          /* --offload or --offload-limit: run the offload pass */
+  int has_copy_times;
+  double offload_limit, offload_slowdown;
   double comm, w_share;
   int has_comm, has_w_share; /* given on the command line: they win over a cost file's values */
 } args_t;
@@ -119,6 +131,20 @@ int zb__tool_parse_double(const char *s, double *out) {
   double x = strtod(s, &end);
   if (errno || end == s || *end) return 0;
   *out = x;
+  return 1;
+}
+
+/* Parses up to 4 comma-separated numbers. */
+static int parse_pair(const char *s, double *t, int *n) {
+  char buf[256];
+  if (strlen(s) >= sizeof buf) return 0;
+  strcpy(buf, s);
+  *n = 0;
+  char *save = NULL;
+  for (char *tok = strtok_r(buf, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
+    if (*n == 4 || !zb__tool_parse_double(tok, &t[*n])) return 0;
+    (*n)++;
+  }
   return 1;
 }
 
@@ -170,6 +196,27 @@ static int parse_args(int argc, char **argv, args_t *a) {
       /* The library reads time_bw <= 0 as "B + W": a BW the user wrote must not turn into that. */
       if (a->n_times == 4 && !(a->times[3] > 0))
         return zb__tool_bad_value("--times", "a fused backward time BW > 0 as its fourth value (leave it out for B + W)", val);
+    } else if (!strcmp(arg, "--copy-times")) {
+      NEED_VALUE();
+      double t[4];
+      int n = 0;
+      if (!parse_pair(val, t, &n) || n != 2 || !(t[0] >= 0) || !(t[1] >= 0))
+        return zb__tool_bad_value("--copy-times", "OFFLOAD,RELOAD: two times >= 0 (per rank, like --times)", val);
+      a->copy_times[0] = t[0], a->copy_times[1] = t[1];
+      a->has_copy_times = 1;
+    } else if (!strcmp(arg, "--offload")) {
+      a->offload = 1;
+    } else if (!strcmp(arg, "--offload-limit")) {
+      NEED_VALUE();
+      if (!zb__tool_parse_double(val, &a->offload_limit) || !(a->offload_limit > 0) || isinf(a->offload_limit))
+        return zb__tool_bad_value("--offload-limit", "a number of microbatches > 0 (the device peak to reach)", val);
+      a->offload = 1;
+    } else if (!strcmp(arg, "--offload-slowdown")) {
+      NEED_VALUE();
+      if (!zb__tool_parse_double(val, &a->offload_slowdown) || !(a->offload_slowdown >= 0) ||
+          isinf(a->offload_slowdown))
+        return zb__tool_bad_value("--offload-slowdown", "a fraction >= 0 the step may grow by (0.05 for 5%)", val);
+      a->offload = 1;
     } else if (!strcmp(arg, "--comm")) {
       NEED_VALUE();
       if (!zb__tool_parse_double(val, &a->comm)) return zb__tool_bad_usage("--comm wants a number, got '%s'", val);
@@ -221,6 +268,8 @@ static int fill_costs(const args_t *a, const zb__costs_t *costs, zb_schedule_spe
   spec->time_bw = a->n_times == 4 ? a->times[3] : 0.0;
   spec->time_comm = a->comm;
   spec->w_share = a->w_share;
+  spec->time_offload = a->copy_times[0];
+  spec->time_reload = a->copy_times[1];
   if (costs) {
     spec->stage_time_f = costs->time_f;
     spec->stage_time_b = costs->time_b;
@@ -327,6 +376,29 @@ static int emit(zb_schedule_t *s, const args_t *a) {
   return 0;
 }
 
+/* After --offload: each rank's device and host peak on stderr (the plan is on stdout). */
+static int offload_summary(zb_schedule_t *s) {
+  zb_schedule_info_t info;
+  if (zb_schedule_get_info(s, &info) != ZB_OK) return zb__tool_fail("offload summary");
+  int copies = 0;
+  for (int r = 0; r < info.ranks; r++) {
+    const zb_op_t *ops;
+    int32_t n = 0;
+    zb_schedule_rank_ops(s, r, &ops, &n);
+    for (int k = 0; k < n; k++) copies += ops[k].type == ZB_OP_OFFLOAD;
+  }
+  fprintf(stderr, "zbpp: offload: %d microbatch(es) moved to host memory; per rank, device peak / host peak:", copies);
+  for (int r = 0; r < info.ranks; r++) {
+    double dev = 0, host = 0;
+    zb_schedule_rank_memory(s, r, &dev, &host);
+    fprintf(stderr, " %d: %.4g / %.4g%s", r, dev, host, r + 1 < info.ranks ? "," : "\n");
+  }
+  if (copies == 0)
+    fprintf(stderr, "zbpp: offload: no copy fits: each round trip (--copy-times) is longer than the time its "
+                    "activations wait, or would lengthen the step\n");
+  return 0;
+}
+
 /* Reads and parses --stage-times FILE; prints what is wrong and returns 1 when it cannot. */
 static int read_costs(const char *path, zb__costs_t *out) {
   size_t len = 0;
@@ -403,7 +475,22 @@ static int cmd_schedule(const args_t *a) {
     zb_schedule_get_info(s, &info);
     rc = costs_fit(have, a->stage_times, info.ranks, info.chunks, (int)info.placement, source);
   }
+  if (!rc && a->offload && !a->has_copy_times)
+    rc = zb__tool_bad_usage("%s", "--offload needs --copy-times O,R: the time to copy one microbatch's activations "
+                                  "through all of a rank's layers to host memory and back (in --times' units)");
+  if (!rc && a->offload) {
+    zb_offload_config_t cfg = ZB_OFFLOAD_CONFIG_INIT;
+    cfg.device_limit = a->offload_limit, cfg.slowdown = a->offload_slowdown;
+    zb_schedule_t *off = NULL;
+    if (zb_schedule_plan_offload(&off, s, &cfg) != ZB_OK) {
+      rc = zb__tool_fail("cannot plan offload");
+    } else {
+      zb_schedule_destroy(s);
+      s = off;
+    }
+  }
   if (!rc) rc = emit(s, a);
+  if (!rc && a->offload) rc = offload_summary(s);
   zb_schedule_destroy(s);
   if (have) zb__costs_free(have);
   return rc;

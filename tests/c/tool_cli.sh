@@ -381,6 +381,19 @@ expect_error "verify without -m" 2 "-m" verify zb-v -p 2
 expect_error "verify with a bad optimizer" 2 "sgd or adamw" verify 1f1b -p 2 -m 2 --optimizer lamb
 expect_error "verify --inject-nan past the last step" 2 "--inject-nan" verify 1f1b -p 2 -m 2 --steps 2 --inject-nan 2
 expect_error "verify with m that torch's rounds do not divide, for interleaved" 1 "multiple" verify interleaved-1f1b -p 4 -m 9
+# Offload (PipeOffload): 1F1B holds p - r microbatches on rank r; with copies of a quarter of F the
+# pass moves the ones that wait to the host, draws the copy lane and prints both peaks per rank.
+run schedule 1f1b -p 4 -m 8 --copy-times 0.25,0.25 --offload
+check_rc "schedule --offload exits 0" 0
+check_grep "--offload draws a copy lane" "$T/out" " copy |"
+check_grep "--offload reports the peaks" "$T/err" "device peak / host peak: 0: 2 /"
+expect_error "--offload without copy times" 2 "--copy-times" schedule 1f1b -p 4 -m 8 --offload
+run schedule 1f1b -p 4 -m 8 --copy-times 50,50 --offload
+check_rc "schedule --offload with copies too slow exits 0" 0
+check_grep "--offload with copies too slow says nothing fits" "$T/err" "no copy fits"
+expect_error "--copy-times with one value" 2 "OFFLOAD,RELOAD" schedule 1f1b -p 2 -m 2 --copy-times 1
+expect_error "--offload-limit 0" 2 "--offload-limit" schedule 1f1b -p 2 -m 2 --offload-limit 0
+
 run bench --help
 check_rc "bench --help exits 0" 0
 check_grep "bench --help lists --kinds" "$T/out" "--kinds"
