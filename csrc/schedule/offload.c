@@ -19,7 +19,10 @@
  *      the result just has fewer copies.
  *   4. With device_limit set, the pass stops once every rank's device peak is at most the limit;
  *      without, it offloads every candidate that the rule keeps.
- *   5. Each try simulates the whole schedule, so the pass stops trying after WORK_BUDGET simulated
+ *   5. Then each kept candidate is taken out again, shortest-lived first, where that leaves every
+ *      rank's device peak and the step as they are: a copy that lowers no peak only costs
+ *      bandwidth and host memory.
+ *   6. Each try simulates the whole schedule, so the pass stops trying after WORK_BUDGET simulated
  *      ops (about a second here), keeping what it placed: 1F1B at p = 32, m = 128 takes all of it.
  * Compute ops keep their order, so what the ranks compute, and in which order, is unchanged.
  *
@@ -32,7 +35,7 @@
 
 #include "internal.h"
 
-/* Simulated ops the pass may spend on tries (rule 5). */
+/* Simulated ops the pass may spend on tries (rule 6). */
 #define WORK_BUDGET 40000000LL
 
 typedef struct {
@@ -73,6 +76,22 @@ static void find_ops(const zb_schedule_t *t, int r, int stage, int mb, int *pf, 
     if (op->type == ZB_OP_F) *pf = k;
     if ((op->type == ZB_OP_B || op->type == ZB_OP_BW) && *pb < 0) *pb = k;
   }
+}
+
+/* Removes the OFFLOAD and RELOAD of (stage, mb) from rank r's list. */
+static void remove_copies(zb_schedule_t *t, int r, int stage, int mb) {
+  int j = 0, gone = 0;
+  for (int k = 0; k < t->n_ops; k++) {
+    const zb_op_t *op = &t->ops[k];
+    if (zb__op_is_copy(op->type) && op->stage == stage && op->mb == mb) {
+      gone++;
+      continue;
+    }
+    t->ops[j++] = *op;
+  }
+  t->n_ops = j;
+  for (int x = r + 1; x <= t->p; x++) t->rank_off[x] -= gone;
+  zb__schedule_invalidate(t);
 }
 
 /* t's ops with OFFLOAD inserted after position pf and RELOAD after position q (pf < q, compute
@@ -164,6 +183,7 @@ zb_status_t zb_schedule_plan_offload(zb_schedule_t **out, const zb_schedule_t *s
   qsort(cand, (size_t)nc, sizeof *cand, cand_cmp);
 
   long long work = 0;
+  int n_kept = 0;
   for (int ci = 0; ci < nc && work < WORK_BUDGET; ci++) {
     if (c.device_limit > 0) {
       int met = 1;
@@ -189,6 +209,30 @@ zb_status_t zb_schedule_plan_offload(zb_schedule_t **out, const zb_schedule_t *s
     int keep = ms == ZB_OK && span <= bound && tdev[r] <= dev[r] + ZB_EPS &&
                (c.host_limit <= 0 || thost <= c.host_limit + ZB_EPS);
     if (keep) {
+      memcpy(start, tstart, (size_t)t->n_ops * sizeof(double));
+      memcpy(end, tend, (size_t)t->n_ops * sizeof(double));
+      memcpy(dev, tdev, (size_t)t->p * sizeof(double));
+      cand[n_kept++] = cand[ci]; /* ci >= n_kept: the slot is one already tried */
+    } else {
+      memcpy(t->ops, saved, (size_t)saved_n * sizeof *saved);
+      memcpy(t->rank_off, saved_off, ((size_t)t->p + 1) * sizeof(int));
+      t->n_ops = saved_n;
+      zb__schedule_invalidate(t);
+    }
+  }
+
+  /* 5: take out, shortest-lived first, what lowers no peak. */
+  for (int ci = n_kept - 1; ci >= 0 && work < WORK_BUDGET; ci--) {
+    int stage = cand[ci].stage, mb = cand[ci].mb, r = zb__stage_rank(t, stage);
+    memcpy(saved, t->ops, (size_t)t->n_ops * sizeof *saved);
+    memcpy(saved_off, t->rank_off, ((size_t)t->p + 1) * sizeof(int));
+    int saved_n = t->n_ops;
+    remove_copies(t, r, stage, mb);
+    work += t->n_ops;
+    double span, thost;
+    int keep_out = measure(t, tstart, tend, &span, tdev, &thost) == ZB_OK && span <= bound;
+    for (int x = 0; x < t->p && keep_out; x++) keep_out = tdev[x] <= dev[x] + ZB_EPS;
+    if (keep_out) {
       memcpy(start, tstart, (size_t)t->n_ops * sizeof(double));
       memcpy(end, tend, (size_t)t->n_ops * sizeof(double));
       memcpy(dev, tdev, (size_t)t->p * sizeof(double));

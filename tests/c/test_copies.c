@@ -288,6 +288,14 @@ static void test_offload_pass_keeps_the_step(void **state) {
   zb_schedule_destroy(lim);
   zb_schedule_destroy(off);
 
+  /* Copies of 2 (F + B) each way: rank 0 still could move some activations, but none of them
+   * lowers a peak (the long-lived ones would come back too early), so none is kept (rule 5). */
+  zb_schedule_t *even = generated(ZB_KIND_1F1B, 4, 8, 2), *none = NULL;
+  ZB_ASSERT_OK(zb_schedule_plan_offload(&none, even, NULL));
+  assert_int_equal(count_copies(none, 4), 0);
+  zb_schedule_destroy(none);
+  zb_schedule_destroy(even);
+
   /* Copies slower than any lifespan: nothing is offloaded, and that is no error. */
   zb_schedule_t *slow = generated(ZB_KIND_1F1B, 4, 8, 50);
   ZB_ASSERT_OK(zb_schedule_plan_offload(&off, slow, NULL));
