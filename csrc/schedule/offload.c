@@ -78,6 +78,25 @@ static void find_ops(const zb_schedule_t *t, int r, int stage, int mb, int *pf, 
   }
 }
 
+/* A try's undo: t's lists as they were (saved into ops and off), put back. */
+typedef struct {
+  zb_op_t *ops;
+  int *off, n;
+} undo_t;
+
+static void snapshot(const zb_schedule_t *t, undo_t *u) {
+  memcpy(u->ops, t->ops, (size_t)t->n_ops * sizeof *u->ops);
+  memcpy(u->off, t->rank_off, ((size_t)t->p + 1) * sizeof(int));
+  u->n = t->n_ops;
+}
+
+static void restore(zb_schedule_t *t, const undo_t *u) {
+  memcpy(t->ops, u->ops, (size_t)u->n * sizeof *u->ops);
+  memcpy(t->rank_off, u->off, ((size_t)t->p + 1) * sizeof(int));
+  t->n_ops = u->n;
+  zb__schedule_invalidate(t);
+}
+
 /* Removes the OFFLOAD and RELOAD of (stage, mb) from rank r's list. */
 static void remove_copies(zb_schedule_t *t, int r, int stage, int mb) {
   int j = 0, gone = 0;
@@ -158,6 +177,7 @@ zb_status_t zb_schedule_plan_offload(zb_schedule_t **out, const zb_schedule_t *s
     st = ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory planning offload for %d ops", src->n_ops);
     goto done;
   }
+  undo_t undo = {saved, saved_off, 0};
   memcpy(ops, src->ops, (size_t)src->n_ops * sizeof *ops);
   free(t->ops);
   t->ops = ops, ops = NULL;
@@ -199,9 +219,7 @@ zb_status_t zb_schedule_plan_offload(zb_schedule_t **out, const zb_schedule_t *s
       if (!zb__op_is_copy(t->ops[k].type) && start[k] <= latest + ZB_EPS) q = k;
     if (q < 0) continue;
     /* 3: try it; keep it or put the lists back. */
-    memcpy(saved, t->ops, (size_t)t->n_ops * sizeof *saved);
-    memcpy(saved_off, t->rank_off, ((size_t)t->p + 1) * sizeof(int));
-    int saved_n = t->n_ops;
+    snapshot(t, &undo);
     insert_copies(t, scratch, r, pf, q, stage, mb);
     work += t->n_ops;
     double span, thost;
@@ -214,19 +232,14 @@ zb_status_t zb_schedule_plan_offload(zb_schedule_t **out, const zb_schedule_t *s
       memcpy(dev, tdev, (size_t)t->p * sizeof(double));
       cand[n_kept++] = cand[ci]; /* ci >= n_kept: the slot is one already tried */
     } else {
-      memcpy(t->ops, saved, (size_t)saved_n * sizeof *saved);
-      memcpy(t->rank_off, saved_off, ((size_t)t->p + 1) * sizeof(int));
-      t->n_ops = saved_n;
-      zb__schedule_invalidate(t);
+      restore(t, &undo);
     }
   }
 
   /* 5: take out, shortest-lived first, what lowers no peak. */
   for (int ci = n_kept - 1; ci >= 0 && work < WORK_BUDGET; ci--) {
     int stage = cand[ci].stage, mb = cand[ci].mb, r = zb__stage_rank(t, stage);
-    memcpy(saved, t->ops, (size_t)t->n_ops * sizeof *saved);
-    memcpy(saved_off, t->rank_off, ((size_t)t->p + 1) * sizeof(int));
-    int saved_n = t->n_ops;
+    snapshot(t, &undo);
     remove_copies(t, r, stage, mb);
     work += t->n_ops;
     double span, thost;
@@ -237,10 +250,7 @@ zb_status_t zb_schedule_plan_offload(zb_schedule_t **out, const zb_schedule_t *s
       memcpy(end, tend, (size_t)t->n_ops * sizeof(double));
       memcpy(dev, tdev, (size_t)t->p * sizeof(double));
     } else {
-      memcpy(t->ops, saved, (size_t)saved_n * sizeof *saved);
-      memcpy(t->rank_off, saved_off, ((size_t)t->p + 1) * sizeof(int));
-      t->n_ops = saved_n;
-      zb__schedule_invalidate(t);
+      restore(t, &undo);
     }
   }
 

@@ -134,8 +134,8 @@ int zb__tool_parse_double(const char *s, double *out) {
   return 1;
 }
 
-/* Parses up to 4 comma-separated numbers. */
-static int parse_pair(const char *s, double *t, int *n) {
+/* Parses up to 4 comma-separated numbers into t; *n gets how many. */
+static int parse_numbers(const char *s, double *t, int *n) {
   char buf[256];
   if (strlen(s) >= sizeof buf) return 0;
   strcpy(buf, s);
@@ -149,18 +149,7 @@ static int parse_pair(const char *s, double *t, int *n) {
 }
 
 /* Parses "F,B,W" or "F,B,W,BW". */
-static int parse_times(const char *s, double *t, int *n) {
-  char buf[256];
-  if (strlen(s) >= sizeof buf) return 0;
-  strcpy(buf, s);
-  *n = 0;
-  char *save = NULL;
-  for (char *tok = strtok_r(buf, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
-    if (*n == 4 || !zb__tool_parse_double(tok, &t[*n])) return 0;
-    (*n)++;
-  }
-  return *n == 3 || *n == 4;
-}
+static int parse_times(const char *s, double *t, int *n) { return parse_numbers(s, t, n) && (*n == 3 || *n == 4); }
 
 static int parse_args(int argc, char **argv, args_t *a) {
   memset(a, 0, sizeof *a);
@@ -200,7 +189,7 @@ static int parse_args(int argc, char **argv, args_t *a) {
       NEED_VALUE();
       double t[4];
       int n = 0;
-      if (!parse_pair(val, t, &n) || n != 2 || !(t[0] >= 0) || !(t[1] >= 0))
+      if (!parse_numbers(val, t, &n) || n != 2 || !(t[0] >= 0) || !(t[1] >= 0))
         return zb__tool_bad_value("--copy-times", "OFFLOAD,RELOAD: two times >= 0 (per rank, like --times)", val);
       a->copy_times[0] = t[0], a->copy_times[1] = t[1];
       a->has_copy_times = 1;
