@@ -10,8 +10,8 @@
  *      starts when the F ends and the lane is free) and its RELOAD right after the latest compute
  *      op whose start leaves T_RELOAD before the backward starts (it is issued there), in the
  *      schedule as it stands with the copies accepted so far, each behind copies already issued at
- *      that point. With no compute op between the F and that point, there is no room: the
- *      candidate is skipped.
+ *      that point; when that does not pass rule 3, after one of the two compute ops before it. With
+ *      no compute op between the F and that point, there is no room: the candidate is skipped.
  *   3. The schedule with the candidate's copies is simulated; it is kept when the end-to-end time
  *      (makespan) stays within (1 + slowdown) of the schedule without copies, the rank's device peak
  *      does not grow, and the host peak stays under host_limit where one is set. Otherwise the
@@ -21,7 +21,8 @@
  *      without, it offloads every candidate that the rule keeps.
  *   5. Then each kept candidate is taken out again, shortest-lived first, where that leaves every
  *      rank's device peak and the step as they are: a copy that lowers no peak only costs
- *      bandwidth and host memory.
+ *      bandwidth and host memory. Rules 3 and 5 repeat (at most MAX_SWEEPS times) while 3 keeps
+ *      a candidate it had not: one that did not fit may, once others have gone or moved.
  *   6. Each try simulates the whole schedule, so the pass stops trying after WORK_BUDGET simulated
  *      ops (about a second here), keeping what it placed: 1F1B at p = 32, m = 128 takes all of it.
  * Compute ops keep their order, so what the ranks compute, and in which order, is unchanged.
@@ -34,6 +35,13 @@
 #include <string.h>
 
 #include "internal.h"
+
+/* Sweeps of rules 3 and 5 (insert, then take out what lowers no peak), while insertion keeps
+ * something new. */
+#define MAX_SWEEPS 4
+
+/* Places tried for a candidate's RELOAD (rule 2). */
+#define RELOAD_TRIES 3
 
 /* Simulated ops the pass may spend on tries (rule 6). */
 #define WORK_BUDGET 40000000LL
@@ -170,10 +178,11 @@ zb_status_t zb_schedule_plan_offload(zb_schedule_t **out, const zb_schedule_t *s
   double *tstart = malloc(cap * sizeof(double)), *tend = malloc(cap * sizeof(double));
   double *dev = malloc((size_t)src->p * sizeof(double)), *tdev = malloc((size_t)src->p * sizeof(double));
   cand_t *cand = malloc(((size_t)src->S * (size_t)src->m + 1) * sizeof *cand);
+  unsigned char *kept = calloc((size_t)src->S * (size_t)src->m + 1, 1);
   zb_op_t *saved = malloc(cap * sizeof *saved);
   int *saved_off = malloc(((size_t)src->p + 1) * sizeof(int));
   zb_status_t st = ZB_OK;
-  if (!ops || !scratch || !start || !end || !tstart || !tend || !dev || !tdev || !cand || !saved || !saved_off) {
+  if (!ops || !scratch || !start || !end || !tstart || !tend || !dev || !tdev || !cand || !kept || !saved || !saved_off) {
     st = ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory planning offload for %d ops", src->n_ops);
     goto done;
   }
@@ -203,54 +212,64 @@ zb_status_t zb_schedule_plan_offload(zb_schedule_t **out, const zb_schedule_t *s
   qsort(cand, (size_t)nc, sizeof *cand, cand_cmp);
 
   long long work = 0;
-  int n_kept = 0;
-  for (int ci = 0; ci < nc && work < WORK_BUDGET; ci++) {
-    if (c.device_limit > 0) {
-      int met = 1;
-      for (int r = 0; r < t->p; r++) met &= dev[r] <= c.device_limit + ZB_EPS;
-      if (met) break;
+  /* Sweeps of rules 3 and 5: insert what fits, take out what lowers no peak, and again while the
+   * insertion keeps something new (a candidate that did not fit may, once others have moved). */
+  for (int sweep = 0; sweep < MAX_SWEEPS; sweep++) {
+    int added = 0;
+    for (int ci = 0; ci < nc && work < WORK_BUDGET; ci++) {
+      if (kept[ci]) continue;
+      if (c.device_limit > 0) {
+        int met = 1;
+        for (int r = 0; r < t->p; r++) met &= dev[r] <= c.device_limit + ZB_EPS;
+        if (met) break;
+      }
+      int stage = cand[ci].stage, mb = cand[ci].mb, r = zb__stage_rank(t, stage), pf, pb;
+      find_ops(t, r, stage, mb, &pf, &pb);
+      /* 2: the RELOAD's place, in the schedule as it stands: after the latest compute op that
+       * leaves T_RELOAD before the backward, or failing that one of the RELOAD_TRIES - 1 compute
+       * ops before it (an earlier reload waits less behind the lane's other copies). */
+      double latest = start[pb] - t->trel[stage];
+      int q[RELOAD_TRIES], nq = 0;
+      for (int k = pb - 1; k > pf && nq < RELOAD_TRIES; k--)
+        if (!zb__op_is_copy(t->ops[k].type) && start[k] <= latest + ZB_EPS) q[nq++] = k;
+      /* 3: try it; keep it or put the lists back. */
+      for (int tq = 0; tq < nq; tq++) {
+        snapshot(t, &undo);
+        insert_copies(t, scratch, r, pf, q[tq], stage, mb);
+        work += t->n_ops;
+        double span, thost;
+        zb_status_t ms = measure(t, tstart, tend, &span, tdev, &thost);
+        int keep = ms == ZB_OK && span <= bound && tdev[r] <= dev[r] + ZB_EPS &&
+                   (c.host_limit <= 0 || thost <= c.host_limit + ZB_EPS);
+        if (keep) {
+          memcpy(start, tstart, (size_t)t->n_ops * sizeof(double));
+          memcpy(end, tend, (size_t)t->n_ops * sizeof(double));
+          memcpy(dev, tdev, (size_t)t->p * sizeof(double));
+          kept[ci] = 1, added++;
+          break;
+        }
+        restore(t, &undo);
+      }
     }
-    int stage = cand[ci].stage, mb = cand[ci].mb, r = zb__stage_rank(t, stage), pf, pb;
-    find_ops(t, r, stage, mb, &pf, &pb);
-    /* 2: the RELOAD's place, in the schedule as it stands. */
-    double latest = start[pb] - t->trel[stage];
-    int q = -1;
-    for (int k = pf + 1; k < pb; k++)
-      if (!zb__op_is_copy(t->ops[k].type) && start[k] <= latest + ZB_EPS) q = k;
-    if (q < 0) continue;
-    /* 3: try it; keep it or put the lists back. */
-    snapshot(t, &undo);
-    insert_copies(t, scratch, r, pf, q, stage, mb);
-    work += t->n_ops;
-    double span, thost;
-    zb_status_t ms = measure(t, tstart, tend, &span, tdev, &thost);
-    int keep = ms == ZB_OK && span <= bound && tdev[r] <= dev[r] + ZB_EPS &&
-               (c.host_limit <= 0 || thost <= c.host_limit + ZB_EPS);
-    if (keep) {
-      memcpy(start, tstart, (size_t)t->n_ops * sizeof(double));
-      memcpy(end, tend, (size_t)t->n_ops * sizeof(double));
-      memcpy(dev, tdev, (size_t)t->p * sizeof(double));
-      cand[n_kept++] = cand[ci]; /* ci >= n_kept: the slot is one already tried */
-    } else {
-      restore(t, &undo);
-    }
-  }
-
-  /* 5: take out, shortest-lived first, what lowers no peak. */
-  for (int ci = n_kept - 1; ci >= 0 && work < WORK_BUDGET; ci--) {
-    int stage = cand[ci].stage, mb = cand[ci].mb, r = zb__stage_rank(t, stage);
-    snapshot(t, &undo);
-    remove_copies(t, r, stage, mb);
-    work += t->n_ops;
-    double span, thost;
-    int keep_out = measure(t, tstart, tend, &span, tdev, &thost) == ZB_OK && span <= bound;
-    for (int x = 0; x < t->p && keep_out; x++) keep_out = tdev[x] <= dev[x] + ZB_EPS;
-    if (keep_out) {
-      memcpy(start, tstart, (size_t)t->n_ops * sizeof(double));
-      memcpy(end, tend, (size_t)t->n_ops * sizeof(double));
-      memcpy(dev, tdev, (size_t)t->p * sizeof(double));
-    } else {
-      restore(t, &undo);
+    if (!added) break;
+    /* 5: take out, shortest-lived first, what lowers no peak. */
+    for (int ci = nc - 1; ci >= 0 && work < WORK_BUDGET; ci--) {
+      if (!kept[ci]) continue;
+      int stage = cand[ci].stage, mb = cand[ci].mb, r = zb__stage_rank(t, stage);
+      snapshot(t, &undo);
+      remove_copies(t, r, stage, mb);
+      work += t->n_ops;
+      double span, thost;
+      int gone = measure(t, tstart, tend, &span, tdev, &thost) == ZB_OK && span <= bound;
+      for (int x = 0; x < t->p && gone; x++) gone = tdev[x] <= dev[x] + ZB_EPS;
+      if (gone) {
+        memcpy(start, tstart, (size_t)t->n_ops * sizeof(double));
+        memcpy(end, tend, (size_t)t->n_ops * sizeof(double));
+        memcpy(dev, tdev, (size_t)t->p * sizeof(double));
+        kept[ci] = 0;
+      } else {
+        restore(t, &undo);
+      }
     }
   }
 
@@ -268,7 +287,7 @@ zb_status_t zb_schedule_plan_offload(zb_schedule_t **out, const zb_schedule_t *s
 
 done:
   free(ops), free(scratch), free(start), free(end), free(tstart), free(tend), free(dev), free(tdev), free(cand);
-  free(saved), free(saved_off);
+  free(saved), free(saved_off), free(kept);
   if (st != ZB_OK) {
     zb__schedule_free(t);
     return st;
