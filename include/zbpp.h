@@ -311,8 +311,8 @@ ZB_API zb_status_t zb_schedule_rank_memory(const zb_schedule_t *schedule, int32_
  * The rule (csrc/schedule/offload.c): microbatches whose activations live at least a round trip
  * are tried longest-lived first; each gets its OFFLOAD right after its F and its RELOAD after the
  * latest compute op that leaves T_RELOAD before its backward; a candidate is kept only when the
- * step (makespan) stays within (1 + slowdown) of the schedule without copies, the rank's device
- * peak does not grow and the host peak stays under host_limit. A copy that does not fit is left
+ * step (makespan) and the largest rank span (the cost) stay within (1 + slowdown) of the schedule
+ * without copies, the rank's device peak does not grow and the host peak stays under host_limit. A copy that does not fit is left
  * out, never an error. With device_limit > 0 the pass stops once every rank's device peak is at
  * most that; with <= 0 it offloads all it can. Each try is a simulation: past a work budget
  * (about a second on large pipelines) the pass keeps what it placed and stops. *out comes

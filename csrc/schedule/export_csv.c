@@ -203,7 +203,7 @@ static zb_status_t parse_one(const char *cell, size_t n, int row, int col, int i
   if (d == 0 || type_len == 0)
     return ZB_FAIL(ZB_ERR_PARSE,
                    "row %d (rank %d), column %d: cell '%s' is not <stage><type><microbatch>, e.g. "
-                   "0F3; types are F, I, B and W (and torch's SEND_F, RECV_F, SEND_B, RECV_B)",
+                   "0F3; types are F, I, B and W (and torch's SEND_F, RECV_F, SEND_B, RECV_B; zbpp's OFFLOAD, RELOAD)",
                    row, row - 1, col, cell_excerpt(cell, n, ex));
   char letter = cell[type_at];
   int is_compute = type_len == 1 && (letter == 'F' || letter == 'I' || letter == 'B' || letter == 'W');
@@ -258,7 +258,7 @@ static zb_status_t parse_one(const char *cell, size_t n, int row, int col, int i
   if (d == 0 || pos != n)
     return ZB_FAIL(ZB_ERR_PARSE,
                    "row %d (rank %d), column %d: cell '%s' is not <stage><type><microbatch>, e.g. "
-                   "0F3; types are F, I, B and W (and torch's SEND_F, RECV_F, SEND_B, RECV_B)",
+                   "0F3; types are F, I, B and W (and torch's SEND_F, RECV_F, SEND_B, RECV_B; zbpp's OFFLOAD, RELOAD)",
                    row, row - 1, col, cell_excerpt(cell, n, ex));
   if (is_comm) return ZB_OK; /* the runner makes its own transfers */
   if (copy >= 0 && in_pair)

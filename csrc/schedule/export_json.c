@@ -115,6 +115,7 @@ zb_status_t zb__export_chrome(const zb_schedule_t *s, char **out, size_t *len) {
   snprintf(pname, sizeof pname, "zbpp %s", kind ? kind : "?");
   put_str(&b, pname);
   zb__sbuf_printf(&b, "}}");
+  int any = has_copies(s);
   for (int r = 0; r < s->p; r++) {
     int copies = rank_has_copies(s, r);
     for (int lane = 0; lane <= copies; lane++) {
@@ -127,7 +128,7 @@ zb_status_t zb__export_chrome(const zb_schedule_t *s, char **out, size_t *len) {
       zb__sbuf_printf(&b,
                       ",\n{\"name\": \"thread_sort_index\", \"ph\": \"M\", \"pid\": 0, \"tid\": %d, "
                       "\"args\": {\"sort_index\": %d}}",
-                      tid, 2 * r + lane);
+                      tid, any ? 2 * r + lane : r);
     }
   }
   for (int r = 0; r < s->p; r++) {

@@ -111,7 +111,9 @@ zb_status_t zb__export_text(const zb_schedule_t *s, char **out, size_t *len) {
                   "legend: F forward, B input-grad backward, W weight-grad backward, X fused B+W, "
                   "each then its microbatch; . idle;%s%s time per column %.4g\n",
                   s->v > 1 ? " lower case (f b w x) = chunk 1 and up;" : "",
-                  copies ? " copy lane: O offload, R reload (peak: device-resident, and host);" : "", 1 / scale);
+                  copies ? " copy lane: O offload, R reload (o r for chunk 1 and up; peak: device-resident, and host);"
+                         : "",
+                  1 / scale);
 
   int rw = digits(s->p > 0 ? s->p - 1 : 0);
   if (rw < 2) rw = 2;

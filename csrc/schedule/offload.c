@@ -13,7 +13,8 @@
  *      that point; when that does not pass rule 3, after one of the two compute ops before it. With
  *      no compute op between the F and that point, there is no room: the candidate is skipped.
  *   3. The schedule with the candidate's copies is simulated; it is kept when the end-to-end time
- *      (makespan) stays within (1 + slowdown) of the schedule without copies, the rank's device peak
+ *      (makespan) and the largest rank span (the cost, which bubble rates use) stay within
+ *      (1 + slowdown) of the schedule without copies, the rank's device peak
  *      does not grow, and the host peak stays under host_limit where one is set. Otherwise the
  *      candidate is dropped and the next one is tried: a copy that does not fit is never an error,
  *      the result just has fewer copies.
@@ -44,7 +45,7 @@
 #define RELOAD_TRIES 3
 
 /* Simulated ops the pass may spend on tries (rule 6). */
-#define WORK_BUDGET 40000000LL
+#define WORK_BUDGET 60000000LL
 
 typedef struct {
   int stage, mb;
@@ -73,6 +74,18 @@ static zb_status_t measure(const zb_schedule_t *t, double *start, double *end, d
     if (h > *host_max) *host_max = h;
   }
   return ZB_OK;
+}
+
+/* The largest rank span over compute ops (the paper's cost; copies run beside them). */
+static double cost_of(const zb_schedule_t *t, const double *start, const double *end) {
+  double cost = 0;
+  for (int r = 0; r < t->p; r++) {
+    double lo = INFINITY, hi = -INFINITY;
+    for (int k = t->rank_off[r]; k < t->rank_off[r + 1]; k++)
+      if (!zb__op_is_copy(t->ops[k].type)) lo = fmin(lo, start[k]), hi = fmax(hi, end[k]);
+    if (hi > lo) cost = fmax(cost, hi - lo);
+  }
+  return cost;
 }
 
 /* Positions (in t's flat list) of F(s,i) and its backward on their rank; -1 if absent. */
@@ -179,10 +192,13 @@ zb_status_t zb_schedule_plan_offload(zb_schedule_t **out, const zb_schedule_t *s
   double *dev = malloc((size_t)src->p * sizeof(double)), *tdev = malloc((size_t)src->p * sizeof(double));
   cand_t *cand = malloc(((size_t)src->S * (size_t)src->m + 1) * sizeof *cand);
   unsigned char *kept = calloc((size_t)src->S * (size_t)src->m + 1, 1);
+  double *life_from = malloc(((size_t)src->S * (size_t)src->m + 1) * sizeof(double));
+  double *life_to = malloc(((size_t)src->S * (size_t)src->m + 1) * sizeof(double));
   zb_op_t *saved = malloc(cap * sizeof *saved);
   int *saved_off = malloc(((size_t)src->p + 1) * sizeof(int));
   zb_status_t st = ZB_OK;
-  if (!ops || !scratch || !start || !end || !tstart || !tend || !dev || !tdev || !cand || !kept || !saved || !saved_off) {
+  if (!ops || !scratch || !start || !end || !tstart || !tend || !dev || !tdev || !cand || !kept || !saved || !saved_off || !life_from ||
+      !life_to) {
     st = ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory planning offload for %d ops", src->n_ops);
     goto done;
   }
@@ -196,18 +212,26 @@ zb_status_t zb_schedule_plan_offload(zb_schedule_t **out, const zb_schedule_t *s
   double base, host;
   ZB_CHECK_GOTO(measure(t, start, end, &base, dev, &host), st, done);
   double bound = base * (1 + c.slowdown) + ZB_EPS * fmax(1.0, base);
+  /* The largest rank span (the paper's cost, which bubble rates use) may not grow beyond the same
+   * factor either: a step that keeps its length can still stretch one rank. */
+  double base_cost = cost_of(t, start, end);
+  double cost_bound = base_cost * (1 + c.slowdown) + ZB_EPS * fmax(1.0, base_cost);
 
-  /* 1: candidates from the schedule as given. */
+  /* 1: candidates from the schedule as given (one pass: each F's and backward's end and start). */
   int nc = 0;
-  for (int r = 0; r < t->p; r++)
-    for (int k = t->rank_off[r]; k < t->rank_off[r + 1]; k++) {
-      const zb_op_t *op = &t->ops[k];
-      if (op->type != ZB_OP_F) continue;
-      int pf, pb;
-      find_ops(t, r, op->stage, op->mb, &pf, &pb);
-      double life = start[pb] - end[pf];
-      if (life + ZB_EPS >= t->toff[op->stage] + t->trel[op->stage])
-        cand[nc++] = (cand_t){op->stage, op->mb, life};
+  size_t nkeys = (size_t)t->S * (size_t)t->m;
+  for (size_t key = 0; key < nkeys; key++) life_from[key] = life_to[key] = NAN;
+  for (int k = 0; k < t->n_ops; k++) {
+    const zb_op_t *op = &t->ops[k];
+    size_t key = (size_t)op->stage * t->m + op->mb;
+    if (op->type == ZB_OP_F) life_from[key] = end[k];
+    if ((op->type == ZB_OP_B || op->type == ZB_OP_BW) && isnan(life_to[key])) life_to[key] = start[k];
+  }
+  for (int st_ = 0; st_ < t->S; st_++)
+    for (int mb = 0; mb < t->m; mb++) {
+      size_t key = (size_t)st_ * t->m + mb;
+      double life = life_to[key] - life_from[key];
+      if (life + ZB_EPS >= t->toff[st_] + t->trel[st_]) cand[nc++] = (cand_t){st_, mb, life};
     }
   qsort(cand, (size_t)nc, sizeof *cand, cand_cmp);
 
@@ -225,6 +249,7 @@ zb_status_t zb_schedule_plan_offload(zb_schedule_t **out, const zb_schedule_t *s
       }
       int stage = cand[ci].stage, mb = cand[ci].mb, r = zb__stage_rank(t, stage), pf, pb;
       find_ops(t, r, stage, mb, &pf, &pb);
+      work += t->rank_off[r + 1] - t->rank_off[r];
       /* 2: the RELOAD's place, in the schedule as it stands: after the latest compute op that
        * leaves T_RELOAD before the backward, or failing that one of the RELOAD_TRIES - 1 compute
        * ops before it (an earlier reload waits less behind the lane's other copies). */
@@ -236,10 +261,10 @@ zb_status_t zb_schedule_plan_offload(zb_schedule_t **out, const zb_schedule_t *s
       for (int tq = 0; tq < nq; tq++) {
         snapshot(t, &undo);
         insert_copies(t, scratch, r, pf, q[tq], stage, mb);
-        work += t->n_ops;
+        work += 3LL * t->n_ops; /* simulation, memory events (sorted), the cost */
         double span, thost;
         zb_status_t ms = measure(t, tstart, tend, &span, tdev, &thost);
-        int keep = ms == ZB_OK && span <= bound && tdev[r] <= dev[r] + ZB_EPS &&
+        int keep = ms == ZB_OK && span <= bound && cost_of(t, tstart, tend) <= cost_bound && tdev[r] <= dev[r] + ZB_EPS &&
                    (c.host_limit <= 0 || thost <= c.host_limit + ZB_EPS);
         if (keep) {
           memcpy(start, tstart, (size_t)t->n_ops * sizeof(double));
@@ -258,9 +283,10 @@ zb_status_t zb_schedule_plan_offload(zb_schedule_t **out, const zb_schedule_t *s
       int stage = cand[ci].stage, mb = cand[ci].mb, r = zb__stage_rank(t, stage);
       snapshot(t, &undo);
       remove_copies(t, r, stage, mb);
-      work += t->n_ops;
+      work += 3LL * t->n_ops;
       double span, thost;
-      int gone = measure(t, tstart, tend, &span, tdev, &thost) == ZB_OK && span <= bound;
+      int gone = measure(t, tstart, tend, &span, tdev, &thost) == ZB_OK && span <= bound &&
+                 cost_of(t, tstart, tend) <= cost_bound;
       for (int x = 0; x < t->p && gone; x++) gone = tdev[x] <= dev[x] + ZB_EPS;
       if (gone) {
         memcpy(start, tstart, (size_t)t->n_ops * sizeof(double));
@@ -287,7 +313,7 @@ zb_status_t zb_schedule_plan_offload(zb_schedule_t **out, const zb_schedule_t *s
 
 done:
   free(ops), free(scratch), free(start), free(end), free(tstart), free(tend), free(dev), free(tdev), free(cand);
-  free(saved), free(saved_off), free(kept);
+  free(saved), free(saved_off), free(kept), free(life_from), free(life_to);
   if (st != ZB_OK) {
     zb__schedule_free(t);
     return st;

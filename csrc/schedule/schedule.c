@@ -7,6 +7,7 @@
 #include <ctype.h>
 #include <math.h>
 #include <stdio.h>
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -219,13 +220,24 @@ void zb__schedule_free(zb_schedule_t *s) {
   free(s);
 }
 
-static zb_status_t check_spec_header(const zb_schedule_spec_t *spec) {
-  if (spec->struct_size < sizeof(zb_schedule_spec_t) || spec->version != ZB_SCHEDULE_SPEC_VERSION)
+/* Checks a caller's spec header and, for a caller built with the version 1 header (which ends
+ * before the copy times), points *spec at a version 2 copy with no copy times: callers built
+ * before PipeOffload keep working. */
+static zb_status_t upgrade_spec(const zb_schedule_spec_t **spec, zb_schedule_spec_t *upgraded) {
+  const zb_schedule_spec_t *in = *spec;
+  const size_t v1_size = offsetof(zb_schedule_spec_t, time_offload);
+  if (in->version == 1 && in->struct_size == v1_size) {
+    *upgraded = (zb_schedule_spec_t)ZB_SCHEDULE_SPEC_INIT;
+    memcpy(upgraded, in, v1_size);
+    upgraded->struct_size = sizeof(zb_schedule_spec_t), upgraded->version = ZB_SCHEDULE_SPEC_VERSION;
+    *spec = upgraded;
+    return ZB_OK;
+  }
+  if (in->struct_size < sizeof(zb_schedule_spec_t) || in->version != ZB_SCHEDULE_SPEC_VERSION)
     return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
-                   "spec has struct_size %u and version %u; this library needs %zu and %d "
+                   "spec has struct_size %u and version %u; this library needs %zu and %d, or %zu and 1 "
                    "(initialise it with ZB_SCHEDULE_SPEC_INIT)",
-                   spec->struct_size, spec->version, sizeof(zb_schedule_spec_t),
-                   ZB_SCHEDULE_SPEC_VERSION);
+                   in->struct_size, in->version, sizeof(zb_schedule_spec_t), ZB_SCHEDULE_SPEC_VERSION, v1_size);
   return ZB_OK;
 }
 
@@ -473,7 +485,8 @@ zb_status_t zb_schedule_create(zb_schedule_t **out, const zb_schedule_spec_t *sp
   ZB_ARG_NOT_NULL(out);
   *out = NULL;
   ZB_ARG_NOT_NULL(spec);
-  ZB_CHECK(check_spec_header(spec));
+  zb_schedule_spec_t upgraded;
+  ZB_CHECK(upgrade_spec(&spec, &upgraded));
   int v = spec->chunks ? spec->chunks : default_chunks(spec->kind);
   ZB_CHECK(check_shape(spec, v));
   zb_placement_t placement = ZB_PLACEMENT_LOOP;
@@ -547,7 +560,8 @@ zb_status_t zb_schedule_create_from_ops(zb_schedule_t **out, const zb_schedule_s
   ZB_ARG_NOT_NULL(spec);
   ZB_ARG_NOT_NULL(rank_ops);
   ZB_ARG_NOT_NULL(rank_counts);
-  ZB_CHECK(check_spec_header(spec));
+  zb_schedule_spec_t upgraded;
+  ZB_CHECK(upgrade_spec(&spec, &upgraded));
   int p = spec->ranks, v = spec->chunks ? spec->chunks : 1, m = spec->microbatches;
   if (p < 1 || v < 1 || m < 1)
     return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "p=%d, v=%d, m=%d; each must be >= 1", p, v, m);
@@ -593,7 +607,8 @@ zb_status_t zb_schedule_create_from_ops_mapped(zb_schedule_t **out, const zb_sch
   ZB_ARG_NOT_NULL(stage_ranks);
   ZB_ARG_NOT_NULL(rank_ops);
   ZB_ARG_NOT_NULL(rank_counts);
-  ZB_CHECK(check_spec_header(spec));
+  zb_schedule_spec_t upgraded;
+  ZB_CHECK(upgrade_spec(&spec, &upgraded));
   int p = spec->ranks, S = num_stages, m = spec->microbatches;
   if (p < 1 || S < 1 || m < 1)
     return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "p=%d, stages=%d, m=%d; each must be >= 1", p, S, m);
@@ -735,7 +750,8 @@ zb_status_t zb_schedule_import(zb_schedule_t **out, zb_format_t format, const ch
   if (!text && len) ZB_ARG_NOT_NULL(text);
   zb_schedule_spec_t defaults = ZB_SCHEDULE_SPEC_INIT;
   if (!spec) spec = &defaults;
-  ZB_CHECK(check_spec_header(spec));
+  zb_schedule_spec_t upgraded;
+  ZB_CHECK(upgrade_spec(&spec, &upgraded));
   if (format != ZB_FORMAT_CSV)
     return ZB_FAIL(ZB_ERR_UNSUPPORTED, "import reads CSV only (format %d given)", (int)format);
   return zb__import_csv(out, text ? text : "", len, spec);

@@ -270,10 +270,13 @@ zb_status_t zb_schedule_validate(const zb_schedule_t *s) {
     st = zb__rank_memory(s, r, start, end, s->mem_limit, &dev, &host, &over, &at);
     if (st == ZB_OK && over >= 0) {
       const zb_op_t *op = &s->ops[over];
+      int copies = 0;
+      for (int k = s->rank_off[r]; k < s->rank_off[r + 1]; k++) copies |= zb__op_is_copy(s->ops[k].type);
       st = ZB_FAIL(ZB_ERR_INVALID_SCHEDULE,
                    "rank %d, position %d: after %s stage %d mb %d the rank holds %.4g microbatches of "
-                   "activations on the device, above the limit %.4g (rule: memory under the limit)",
-                   r, over - s->rank_off[r], zb__op_name(op->type), op->stage, op->mb, at, s->mem_limit);
+                   "activations%s, above the limit %.4g (rule: memory under the limit)",
+                   r, over - s->rank_off[r], zb__op_name(op->type), op->stage, op->mb, at,
+                   copies ? " on the device" : "", s->mem_limit);
     }
   }
   free(start), free(end);

@@ -365,8 +365,23 @@ static int emit(zb_schedule_t *s, const args_t *a) {
   return 0;
 }
 
+/* With --offload: *s replaced by the offload pass's result (zb_schedule_plan_offload). */
+static int apply_offload(const args_t *a, zb_schedule_t **s) {
+  if (!a->offload) return 0;
+  if (!a->has_copy_times)
+    return zb__tool_bad_usage("%s", "--offload needs --copy-times O,R: the time to copy one microbatch's activations "
+                                    "through all of a rank's layers to host memory and back (in --times' units)");
+  zb_offload_config_t cfg = ZB_OFFLOAD_CONFIG_INIT;
+  cfg.device_limit = a->offload_limit, cfg.slowdown = a->offload_slowdown;
+  zb_schedule_t *off = NULL;
+  if (zb_schedule_plan_offload(&off, *s, &cfg) != ZB_OK) return zb__tool_fail("cannot plan offload");
+  zb_schedule_destroy(*s);
+  *s = off;
+  return 0;
+}
+
 /* After --offload: each rank's device and host peak on stderr (the plan is on stdout). */
-static int offload_summary(zb_schedule_t *s) {
+static int offload_summary(zb_schedule_t *s, const args_t *a) {
   zb_schedule_info_t info;
   if (zb_schedule_get_info(s, &info) != ZB_OK) return zb__tool_fail("offload summary");
   int copies = 0;
@@ -382,7 +397,16 @@ static int offload_summary(zb_schedule_t *s) {
     zb_schedule_rank_memory(s, r, &dev, &host);
     fprintf(stderr, " %d: %.4g / %.4g%s", r, dev, host, r + 1 < info.ranks ? "," : "\n");
   }
-  if (copies == 0)
+  double worst = 0;
+  for (int r = 0; r < info.ranks; r++) {
+    double dev = 0;
+    zb_schedule_rank_memory(s, r, &dev, NULL);
+    if (dev > worst) worst = dev;
+  }
+  if (copies == 0 && a->offload_limit > 0 && worst <= a->offload_limit)
+    fprintf(stderr, "zbpp: offload: every rank is within --offload-limit %g already; nothing to move\n",
+            a->offload_limit);
+  else if (copies == 0)
     fprintf(stderr, "zbpp: offload: no copy fits: each round trip (--copy-times) is longer than the time its "
                     "activations wait, or would lengthen the step\n");
   return 0;
@@ -464,22 +488,9 @@ static int cmd_schedule(const args_t *a) {
     zb_schedule_get_info(s, &info);
     rc = costs_fit(have, a->stage_times, info.ranks, info.chunks, (int)info.placement, source);
   }
-  if (!rc && a->offload && !a->has_copy_times)
-    rc = zb__tool_bad_usage("%s", "--offload needs --copy-times O,R: the time to copy one microbatch's activations "
-                                  "through all of a rank's layers to host memory and back (in --times' units)");
-  if (!rc && a->offload) {
-    zb_offload_config_t cfg = ZB_OFFLOAD_CONFIG_INIT;
-    cfg.device_limit = a->offload_limit, cfg.slowdown = a->offload_slowdown;
-    zb_schedule_t *off = NULL;
-    if (zb_schedule_plan_offload(&off, s, &cfg) != ZB_OK) {
-      rc = zb__tool_fail("cannot plan offload");
-    } else {
-      zb_schedule_destroy(s);
-      s = off;
-    }
-  }
+  if (!rc) rc = apply_offload(a, &s);
   if (!rc) rc = emit(s, a);
-  if (!rc && a->offload) rc = offload_summary(s);
+  if (!rc && a->offload) rc = offload_summary(s, a);
   zb_schedule_destroy(s);
   if (have) zb__costs_free(have);
   return rc;
@@ -526,7 +537,9 @@ static int cmd_simulate(const args_t *a) {
   }
   if (!rc && zb_schedule_import(&s, ZB_FORMAT_CSV, text, len, &spec) != ZB_OK) rc = zb__tool_fail(a->file);
   free(text);
+  if (!rc) rc = apply_offload(a, &s);
   if (!rc) rc = emit(s, a);
+  if (!rc && a->offload) rc = offload_summary(s, a);
   zb_schedule_destroy(s);
   if (have) zb__costs_free(have);
   return rc;

@@ -5,6 +5,7 @@
  * yet). Expected times and memory are worked out by hand in the comments from the rules in zbpp.h.
  */
 #include <math.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -323,8 +324,9 @@ static void test_offload_pass_on_every_kind(void **state) {
   const zb_kind_t kinds[] = {ZB_KIND_GPIPE, ZB_KIND_1F1B, ZB_KIND_INTERLEAVED_1F1B, ZB_KIND_ZB_H1, ZB_KIND_ZB_H2,
                              ZB_KIND_ZB_V, ZB_KIND_V_HALF, ZB_KIND_V_MIN, ZB_KIND_ZB_AUTO};
   for (size_t k = 0; k < sizeof kinds / sizeof kinds[0]; k++)
-    for (int p = 2; p <= 4; p += 2) {
-      zb_schedule_t *base = generated(kinds[k], p, 4 * p, 0.2), *off = NULL;
+    for (int p = 2; p <= 4; p += 2)
+      for (int mult = 2; mult <= 4; mult += 2) {
+      zb_schedule_t *base = generated(kinds[k], p, mult * p, mult == 2 ? 0.25 : 0.2), *off = NULL;
       ZB_ASSERT_OK(zb_schedule_plan_offload(&off, base, NULL));
       ZB_ASSERT_OK(zb_schedule_validate(off));
       assert_same_compute(base, off, p);
@@ -333,12 +335,32 @@ static void test_offload_pass_on_every_kind(void **state) {
       zb_sim_result_t a, b;
       ZB_ASSERT_OK(zb_schedule_simulate(base, &a));
       ZB_ASSERT_OK(zb_schedule_simulate(off, &b));
+      if (b.cost > a.cost + 1e-9) /* the largest rank span (the bubble's) may not grow either */
+        fail_msg("%s p=%d: the cost grew from %g to %g", zb_kind_name(kinds[k]), p, a.cost, b.cost);
       if (b.max_peak_memory > a.max_peak_memory + 1e-9)
         fail_msg("%s p=%d: the device peak grew from %g to %g", zb_kind_name(kinds[k]), p, a.max_peak_memory,
                  b.max_peak_memory);
       zb_schedule_destroy(off);
       zb_schedule_destroy(base);
     }
+}
+
+/* A caller built with the version 1 header (before the copy times) still gets its schedules: the
+ * library reads the part it has and takes no copy times. Other sizes are refused. */
+static void test_version_1_callers_still_work(void **state) {
+  (void)state;
+  zb_schedule_spec_t spec = zb_test_spec(ZB_KIND_ZB_V, 2, 4, 0);
+  spec.struct_size = (uint32_t)offsetof(zb_schedule_spec_t, time_offload), spec.version = 1;
+  spec.time_offload = 99; /* past a version 1 caller's struct: must not be read */
+  zb_schedule_t *s = NULL;
+  ZB_ASSERT_OK(zb_schedule_create(&s, &spec));
+  double t;
+  ZB_ASSERT_OK(zb_schedule_op_time(s, ZB_OP_OFFLOAD, 0, &t));
+  assert_near(t, 0);
+  zb_schedule_destroy(s);
+  spec.struct_size += 8;
+  ASSERT_STATUS(zb_schedule_create(&s, &spec), ZB_ERR_INVALID_ARGUMENT);
+  ASSERT_CONTAINS(zb_last_error(), "struct_size");
 }
 
 int main(void) {
@@ -351,6 +373,7 @@ int main(void) {
       cmocka_unit_test(test_runner_refuses_copies),
       cmocka_unit_test(test_offload_pass_keeps_the_step),
       cmocka_unit_test(test_offload_pass_on_every_kind),
+      cmocka_unit_test(test_version_1_callers_still_work),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

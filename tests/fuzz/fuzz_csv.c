@@ -72,7 +72,7 @@ static void check_valid(zb_schedule_t *s) {
   CHECK(st == ZB_OK);
   CHECK(res.cost >= 0 && res.bubble_rate >= 0 && res.bubble_rate <= 1);
   const zb_format_t formats[] = {ZB_FORMAT_TEXT, ZB_FORMAT_CSV, ZB_FORMAT_JSON, ZB_FORMAT_CHROME,
-                                 ZB_FORMAT_SVG};
+                                 ZB_FORMAT_SVG, ZB_FORMAT_CSV_COMMS};
   for (size_t i = 0; i < sizeof formats / sizeof formats[0]; i++) {
     char *text = NULL;
     size_t len = 0;
@@ -80,6 +80,16 @@ static void check_valid(zb_schedule_t *s) {
     if (st == ZB_ERR_OUT_OF_MEMORY) continue;
     CHECK(st == ZB_OK && text && strlen(text) == len && len > 0);
     zb_free(text);
+  }
+  /* The offload pass on a valid schedule gives a valid one (or refuses one that has copies). */
+  zb_schedule_t *off = NULL;
+  st = zb_schedule_plan_offload(&off, s, NULL);
+  if (st == ZB_OK) {
+    st = zb_schedule_validate(off);
+    CHECK(st == ZB_OK || st == ZB_ERR_OUT_OF_MEMORY);
+    zb_schedule_destroy(off);
+  } else {
+    CHECK(st == ZB_ERR_INVALID_ARGUMENT || st == ZB_ERR_OUT_OF_MEMORY);
   }
 }
 

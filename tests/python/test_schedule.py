@@ -760,3 +760,10 @@ def test_plan_offload_halves_1f1b_memory_at_the_same_step():
     with pytest.raises(ZbError, match="slowdown"):
         with Schedule.generate("1f1b", 2, 4) as s:
             s.plan_offload(slowdown=-1)
+
+
+def test_plan_offload_limits_are_positive_or_none():
+    with Schedule.generate("1f1b", 2, 4) as s:
+        for name in ("device_limit", "host_limit"):
+            with pytest.raises(ValueError, match=f"{name} must be a number of microbatches > 0"):
+                s.plan_offload(**{name: 0})

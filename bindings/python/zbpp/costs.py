@@ -323,6 +323,8 @@ class StageCosts:
             where = {}
             for r in range(p):
                 for k, op in enumerate(ops[r]):
+                    if op.type not in samples:  # a copy (OFFLOAD/RELOAD) runs beside the compute
+                        continue
                     where[(op.type, op.stage, op.mb)] = (r, k)
                     samples[op.type][op.stage].append(times[r][1][k] - times[r][0][k])
             gaps += _wait_gaps(ops, times, where, S)
@@ -388,6 +390,9 @@ class StageCosts:
         if sim.cost <= 0:
             return 0.0
         ops = [schedule.rank_ops(r) for r in range(schedule.ranks)]
+        if any(op.type in ("OFFLOAD", "RELOAD") for rank in ops for op in rank):
+            raise ValueError("StageCosts.expected_bubble: the schedule has OFFLOAD/RELOAD copies, which the "
+                             "measured costs do not time; give the schedule without them")
         over = [[self.overheads[op.type.lower()][op.stage] for op in rank] for rank in ops]
         pools = None
         if self.samples is not None and draws > 0 and (schedule.ranks, schedule.stages) == (self.ranks, self.stages):

@@ -364,7 +364,7 @@ class Schedule(_ScheduleExports):
         """Builds a schedule (kind "custom") from explicit op lists.
 
         rank_ops: one list per rank of Op or (type, stage, mb) tuples in execution order, type
-        'F', 'B', 'W' or 'BW'. m: microbatches. placement: 'loop' (stage s on rank s mod p), 'v'
+        'F', 'B', 'W', 'BW', or the copies 'OFFLOAD' and 'RELOAD'. m: microbatches. placement: 'loop' (stage s on rank s mod p), 'v'
         (v = 2; stage s on rank s for s < p, else 2p-1-s), or a list giving each stage's rank
         (any map where every rank holds a stage; ranks may hold different numbers of stages; per-
         rank scalar times are split among each rank's stages, per-stage lists have one entry per
@@ -570,10 +570,14 @@ class Schedule(_ScheduleExports):
         through all of a rank's layers) the pass stops once every rank's device peak is at most
         that; with None it offloads all it can. A copy that does not
         fit is left out, never an error: check rank_memory() of the result."""
-        cfg = _OffloadConfig(ctypes.sizeof(_OffloadConfig), ZB_OFFLOAD_CONFIG_VERSION,
-                             0.0 if device_limit is None else _number(device_limit, "device_limit"),
-                             _number(slowdown, "slowdown"),
-                             0.0 if host_limit is None else _number(host_limit, "host_limit"))
+        limits = {}
+        for name, value in (("device_limit", device_limit), ("host_limit", host_limit)):
+            limits[name] = 0.0 if value is None else _number(value, name)
+            if value is not None and not limits[name] > 0:
+                raise ValueError(f"plan_offload: {name} must be a number of microbatches > 0 (None for no limit), "
+                                 f"got {value!r}")
+        cfg = _OffloadConfig(ctypes.sizeof(_OffloadConfig), ZB_OFFLOAD_CONFIG_VERSION, limits["device_limit"],
+                             _number(slowdown, "slowdown"), limits["host_limit"])
         out = ctypes.c_void_p()
         _lib.call("zb_schedule_plan_offload", [ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p,
                                                ctypes.POINTER(_OffloadConfig)],

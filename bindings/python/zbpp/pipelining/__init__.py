@@ -273,6 +273,12 @@ class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning, _Splitting, _Bou
                 raise ValueError(f"zbpp: the CSV schedule has {info[0]} ranks, {info[1]} stages and {info[2]} "
                                  f"microbatches; this pipeline has {p}, {S} and n_microbatches={m}")
             self.schedule.validate()
+            copies = [op for r in range(self.schedule.ranks) for op in self.schedule.rank_ops(r)
+                      if op.type in ("OFFLOAD", "RELOAD")]
+            if copies:
+                raise ValueError(f"zbpp: the CSV schedule has {len(copies)} OFFLOAD/RELOAD ops (PipeOffload's "
+                                 f"copies, first: {copies[0]}); the torch layer does not run copies yet: give "
+                                 "the schedule without them")
         elif kind is None:
             # PipelineScheduleMulti and _PipelineScheduleRuntime themselves: the order comes from the
             # user (pipeline_order, _load_csv, _prepare_schedule_with_comms) before the first step.

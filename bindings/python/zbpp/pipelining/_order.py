@@ -37,7 +37,12 @@ def to_actions(schedule):
     the C runner waits on its transfers, as torch's runtime skips None)."""
     order = {}
     for r in range(schedule.ranks):
-        order[r] = [_s._Action(op.stage, _FROM_ZB[op.type], op.mb) for op in schedule.rank_ops(r)]
+        ops = schedule.rank_ops(r)
+        copy = next((op for op in ops if op.type not in _FROM_ZB), None)
+        if copy is not None:
+            raise ValueError(f"zbpp: rank {r} has {copy}: torch's pipeline_order has no action for zbpp's "
+                             "OFFLOAD/RELOAD copies")
+        order[r] = [_s._Action(op.stage, _FROM_ZB[op.type], op.mb) for op in ops]
     return order
 
 
