@@ -521,8 +521,14 @@ def test_torchtitans_pipeline_code_trains_as_torchs_with_zbpp_aliased_in(titan, 
     runs = {}
     for impl in ("torch", "zbpp"):
         out = tmp_path / f"{impl}.pt"
-        proc = subprocess.run([sys.executable, str(worker), impl, schedule, str(out), str(csv)], env=titan,
-                              capture_output=True, text=True, timeout=300)
+        for attempt in range(2):
+            proc = subprocess.run([sys.executable, str(worker), impl, schedule, str(out), str(csv)], env=titan,
+                                  capture_output=True, text=True, timeout=300)
+            # torch's own run (no zbpp loaded) sometimes aborts in gloo's teardown ("terminate called
+            # without an active exception"): 3 times in 7 runs of these tests here. That is torch's reference, not what
+            # is tested: run it once more. zbpp's runs get no second try.
+            if proc.returncode == 0 or impl != "torch" or "terminate called without an active exception" not in proc.stderr:
+                break
         assert proc.returncode == 0, f"{impl}: {proc.stderr[-4000:]}"
         runs[impl] = torch.load(out)
     z, t = runs["zbpp"], runs["torch"]
