@@ -59,8 +59,8 @@ static int cand_cmp(const void *a, const void *b) {
   return x->mb - y->mb;
 }
 
-/* Simulates t's ops into start/end and fills the makespan and rank r's (or every rank's, r < 0)
- * device peak and the largest host peak. ZB_ERR_INVALID_SCHEDULE when the ops cannot run. */
+/* Simulates t's ops into start/end and fills the makespan, every rank's device peak (dev, p
+ * values) and the largest host peak. ZB_ERR_INVALID_SCHEDULE when the ops cannot run. */
 static zb_status_t measure(const zb_schedule_t *t, double *start, double *end, double *makespan, double *dev,
                            double *host_max) {
   ZB_CHECK(zb__simulate_times(t, start, end));

@@ -568,12 +568,6 @@ class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning, _Splitting, _Bou
         so that a rank 0 that failed makes the others fail at once instead of at their timeout).
         Where ranks share a GPU (NCCL refuses them), the host transport staged through host memory
         instead, with a warning."""
-        uid, failure = bytes(runtime.NCCL_UNIQUE_ID_BYTES), None
-        if self.rank == 0:
-            try:
-                uid = runtime.nccl_unique_id()
-            except _lib.ZbError as exc:
-                failure = exc
         group, device = self._messages()
         # Asked before NCCL is (cuda.shared_gpus says why); bounded by the schedule's timeout.
         ids = self._exchange(cuda.gpu_identity(self.device), "finding the ranks that share a GPU")
@@ -593,6 +587,12 @@ class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning, _Splitting, _Bou
                              "Give each rank its own GPU (torch.cuda.set_device(local_rank), or "
                              "CUDA_VISIBLE_DEVICES) for NCCL.", shared)
             return runtime.Transport.staged(self.transport.transport)
+        uid, failure = bytes(runtime.NCCL_UNIQUE_ID_BYTES), None
+        if self.rank == 0:
+            try:
+                uid = runtime.nccl_unique_id()
+            except _lib.ZbError as exc:
+                failure = exc
         got = distributed.broadcast_bytes(bytes([failure is None]) + uid, _global(self.group, 0), group, device)
         if failure is not None:
             raise failure
