@@ -801,6 +801,8 @@ typedef zb_status_t (*zb_forward_cb)(void *user, int32_t stage, int32_t mb, cons
                                      void *output);
 typedef zb_status_t (*zb_backward_cb)(void *user, int32_t stage, int32_t mb,
                                       const void *grad_output, void *grad_input);
+/* PipeOffload's copies (see copy_cb below): type is ZB_OP_OFFLOAD or ZB_OP_RELOAD. */
+typedef zb_status_t (*zb_copy_cb)(void *user, int32_t type, int32_t stage, int32_t mb);
 
 #define ZB_RUNNER_CONFIG_VERSION 1
 
@@ -851,12 +853,27 @@ typedef struct {
    * nothing. The buffer plan counts those receive buffers. Not with pair_first. Callers whose
    * struct_size ends before this field get the copying mode. */
   void (*release_cb)(void *user, uint64_t token);
+  /* PipeOffload's copies: a schedule with OFFLOAD/RELOAD ops (zb_schedule_plan_offload) runs them
+   * on the rank's copy lane. Just before the runner runs a compute op it issues the copies that
+   * follow that op in the list; copy_cb(user, type, stage, mb) then moves what F(stage, mb) saved
+   * for its backward to host memory (ZB_OP_OFFLOAD) or back (ZB_OP_RELOAD). On the host backend a
+   * thread of the runner calls it, one copy at a time in list order, an OFFLOAD only after its F
+   * has returned, and the B/BW and W of an offloaded (stage, mb) wait for its RELOAD (at most
+   * timeout_s); with copy_time_scale > 0 each copy lasts at least its schedule time (T_OFFLOAD,
+   * T_RELOAD) times copy_time_scale seconds, a modelled link. On a device backend copy_cb is called
+   * on the runner's thread when the copy is issued and must only enqueue it, ordered against the
+   * compute stream by the caller (a copy stream and events); the runner issues it just after the
+   * op before it has been enqueued, so an OFFLOAD right after its F finds the F's tensors. A failing copy fails the iteration,
+   * named. NULL: copies move nothing and only take their modelled time. Callers whose struct_size
+   * ends before these fields cannot run schedules with copies. */
+  zb_copy_cb copy_cb;
+  double copy_time_scale;
 } zb_runner_config_t;
 
 #define ZB_RUNNER_CONFIG_INIT                                                                      \
   {                                                                                                \
     sizeof(zb_runner_config_t), ZB_RUNNER_CONFIG_VERSION, 0, NULL, NULL, NULL, NULL, NULL, 0,      \
-        NULL, NULL, NULL, 0.0, 0, NULL, 0, NULL, NULL, NULL, NULL                                  \
+        NULL, NULL, NULL, 0.0, 0, NULL, 0, NULL, NULL, NULL, NULL, NULL, 0.0                       \
   }
 
 typedef struct zb_runner zb_runner_t;

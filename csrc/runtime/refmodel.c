@@ -21,6 +21,7 @@
 #include "refmodel.h"
 
 #include <math.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -44,6 +45,8 @@ typedef struct {
   int state;       /* SLOT_EMPTY, SLOT_FORWARD (F ran), SLOT_BACKWARD (B ran, entries pushed) */
   int64_t pending; /* entries of this slot the W store holds */
   uint8_t *held;   /* 2 * layers flags: entry (block, which) is in the W store */
+  float *host;     /* its copy in "host memory" while offloaded, or NULL */
+  int offloaded;   /* OFFLOAD ran and its RELOAD has not */
 } slot_t;
 
 struct zb__refmodel {
@@ -61,6 +64,13 @@ struct zb__refmodel {
   uint8_t *held;          /* backing store of every slot's held flags */
   float **pool;           /* free slot buffers */
   int64_t pool_n;         /* how many are in the pool */
+  /* PipeOffload (zb__refmodel_copy runs on the runner's copy thread): the lock guards the pool;
+   * made counts slot buffers ever allocated (the resident peak), hosted the host copies. */
+  pthread_mutex_t pool_mu;
+  int pool_mu_made;
+  int64_t made, hosted;
+  float **hpool; /* free host copies */
+  int64_t hpool_n;
   float *scratch;         /* [rows, ffn]: da in B */
   double *loss;           /* [m]: L_i of the current step */
   uint8_t *loss_set;      /* [m]: L_i computed this step */
@@ -191,7 +201,11 @@ static void format_owned(const zb__refmodel_t *m, char *buf, size_t size) {
 void zb__refmodel_destroy(zb__refmodel_t *m) {
   if (!m) return;
   if (m->slots)
-    for (int64_t k = 0; k < (int64_t)m->n_own * m->cfg.microbatches; k++) free(m->slots[k].buf);
+    for (int64_t k = 0; k < (int64_t)m->n_own * m->cfg.microbatches; k++) free(m->slots[k].buf), free(m->slots[k].host);
+  if (m->hpool)
+    for (int64_t k = 0; k < m->hpool_n; k++) free(m->hpool[k]);
+  free(m->hpool);
+  if (m->pool_mu_made) pthread_mutex_destroy(&m->pool_mu);
   if (m->pool)
     for (int64_t k = 0; k < m->pool_n; k++) free(m->pool[k]);
   if (m->param)
@@ -294,11 +308,13 @@ zb_status_t zb__refmodel_create(zb__refmodel_t **out, const zb__refmodel_config_
   m->slots = calloc((size_t)n_slots, sizeof(slot_t));
   m->held = calloc((size_t)n_held, 1);
   m->pool = calloc((size_t)n_slots, sizeof(float *));
+  m->hpool = calloc((size_t)n_slots, sizeof(float *));
+  m->pool_mu_made = pthread_mutex_init(&m->pool_mu, NULL) == 0;
   m->scratch = alloc_floats(rf);
   m->loss = calloc((size_t)M, sizeof(double));
   m->loss_set = calloc((size_t)M, 1);
-  if (!m->param || !m->grad || !m->slots || !m->held || !m->pool || !m->scratch || !m->loss ||
-      !m->loss_set)
+  if (!m->param || !m->grad || !m->slots || !m->held || !m->pool || !m->hpool || !m->pool_mu_made ||
+      !m->scratch || !m->loss || !m->loss_set)
     goto oom;
   for (int64_t k = 0; k < n_slots; k++) m->slots[k].held = m->held + k * 2 * cfg->layers;
   for (int32_t k = 0; k < n_own; k++) {
@@ -345,10 +361,26 @@ static float *edge(const zb__refmodel_t *m, float *buf) {
   return buf + (int64_t)m->cfg.layers * m->block_floats;
 }
 
+/* A slot buffer from the pool, or a new one (counted in made); NULL when out of memory. */
+static float *pool_take(zb__refmodel_t *m) {
+  pthread_mutex_lock(&m->pool_mu);
+  float *buf = m->pool_n > 0 ? m->pool[--m->pool_n] : NULL;
+  if (!buf && (buf = alloc_floats(m->slot_floats)) != NULL) m->made++;
+  pthread_mutex_unlock(&m->pool_mu);
+  return buf;
+}
+
+static void pool_put(zb__refmodel_t *m, float *buf) {
+  pthread_mutex_lock(&m->pool_mu);
+  m->pool[m->pool_n++] = buf; /* cannot overflow: at most one buffer per slot exists */
+  pthread_mutex_unlock(&m->pool_mu);
+}
+
 static void slot_to_pool(zb__refmodel_t *m, slot_t *sl) {
-  m->pool[m->pool_n++] = sl->buf; /* cannot overflow: at most one buffer per slot exists */
+  pool_put(m, sl->buf);
   sl->buf = NULL;
   sl->state = SLOT_EMPTY;
+  sl->offloaded = 0;
 }
 
 /* Token of W-store entry `which` (0: W2/b2, 1: W1/b1) of block j of (stage, mb). create checked
@@ -393,7 +425,15 @@ void zb__refmodel_begin_step(zb__refmodel_t *m, int32_t step, float loss_scale) 
   /* Activations of forwards whose backward never ran (a failed iteration) belong to the old step;
    * give them back. Slots with entries in the W store stay until the store releases them. */
   for (int64_t k = 0; k < (int64_t)m->n_own * m->cfg.microbatches; k++)
-    if (m->slots[k].state == SLOT_FORWARD) slot_to_pool(m, &m->slots[k]);
+    if (m->slots[k].state == SLOT_FORWARD) {
+      if (m->slots[k].offloaded) { /* offloaded and never reloaded: its buffer is in the pool already */
+        m->hpool[m->hpool_n++] = m->slots[k].host;
+        m->slots[k].host = NULL;
+        m->slots[k].state = SLOT_EMPTY, m->slots[k].offloaded = 0;
+      }
+      else
+        slot_to_pool(m, &m->slots[k]);
+    }
 }
 
 zb_status_t zb__refmodel_forward(void *model, int32_t stage, int32_t mb, const void *input,
@@ -422,7 +462,7 @@ zb_status_t zb__refmodel_forward(void *model, int32_t stage, int32_t mb, const v
                    "not released); run or clear the W store first",
                    (int)stage, (int)mb, (long long)sl->pending);
   if (!sl->buf) {
-    sl->buf = m->pool_n > 0 ? m->pool[--m->pool_n] : alloc_floats(m->slot_floats);
+    sl->buf = pool_take(m);
     if (!sl->buf)
       return ZB_FAIL(ZB_ERR_OUT_OF_MEMORY,
                      "reference model forward of stage %d microbatch %d: out of memory for %lld "
@@ -524,6 +564,10 @@ zb_status_t zb__refmodel_backward(void *model, int32_t stage, int32_t mb, const 
                    "reference model backward of stage %d microbatch %d: %s", (int)stage, (int)mb,
                    sl->state == SLOT_EMPTY ? "its forward has not run"
                                            : "it already ran and its W-store entries are pending");
+  if (sl->offloaded)
+    return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
+                   "reference model backward of stage %d microbatch %d: its activations are in host memory "
+                   "(OFFLOAD ran, its RELOAD has not)", (int)stage, (int)mb);
   if (!last && !grad_output)
     return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
                    "reference model backward of stage %d microbatch %d: grad_output is NULL (only "
@@ -629,3 +673,57 @@ zb_status_t zb__refmodel_stage_params(zb__refmodel_t *m, int32_t stage, float **
 }
 
 int64_t zb__refmodel_pending_saves(const zb__refmodel_t *m) { return m ? m->pending : 0; }
+
+/* ---- PipeOffload ----------------------------------------------------------------------------- */
+
+zb_status_t zb__refmodel_copy(void *model, int32_t type, int32_t stage, int32_t mb) {
+  zb__refmodel_t *m = model;
+  ZB_ARG_NOT_NULL(model);
+  int32_t loc;
+  slot_t *sl;
+  const char *what = type == ZB_OP_OFFLOAD ? "OFFLOAD" : "RELOAD";
+  ZB_CHECK(find_slot(m, what, stage, mb, &loc, &sl));
+  const size_t bytes = (size_t)m->slot_floats * sizeof(float);
+  if (type == ZB_OP_OFFLOAD) {
+    if (sl->state != SLOT_FORWARD || sl->offloaded)
+      return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "reference model OFFLOAD of stage %d microbatch %d: %s", (int)stage,
+                     (int)mb, sl->offloaded ? "already offloaded" : "its forward has not run, or its backward has");
+    pthread_mutex_lock(&m->pool_mu);
+    sl->host = m->hpool_n > 0 ? m->hpool[--m->hpool_n] : NULL;
+    if (!sl->host && (sl->host = alloc_floats(m->slot_floats)) != NULL) m->hosted++;
+    pthread_mutex_unlock(&m->pool_mu);
+    if (!sl->host)
+      return ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "reference model OFFLOAD: out of memory for %zu bytes", bytes);
+    memcpy(sl->host, sl->buf, bytes);
+    /* Poisoned before it goes back to the pool: a backward that read it anyway would show. */
+    for (int64_t k = 0; k < m->slot_floats; k++) sl->buf[k] = NAN;
+    pool_put(m, sl->buf);
+    sl->buf = NULL;
+    sl->offloaded = 1;
+    return ZB_OK;
+  }
+  if (type != ZB_OP_RELOAD)
+    return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "reference model copy: type %d is neither OFFLOAD (%d) nor RELOAD (%d)",
+                   (int)type, (int)ZB_OP_OFFLOAD, (int)ZB_OP_RELOAD);
+  if (!sl->offloaded)
+    return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "reference model RELOAD of stage %d microbatch %d: it is not offloaded",
+                   (int)stage, (int)mb);
+  float *buf = pool_take(m);
+  if (!buf)
+    return ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "reference model RELOAD: out of memory for %zu bytes", bytes);
+  memcpy(buf, sl->host, bytes);
+  pthread_mutex_lock(&m->pool_mu);
+  m->hpool[m->hpool_n++] = sl->host; /* cannot overflow: one host copy per slot at most */
+  pthread_mutex_unlock(&m->pool_mu);
+  sl->host = NULL;
+  sl->buf = buf;
+  sl->offloaded = 0;
+  return ZB_OK;
+}
+
+void zb__refmodel_memory(zb__refmodel_t *m, int64_t *resident, int64_t *hosted) {
+  pthread_mutex_lock(&m->pool_mu);
+  if (resident) *resident = m->made;
+  if (hosted) *hosted = m->hosted;
+  pthread_mutex_unlock(&m->pool_mu);
+}

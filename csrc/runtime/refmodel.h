@@ -70,6 +70,15 @@ zb_status_t zb__refmodel_backward(void *model, int32_t stage, int32_t mb, const 
 /* zb_wgrad_release_cb with the model as user. */
 zb_status_t zb__refmodel_release(void *model, uint64_t token, int32_t ran);
 
+/* PipeOffload on the model (a zb_copy_cb with the model as user; the runner's copy thread may call
+ * it while the rank's thread computes): OFFLOAD copies (stage, mb)'s activations out to a host
+ * buffer of the slot's own, poisons the slot buffer with NaN and gives it back to the pool; RELOAD
+ * takes a pool buffer and copies them back. A backward of an offloaded slot fails. */
+zb_status_t zb__refmodel_copy(void *model, int32_t type, int32_t stage, int32_t mb);
+/* Slot buffers allocated on the device side and host copies allocated, since creation: both are
+ * recycled through pools, so these are the most resident and the most offloaded at once. */
+void zb__refmodel_memory(zb__refmodel_t *model, int64_t *resident, int64_t *hosted);
+
 /* The mean loss of the current step, (1/m) sum_i L_i summed in microbatch order; valid on the
  * instance owning the last stage after all its forwards ran (NaN elsewhere). */
 double zb__refmodel_loss(const zb__refmodel_t *model);

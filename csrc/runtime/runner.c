@@ -41,6 +41,8 @@ static const char *op_name(int type) {
     case ZB_OP_F: return "F";
     case ZB_OP_B: return "B";
     case ZB_OP_W: return "W";
+    case ZB_OP_OFFLOAD: return "OFFLOAD";
+    case ZB_OP_RELOAD: return "RELOAD";
     default: return "BW";
   }
 }
@@ -146,6 +148,7 @@ zb_status_t zb_runner_destroy(zb_runner_t *r) {
       if (r->ev_op[k]) r->be->ops->event_destroy(r->be, r->ev_op[k]);
   free(r->ev_op);
   if (r->ev_base) r->be->ops->event_destroy(r->be, r->ev_base);
+  zb__copies_free(r);
   zb__backend_unref(r->be);
   zb__transport_unref(r->tr);
   free(r->pools), free(r->io), free(r->start), free(r->end), free(r->recv_op), free(r->recv_req);
@@ -163,9 +166,12 @@ zb_status_t zb_runner_create(zb_runner_t **out, const zb_runner_config_t *c) {
    * them; those built before release_cb, the size that ends before it. */
   const size_t before_pairs = offsetof(zb_runner_config_t, pair_first);
   const size_t before_release = offsetof(zb_runner_config_t, release_cb);
+  const size_t before_copies = offsetof(zb_runner_config_t, copy_cb);
   const int has_pairs = c->struct_size >= before_release; /* and the allocator fields */
-  const int has_release = c->struct_size >= sizeof(zb_runner_config_t);
-  if ((c->struct_size != before_pairs && c->struct_size != before_release && !has_release) ||
+  const int has_release = c->struct_size >= before_copies;
+  const int has_copies = c->struct_size >= sizeof(zb_runner_config_t);
+  if ((c->struct_size != before_pairs && c->struct_size != before_release && c->struct_size != before_copies &&
+       !has_copies) ||
       c->version != ZB_RUNNER_CONFIG_VERSION)
     return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
                    "zb_runner_config_t has struct_size %u, version %u; initialise it with "
@@ -191,16 +197,17 @@ zb_status_t zb_runner_create(zb_runner_t **out, const zb_runner_config_t *c) {
     return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
                    "the schedule has %d ranks, so the runner needs a transport (zb_runner_config_t.transport)",
                    (int)info.ranks);
-  for (int32_t q = 0; q < info.ranks; q++) { /* every rank alike: each refuses, none waits for another */
+  for (int32_t q = 0; !has_copies && q < info.ranks; q++) { /* every rank alike: each refuses */
     const zb_op_t *ops;
     int32_t n = 0;
     ZB_CHECK(zb_schedule_rank_ops(c->schedule, q, &ops, &n));
     for (int32_t k = 0; k < n; k++)
       if (ops[k].type == ZB_OP_OFFLOAD || ops[k].type == ZB_OP_RELOAD)
         return ZB_FAIL(ZB_ERR_UNSUPPORTED,
-                       "rank %d, position %d: the schedule has %s ops (PipeOffload's copies); the runner does "
-                       "not run them yet: plan and simulate such schedules, run the schedule without them",
-                       (int)q, (int)k, ops[k].type == ZB_OP_OFFLOAD ? "OFFLOAD" : "RELOAD");
+                       "rank %d, position %d: the schedule has %s ops (PipeOffload's copies), but the "
+                       "zb_runner_config_t passed (struct_size %u) predates copy_cb; build against this zbpp.h",
+                       (int)q, (int)k, ops[k].type == ZB_OP_OFFLOAD ? "OFFLOAD" : "RELOAD",
+                       (unsigned)c->struct_size);
   }
   if (c->transport && (c->transport->ranks != info.ranks || c->transport->rank != c->rank))
     return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
@@ -256,6 +263,7 @@ zb_status_t zb_runner_create(zb_runner_t **out, const zb_runner_config_t *c) {
     st = ZB_FAIL(ZB_ERR_UNSUPPORTED, "zb_runner_config_t: release_cb (zero-copy stages) does not go with pair_first");
   if (st == ZB_OK && has_pairs && c->n_pairs > 0) st = plan_pairs(r, c->pair_first, c->n_pairs);
   if (st == ZB_OK) st = zb__runner_plan_buffers(r, c);
+  if (st == ZB_OK && has_copies) st = zb__copies_plan(r, c->copy_cb, c->copy_time_scale);
   if (st == ZB_OK && r->be->ops->timing_event_create) {
     r->ev_op = calloc(2 * n, sizeof(zb__event_t *));
     if (!r->ev_op) st = ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory for %d timing events", 2 * (int)n);
@@ -280,6 +288,7 @@ static zb_status_t post_recv(zb_runner_t *r, int32_t j) {
 
 /* Undoes whatever the failed iteration left: requests, buffers, W-store entries. */
 static void cleanup_after_failure(zb_runner_t *r) {
+  zb__copies_stop(r);
   for (int32_t j = 0; j < r->n_recv; j++) {
     if (r->recv_req[j].active) zb__transport_cancel(r->tr, &r->recv_req[j]);
     if (r->recv_buf[j]) zb__runner_pool_put(r, r->io[r->recv_op[j]].in_pool, r->recv_buf[j]);
@@ -419,11 +428,17 @@ static zb_status_t op_acquire(zb_runner_t *r, int32_t k, int32_t *next_post, voi
 
 /* Runs op k's work between its time stamps. */
 static zb_status_t op_compute(zb_runner_t *r, int32_t k, const void *in, void *out) {
+  /* An offloaded microbatch's backward waits for its RELOAD; the copies after this op in the list
+   * start with it (the schedule model's rule). */
+  ZB_CHECK(zb__copies_wait(r, k));
+  ZB_CHECK(zb__copies_issue(r, k, 0));
   r->start[k] = zb__now();
   zb_status_t st = r->ev_op ? r->be->ops->event_record(r->be, r->ev_op[2 * k]) : ZB_OK;
   if (st == ZB_OK) st = run_compute(r, &r->ops[k], in, out);
   if (st == ZB_OK && r->ev_op) st = r->be->ops->event_record(r->be, r->ev_op[2 * k + 1]);
   r->end[k] = zb__now();
+  if (st == ZB_OK && r->ops[k].type == ZB_OP_F) zb__copies_forward_done(r, r->ops[k].stage, r->ops[k].mb);
+  if (st == ZB_OK) st = zb__copies_issue(r, k, 1);
   return st;
 }
 
@@ -528,9 +543,14 @@ zb_status_t zb_runner_run(zb_runner_t *r) {
     st = post_recv(r, next_post);
     if (st != ZB_OK) break;
   }
+  if (st == ZB_OK) st = zb__copies_begin(r);
   if (st == ZB_OK)
     for (k = 0; k < r->n;) {
       int32_t ran = 1;
+      if (r->ops[k].type == ZB_OP_OFFLOAD || r->ops[k].type == ZB_OP_RELOAD) {
+        k++; /* issued with the compute op before it (zb__copies_issue), run by the lane */
+        continue;
+      }
       st = run_op(r, k, &next_post, &ran);
       if (st != ZB_OK) {
         k += ran - 1; /* the op that failed, within a pair */
@@ -555,6 +575,12 @@ zb_status_t zb_runner_run(zb_runner_t *r) {
     st = ZB_FAIL(st, "rank %d, after its last op, waiting for its sends to leave: %s", (int)r->rank, inner);
     goto fail;
   }
+  st = zb__copies_end(r);
+  if (st != ZB_OK) {
+    take_error(inner, sizeof inner);
+    st = ZB_FAIL(st, "rank %d: %s", (int)r->rank, inner);
+    goto fail;
+  }
   ZB_CHECK_GOTO(r->be->ops->sync(r->be), st, fail);
   /* With NCCL the compute stream waited for the receives on the device; a receive that never came
    * was ended by the watchdog's abort, which the transport reports now. */
@@ -568,6 +594,7 @@ zb_status_t zb_runner_run(zb_runner_t *r) {
   }
   /* Device timestamps replace the host's issue times once the device has finished. */
   for (int32_t j = 0; r->ev_base && j < r->n; j++) {
+    if (r->ops[j].type == ZB_OP_OFFLOAD || r->ops[j].type == ZB_OP_RELOAD) continue; /* host stamps */
     double a = 0, b = 0;
     ZB_CHECK_GOTO(r->be->ops->elapsed(r->be, r->ev_base, r->ev_op[2 * j], &a), st, fail);
     ZB_CHECK_GOTO(r->be->ops->elapsed(r->be, r->ev_base, r->ev_op[2 * j + 1], &b), st, fail);

@@ -92,6 +92,9 @@ struct zb_runner {
    * op, turned into seconds after the iteration; NULL on the host, which stamps with its clock. */
   zb__event_t *ev_base, **ev_op;
   double host_base;
+  /* PipeOffload's copies (runner_copies.c): the caller's callback and the lane, NULL without copies. */
+  zb_copy_cb copy_cb;
+  struct zb__copylane *copies;
 };
 
 enum { POOL_SEND = 0, POOL_RECV = 1, POOL_LOCAL = 2 };
@@ -115,5 +118,24 @@ zb_status_t zb__runner_reap_sends(zb_runner_t *r, double timeout);
 void zb__runner_release_held(zb_runner_t *r, int32_t stage, int32_t mb);
 /* An op's input after its callback: back to its pool, or kept until the microbatch's W. */
 void zb__runner_release_input(zb_runner_t *r, int32_t k, void *in, uint64_t token);
+
+/* runner_copies.c: the copy lane (OFFLOAD/RELOAD ops). All are no-ops on a rank without copies. */
+typedef struct zb__copylane zb__copylane_t;
+/* Finds the rank's copies and makes the lane (at zb_runner_create). */
+zb_status_t zb__copies_plan(zb_runner_t *r, zb_copy_cb cb, double time_scale);
+void zb__copies_free(zb_runner_t *r);
+/* Starts an iteration's lane (its thread on the host) and issues the copies before the first compute op. */
+zb_status_t zb__copies_begin(zb_runner_t *r);
+/* Issues the copies that follow compute op k in the list: called just before op k runs (after = 0)
+ * and just after (after = 1); a host lane acts on the first call, a device lane on the second. */
+zb_status_t zb__copies_issue(zb_runner_t *r, int32_t k, int after);
+/* Before compute op k: waits for the RELOAD of its (stage, mb) when it has one (host lane). */
+zb_status_t zb__copies_wait(zb_runner_t *r, int32_t k);
+/* F(stage, mb) returned: its OFFLOAD may start. */
+void zb__copies_forward_done(zb_runner_t *r, int32_t stage, int32_t mb);
+/* After the last op: waits for the lane to finish every copy, then stops it. */
+zb_status_t zb__copies_end(zb_runner_t *r);
+/* Stops the lane at once (after a failure); a copy under way finishes first. */
+void zb__copies_stop(zb_runner_t *r);
 
 #endif /* ZB_RUNTIME_RUNNER_H */

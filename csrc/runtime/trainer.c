@@ -12,6 +12,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "internal.h"
 
@@ -27,9 +28,20 @@ typedef struct {
   double last_step, steady_from, steady_to;
   /* failure injection */
   zb__refmodel_t *model;
+  uint8_t *fused; /* compute_time_scale: per (stage * m + mb), 1 where its backward is a BW here */
   int32_t forwards;
   int32_t step;
 } rank_ctx_t;
+
+/* compute_time_scale: sleeps until the op has lasted its schedule time times the scale. */
+static void pad_to(const rank_ctx_t *c, double t0, zb_op_type_t type, int32_t stage) {
+  double t = 0;
+  if (c->cfg->compute_time_scale <= 0 || zb_schedule_op_time(c->schedule, type, stage, &t) != ZB_OK) return;
+  for (double left; (left = t0 + t * c->cfg->compute_time_scale - zb__now()) > 0;) {
+    struct timespec ts = {(time_t)left, (long)((left - (double)(time_t)left) * 1e9)};
+    nanosleep(&ts, NULL);
+  }
+}
 
 static zb_status_t fwd_hook(void *user, int32_t stage, int32_t mb, const void *in, void *out) {
   rank_ctx_t *c = user;
@@ -37,13 +49,25 @@ static zb_status_t fwd_hook(void *user, int32_t stage, int32_t mb, const void *i
     return ZB_FAIL(ZB_ERR_INTERNAL, "injected failure in the forward of stage %d microbatch %d",
                    (int)stage, (int)mb);
   if (c->cfg->empty_compute) return ZB_OK;
-  return zb__refmodel_forward(c->model, stage, mb, in, out);
+  const double t0 = zb__now();
+  zb_status_t st = zb__refmodel_forward(c->model, stage, mb, in, out);
+  pad_to(c, t0, ZB_OP_F, stage);
+  return st;
 }
 
 static zb_status_t bwd_hook(void *user, int32_t stage, int32_t mb, const void *gout, void *gin) {
   rank_ctx_t *c = user;
   if (c->cfg->empty_compute) return ZB_OK;
-  return zb__refmodel_backward(c->model, stage, mb, gout, gin);
+  const double t0 = zb__now();
+  zb_status_t st = zb__refmodel_backward(c->model, stage, mb, gout, gin);
+  pad_to(c, t0, c->fused && c->fused[(size_t)stage * (size_t)c->cfg->model.microbatches + (size_t)mb] ? ZB_OP_BW : ZB_OP_B,
+         stage);
+  return st;
+}
+
+static zb_status_t copy_hook(void *user, int32_t type, int32_t stage, int32_t mb) {
+  rank_ctx_t *c = user;
+  return zb__refmodel_copy(c->model, type, stage, mb);
 }
 
 static void *rank_main(void *arg) {
@@ -64,6 +88,18 @@ static void *rank_main(void *arg) {
     zb_schedule_stage_rank(c->schedule, s, &r);
     if (r == c->rank) own[n_own++] = s;
   }
+  if (cfg->compute_time_scale > 0) {
+    const zb_op_t *ops;
+    int32_t n = 0;
+    ZB_CHECK_GOTO(zb_schedule_rank_ops(c->schedule, c->rank, &ops, &n), st, done);
+    c->fused = calloc((size_t)c->S * (size_t)cfg->model.microbatches, 1);
+    if (!c->fused) {
+      st = ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory for rank %d", (int)c->rank);
+      goto done;
+    }
+    for (int32_t k = 0; k < n; k++)
+      if (ops[k].type == ZB_OP_BW) c->fused[(size_t)ops[k].stage * (size_t)cfg->model.microbatches + (size_t)ops[k].mb] = 1;
+  }
   ZB_CHECK_GOTO(zb_backend_create_host(&be), st, done);
   ZB_CHECK_GOTO(zb__refmodel_create(&c->model, &cfg->model, own, n_own), st, done);
   ZB_CHECK_GOTO(zb_wstore_create(&ws, be, zb__refmodel_release, c->model), st, done);
@@ -75,6 +111,7 @@ static void *rank_main(void *arg) {
   rc.boundary_bytes_all = zb__refmodel_boundary_bytes(&cfg->model);
   rc.forward_cb = fwd_hook, rc.backward_cb = bwd_hook, rc.user = c;
   rc.timeout_s = cfg->timeout_s > 0 ? cfg->timeout_s : 60.0;
+  rc.copy_cb = cfg->empty_compute ? NULL : copy_hook, rc.copy_time_scale = cfg->copy_time_scale;
   ZB_CHECK_GOTO(zb_runner_create(&runner, &rc), st, done);
 
   if (!cfg->empty_compute) {
@@ -130,6 +167,7 @@ static void *rank_main(void *arg) {
     memcpy(res->params[own[k]], param, (size_t)cnt * sizeof(float));
     res->param_count[own[k]] = cnt;
   }
+  zb__refmodel_memory(c->model, &res->resident_slots[c->rank], &res->hosted_slots[c->rank]);
 
 done:
   if (st != ZB_OK) {
@@ -144,6 +182,8 @@ done:
   zb_wstore_destroy(ws);
   zb__refmodel_destroy(c->model);
   c->model = NULL;
+  free(c->fused);
+  c->fused = NULL;
   zb_backend_destroy(be);
   return NULL;
 }
@@ -156,7 +196,10 @@ static zb_status_t alloc_result(zb__train_result_t *res, int32_t steps, int32_t 
   res->param_count = calloc((size_t)S, sizeof(int64_t));
   res->rank_status = calloc((size_t)p, sizeof(zb_status_t));
   res->rank_error = calloc((size_t)p, sizeof(char *));
-  if (!res->losses || !res->params || !res->param_count || !res->rank_status || !res->rank_error)
+  res->resident_slots = calloc((size_t)p, sizeof(int64_t));
+  res->hosted_slots = calloc((size_t)p, sizeof(int64_t));
+  if (!res->losses || !res->params || !res->param_count || !res->rank_status || !res->rank_error ||
+      !res->resident_slots || !res->hosted_slots)
     return ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory for training results");
   for (int32_t k = 0; k < steps; k++) res->losses[k] = NAN;
   return ZB_OK;
@@ -172,6 +215,7 @@ void zb__train_result_free(zb__train_result_t *res) {
   }
   free(res->op_start), free(res->op_end), free(res->rank_error), free(res->rank_status);
   free(res->params), free(res->param_count), free(res->losses);
+  free(res->resident_slots), free(res->hosted_slots);
   memset(res, 0, sizeof(*res));
 }
 
@@ -230,7 +274,7 @@ zb_status_t zb__train_pipeline(const zb_schedule_t *schedule, const zb__train_co
   int32_t started = 0;
   for (int32_t r = 0; r < p; r++) {
     ctx[r] = (rank_ctx_t){schedule, cfg, group, res, r, p, S, info.placement, rolled + (size_t)r * steps,
-                          steps_out, 0, 0, 0, NULL, 0, 0};
+                          steps_out, 0, 0, 0, NULL, NULL, 0, 0};
     if (pthread_create(&th[r], NULL, rank_main, &ctx[r]) != 0) {
       st = ZB_FAIL(ZB_ERR_INTERNAL, "could not start the thread of rank %d", (int)r);
       break;

@@ -23,6 +23,13 @@ typedef struct {
   /* Test hooks for failure handling: rank fail_rank's forward callback fails at its fail_op-th
    * forward of step 0; silent_rank never starts (as if its process hung). -1: off. */
   int32_t fail_rank, fail_op, silent_rank;
+  /* Schedules with OFFLOAD/RELOAD: each copy lasts at least its schedule time times this many
+   * seconds (zb_runner_config_t.copy_time_scale); the copies move the model's activations
+   * (zb__refmodel_copy). */
+  double copy_time_scale;
+  /* > 0: F and B/BW callbacks last at least their schedule time times this many seconds (the
+   * model's own work is much shorter), so a run follows its plan's timing; W runs as it is. */
+  double compute_time_scale;
 } zb__train_config_t;
 
 typedef struct {
@@ -42,6 +49,9 @@ typedef struct {
   float **params;
   int64_t *param_count;
   int32_t S;
+  /* Per rank (p entries, malloc'd): the most activation slots resident at once, and the most held
+   * in host memory at once (zb__refmodel_memory), over all steps. */
+  int64_t *resident_slots, *hosted_slots;
   /* On failure: each rank's status and message (p entries, malloc'd). */
   zb_status_t *rank_status;
   char **rank_error;

@@ -1,8 +1,8 @@
 /*
  * test_copies.c - PipeOffload's copies in the schedule model: OFFLOAD and RELOAD ops on a rank's
  * copy lane, checked by the validator, timed by the simulator, counted in device and host memory,
- * written by every export and read back from CSV, refused by the runner (which does not run them
- * yet). Expected times and memory are worked out by hand in the comments from the rules in zbpp.h.
+ * written by every export and read back from CSV (test_runner_copies.c runs them). Expected times
+ * and memory are worked out by hand in the comments from the rules in zbpp.h.
  */
 #include <math.h>
 #include <stddef.h>
@@ -178,30 +178,6 @@ static void test_exports_show_the_copy_lane(void **state) {
   zb_schedule_destroy(s);
 }
 
-/* The runner does not run copies yet: it says so instead of running a schedule it would get wrong. */
-static zb_status_t noop_fwd(void *u, int32_t s, int32_t m, const void *i, void *o) {
-  (void)u, (void)s, (void)m, (void)i, (void)o;
-  return ZB_OK;
-}
-
-static void test_runner_refuses_copies(void **state) {
-  (void)state;
-  zb_schedule_t *s = one_rank(offloaded, 10, 0);
-  zb_backend_t *be = NULL;
-  zb_wstore_t *ws = NULL;
-  ZB_ASSERT_OK(zb_backend_create_host(&be));
-  ZB_ASSERT_OK(zb_wstore_create(&ws, be, NULL, NULL));
-  zb_runner_config_t rc = ZB_RUNNER_CONFIG_INIT;
-  rc.rank = 0, rc.schedule = s, rc.backend = be, rc.wstore = ws;
-  rc.forward_cb = noop_fwd, rc.backward_cb = noop_fwd;
-  zb_runner_t *run = NULL;
-  ASSERT_STATUS(zb_runner_create(&run, &rc), ZB_ERR_UNSUPPORTED);
-  ASSERT_CONTAINS(zb_last_error(), "position 1: the schedule has OFFLOAD ops");
-  assert_null(run);
-  zb_wstore_destroy(ws);
-  zb_backend_destroy(be);
-  zb_schedule_destroy(s);
-}
 
 /* End to end: the first op's start to the last op's end over all ranks. */
 static double makespan(zb_schedule_t *s) {
@@ -370,7 +346,6 @@ int main(void) {
       cmocka_unit_test(test_memory_limit_counts_the_device),
       cmocka_unit_test(test_copy_rules),
       cmocka_unit_test(test_exports_show_the_copy_lane),
-      cmocka_unit_test(test_runner_refuses_copies),
       cmocka_unit_test(test_offload_pass_keeps_the_step),
       cmocka_unit_test(test_offload_pass_on_every_kind),
       cmocka_unit_test(test_version_1_callers_still_work),
