@@ -325,9 +325,12 @@ typedef struct {
   double device_limit;  /* microbatches through all of a rank's layers; <= 0: offload all that fits */
   double slowdown;      /* the step may grow by this fraction at most (>= 0; 0: not at all) */
   double host_limit;    /* microbatches held in host memory per rank at most; <= 0: none */
+  /* Which stages' activations may move: S flags (nonzero: its microbatches are candidates), read
+   * during the call; NULL: every stage. A struct_size that ends before this field means NULL. */
+  const uint8_t *stages;
 } zb_offload_config_t;
 
-#define ZB_OFFLOAD_CONFIG_INIT {sizeof(zb_offload_config_t), ZB_OFFLOAD_CONFIG_VERSION, 0.0, 0.0, 0.0}
+#define ZB_OFFLOAD_CONFIG_INIT {sizeof(zb_offload_config_t), ZB_OFFLOAD_CONFIG_VERSION, 0.0, 0.0, 0.0, NULL}
 
 /* config may be NULL for ZB_OFFLOAD_CONFIG_INIT. */
 ZB_API zb_status_t zb_schedule_plan_offload(zb_schedule_t **out, const zb_schedule_t *schedule,
@@ -868,12 +871,17 @@ typedef struct {
    * ends before these fields cannot run schedules with copies. */
   zb_copy_cb copy_cb;
   double copy_time_scale;
+  /* 1: on the host backend too, copy_cb is called on the runner's thread, and the copy is done
+   * when it returns (no copy thread, no modelled time): a RELOAD just before the compute op before
+   * it in the list, an OFFLOAD just after. For a caller whose callbacks must not run at the same
+   * time as each other (Python's, under its interpreter lock). */
+  int32_t copy_inline;
 } zb_runner_config_t;
 
 #define ZB_RUNNER_CONFIG_INIT                                                                      \
   {                                                                                                \
     sizeof(zb_runner_config_t), ZB_RUNNER_CONFIG_VERSION, 0, NULL, NULL, NULL, NULL, NULL, 0,      \
-        NULL, NULL, NULL, 0.0, 0, NULL, 0, NULL, NULL, NULL, NULL, NULL, 0.0                       \
+        NULL, NULL, NULL, 0.0, 0, NULL, 0, NULL, NULL, NULL, NULL, NULL, 0.0, 0                    \
   }
 
 typedef struct zb_runner zb_runner_t;

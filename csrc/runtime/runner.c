@@ -263,7 +263,7 @@ zb_status_t zb_runner_create(zb_runner_t **out, const zb_runner_config_t *c) {
     st = ZB_FAIL(ZB_ERR_UNSUPPORTED, "zb_runner_config_t: release_cb (zero-copy stages) does not go with pair_first");
   if (st == ZB_OK && has_pairs && c->n_pairs > 0) st = plan_pairs(r, c->pair_first, c->n_pairs);
   if (st == ZB_OK) st = zb__runner_plan_buffers(r, c);
-  if (st == ZB_OK && has_copies) st = zb__copies_plan(r, c->copy_cb, c->copy_time_scale);
+  if (st == ZB_OK && has_copies) st = zb__copies_plan(r, c->copy_cb, c->copy_time_scale, c->copy_inline);
   if (st == ZB_OK && r->be->ops->timing_event_create) {
     r->ev_op = calloc(2 * n, sizeof(zb__event_t *));
     if (!r->ev_op) st = ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory for %d timing events", 2 * (int)n);

@@ -122,7 +122,7 @@ void zb__runner_release_input(zb_runner_t *r, int32_t k, void *in, uint64_t toke
 /* runner_copies.c: the copy lane (OFFLOAD/RELOAD ops). All are no-ops on a rank without copies. */
 typedef struct zb__copylane zb__copylane_t;
 /* Finds the rank's copies and makes the lane (at zb_runner_create). */
-zb_status_t zb__copies_plan(zb_runner_t *r, zb_copy_cb cb, double time_scale);
+zb_status_t zb__copies_plan(zb_runner_t *r, zb_copy_cb cb, double time_scale, int inline_copies);
 void zb__copies_free(zb_runner_t *r);
 /* Starts an iteration's lane (its thread on the host) and issues the copies before the first compute op. */
 zb_status_t zb__copies_begin(zb_runner_t *r);

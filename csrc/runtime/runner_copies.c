@@ -18,6 +18,9 @@
  * enqueues the copy; the caller orders it against the compute stream with events (the torch layer
  * uses a copy stream of its own), so here nothing waits.
  *
+ * With copy_inline the host calls copy_cb on the runner's thread too, done when it returns: a
+ * RELOAD just before the op before it (where the model starts it), an OFFLOAD just after (its F).
+ *
  * Copies are stamped with the host clock where they ran (host) or were issued (device).
  */
 #define _POSIX_C_SOURCE 200809L /* nanosleep, clock_gettime */
@@ -37,7 +40,8 @@ struct zb__copylane {
   int32_t *next_copy;   /* per op k: the first copy at a list position > k (n when none) */
   int32_t *reload;      /* per (stage * m + mb): the lane index of its RELOAD, -1 */
   uint8_t *f_done;      /* per (stage * m + mb): F returned in this iteration (host lane) */
-  int device;           /* 1: copies are enqueued inline by the caller (device backend) */
+  int device;           /* 1: copy_cb runs inline, on the runner's thread (device backend, copy_inline) */
+  int host_inline;      /* copy_inline on the host: RELOADs before the op before them, OFFLOADs after */
   pthread_mutex_t mu;
   pthread_cond_t cv;
   int sync_made, thread_up;
@@ -52,7 +56,7 @@ struct zb__copylane {
 static const char *copy_name(int32_t type) { return type == ZB_OP_OFFLOAD ? "OFFLOAD" : "RELOAD"; }
 static int is_copy(int32_t type) { return type == ZB_OP_OFFLOAD || type == ZB_OP_RELOAD; }
 
-zb_status_t zb__copies_plan(zb_runner_t *r, zb_copy_cb cb, double time_scale) {
+zb_status_t zb__copies_plan(zb_runner_t *r, zb_copy_cb cb, double time_scale, int inline_copies) {
   r->copy_cb = cb;
   int32_t n = 0;
   for (int32_t k = 0; k < r->n; k++) n += is_copy(r->ops[k].type);
@@ -88,7 +92,8 @@ zb_status_t zb__copies_plan(zb_runner_t *r, zb_copy_cb cb, double time_scale) {
     l->next_copy[k] = next;
     if (is_copy(r->ops[k].type)) next--;
   }
-  l->device = r->be->ops->device_memory;
+  l->device = r->be->ops->device_memory || inline_copies;
+  l->host_inline = !r->be->ops->device_memory && inline_copies;
   if (pthread_mutex_init(&l->mu, NULL) != 0)
     return ZB_FAIL(ZB_ERR_INTERNAL, "could not create rank %d's copy lane lock", (int)r->rank);
   if (pthread_cond_init(&l->cv, NULL) != 0) {
@@ -190,7 +195,7 @@ zb_status_t zb__copies_begin(zb_runner_t *r) {
 
 zb_status_t zb__copies_issue(zb_runner_t *r, int32_t k, int after) {
   zb__copylane_t *l = r->copies;
-  if (!l || after != l->device) return ZB_OK;
+  if (!l || (!l->host_inline && after != l->device)) return ZB_OK;
   int32_t upto = l->n; /* copies [from, upto) are the ones between k and the next compute op */
   const int32_t from = k < 0 ? 0 : l->next_copy[k];
   if (from >= l->n || l->op[from] != k + 1) return ZB_OK; /* none right after k */
@@ -202,6 +207,9 @@ zb_status_t zb__copies_issue(zb_runner_t *r, int32_t k, int after) {
   if (from >= upto) return ZB_OK;
   if (l->device) {
     for (int32_t j = from; j < upto; j++) {
+      /* Inline on the host: a RELOAD where the model starts it (with the op before it), an
+       * OFFLOAD once that op (its F) is done. */
+      if (l->host_inline && (r->ops[l->op[j]].type == ZB_OP_RELOAD) != !after) continue;
       zb_status_t st = run_copy(r, j);
       if (st != ZB_OK) {
         l->st = st, l->failed = j;

@@ -32,6 +32,7 @@
  * with offload is a later step), nor a model of a PCIe link shared by two ranks.
  */
 #include <math.h>
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -161,13 +162,15 @@ zb_status_t zb_schedule_plan_offload(zb_schedule_t **out, const zb_schedule_t *s
   ZB_ARG_NOT_NULL(src);
   zb_offload_config_t c = ZB_OFFLOAD_CONFIG_INIT;
   if (cfg) {
-    if (cfg->struct_size < sizeof(zb_offload_config_t) || cfg->version != ZB_OFFLOAD_CONFIG_VERSION)
+    const size_t before_stages = offsetof(zb_offload_config_t, stages);
+    if ((cfg->struct_size != before_stages && cfg->struct_size < sizeof(zb_offload_config_t)) ||
+        cfg->version != ZB_OFFLOAD_CONFIG_VERSION)
       return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
                      "zb_offload_config_t has struct_size %u and version %u; initialise it with "
                      "ZB_OFFLOAD_CONFIG_INIT (size %zu, version %d)",
                      (unsigned)cfg->struct_size, (unsigned)cfg->version, sizeof(zb_offload_config_t),
                      ZB_OFFLOAD_CONFIG_VERSION);
-    c = *cfg;
+    memcpy(&c, cfg, cfg->struct_size < sizeof c ? cfg->struct_size : sizeof c);
   }
   if (isnan(c.device_limit) || isinf(c.device_limit) || isnan(c.host_limit) || isinf(c.host_limit) ||
       !(c.slowdown >= 0) || isinf(c.slowdown))
@@ -231,7 +234,8 @@ zb_status_t zb_schedule_plan_offload(zb_schedule_t **out, const zb_schedule_t *s
     for (int mb = 0; mb < t->m; mb++) {
       size_t key = (size_t)st_ * t->m + mb;
       double life = life_to[key] - life_from[key];
-      if (life + ZB_EPS >= t->toff[st_] + t->trel[st_]) cand[nc++] = (cand_t){st_, mb, life};
+      if ((!c.stages || c.stages[st_]) && life + ZB_EPS >= t->toff[st_] + t->trel[st_])
+        cand[nc++] = (cand_t){st_, mb, life};
     }
   qsort(cand, (size_t)nc, sizeof *cand, cand_cmp);
 

@@ -55,7 +55,8 @@ def model_config(layers=4):
     return gpt.GPTConfig(vocab=32, seq=8, d_model=16, n_head=2, n_layer=layers, ffn=2)
 
 
-def train_kind(rank, world, kind, chunks, m, batch, steps, seed, csv=None, lr=1e-2, layers=4, placement=None):
+def train_kind(rank, world, kind, chunks, m, batch, steps, seed, csv=None, lr=1e-2, layers=4, placement=None,
+               offload=None, times=None):
     import zbpp
     from zbpp.examples import gpt
     from zbpp.split import default_store
@@ -71,6 +72,8 @@ def train_kind(rank, world, kind, chunks, m, batch, steps, seed, csv=None, lr=1e
         probe.close()
     stages = [zbpp.PipelineStage(zbpp.split_linear(modules[s]), s, S, "cpu") for s in mine]
     extra = {"csv": csv} if csv is not None else {}
+    if offload is not None:
+        extra.update(offload=offload, times=times)
     sched = cls(stages, m, loss_fn=gpt.loss_fn, timeout=60.0, **extra)
     params = [p for st in stages for p in st.submod.parameters()]
     opt = torch.optim.AdamW(params, lr=lr, foreach=False)
@@ -89,6 +92,8 @@ def train_kind(rank, world, kind, chunks, m, batch, steps, seed, csv=None, lr=1e
         if got:
             losses.append([float(v) for v in got])
     bubble = sched.timeline().measured.bubble_rate
+    report = sched.offload_report() if offload is not None else None
+    copies = sum(op.type == "OFFLOAD" for op in sched.schedule.rank_ops(rank)) if offload is not None else 0
     sched.close()
     return {
         "kind": kind,
@@ -97,6 +102,8 @@ def train_kind(rank, world, kind, chunks, m, batch, steps, seed, csv=None, lr=1e
         "losses": losses,
         "store_empty": store_empty,
         "bubble": bubble,
+        "offload": report,
+        "offloads": copies,
     }
 
 
@@ -415,3 +422,4 @@ def run_pass_through(rank, world, port, out_dir):
     torch.save(out, os.path.join(out_dir, f"pass{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
+

@@ -119,6 +119,7 @@ BackwardFn = _c.CFUNCTYPE(_c.c_int, _P, _c.c_int32, _c.c_int32, _P, _P)
 AllocFn = _c.CFUNCTYPE(_c.c_int, _P, _c.c_size_t, _PP)
 FreeFn = _c.CFUNCTYPE(None, _P, _P)
 LendReleaseFn = _c.CFUNCTYPE(None, _P, _c.c_uint64)
+CopyFn = _c.CFUNCTYPE(_c.c_int, _P, _c.c_int32, _c.c_int32, _c.c_int32)
 
 
 class _RunnerConfig(_c.Structure):
@@ -143,6 +144,9 @@ class _RunnerConfig(_c.Structure):
         ("free_cb", FreeFn),
         ("alloc_user", _P),
         ("release_cb", LendReleaseFn),
+        ("copy_cb", CopyFn),
+        ("copy_time_scale", _c.c_double),
+        ("copy_inline", _c.c_int32),
     ]
 
 
@@ -245,7 +249,8 @@ class Runner(_Handle):
     _destroy = "zb_runner_destroy"
 
     def __init__(self, schedule, rank, backend, wstore, transport, boundary_bytes, forward, backward,
-                 timeout_s=300.0, recv_depth=0, pairs=(), allocator=None, release=None):
+                 timeout_s=300.0, recv_depth=0, pairs=(), allocator=None, release=None, copy=None,
+                 copy_time_scale=0.0, copy_inline=False):
         """pairs: indices k into this rank's op list where ops k and k+1 run as one unit (both
         inputs first, both callbacks back to back, both outputs after; zb_runner_config_t).
         allocator: (alloc(nbytes) -> address, free(address)) for the runner's message buffers, all
@@ -253,7 +258,12 @@ class Runner(_Handle):
         backend's. release: release(token), for zero-copy stages (zb_runner_config_t.release_cb):
         the callbacks get out_addr 0 and hand their own output with lend_output(addr, token), and
         each input stays valid until its microbatch's W; the runner calls release(token) when it is
-        done with a lent buffer."""
+        done with a lent buffer. copy: copy(kind, stage, mb) with kind 'OFFLOAD' or 'RELOAD', for a
+        schedule with PipeOffload's copies (zb_runner_config_t.copy_cb): on the host backend it
+        runs on the runner's copy thread, on CUDA on the runner's thread where the copy is issued
+        (it only enqueues). copy_time_scale: seconds per schedule time unit a host copy lasts at
+        least (a modelled link; 0: none). copy_inline: on the host too, call copy on the runner's
+        thread after the op before the copy (zb_runner_config_t.copy_inline)."""
         super().__init__()
         self._keep = (schedule, backend, wstore, transport)
         self._error = None
@@ -308,6 +318,20 @@ class Runner(_Handle):
 
             self._release_fn = LendReleaseFn(on_release)
             cfg.release_cb = self._release_fn
+        if copy is not None:
+            def on_copy(_user, kind, stage, mb):
+                try:
+                    copy("OFFLOAD" if kind == 4 else "RELOAD", int(stage), int(mb))
+                    return ZB_OK
+                except BaseException as exc:  # noqa: BLE001 - must not unwind into C
+                    if self._error is None:
+                        self._error = exc
+                    return ZB_ERR_INVALID_ARGUMENT
+
+            self._copy_fn = CopyFn(on_copy)
+            cfg.copy_cb = self._copy_fn
+        cfg.copy_time_scale = float(copy_time_scale)
+        cfg.copy_inline = 1 if copy_inline else 0
         try:
             _lib.call("zb_runner_create", [_PP, _c.POINTER(_RunnerConfig)], _c.byref(self._h), _c.byref(cfg))
         except _lib.ZbError as err:

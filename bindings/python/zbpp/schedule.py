@@ -109,6 +109,7 @@ class _OffloadConfig(ctypes.Structure):
         ("device_limit", ctypes.c_double),
         ("slowdown", ctypes.c_double),
         ("host_limit", ctypes.c_double),
+        ("stages", ctypes.POINTER(ctypes.c_uint8)),
     ]
 
 
@@ -560,7 +561,7 @@ class Schedule(_ScheduleExports):
 
     # -- checking and simulating --
 
-    def plan_offload(self, device_limit=None, slowdown=0.0, host_limit=None):
+    def plan_offload(self, device_limit=None, slowdown=0.0, host_limit=None, stages=None):
         """A new Schedule: this one's compute ops in the same order, with PipeOffload's copies
         (OFFLOAD after an F, RELOAD before its backward) where they pay, timed on this schedule's
         times['offload'] and times['reload'] (zb_schedule_plan_offload; csrc/schedule/offload.c
@@ -568,16 +569,25 @@ class Schedule(_ScheduleExports):
         grows by at most `slowdown` (a fraction), the rank's device peak does not grow, and the host
         holds at most `host_limit` microbatches (None: no limit). With `device_limit` (microbatches
         through all of a rank's layers) the pass stops once every rank's device peak is at most
-        that; with None it offloads all it can. A copy that does not
-        fit is left out, never an error: check rank_memory() of the result."""
+        that; with None it offloads all it can. stages: the stage indices whose activations may
+        move (None: every stage). A copy that does not fit is left out, never an error: check
+        rank_memory() of the result."""
         limits = {}
         for name, value in (("device_limit", device_limit), ("host_limit", host_limit)):
             limits[name] = 0.0 if value is None else _number(value, name)
             if value is not None and not limits[name] > 0:
                 raise ValueError(f"plan_offload: {name} must be a number of microbatches > 0 (None for no limit), "
                                  f"got {value!r}")
+        mask = None
+        if stages is not None:
+            S = self.stages
+            chosen = list(stages)
+            bad = [x for x in chosen if not isinstance(x, int) or isinstance(x, bool) or not 0 <= x < S]
+            if bad:
+                raise ValueError(f"plan_offload: stages must be stage indices in 0..{S - 1}, got {bad[0]!r}")
+            mask = (ctypes.c_uint8 * S)(*[1 if x in chosen else 0 for x in range(S)])
         cfg = _OffloadConfig(ctypes.sizeof(_OffloadConfig), ZB_OFFLOAD_CONFIG_VERSION, limits["device_limit"],
-                             _number(slowdown, "slowdown"), limits["host_limit"])
+                             _number(slowdown, "slowdown"), limits["host_limit"], mask)
         out = ctypes.c_void_p()
         _lib.call("zb_schedule_plan_offload", [ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p,
                                                ctypes.POINTER(_OffloadConfig)],

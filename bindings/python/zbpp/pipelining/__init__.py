@@ -68,6 +68,7 @@ from ..splitters.linear import fused_forward
 from ._boundary import _BoundaryBuffers, _as_tuple, _layout, _shares_storage
 from ._agree import _Agreement, pipeline_key
 from ._ir import _TorchIR
+from ._offload import OFFLOAD_SLOWDOWN, _offload_choice
 from ._setup import _SetUp
 from ._stage import PipelineStage, _adopt
 from ._step import _Stepping
@@ -144,7 +145,7 @@ class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning, _Splitting, _Bou
                  csv=None, mem_limit=None, times=None, timeout=300.0, cpu_group=None,
                  plan_from_measured=None, profile_steps=None, costs=None, save_plan_dir=None,
                  use_full_backward=None, backward_requires_autograd=True, defer_pp_recv=False,
-                 stages=None, stage=None, split_backward=None):
+                 stages=None, stage=None, split_backward=None, offload=None):
         name = type(self).__name__
         # torch's keyword names: stages= (PipelineScheduleMulti and its subclasses), stage= (Single)
         given = [x for x in (stage_or_stages, stages, stage) if x is not None]
@@ -243,8 +244,13 @@ class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning, _Splitting, _Bou
         self._plan_kind = _kind_name(kind) if csv is None and kind is not None else None
         if self._plan_kind not in PLANNED_KINDS:
             self._plan_kind = None
-        self._profile = _profile_window(name, self._plan_kind, kind if csv is None else "a CSV schedule",
-                                        plan_from_measured, profile_steps, times, costs)
+        self._offload_arg = _offload_choice(name, offload, S)
+        if self._offload_arg is not None and plan_from_measured:
+            raise ValueError(f"zbpp.{name}: offload= plans the copies on the times given (times= with 'offload' and "
+                             "'reload'); it does not go with plan_from_measured=True yet")
+        self._profile = None if self._offload_arg is not None else _profile_window(
+            name, self._plan_kind, kind if csv is None else "a CSV schedule", plan_from_measured, profile_steps,
+            times, costs)
         if limit_kind == "bytes" and self._profile is None and (costs is None or costs.mem_f_bytes is None):
             raise ValueError(f"zbpp.{name}: mem_limit={mem_limit!r} is in bytes, which needs the activation memory "
                              "of a microbatch: leave plan_from_measured on (a zero-bubble kind measures it in its "
@@ -273,12 +279,6 @@ class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning, _Splitting, _Bou
                 raise ValueError(f"zbpp: the CSV schedule has {info[0]} ranks, {info[1]} stages and {info[2]} "
                                  f"microbatches; this pipeline has {p}, {S} and n_microbatches={m}")
             self.schedule.validate()
-            copies = [op for r in range(self.schedule.ranks) for op in self.schedule.rank_ops(r)
-                      if op.type in ("OFFLOAD", "RELOAD")]
-            if copies:
-                raise ValueError(f"zbpp: the CSV schedule has {len(copies)} OFFLOAD/RELOAD ops (PipeOffload's "
-                                 f"copies, first: {copies[0]}); the torch layer does not run copies yet: give "
-                                 "the schedule without them")
         elif kind is None:
             # PipelineScheduleMulti and _PipelineScheduleRuntime themselves: the order comes from the
             # user (pipeline_order, _load_csv, _prepare_schedule_with_comms) before the first step.
@@ -287,6 +287,9 @@ class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning, _Splitting, _Bou
             self.schedule = costs.plan(kind, m, mem_limit if limit_kind == "bytes" else limit)
         else:
             self.schedule = self._generate(kind, p, m, v, times, limit)
+        if self.schedule is not None and self._offload_arg is not None:
+            self.schedule = self._with_offload(self.schedule, name, limit)
+        self._offloader = None  # _offload.Offloader, made with the runner when the schedule has copies
         self.loss_stage = S - 1
         self.holds_loss = self.holds_first = False
         self._by_index = {}
@@ -352,6 +355,24 @@ class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning, _Splitting, _Bou
     def _stages(self):
         """torch's name for this rank's stages."""
         return self.stages
+
+    def _with_offload(self, schedule, name, limit):
+        """schedule with PipeOffload's copies where they pay (Schedule.plan_offload): the stages
+        offload= chose, the copy times of the schedule's times, a step at most OFFLOAD_SLOWDOWN
+        longer, and the memory limit (in microbatches) as the device limit when one is given."""
+        old = schedule
+        if any(op.type in ("OFFLOAD", "RELOAD") for r in range(old.ranks) for op in old.rank_ops(r)):
+            return old  # a CSV schedule with its copies already placed
+        chosen = None if self._offload_arg == "auto" else list(self._offload_arg)
+        if all(old.op_time("OFFLOAD", st) <= 0 and old.op_time("RELOAD", st) <= 0 for st in range(old.stages)):
+            raise ValueError(f"zbpp.{name}: offload={self._offload_arg!r} needs the copy times: times= with 'offload' "
+                             "and 'reload' (the time to copy one microbatch's activations through all of a rank's "
+                             "layers to host memory and back, in the unit of 'f'; measure them with "
+                             "zbpp.costs.measure_copy_time)")
+        device_limit = limit if isinstance(limit, (int, float)) and not isinstance(limit, bool) and limit > 0 else None
+        new = old.plan_offload(device_limit=device_limit, slowdown=OFFLOAD_SLOWDOWN, stages=chosen)
+        old.close()
+        return new
 
     def _generate(self, kind, p, m, v, times, limit):
         """The schedule of a kind for this pipeline (a subclass with its own order overrides it)."""
@@ -430,7 +451,8 @@ class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning, _Splitting, _Bou
         fused = fused_forward((s, i) not in self._apart()[1] or (not any(
             isinstance(t, torch.Tensor) and t.requires_grad for t in itertools.chain(inputs, kwargs.values()))
             and self._stage_splits(self._by_index[s])))
-        with torch.enable_grad(), fused, (meter or contextlib.nullcontext()):
+        offload = self._offloader.capture(s, i, inputs) if self._offloader is not None else contextlib.nullcontext()
+        with torch.enable_grad(), fused, (meter or contextlib.nullcontext()), offload:
             out = self._run_stage(s, i, inputs, kwargs)
             if s == self.loss_stage:
                 loss = self._compute_loss(i, out)
@@ -557,11 +579,20 @@ class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning, _Splitting, _Bou
         # whose callbacks the runner cannot tell apart: those copy).
         self._lending = not pairs
         self._host_views = {}  # the old runner's buffers go with it
+        copies = any(op.type in ("OFFLOAD", "RELOAD") for op in self.schedule.rank_ops(self.rank))
+        if copies and self._offloader is None:
+            from ._offload import Offloader
+
+            self._offloader = Offloader({st.stage_index: st.submod for st in self.stages}, self.device)
+        elif not copies:
+            self._offloader = None
         self._runner = runtime.Runner(self.schedule, self.rank, self._store.backend, self._store.store,
                                       transport, sizes, self._stage_callback(self._on_forward, "F"),
                                       self._stage_callback(self._on_backward, "B"),
                                       timeout_s=self.timeout, pairs=pairs, allocator=allocator,
-                                      release=self._release_lent if self._lending else None)
+                                      release=self._release_lent if self._lending else None,
+                                      copy=self._offloader.copy if self._offloader is not None else None,
+                                      copy_inline=True)
 
     def _make_nccl(self):
         """The NCCL transport: rank 0 makes the unique id and sends it to every rank (with a flag,
@@ -625,6 +656,30 @@ class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning, _Splitting, _Bou
         copy.measured = copy.set_times([g[0] for g in gathered], [g[1] for g in gathered])
         copy.measured_w_share = measured_w_share(copy)
         return copy
+
+    def offload_report(self):
+        """This rank's saved activations in the last step with PipeOffload's copies (offload=), as
+        measured beside the plan's figures: {'device_peak_bytes', 'host_peak_bytes' (measured, counted
+        as the schedule model counts them: _offload.py), 'planned_device_peak', 'planned_host_peak'
+        (the plan's, in microbatches through all of this rank's layers), 'bytes_per_microbatch'
+        (measured: the mean of one microbatch's saved bytes per stage, summed over the rank's
+        stages), 'planned_device_peak_bytes', 'planned_host_peak_bytes'}. None without copies. On
+        the host the copies are synchronous (copy_inline), so a run does not keep the plan's copy
+        times and its peaks can differ from the plan's."""
+        off = self._offloader
+        if off is None or self._last_schedule is None:
+            return None
+        dev, host = off.peaks()
+        per_stage = {}
+        for (s, _i), n in off.group_bytes.items():
+            per_stage.setdefault(s, []).append(n)
+        unit = sum(sum(v) / len(v) for v in per_stage.values())
+        sched = self._last_schedule
+        sched.simulate()
+        pdev, phost = sched.rank_memory(self.rank)
+        return {"device_peak_bytes": dev, "host_peak_bytes": host, "planned_device_peak": pdev,
+                "planned_host_peak": phost, "bytes_per_microbatch": unit,
+                "planned_device_peak_bytes": pdev * unit, "planned_host_peak_bytes": phost * unit}
 
     def close(self):
         if self._runner is not None:

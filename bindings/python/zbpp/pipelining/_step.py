@@ -241,6 +241,8 @@ class _Stepping:
             if self._transport is not None:
                 self._transport.end_step()  # keeps memory flat (distributed.py, Shutdown)
             self._ctx, self._outputs, self._losses = {}, [None] * m, [None] * m
+            if self._offloader is not None:
+                self._offloader.begin_step()
             if self._cuda:
                 # The runner's copies and W GEMMs go on torch's current stream, the stream the
                 # callbacks' torch work lands on, so one stream order covers all of it.

@@ -1,0 +1,253 @@
+"""PipeOffload in the torch layer: the activations a stage's forward saves for its backward, moved
+to host memory and back at the schedule's OFFLOAD and RELOAD ops (DESIGN.md 3, 4).
+
+What this is: `Offloader`, one per PipelineSchedule with offload on. Around every forward of the
+rank's stages it installs torch.autograd.graph.saved_tensors_hooks: each saved tensor becomes a
+handle on its storage (one entry per storage, however many views of it autograd saves), except
+parameters and buffers (not per microbatch, and autograd must get the objects themselves back),
+tensors under `min_bytes`, and the stage's own inputs, which the runner keeps anyway. The runner's
+copy callback (`copy`) moves a (stage, mb)'s storages: OFFLOAD copies each to host memory (pinned
+on CUDA) and drops the device reference, so the storage is freed once its copy is done; RELOAD
+copies them back into fresh device memory, and each handle rebuilds its view when autograd unpacks
+it in B or W. On CUDA the copies go on a stream of their own: OFFLOAD waits for the forward with an
+event, the freed block is marked used by the copy stream (record_stream) so torch's allocator does
+not hand it out before the copy has read it, and an unpack makes the compute stream wait for its
+RELOAD's event. On the host backend the runner calls `copy` on its own thread (copy_inline): a
+RELOAD just before the op before it, an OFFLOAD just after its F. A CPU has no copy engine to
+overlap with, and Python's callbacks would only contend for the interpreter lock.
+
+Memory is counted as the schedule model counts it (zbpp.h, zb_schedule_rank_memory): an OFFLOAD
+puts its bytes on the host when it starts and takes them off the device when it ends; a RELOAD
+puts them back on the device when it starts and off the host when it ends; a storage leaves the
+device when autograd lets go of its last handle (after the B or W that read it). `peaks()` gives
+the step's largest device-resident and host-held bytes, to set beside the plan's.
+
+What this is not: a planner (the schedule says what moves and when: Schedule.plan_offload), or a
+general CPU-offload context (torch.autograd.graph.save_on_cpu moves everything at once).
+"""
+
+import contextlib
+import threading
+
+import torch
+
+_OFFLOAD, _RELOAD = "OFFLOAD", "RELOAD"
+
+
+class _Entry:
+    """One saved storage of one (stage, mb): its bytes on the device or on the host."""
+
+    __slots__ = ("nbytes", "dev", "host", "live", "ready", "key")
+
+    def __init__(self, nbytes, dev, key):
+        self.nbytes, self.dev, self.host, self.live, self.ready, self.key = nbytes, dev, None, 0, None, key
+
+
+class _Handle:
+    """What autograd keeps instead of a saved tensor: its entry and the view's geometry."""
+
+    __slots__ = ("entry", "dtype", "offset", "size", "stride", "owner", "__weakref__")
+
+    def __init__(self, owner, entry, t):
+        self.owner, self.entry = owner, entry
+        self.dtype, self.offset, self.size, self.stride = t.dtype, t.storage_offset(), t.size(), t.stride()
+        entry.live += 1
+
+    def get(self):
+        entry = self.entry
+        if entry.dev is None:
+            raise RuntimeError("zbpp offload: a saved activation was read while it is in host memory (its RELOAD "
+                               "has not run before the backward that needs it)")
+        if entry.ready is not None:  # CUDA: the RELOAD's copy must be done before this stream reads it
+            torch.cuda.current_stream(entry.dev.device).wait_event(entry.ready)
+        view = torch.empty(0, dtype=self.dtype, device=entry.dev.device)
+        return view.set_(entry.dev.untyped_storage(), self.offset, self.size, self.stride)
+
+    def __del__(self):
+        owner = self.owner
+        if owner is not None:
+            owner._release(self.entry)
+
+
+class Offloader:
+    """See the module docstring. stages: {stage index: module} of this rank; device: their device."""
+
+    def __init__(self, stages, device, min_bytes=1024):
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.min_bytes = int(min_bytes)
+        self._skip = {}  # stage -> storage pointers of its parameters and buffers
+        for s, module in stages.items():
+            nn = torch.nn.Module
+            self._skip[s] = {t.untyped_storage().data_ptr() for t in
+                             list(nn.parameters(module)) + list(nn.buffers(module))}
+        self._lock = threading.RLock()
+        self._groups = {}  # (stage, mb) -> {storage pointer: _Entry}
+        self._stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self._pinned = {}  # nbytes -> [free pinned host buffers] (CUDA)
+        self._pending_host = []  # (event, host buffer) of RELOADs still reading their host buffer
+        self.begin_step()
+
+    # ---- accounting -------------------------------------------------------------------------------
+
+    def begin_step(self):
+        """Forgets the last step's groups (a failed step's included) and resets the peaks."""
+        with self._lock:
+            for group in self._groups.values():
+                for entry in group.values():
+                    entry.dev = entry.host = None
+            self._groups = {}
+            self.device_bytes = self.host_bytes = 0
+            self.device_peak = self.host_peak = 0
+            self.group_bytes = {}  # (stage, mb) -> bytes captured
+
+    def _add(self, device=0, host=0):
+        with self._lock:
+            self.device_bytes += device
+            self.host_bytes += host
+            self.device_peak = max(self.device_peak, self.device_bytes)
+            self.host_peak = max(self.host_peak, self.host_bytes)
+
+    def _release(self, entry):
+        """A handle died: when its entry has no other, the storage is autograd's no more."""
+        with self._lock:
+            entry.live -= 1
+            if entry.live > 0:
+                return
+            if entry.dev is not None:
+                entry.dev = None
+                self.device_bytes -= entry.nbytes
+            if entry.host is not None:  # offloaded and never reloaded (a forward-only or failed step)
+                self._give_host(entry.host)
+                entry.host = None
+                self.host_bytes -= entry.nbytes
+
+    def peaks(self):
+        """(device-resident, host-held) peak bytes of saved activations since begin_step."""
+        with self._lock:
+            return self.device_peak, self.host_peak
+
+    # ---- capture ----------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def capture(self, s, i, inputs):
+        """Around F(s, i): autograd's saved tensors become handles of the (s, i) group."""
+        skip = set(self._skip.get(s, ()))
+        for t in inputs:
+            if isinstance(t, torch.Tensor):
+                skip.add(t.untyped_storage().data_ptr())
+        group = self._groups.setdefault((s, i), {})
+
+        def pack(t):
+            if isinstance(t, torch.nn.Parameter) or t.device != self.device:
+                return t
+            storage = t.untyped_storage()
+            ptr, nbytes = storage.data_ptr(), storage.nbytes()
+            if ptr in skip or nbytes < self.min_bytes:
+                return t
+            entry = group.get(ptr)
+            if entry is None:
+                whole = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage, 0, (nbytes,), (1,))
+                entry = group[ptr] = _Entry(nbytes, whole, (s, i))
+                self.group_bytes[(s, i)] = self.group_bytes.get((s, i), 0) + nbytes
+                self._add(device=nbytes)
+            return _Handle(self, entry, t)
+
+        def unpack(h):
+            return h if isinstance(h, torch.Tensor) else h.get()
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            yield
+
+    # ---- the runner's copy callback ----------------------------------------------------------------
+
+    def copy(self, kind, s, i):
+        """OFFLOAD or RELOAD of (s, i)'s group (the runner's copy_cb)."""
+        entries = [e for e in self._groups.get((s, i), {}).values() if e.live > 0]
+        if kind == _OFFLOAD:
+            self._offload(entries)
+        else:
+            self._reload(entries)
+
+    def _offload(self, entries):
+        todo = [e for e in entries if e.dev is not None and e.host is None]
+        self._add(host=sum(e.nbytes for e in todo))  # on the host from the copy's start
+        if self.cuda:
+            compute = torch.cuda.current_stream(self.device)
+            self._stream.wait_stream(compute)  # the forward that made them was enqueued before
+            with torch.cuda.stream(self._stream):
+                for e in todo:
+                    e.host = self._take_host(e.nbytes)
+                    e.host.copy_(e.dev, non_blocking=True)
+                    e.dev.record_stream(self._stream)  # freed now, reused only after this copy
+        else:
+            for e in todo:
+                e.host = e.dev.clone()
+        with self._lock:
+            for e in todo:
+                if e.live > 0 and e.dev is not None:
+                    e.dev = None  # off the device at the copy's end
+                    self.device_bytes -= e.nbytes
+
+    def _reload(self, entries):
+        todo = [e for e in entries if e.host is not None]
+        self._add(device=sum(e.nbytes for e in todo))  # on the device from the copy's start
+        if self.cuda:
+            compute = torch.cuda.current_stream(self.device)
+            with torch.cuda.stream(self._stream):
+                for e in todo:
+                    dev = torch.empty(e.nbytes, dtype=torch.uint8, device=self.device)
+                    dev.copy_(e.host, non_blocking=True)
+                    dev.record_stream(compute)  # read (and freed) on the compute stream later
+                    e.dev = dev
+                    e.ready = torch.cuda.Event()
+                    e.ready.record(self._stream)
+                    self._pending_host.append((e.ready, e.host))
+        else:
+            for e in todo:
+                e.dev = e.host.clone()
+        with self._lock:
+            for e in todo:
+                if not self.cuda:
+                    self._give_host(e.host)
+                e.host = None
+                self.host_bytes -= e.nbytes
+
+    # ---- pinned host memory (CUDA) ------------------------------------------------------------------
+
+    def _take_host(self, nbytes):
+        with self._lock:
+            done = [(ev, buf) for ev, buf in self._pending_host if ev.query()]
+            self._pending_host = [(ev, buf) for ev, buf in self._pending_host if not ev.query()]
+            for _, buf in done:
+                self._pinned.setdefault(buf.numel(), []).append(buf)
+            free = self._pinned.get(nbytes)
+            if free:
+                return free.pop()
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def _give_host(self, buf):
+        if self.cuda:
+            self._pinned.setdefault(buf.numel(), []).append(buf)
+
+
+# The step may grow by this fraction at most for the copies PipelineSchedule(offload=...) places
+# (Schedule.plan_offload's slowdown): transfers that do not hide are left out.
+OFFLOAD_SLOWDOWN = 0.02
+
+
+def _offload_choice(name, offload, num_stages):
+    """offload= of a schedule class: None (also "none" or False: off), "auto" (every stage's
+    activations may move) or the stage indices whose activations may move."""
+    if offload is None or offload is False or offload == "none":
+        return None
+    if offload == "auto" or offload is True:
+        return "auto"
+    if isinstance(offload, (list, tuple, set, frozenset)):
+        chosen = sorted(offload)
+        bad = [x for x in chosen if not isinstance(x, int) or isinstance(x, bool) or not 0 <= x < num_stages]
+        if bad or not chosen:
+            raise ValueError(f"zbpp.{name}: offload= takes stage indices in 0..{num_stages - 1}, got {offload!r}")
+        return tuple(chosen)
+    raise ValueError(f"zbpp.{name}: offload must be None or 'none', 'auto' (every stage's activations may move to "
+                     f"host memory where the copies hide), or a list of stage indices; got {offload!r}")

@@ -1,0 +1,105 @@
+"""PipeOffload in the torch layer (offload= on the schedule classes): training with the copies
+equals training without them bit for bit (losses and parameters, the sequential loop's), on 2 and
+4 ranks over gloo, for every kind whose plan places copies there; bad arguments fail with the
+reason. (The measured memory against the plan: test_runner_copies.c on the C runner.)"""
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+import pipeline_worker  # noqa: E402
+from test_pipeline import reference, spawn  # noqa: E402
+
+import zbpp  # noqa: E402
+
+TIMES = dict(f=1, b=1, w=1, offload=0.25, reload=0.25)
+M, BATCH, STEPS, SEED = 8, 16, 2, 3
+
+
+def _train(world, cases, tmp_path, layers):
+    cases = [dict(c, m=M, batch=BATCH, steps=STEPS, seed=SEED, layers=layers, offload="auto", times=TIMES)
+             for c in cases]
+    spawn(pipeline_worker.run_kinds, world, cases, str(tmp_path))
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    for r in ranks:
+        if r and "error" in r[-1]:
+            pytest.fail("a rank failed:\n" + r[-1]["error"], pytrace=False)
+    return cases, ranks
+
+
+def _check_bitwise(cases, ranks, layers):
+    ref_losses, ref_params = reference(m=M, batch=BATCH, layers=layers)
+    for index, case in enumerate(cases):
+        what = f"{case['kind']} on {len(ranks)} ranks"
+        assert sum(r[index]["offloads"] for r in ranks) > 0, f"{what}: the plan placed no copies; nothing was tested"
+        per_stage = {}
+        for r in ranks:
+            per_stage.update(r[index]["params"])
+        params = [p for s in sorted(per_stage) for p in per_stage[s]]
+        assert len(params) == len(ref_params)
+        for k, (got, want) in enumerate(zip(params, ref_params)):
+            assert torch.equal(got, want), f"{what}: parameter {k} differs by {(got - want).abs().max().item():.3g}"
+        losses = [r[index]["losses"] for r in ranks if r[index]["losses"]]
+        assert losses == [ref_losses], f"{what}: losses {losses} != {ref_losses}"
+        assert all(r[index]["store_empty"] for r in ranks)
+
+
+def test_offloaded_training_is_bit_for_bit_on_two_ranks(tmp_path):
+    cases = [dict(kind="gpipe", chunks=1), dict(kind="zb-v", chunks=2), dict(kind="interleaved-1f1b", chunks=2),
+             dict(kind="v-half", chunks=2), dict(kind="v-min", chunks=2)]
+    cases, ranks = _train(2, cases, tmp_path, layers=4)
+    _check_bitwise(cases, ranks, layers=4)
+
+
+def test_offloaded_training_is_bit_for_bit_on_four_ranks(tmp_path):
+    cases = [dict(kind="1f1b", chunks=1), dict(kind="zb-h1", chunks=1), dict(kind="zb-v", chunks=2),
+             dict(kind="v-min", chunks=2)]
+    cases, ranks = _train(4, cases, tmp_path, layers=8)
+    _check_bitwise(cases, ranks, layers=8)
+
+
+def test_bad_offload_arguments_say_what_is_allowed():
+    import torch.nn as nn
+
+    stage = zbpp.PipelineStage(nn.Linear(4, 4), 0, 1, "cpu")
+    with pytest.raises(ValueError, match="offload must be None or 'none', 'auto'"):
+        zbpp.Schedule1F1B(stage, 4, loss_fn=lambda y, t: y.sum(), offload="yes")
+    with pytest.raises(ValueError, match=r"offload= takes stage indices in 0\.\.0"):
+        zbpp.Schedule1F1B(stage, 4, loss_fn=lambda y, t: y.sum(), offload=[3])
+    with pytest.raises(ValueError, match="needs the copy times: times= with 'offload'"):
+        zbpp.ScheduleGPipe(stage, 4, loss_fn=lambda y, t: y.sum(), offload="auto")
+    with pytest.raises(ValueError, match="does not go with plan_from_measured=True"):
+        zbpp.Schedule1F1B(stage, 4, offload="auto", times=TIMES, plan_from_measured=True)
+
+
+def test_one_rank_runs_its_copies_and_matches_no_offload():
+    """One process, GPipe (every microbatch's activations live until the backwards): the
+    copies move them out and back on the runner's copy thread, and the gradients are the bits of
+    the same schedule without offload."""
+    torch.manual_seed(0)
+    net = nn_model()
+    x, y = torch.randn(64, 32), torch.randn(64, 32)
+    grads = []
+    for offload in (None, "auto"):
+        model = nn_model()
+        model.load_state_dict(net.state_dict())
+        stage = zbpp.PipelineStage(model, 0, 1, "cpu")
+        sched = zbpp.ScheduleGPipe(stage, 8, loss_fn=lambda out, t: ((out - t) ** 2).mean(), offload=offload,
+                                   times=TIMES if offload else None)
+        sched.step(x, target=y)
+        if offload:
+            assert sum(op.type == "OFFLOAD" for op in sched.schedule.rank_ops(0)) > 0
+            rep = sched.offload_report()
+            assert rep["host_peak_bytes"] > 0 and rep["device_peak_bytes"] < 8 * rep["bytes_per_microbatch"]
+        grads.append([p.grad.clone() for p in model.parameters()])
+        sched.close()
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def nn_model():
+    import torch.nn as nn
+
+    return nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32))
