@@ -872,9 +872,10 @@ typedef struct {
   zb_copy_cb copy_cb;
   double copy_time_scale;
   /* 1: on the host backend too, copy_cb is called on the runner's thread, and the copy is done
-   * when it returns (no copy thread, no modelled time): a RELOAD just before the compute op before
-   * it in the list, an OFFLOAD just after. For a caller whose callbacks must not run at the same
-   * time as each other (Python's, under its interpreter lock). */
+   * when it returns (no copy thread, no modelled time), in list order: of the copies after a
+   * compute op, those before the first OFFLOAD just before that op (RELOADs, where the model starts
+   * them), the rest just after it. For a caller whose callbacks must not run at the same time as
+   * each other (Python's, under its interpreter lock). */
   int32_t copy_inline;
 } zb_runner_config_t;
 

@@ -18,8 +18,9 @@
  * enqueues the copy; the caller orders it against the compute stream with events (the torch layer
  * uses a copy stream of its own), so here nothing waits.
  *
- * With copy_inline the host calls copy_cb on the runner's thread too, done when it returns: a
- * RELOAD just before the op before it (where the model starts it), an OFFLOAD just after (its F).
+ * With copy_inline the host calls copy_cb on the runner's thread too, done when it returns, in list
+ * order: the RELOADs that lead the copies after op k just before op k (where the model starts
+ * them), the rest from the first OFFLOAD on just after op k (the OFFLOAD's F).
  *
  * Copies are stamped with the host clock where they ran (host) or were issued (device).
  */
@@ -197,7 +198,7 @@ zb_status_t zb__copies_issue(zb_runner_t *r, int32_t k, int after) {
   zb__copylane_t *l = r->copies;
   if (!l || (!l->host_inline && after != l->device)) return ZB_OK;
   int32_t upto = l->n; /* copies [from, upto) are the ones between k and the next compute op */
-  const int32_t from = k < 0 ? 0 : l->next_copy[k];
+  int32_t from = k < 0 ? 0 : l->next_copy[k];
   if (from >= l->n || l->op[from] != k + 1) return ZB_OK; /* none right after k */
   for (int32_t j = from; j < l->n; j++)
     if (l->op[j] != (j == from ? l->op[from] : l->op[j - 1] + 1)) {
@@ -206,10 +207,16 @@ zb_status_t zb__copies_issue(zb_runner_t *r, int32_t k, int after) {
     }
   if (from >= upto) return ZB_OK;
   if (l->device) {
+    /* Inline on the host, in list order as on a lane: the RELOADs before the group's first OFFLOAD
+     * where the model starts them (with the op before them), the rest once that op (the OFFLOAD's
+     * F) is done. */
+    int32_t split = from;
+    while (l->host_inline && split < upto && r->ops[l->op[split]].type == ZB_OP_RELOAD) split++;
+    if (l->host_inline) {
+      if (!after) upto = split;
+      else from = split;
+    }
     for (int32_t j = from; j < upto; j++) {
-      /* Inline on the host: a RELOAD where the model starts it (with the op before it), an
-       * OFFLOAD once that op (its F) is done. */
-      if (l->host_inline && (r->ops[l->op[j]].type == ZB_OP_RELOAD) != !after) continue;
       zb_status_t st = run_copy(r, j);
       if (st != ZB_OK) {
         l->st = st, l->failed = j;

@@ -423,3 +423,36 @@ def run_pass_through(rank, world, port, out_dir):
     dist.barrier()
     dist.destroy_process_group()
 
+
+
+def run_offload_memory(rank, world, port, kind, chunks, m, times, out_dir):
+    """Equal MLP stages (the plan's memory model counts every stage alike), trained 2 steps with
+    offload="auto"; saves this rank's offload_report, its number of OFFLOAD ops and its stages."""
+    import zbpp
+
+    _init(rank, world, port)
+    result = {}
+    try:
+        S = world * chunks
+        torch.manual_seed(5)
+        modules = [torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+                   for _ in range(S)]
+        probe = zbpp.Schedule.generate(kind, p=world, m=m, v=chunks)
+        mine = probe.rank_stages(rank)
+        probe.close()
+        stages = [zbpp.PipelineStage(modules[s], s, S, "cpu") for s in mine]
+        sched = zbpp.get_schedule_class(kind)(stages, m, loss_fn=lambda y, t: ((y - t) ** 2).mean(), timeout=60.0,
+                                              offload="auto", times=times)
+        x, y = torch.randn(m * 32, 64), torch.randn(m * 32, 64)
+        for _ in range(2):
+            args = (x,) if sched.holds_first else ()
+            kw = {"target": y} if sched.holds_loss else {}
+            sched.step(*args, **kw)
+        result = {"report": sched.offload_report(), "stages": mine,
+                  "offloads": sum(op.type == "OFFLOAD" for op in sched.schedule.rank_ops(rank))}
+        sched.close()
+    except BaseException:  # noqa: BLE001 - the test reads the traceback
+        result = {"error": traceback.format_exc()}
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()

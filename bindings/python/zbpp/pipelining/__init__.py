@@ -663,9 +663,12 @@ class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning, _Splitting, _Bou
         as the schedule model counts them: _offload.py), 'planned_device_peak', 'planned_host_peak'
         (the plan's, in microbatches through all of this rank's layers), 'bytes_per_microbatch'
         (measured: the mean of one microbatch's saved bytes per stage, summed over the rank's
-        stages), 'planned_device_peak_bytes', 'planned_host_peak_bytes'}. None without copies. On
-        the host the copies are synchronous (copy_inline), so a run does not keep the plan's copy
-        times and its peaks can differ from the plan's."""
+        stages), 'planned_device_peak_bytes', 'planned_host_peak_bytes'}, and on the CPU
+        'sync_device_peak_bytes', 'sync_host_peak_bytes': the plan's figures for copies that take no
+        time of their own, as the CPU's synchronous copies (copy_inline) run. The plan's memory model
+        counts every stage alike (F adds 1/v; a split backward frees 1 - w_share of it at B): the
+        figures agree where that holds (equal stages, fused backwards), not for the first stage
+        of a split schedule, whose whole backward runs at W. None without copies."""
         off = self._offloader
         if off is None or self._last_schedule is None:
             return None
@@ -677,9 +680,24 @@ class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning, _Splitting, _Bou
         sched = self._last_schedule
         sched.simulate()
         pdev, phost = sched.rank_memory(self.rank)
-        return {"device_peak_bytes": dev, "host_peak_bytes": host, "planned_device_peak": pdev,
-                "planned_host_peak": phost, "bytes_per_microbatch": unit,
-                "planned_device_peak_bytes": pdev * unit, "planned_host_peak_bytes": phost * unit}
+        report = {"device_peak_bytes": dev, "host_peak_bytes": host, "planned_device_peak": pdev,
+                  "planned_host_peak": phost, "bytes_per_microbatch": unit,
+                  "planned_device_peak_bytes": pdev * unit, "planned_host_peak_bytes": phost * unit}
+        if not self._cuda:
+            # Synchronous copies take no time of their own on the copy lane: the same op lists with
+            # copy times 0. A rank's memory then moves only at its own compute ops' boundaries, in
+            # list order, so this is what the run holds whatever its timing.
+            S = sched.stages
+            times = {t.lower(): [sched.op_time(t, st) for st in range(S)] for t in ("F", "B", "W", "BW")}
+            # (A copy lasts a millionth of the shortest op, so that copies at one instant keep their
+            # list order, as the synchronous ones do.)
+            tiny = 1e-6 * min(x for v in times.values() for x in v if x > 0)
+            times.update(offload=[tiny] * S, reload=[tiny] * S)
+            sync = Schedule.from_csv(sched.to_csv(), times=times, w_share=sched.w_share)
+            sdev, shost = sync.rank_memory(self.rank)
+            sync.close()
+            report.update(sync_device_peak_bytes=sdev * unit, sync_host_peak_bytes=shost * unit)
+        return report
 
     def close(self):
         if self._runner is not None:

@@ -12,8 +12,9 @@ copies them back into fresh device memory, and each handle rebuilds its view whe
 it in B or W. On CUDA the copies go on a stream of their own: OFFLOAD waits for the forward with an
 event, the freed block is marked used by the copy stream (record_stream) so torch's allocator does
 not hand it out before the copy has read it, and an unpack makes the compute stream wait for its
-RELOAD's event. On the host backend the runner calls `copy` on its own thread (copy_inline): a
-RELOAD just before the op before it, an OFFLOAD just after its F. A CPU has no copy engine to
+RELOAD's event. On the host backend the runner calls `copy` on its own thread (copy_inline), in
+list order: a RELOAD just before the op before it unless an OFFLOAD comes first, an OFFLOAD just
+after its F. A CPU has no copy engine to
 overlap with, and Python's callbacks would only contend for the interpreter lock.
 
 Memory is counted as the schedule model counts it (zbpp.h, zb_schedule_rank_memory): an OFFLOAD
