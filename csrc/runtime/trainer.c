@@ -112,6 +112,7 @@ static void *rank_main(void *arg) {
   rc.forward_cb = fwd_hook, rc.backward_cb = bwd_hook, rc.user = c;
   rc.timeout_s = cfg->timeout_s > 0 ? cfg->timeout_s : 60.0;
   rc.copy_cb = cfg->empty_compute ? NULL : copy_hook, rc.copy_time_scale = cfg->copy_time_scale;
+  rc.copy_inline = cfg->copy_inline;
   ZB_CHECK_GOTO(zb_runner_create(&runner, &rc), st, done);
 
   if (!cfg->empty_compute) {

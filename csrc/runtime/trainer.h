@@ -30,6 +30,7 @@ typedef struct {
   /* > 0: F and B/BW callbacks last at least their schedule time times this many seconds (the
    * model's own work is much shorter), so a run follows its plan's timing; W runs as it is. */
   double compute_time_scale;
+  int32_t copy_inline; /* zb_runner_config_t.copy_inline: copies on the rank's own thread */
 } zb__train_config_t;
 
 typedef struct {

@@ -4,7 +4,8 @@
  *
  *   {"format": "zbpp-costs", "version": 1, "unit": "ms", "ranks": 2, "chunks": 2, "placement": "v",
  *    "time_f": [S numbers], "time_b": [S], "time_w": [S], "time_bw": [S] or null,
- *    "time_comm": 0.05, "w_share": 0.5, "mem_f_bytes": [S numbers]}
+ *    "time_comm": 0.05, "w_share": 0.5, "mem_f_bytes": [S numbers],
+ *    "time_offload": [S] or null, "time_reload": [S] or null}
  *
  * The arrays are per stage (stage s in zbpp numbering, S = ranks * chunks) and hold the absolute
  * time of one microbatch through that stage: exactly what zb_schedule_spec_t.stage_time_* means,
@@ -375,11 +376,11 @@ static int read_scalar(reader_t *r, const char *key, double *out) {
  * reader the file happens to meet. */
 enum {
   K_FORMAT, K_VERSION, K_UNIT, K_RANKS, K_CHUNKS, K_PLACEMENT, K_TIME_F, K_TIME_B, K_TIME_W,
-  K_TIME_BW, K_TIME_COMM, K_W_SHARE, K_MEM_F_BYTES, K_COUNT
+  K_TIME_BW, K_TIME_COMM, K_W_SHARE, K_MEM_F_BYTES, K_TIME_OFFLOAD, K_TIME_RELOAD, K_COUNT
 };
 static const char *const KEYS[K_COUNT] = {
     "format", "version", "unit", "ranks", "chunks", "placement", "time_f", "time_b", "time_w",
-    "time_bw", "time_comm", "w_share", "mem_f_bytes"};
+    "time_bw", "time_comm", "w_share", "mem_f_bytes", "time_offload", "time_reload"};
 
 /* Where each per-stage array of the format goes; NULL for the other keys. */
 static double **array_of(zb__costs_t *c, int key) {
@@ -389,6 +390,8 @@ static double **array_of(zb__costs_t *c, int key) {
     case K_TIME_W: return &c->time_w;
     case K_TIME_BW: return &c->time_bw;
     case K_MEM_F_BYTES: return &c->mem_f_bytes;
+    case K_TIME_OFFLOAD: return &c->time_offload;
+    case K_TIME_RELOAD: return &c->time_reload;
     default: return NULL;
   }
 }
@@ -462,6 +465,8 @@ void zb__costs_free(zb__costs_t *c) {
   free(c->time_w);
   free(c->time_bw);
   free(c->mem_f_bytes);
+  free(c->time_offload);
+  free(c->time_reload);
   memset(c, 0, sizeof *c);
   c->placement = -1;
 }
@@ -509,7 +514,7 @@ static int check_file(const char *name, const zb__costs_t *c, const int *lengths
               name, KEYS[K_TIME_F + k]);
       return 0;
     }
-  const int arrays[] = {K_TIME_B, K_TIME_W, K_TIME_BW, K_MEM_F_BYTES};
+  const int arrays[] = {K_TIME_B, K_TIME_W, K_TIME_BW, K_MEM_F_BYTES, K_TIME_OFFLOAD, K_TIME_RELOAD};
   for (size_t k = 0; k < sizeof arrays / sizeof arrays[0]; k++) {
     int n = lengths[arrays[k]];
     if (n && n != c->stages) {
@@ -519,6 +524,11 @@ static int check_file(const char *name, const zb__costs_t *c, const int *lengths
               name, KEYS[arrays[k]], n, c->stages);
       return 0;
     }
+  }
+  if (!c->time_offload != !c->time_reload) {
+    message(err, err_len, "%s: \"time_offload\" and \"time_reload\" go together (the copy to host memory and back)",
+            name);
+    return 0;
   }
   if (c->ranks && c->chunks && (long long)c->ranks * c->chunks != c->stages) {
     message(err, err_len,

@@ -264,6 +264,8 @@ static int fill_costs(const args_t *a, const zb__costs_t *costs, zb_schedule_spe
     spec->stage_time_b = costs->time_b;
     spec->stage_time_w = costs->time_w;
     spec->stage_time_bw = costs->time_bw; /* NULL: B + W per stage */
+    spec->stage_time_offload = costs->time_offload; /* NULL: --copy-times */
+    spec->stage_time_reload = costs->time_reload;
     if (costs->has_time_comm && !a->has_comm) spec->time_comm = costs->time_comm;
     if (costs->has_w_share && !a->has_w_share) spec->w_share = costs->w_share;
   }
@@ -368,9 +370,11 @@ static int emit(zb_schedule_t *s, const args_t *a) {
 /* With --offload: *s replaced by the offload pass's result (zb_schedule_plan_offload). */
 static int apply_offload(const args_t *a, zb_schedule_t **s) {
   if (!a->offload) return 0;
-  if (!a->has_copy_times)
-    return zb__tool_bad_usage("%s", "--offload needs --copy-times O,R: the time to copy one microbatch's activations "
-                                    "through all of a rank's layers to host memory and back (in --times' units)");
+  double t = 0;
+  if (!a->has_copy_times && zb_schedule_op_time(*s, ZB_OP_RELOAD, 0, &t) == ZB_OK && t <= 0)
+    return zb__tool_bad_usage("%s", "--offload needs --copy-times O,R (the time to copy one microbatch's activations "
+                                    "through all of a rank's layers to host memory and back, in --times' units), or "
+                                    "--stage-times with time_offload and time_reload");
   zb_offload_config_t cfg = ZB_OFFLOAD_CONFIG_INIT;
   cfg.device_limit = a->offload_limit, cfg.slowdown = a->offload_slowdown;
   zb_schedule_t *off = NULL;

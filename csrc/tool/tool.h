@@ -41,6 +41,7 @@ typedef struct {
   double *time_f, *time_b, *time_w; /* always present after a successful parse */
   double *time_bw;                  /* NULL when the file leaves it out: B + W */
   double *mem_f_bytes;              /* NULL when left out; checked, not used by the tool */
+  double *time_offload, *time_reload; /* PipeOffload's copy times, both or neither; NULL when left out */
   int ranks, chunks;                /* 0 when the file does not say */
   int placement;                    /* a zb_placement_t, or -1 when the file does not say */
   int has_time_comm, has_w_share;   /* whether time_comm / w_share were given */

@@ -49,13 +49,36 @@ static int count_copies(const zb_schedule_t *s, int32_t p) {
   return n;
 }
 
+/* The same op lists with every copy a millionth of a unit long: what copies that take no time of
+ * their own (copy_inline, run on the rank's thread) make of the plan. */
+static zb_schedule_t *with_instant_copies(const zb_schedule_t *s, const zb_schedule_spec_t *spec) {
+  zb_schedule_info_t info;
+  ZB_ASSERT_OK(zb_schedule_get_info(s, &info));
+  const zb_op_t *lists[64];
+  int32_t counts[64];
+  for (int32_t r = 0; r < info.ranks; r++) ZB_ASSERT_OK(zb_schedule_rank_ops(s, r, &lists[r], &counts[r]));
+  zb_schedule_spec_t sp = *spec;
+  sp.kind = ZB_KIND_CUSTOM, sp.chunks = info.chunks;
+  sp.time_offload = sp.time_reload = 1e-6;
+  zb_schedule_t *out = NULL;
+  ZB_ASSERT_OK(zb_schedule_create_from_ops(&out, &sp, info.placement, lists, counts));
+  zb_sim_result_t sim;
+  ZB_ASSERT_OK(zb_schedule_simulate(out, &sim));
+  return out;
+}
+
 /* Every kind at p = 2 and 4 (and 3 outside quick mode), offloaded as far as the pass goes with
- * copies half a forward each way: the parameters after 2 AdamW steps equal the sequential loop's
- * bit for bit, and, with F and B padded to their schedule times and copies to theirs so the run
- * follows the plan's timing, each rank's measured activation memory (slot buffers in use at once,
- * in units of one stage's activations) is the plan's device peak (on 9 ranks in 10 at least, and
- * never more than one slot above it when a busy machine delays a copy), and lower than the plan
- * without offload on more than one rank per schedule on average. */
+ * copies half a forward each way, trained for 2 AdamW steps twice, while the copies really move
+ * the reference model's activations out and back (a backward that read them early would see NaN,
+ * or fail): the parameters equal the sequential loop's bit for bit both times.
+ *  - Copies on the rank's own thread (copy_inline): the memory then moves only at the rank's compute
+ *    op boundaries, in list order, so each rank's measured activation memory (slot buffers in use
+ *    at once) is exactly the plan's for copies of no duration, whatever the timing.
+ *  - Copies on the copy thread, each lasting its modelled time, with F and B padded to theirs so the
+ *    run follows the plan's timing: how many ranks held exactly the plan's device peak is printed,
+ *    not checked, since it depends on the timing (on an idle machine all of them; a busy one can
+ *    delay a copy past the next forward).
+ * Some rank holds less than the plan without offload, on average one per schedule and mode. */
 static void test_offload_trains_bitwise_at_the_planned_memory(void **state) {
   (void)state;
   const int ps[] = {2, 4, 3};
@@ -78,55 +101,52 @@ static void test_offload_trains_bitwise_at_the_planned_memory(void **state) {
       ZB_ASSERT_OK(zb_schedule_simulate(off, &sim));
       zb_schedule_info_t info;
       ZB_ASSERT_OK(zb_schedule_get_info(off, &info));
-      char what[96];
-      snprintf(what, sizeof what, "%s p=%d m=%d (%d offloads)", zb_kind_name((zb_kind_t)kind), p, m,
-               count_copies(off, p));
       if (count_copies(off, p) == 0) { /* nothing paid: nothing to test here */
         zb_schedule_destroy(off), zb_schedule_destroy(plain);
         continue;
       }
+      zb_schedule_t *instant = with_instant_copies(off, &spec);
+      zb__train_result_t b;
       zb__train_config_t cfg = train_config(info.stages, m, 2);
-      cfg.copy_time_scale = cfg.compute_time_scale = 0.004; /* the run follows the plan's timing */
-      zb__train_result_t a, b;
-      if (zb__train_pipeline(off, &cfg, &a) != ZB_OK) fail_msg("%s: %s", what, zb_last_error());
       ZB_ASSERT_OK(zb__train_sequential(&cfg, &b));
-      int equal;
-      double diff;
-      zb__train_compare(&a, &b, &equal, &diff);
-      if (!equal) fail_msg("%s: parameters differ from the sequential loop (max |diff| %g)", what, diff);
-      for (int k = 0; k < cfg.steps; k++)
-        if (memcmp(&a.losses[k], &b.losses[k], sizeof(double)) != 0) fail_msg("%s: step %d loss differs", what, k);
-      for (int32_t r = 0; r < p; r++) {
-        double dev, host, dev0, host0;
-        ZB_ASSERT_OK(zb_schedule_rank_memory(off, r, &dev, &host));
-        ZB_ASSERT_OK(zb_schedule_rank_memory(plain, r, &dev0, &host0));
-        /* Plan units are a microbatch through all of a rank's layers: one stage's slot is 1/v. */
-        const double v = info.chunks, got = (double)a.resident_slots[r];
-        /* Under valgrind (quick mode) the timing is nowhere near the plan's; the bits still are. A
-         * busy machine can delay one copy past the next forward: one slot of slack per rank. */
-        if (!quick() && got > dev * v + 1 + 1e-9)
-          fail_msg("%s: rank %d held %lld activation slots at once; the plan's device peak is %g slots", what,
-                   (int)r, (long long)a.resident_slots[r], dev * v);
-        if (!quick() && (double)a.hosted_slots[r] > host * v + 1 + 1e-9)
-          fail_msg("%s: rank %d held %lld slots in host memory; the plan's host peak is %g slots", what, (int)r,
-                   (long long)a.hosted_slots[r], host * v);
-        exact += fabs(got - dev * v) < 1e-9;
-        ranks++;
-        lowered += got < dev0 * v - 1e-9;
+      for (int inline_copies = 1; inline_copies >= 0; inline_copies--) {
+        char what[128];
+        snprintf(what, sizeof what, "%s p=%d m=%d (%d offloads, copies %s)", zb_kind_name((zb_kind_t)kind), p, m,
+                 count_copies(off, p), inline_copies ? "inline" : "on the copy thread");
+        cfg.copy_inline = inline_copies;
+        cfg.copy_time_scale = cfg.compute_time_scale = inline_copies ? 0.0 : 0.004;
+        zb__train_result_t a;
+        if (zb__train_pipeline(off, &cfg, &a) != ZB_OK) fail_msg("%s: %s", what, zb_last_error());
+        int equal;
+        double diff;
+        zb__train_compare(&a, &b, &equal, &diff);
+        if (!equal) fail_msg("%s: parameters differ from the sequential loop (max |diff| %g)", what, diff);
+        for (int k = 0; k < cfg.steps; k++)
+          if (memcmp(&a.losses[k], &b.losses[k], sizeof(double)) != 0) fail_msg("%s: step %d loss differs", what, k);
+        for (int32_t r = 0; r < p; r++) {
+          double dev, host, dev0, host0;
+          ZB_ASSERT_OK(zb_schedule_rank_memory(inline_copies ? instant : off, r, &dev, &host));
+          ZB_ASSERT_OK(zb_schedule_rank_memory(plain, r, &dev0, &host0));
+          /* Plan units are a microbatch through all of a rank's layers: one stage's slot is 1/v. */
+          const double v = info.chunks, got = (double)a.resident_slots[r], hosted = (double)a.hosted_slots[r];
+          if (inline_copies && (fabs(got - dev * v) > 1e-9 || fabs(hosted - host * v) > 1e-9))
+            fail_msg("%s: rank %d held %g slots on the device and %g on the host at once; the plan for copies "
+                     "of no duration says %g and %g", what, (int)r, got, hosted, dev * v, host * v);
+          if (!inline_copies) exact += fabs(got - dev * v) < 1e-9, ranks++;
+          lowered += got < dev0 * v - 1e-9 && (inline_copies || !quick());
+        }
+        zb__train_result_free(&a);
       }
-      zb__train_result_free(&a);
       zb__train_result_free(&b);
-      zb_schedule_destroy(off), zb_schedule_destroy(plain);
+      zb_schedule_destroy(instant), zb_schedule_destroy(off), zb_schedule_destroy(plain);
       runs++;
     }
   }
   assert_true(runs >= (quick() ? 8 : 14));
-  if (!quick()) {
-    assert_true(lowered >= runs); /* more than one rank per schedule measured lower, on average */
-    assert_true(exact * 10 >= ranks * 9); /* and nearly all exactly at the plan's peak */
-  }
-  printf("  %d offloaded schedules trained bit for bit; %d of %d ranks measured at exactly the planned peak, "
-         "%d below their plan without offload\n", runs, exact, ranks, lowered);
+  assert_true(lowered >= runs); /* on average a rank per schedule and mode holds less */
+  printf("  %d offloaded schedules trained bit for bit, copies inline and on the copy thread; inline, every rank "
+         "held the plan's memory exactly; on the thread, %d of %d ranks the plan's device peak exactly\n",
+         runs, exact, ranks);
 }
 
 /* ---- the lane's rules, on one rank with logging callbacks ------------------------------------- */

@@ -388,6 +388,16 @@ check_rc "schedule --offload exits 0" 0
 check_grep "--offload draws a copy lane" "$T/out" " copy |"
 check_grep "--offload reports the peaks" "$T/err" "device peak / host peak: 0: 2 /"
 expect_error "--offload without copy times" 2 "--copy-times" schedule 1f1b -p 4 -m 8 --offload
+# A cost file's time_offload/time_reload stand in for --copy-times.
+printf '%s' '{"format": "zbpp-costs", "version": 1, "ranks": 4, "chunks": 1, "placement": "loop",
+  "time_f": [1,1,1,1], "time_b": [1,1,1,1], "time_w": [1,1,1,1],
+  "time_offload": [0.25,0.25,0.25,0.25], "time_reload": [0.25,0.25,0.25,0.25]}' >"$T/copies.json"
+run schedule 1f1b -p 4 -m 8 --stage-times "$T/copies.json" --offload
+check_rc "schedule --offload with a cost file's copy times exits 0" 0
+check_grep "--offload with a cost file's copy times moves microbatches" "$T/err" "device peak / host peak: 0: 2 /"
+printf '%s' '{"format": "zbpp-costs", "version": 1, "time_f": [1,1], "time_b": [1,1], "time_w": [1,1],
+  "time_offload": [0.25,0.25]}' >"$T/halfcopies.json"
+expect_error "a cost file with time_offload alone" 1 "go together" schedule 1f1b -p 2 -m 4 --stage-times "$T/halfcopies.json"
 run schedule 1f1b -p 4 -m 8 --copy-times 50,50 --offload
 check_rc "schedule --offload with copies too slow exits 0" 0
 check_grep "--offload with copies too slow says nothing fits" "$T/err" "no copy fits"

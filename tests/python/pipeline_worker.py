@@ -93,6 +93,7 @@ def train_kind(rank, world, kind, chunks, m, batch, steps, seed, csv=None, lr=1e
             losses.append([float(v) for v in got])
     bubble = sched.timeline().measured.bubble_rate
     report = sched.offload_report() if offload is not None else None
+    sched_copy_times = [sched.schedule.op_time("OFFLOAD", st) > 0 for st in range(sched.schedule.stages)]
     copies = sum(op.type == "OFFLOAD" for op in sched.schedule.rank_ops(rank)) if offload is not None else 0
     sched.close()
     return {
@@ -104,6 +105,7 @@ def train_kind(rank, world, kind, chunks, m, batch, steps, seed, csv=None, lr=1e
         "bubble": bubble,
         "offload": report,
         "offloads": copies,
+        "copy_times": offload is not None and any(sched_copy_times),
     }
 
 

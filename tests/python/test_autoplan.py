@@ -46,7 +46,7 @@ def test_costs_json_round_trip(tmp_path):
     obj = json.loads(c.to_json())
     assert list(obj) == ["format", "version", "unit", "ranks", "chunks", "placement", "time_f", "time_b", "time_w",
                          "time_bw", "time_comm", "w_share", "mem_f_bytes", "op_overhead",
-                         "overhead_f", "overhead_b", "overhead_w", "overhead_bw"]
+                         "overhead_f", "overhead_b", "overhead_w", "overhead_bw", "time_offload", "time_reload"]
     assert obj["overhead_f"] == [c.op_overhead] * 2 and obj["overhead_bw"] is None
     assert obj["format"] == "zbpp-costs" and obj["version"] == 1 and obj["unit"] == "ms"
     assert obj["time_bw"] is None and obj["mem_f_bytes"] == [4000, 2000]

@@ -100,9 +100,10 @@ def test_bad_offload_arguments_say_what_is_allowed():
     with pytest.raises(ValueError, match=r"offload= takes stage indices in 0\.\.0"):
         zbpp.Schedule1F1B(stage, 4, loss_fn=lambda y, t: y.sum(), offload=[3])
     with pytest.raises(ValueError, match="needs the copy times: times= with 'offload'"):
-        zbpp.ScheduleGPipe(stage, 4, loss_fn=lambda y, t: y.sum(), offload="auto")
-    with pytest.raises(ValueError, match="does not go with plan_from_measured=True"):
-        zbpp.Schedule1F1B(stage, 4, offload="auto", times=TIMES, plan_from_measured=True)
+        zbpp.ScheduleGPipe(stage, 4, loss_fn=lambda y, t: y.sum(), offload="auto")  # a fixed order: no profile
+    with pytest.raises(ValueError, match="or a kind planned from measured costs"):
+        zbpp.ScheduleZBVZeroBubble([zbpp.PipelineStage(nn.Linear(4, 4), s, 2, "cpu") for s in (0, 1)], 4,
+                                   offload="auto", plan_from_measured=False)
 
 
 def test_one_rank_runs_its_copies_and_matches_no_offload():
@@ -133,3 +134,38 @@ def nn_model():
     import torch.nn as nn
 
     return nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32))
+
+
+def test_copy_times_are_measured_when_not_given(tmp_path):
+    """A planned kind with offload="auto" and no copy times: the profiled steps run without copies,
+    each rank times the copy of its stages' activations (zbpp.costs.measure_copy_time), and the plan
+    after the profile has copies, with training still bit for bit."""
+    steps = 5
+    cases = [dict(kind="zb-v", chunks=2, m=M, batch=BATCH, steps=steps, seed=SEED, offload="auto", times=None)]
+    spawn(pipeline_worker.run_kinds, 2, cases, str(tmp_path))
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    for r in ranks:
+        if r and "error" in r[-1]:
+            pytest.fail("a rank failed:\n" + r[-1]["error"], pytrace=False)
+    assert all(r[0]["copy_times"] for r in ranks), "the plan after the profile has no copy times"
+    ref_losses, ref_params = reference(steps=steps, m=M, batch=BATCH)
+    per_stage = {}
+    for r in ranks:
+        per_stage.update(r[0]["params"])
+    params = [p for s in sorted(per_stage) for p in per_stage[s]]
+    assert all(torch.equal(a, b) for a, b in zip(params, ref_params))
+    assert [r[0]["losses"] for r in ranks if r[0]["losses"]] == [ref_losses]
+
+
+def test_measure_copy_time_and_cost_files_keep_copy_times(tmp_path):
+    off, rel = zbpp.costs.measure_copy_time(1 << 20)
+    assert off > 0 and rel > 0
+    costs = zbpp.StageCosts(2, 1, "loop", [1, 1], [1, 1], [1, 1], time_offload=[off, off], time_reload=[rel, rel])
+    path = tmp_path / "costs.json"
+    costs.save(path)
+    again = zbpp.StageCosts.load(path)
+    assert again == costs and again.times()["offload"] == [off, off]
+    plan = again.plan("1f1b", 8)
+    assert plan.op_time("RELOAD", 1) == rel
+    with pytest.raises(ValueError, match="time_offload and time_reload go together"):
+        zbpp.StageCosts(2, 1, "loop", [1, 1], [1, 1], [1, 1], time_offload=[1, 1])

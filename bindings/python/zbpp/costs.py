@@ -61,6 +61,7 @@ import os
 import random
 import re
 import statistics
+import time
 
 from ._files import write_text
 from .schedule import Schedule, _resolve_kind
@@ -175,11 +176,14 @@ class StageCosts:
     time_f, time_b, time_w: S times in ms (one microbatch through that stage); time_bw: S times of
     the fused backward or None (B + W); time_comm: ms a transfer between ranks adds; w_share: the
     share of activations only W needs, in [0, 1]; mem_f_bytes: S activation sizes in bytes (what
-    one microbatch's forward keeps until its backward) or None.
+    one microbatch's forward keeps until its backward) or None; time_offload, time_reload: S times
+    in ms to copy those activations to host memory and back (PipeOffload; measure_copy_time) or
+    None.
     """
 
     def __init__(self, ranks, chunks, placement, time_f, time_b, time_w, time_bw=None, time_comm=0.0,
-                 w_share=0.5, mem_f_bytes=None, op_overhead=0.0, overheads=None, where="StageCosts"):
+                 w_share=0.5, mem_f_bytes=None, op_overhead=0.0, overheads=None, where="StageCosts",
+                 time_offload=None, time_reload=None):
         self.ranks = _count(ranks, where, "ranks")
         self.chunks = _count(chunks, where, "chunks")
         if placement not in _PLACEMENTS:
@@ -197,6 +201,10 @@ class StageCosts:
         if self.w_share > 1:
             raise _bad(where, f"w_share is {self.w_share}; it is the share of activations only W needs, in [0, 1]")
         self.mem_f_bytes = None if mem_f_bytes is None else _stage_list(mem_f_bytes, S, where, "mem_f_bytes")
+        if (time_offload is None) != (time_reload is None):
+            raise _bad(where, "time_offload and time_reload go together (the copy to host memory and back)")
+        self.time_offload = None if time_offload is None else _stage_list(time_offload, S, where, "time_offload")
+        self.time_reload = None if time_reload is None else _stage_list(time_reload, S, where, "time_reload")
         # The part of every op's time that is the runtime's own (the gap between two ops of a rank
         # when the second could have started at once): already in time_f/b/w/bw, so plans account
         # for it; kept apart so a plan's bubble can be predicted as the runner measures it, where
@@ -225,7 +233,9 @@ class StageCosts:
                 "mem_f_bytes": None if self.mem_f_bytes is None else [int(round(x)) for x in self.mem_f_bytes],
                 "op_overhead": self.op_overhead,
                 **{"overhead_" + k: list(self.overheads[k]) for k in ("f", "b", "w")},
-                "overhead_bw": None if self.time_bw is None else list(self.overheads["bw"])}
+                "overhead_bw": None if self.time_bw is None else list(self.overheads["bw"]),
+                "time_offload": None if self.time_offload is None else list(self.time_offload),
+                "time_reload": None if self.time_reload is None else list(self.time_reload)}
 
     def to_json(self):
         """The zbpp-costs JSON text (one object, a newline at the end)."""
@@ -262,7 +272,8 @@ class StageCosts:
         return cls(obj["ranks"], obj["chunks"], obj["placement"], obj["time_f"], obj["time_b"], obj["time_w"],
                    time_bw=obj.get("time_bw"), time_comm=opt("time_comm", 0.0), w_share=opt("w_share", 0.5),
                    mem_f_bytes=obj.get("mem_f_bytes"), op_overhead=opt("op_overhead", 0.0),
-                   overheads={k: obj.get("overhead_" + k) for k in _OP_KEYS}, where=where)
+                   overheads={k: obj.get("overhead_" + k) for k in _OP_KEYS}, where=where,
+                   time_offload=obj.get("time_offload"), time_reload=obj.get("time_reload"))
 
     @classmethod
     def from_json(cls, text, where="zbpp-costs"):
@@ -444,7 +455,8 @@ class StageCosts:
 
         copy = StageCosts(self.ranks, self.chunks, self.placement, smooth(self.time_f), smooth(self.time_b),
                           smooth(self.time_w), smooth(self.time_bw), self.time_comm, self.w_share,
-                          self.mem_f_bytes, self.op_overhead, self.overheads)
+                          self.mem_f_bytes, self.op_overhead, self.overheads, time_offload=smooth(self.time_offload),
+                          time_reload=smooth(self.time_reload))
         copy.samples = self.samples
         return copy
 
@@ -478,7 +490,8 @@ class StageCosts:
 
         copy = StageCosts(self.ranks, self.chunks, self.placement, snap_all(self.time_f), snap_all(self.time_b),
                           snap_all(self.time_w), snap_all(self.time_bw), snap(self.time_comm), self.w_share,
-                          self.mem_f_bytes, self.op_overhead, self.overheads)
+                          self.mem_f_bytes, self.op_overhead, self.overheads,
+                          time_offload=snap_all(self.time_offload), time_reload=snap_all(self.time_reload))
         copy.samples = self.samples
         return copy
 
@@ -487,6 +500,8 @@ class StageCosts:
         out = {"f": list(self.time_f), "b": list(self.time_b), "w": list(self.time_w)}
         if self.time_bw is not None:
             out["bw"] = list(self.time_bw)
+        if self.time_offload is not None:
+            out["offload"], out["reload"] = list(self.time_offload), list(self.time_reload)
         return out
 
     def stage_rank(self, s):
@@ -551,13 +566,15 @@ class StageCosts:
     def table(self):
         """A few lines for a log: the costs of every stage."""
         lines = [f"stage  rank   F (ms)   B (ms)   W (ms)" + ("  BW (ms)" if self.time_bw else "")
-                 + ("  act./mb" if self.mem_f_bytes else "")]
+                 + ("  act./mb" if self.mem_f_bytes else "") + (" off (ms) rel (ms)" if self.time_offload else "")]
         for s in range(self.stages):
             line = f"{s:5d} {self.stage_rank(s):5d} {self.time_f[s]:8.3f} {self.time_b[s]:8.3f} {self.time_w[s]:8.3f}"
             if self.time_bw:
                 line += f" {self.time_bw[s]:8.3f}"
             if self.mem_f_bytes:
                 line += f"  {_format_bytes(self.mem_f_bytes[s]):>8}"
+            if self.time_offload:
+                line += f" {self.time_offload[s]:8.3f} {self.time_reload[s]:8.3f}"
             lines.append(line)
         lines.append(f"T_comm {self.time_comm:.3f} ms, w_share {self.w_share:.3f}")
         return "\n".join(lines)
@@ -744,3 +761,42 @@ def _split_modules(module):
 
     names = {e.name for e in split_report(module).split}
     return [m for name, m in module.named_modules() if name in names]
+
+
+def measure_copy_time(nbytes, device="cpu", repeats=5):
+    """(offload_ms, reload_ms): the median time to copy nbytes of activations from `device` to
+    host memory and back, measured here (pinned host memory and a stream of its own on CUDA, as the
+    torch layer's copies run; a memory copy on the CPU). What PipeOffload's plan needs for
+    times['offload'] and ['reload'] per stage (its activation bytes per microbatch), from this
+    machine rather than from a table of GPU names. The first of repeats + 1 copies is a warm-up."""
+    import torch
+
+    nbytes, device = max(int(nbytes), 1), torch.device(device)
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    cuda = device.type == "cuda"
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
+    back = torch.empty_like(src)
+    out, back_times = [], []
+    if cuda:
+        stream = torch.cuda.Stream(device)
+        for _ in range(repeats + 1):
+            a, b, c = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+            with torch.cuda.stream(stream):
+                a.record(stream)
+                host.copy_(src, non_blocking=True)
+                b.record(stream)
+                back.copy_(host, non_blocking=True)
+                c.record(stream)
+            c.synchronize()
+            out.append(a.elapsed_time(b))
+            back_times.append(b.elapsed_time(c))
+    else:
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            host.copy_(src)
+            t1 = time.perf_counter()
+            back.copy_(host)
+            t2 = time.perf_counter()
+            out.append((t1 - t0) * 1e3)
+            back_times.append((t2 - t1) * 1e3)
+    return statistics.median(out[1:]), statistics.median(back_times[1:])

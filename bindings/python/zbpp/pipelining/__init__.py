@@ -68,7 +68,7 @@ from ..splitters.linear import fused_forward
 from ._boundary import _BoundaryBuffers, _as_tuple, _layout, _shares_storage
 from ._agree import _Agreement, pipeline_key
 from ._ir import _TorchIR
-from ._offload import OFFLOAD_SLOWDOWN, _offload_choice
+from ._offload import OFFLOAD_SLOWDOWN, _copy_times_in, _has_copies, _offload_choice
 from ._setup import _SetUp
 from ._stage import PipelineStage, _adopt
 from ._step import _Stepping
@@ -245,12 +245,8 @@ class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning, _Splitting, _Bou
         if self._plan_kind not in PLANNED_KINDS:
             self._plan_kind = None
         self._offload_arg = _offload_choice(name, offload, S)
-        if self._offload_arg is not None and plan_from_measured:
-            raise ValueError(f"zbpp.{name}: offload= plans the copies on the times given (times= with 'offload' and "
-                             "'reload'); it does not go with plan_from_measured=True yet")
-        self._profile = None if self._offload_arg is not None else _profile_window(
-            name, self._plan_kind, kind if csv is None else "a CSV schedule", plan_from_measured, profile_steps,
-            times, costs)
+        self._profile = _profile_window(name, self._plan_kind, kind if csv is None else "a CSV schedule",
+                                        plan_from_measured, profile_steps, times, costs)
         if limit_kind == "bytes" and self._profile is None and (costs is None or costs.mem_f_bytes is None):
             raise ValueError(f"zbpp.{name}: mem_limit={mem_limit!r} is in bytes, which needs the activation memory "
                              "of a microbatch: leave plan_from_measured on (a zero-bubble kind measures it in its "
@@ -288,7 +284,15 @@ class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning, _Splitting, _Bou
         else:
             self.schedule = self._generate(kind, p, m, v, times, limit)
         if self.schedule is not None and self._offload_arg is not None:
-            self.schedule = self._with_offload(self.schedule, name, limit)
+            if _copy_times_in(self.schedule):
+                self.schedule = self._with_offload(self.schedule, name, limit)
+            elif self._profile is None:
+                raise ValueError(f"zbpp.{name}: offload={self._offload_arg!r} needs the copy times: times= with "
+                                 "'offload' and 'reload' (the time to copy one microbatch's activations through all "
+                                 "of a rank's layers to host memory and back, in the unit of 'f'; "
+                                 "zbpp.costs.measure_copy_time measures them), costs= with them, or a kind planned "
+                                 "from measured costs (" + ", ".join(PLANNED_KINDS) + "), which measures them")
+            # else: the profiled steps run without copies; the plan after them has them (_plan.py)
         self._offloader = None  # _offload.Offloader, made with the runner when the schedule has copies
         self.loss_stage = S - 1
         self.holds_loss = self.holds_first = False
@@ -356,22 +360,18 @@ class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning, _Splitting, _Bou
         """torch's name for this rank's stages."""
         return self.stages
 
-    def _with_offload(self, schedule, name, limit):
+    def _with_offload(self, schedule, name, limit, close=True):
         """schedule with PipeOffload's copies where they pay (Schedule.plan_offload): the stages
         offload= chose, the copy times of the schedule's times, a step at most OFFLOAD_SLOWDOWN
         longer, and the memory limit (in microbatches) as the device limit when one is given."""
         old = schedule
-        if any(op.type in ("OFFLOAD", "RELOAD") for r in range(old.ranks) for op in old.rank_ops(r)):
+        if _has_copies(old):
             return old  # a CSV schedule with its copies already placed
         chosen = None if self._offload_arg == "auto" else list(self._offload_arg)
-        if all(old.op_time("OFFLOAD", st) <= 0 and old.op_time("RELOAD", st) <= 0 for st in range(old.stages)):
-            raise ValueError(f"zbpp.{name}: offload={self._offload_arg!r} needs the copy times: times= with 'offload' "
-                             "and 'reload' (the time to copy one microbatch's activations through all of a rank's "
-                             "layers to host memory and back, in the unit of 'f'; measure them with "
-                             "zbpp.costs.measure_copy_time)")
         device_limit = limit if isinstance(limit, (int, float)) and not isinstance(limit, bool) and limit > 0 else None
         new = old.plan_offload(device_limit=device_limit, slowdown=OFFLOAD_SLOWDOWN, stages=chosen)
-        old.close()
+        if close:
+            old.close()
         return new
 
     def _generate(self, kind, p, m, v, times, limit):

@@ -252,3 +252,14 @@ def _offload_choice(name, offload, num_stages):
         return tuple(chosen)
     raise ValueError(f"zbpp.{name}: offload must be None or 'none', 'auto' (every stage's activations may move to "
                      f"host memory where the copies hide), or a list of stage indices; got {offload!r}")
+
+
+def _has_copies(schedule):
+    """Whether the schedule has OFFLOAD/RELOAD ops on any rank."""
+    return any(op.type in ("OFFLOAD", "RELOAD") for r in range(schedule.ranks) for op in schedule.rank_ops(r))
+
+
+def _copy_times_in(schedule):
+    """Whether the schedule's times include PipeOffload's copies (times['offload'], ['reload'])."""
+    return any(schedule.op_time("OFFLOAD", st) > 0 or schedule.op_time("RELOAD", st) > 0
+               for st in range(schedule.stages))

@@ -15,6 +15,7 @@ from typing import NamedTuple, Optional
 
 from ..costs import StageCosts, parse_mem_limit
 from ..schedule import Schedule, SimResult
+from ._offload import _copy_times_in, _has_copies
 
 # Kinds whose plan depends on the costs: replanned from measured costs (fixed orders never are).
 PLANNED_KINDS = ("zb-auto", "zb-h1", "zb-h2", "zb-v", "v-half", "v-min")
@@ -81,7 +82,16 @@ class _Planning:
         """After the last profiled step: every rank's op times and activation memory go to every
         rank, which turns them into the same StageCosts and plans again (replan)."""
         runs, self._profile_runs = self._profile_runs, []
-        gathered = self._exchange({"runs": [(a, b) for _, a, b, _ in runs], "mem": dict(self._profile_mem)})
+        copy = {}
+        if self._offload_arg is not None:
+            # PipeOffload's copy times from this machine: each rank times the copy of its own
+            # stages' activations (one microbatch's) to host memory and back.
+            from ..costs import measure_copy_time
+
+            for s, (saved, _, cuda_bytes) in self._profile_mem.items():
+                copy[s] = measure_copy_time(cuda_bytes if cuda_bytes > 0 else saved, self.device)
+        gathered = self._exchange({"runs": [(a, b) for _, a, b, _ in runs], "mem": dict(self._profile_mem),
+                                   "copy": copy})
         # The plan in force as measured: its own steps, not a fused one (fused_variant).
         own = [k for k, run in enumerate(runs) if not run[3]]
         before = [max(_rank_span(*g["runs"][k]) for g in gathered) for k in own]
@@ -104,6 +114,12 @@ class _Planning:
             costs = StageCosts.from_timelines(
                 timelines, mem_f_bytes=mem_f if any(mem_f) else None,
                 w_share=(sum(w for _, w, _ in saved) / total) if total > 0 else None)
+            copies = {}
+            for g in gathered:
+                copies.update(g["copy"])
+            if len(copies) == S:
+                costs.time_offload = [copies[s][0] for s in range(S)]
+                costs.time_reload = [copies[s][1] for s in range(S)]
         finally:
             for t in timelines:
                 t.close()
@@ -190,6 +206,9 @@ class _Planning:
                                  "(mem_f_bytes) to plan")
             new = Schedule.generate(self._kind_arg, p=p, m=m, v=v, times=self._times_arg, mem_limit=limit,
                                     placement=self._placement_arg)
+        plain = new  # without copies: what the measured costs time (expected_bubble)
+        if self._offload_arg is not None and _copy_times_in(new):
+            new = self._with_offload(plain, name, limit if not isinstance(limit, str) else None, close=False)
         try:
             text = new.to_csv()
             digest = hashlib.sha256(text.encode()).hexdigest()
@@ -205,15 +224,22 @@ class _Planning:
             sim = new.simulate()
             before = expected_new = expected_old = None
             if costs is not None:
-                expected_new = costs.expected_bubble(new)
+                expected_new = costs.expected_bubble(plain)
                 with Schedule.from_csv(self.schedule.to_csv(), times=costs.times(), comm=costs.time_comm,
                                        w_share=costs.w_share) as old:
                     before = old.simulate()
                     keeps = _keeps_in_force(old, new)
-                    expected_old = costs.expected_bubble(old)
+                    if self._offload_arg is not None and not _has_copies(old) and _has_copies(new):
+                        keeps = False  # offload= asked for the copies; the plan in force has none
+                    # (Of a plan with copies the measured op samples time the compute only.)
+                    expected_old = None if _has_copies(old) else costs.expected_bubble(old)
         except BaseException:
             new.close()
+            if plain is not new:
+                plain.close()
             raise
+        if plain is not new:
+            plain.close()
         if only_if_faster and before is not None:
             room = max(sim.max_peak_memory, new.mem_limit or 0.0) + 1e-9
             if keeps and before.max_peak_memory <= room:
