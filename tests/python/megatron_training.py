@@ -100,6 +100,7 @@ CASE_DEFAULTS = dict(
     optimizer="adam",
     clip_grad=1.0,        # Megatron's default
     lr=0.01,
+    plan_from_measured=None,  # zbpp.megatron.configure(plan_from_measured=...); None: zbpp's default
 )
 
 
@@ -337,7 +338,7 @@ def _run_case(case, timeout, progress):
         )
         if zb is not None:
             zb.patch()
-            zb.configure(kind=case["zbpp_kind"], timeout=float(timeout))
+            zb.configure(kind=case["zbpp_kind"], timeout=float(timeout), plan_from_measured=case["plan_from_measured"])
         tp_rank = ps.get_tensor_model_parallel_rank()
         dp_rank = ps.get_data_parallel_rank()
 
@@ -403,6 +404,9 @@ def _run_case(case, timeout, progress):
             if zb is not None:
                 sched = zb.current_schedule()
                 ran += f" [{getattr(getattr(sched, 'schedule', None), 'kind', None)}]"
+                plan = getattr(sched, "schedule", None)
+                mine = plan.rank_ops(sched.rank) if plan is not None else []
+                result.setdefault("offloads", []).append(sum(op.type == "OFFLOAD" for op in mine))
             result["ran"].add(ran)
             result["losses"].append(_detach(loss_dict))
             result["skipped"].append(skipped)

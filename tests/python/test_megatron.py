@@ -140,13 +140,28 @@ def test_fork_flags_are_accepted_or_refused_by_name(fresh_config):
     assert zm.schedule_for(1, 4, zm.options()) == ("zb-auto", 4)
     for argv, flag in ((["--enable-1f1b-v"], "--enable-1f1b-v"), (["--num-seq-splits", "2"], "--num-seq-splits"),
                        (["--interleave-group-size", "2"], "--interleave-group-size"),
-                       (["--cpu-offload"], "--cpu-offload"), (["--offload-chunk-num", "1"], "--offload-chunk-num"),
-                       (["--auto-offload-time"], "--auto-offload-time"),
-                       (["--offload-overlap-sr"], "--offload-overlap-sr")):
+                       (["--offload-chunk-num", "-1"], "--offload-chunk-num"), (["--offload-time", "0"], "--offload-time")):
         with pytest.raises(ValueError, match=flag):
             zm.configure(_parse(argv))
     with pytest.raises(ValueError, match="percentile"):
         zm.configure(_parse(["--zero-bubble-adaptive-memory-limit-percentile", "0"]))
+
+
+def test_fork_offload_flags_choose_what_moves(fresh_config):
+    """--cpu-offload turns PipeOffload on for any schedule; --offload-chunk-num N lets only the first N
+    chunks of every rank move (stages below N * p, loop or V); --offload-time times the copies where
+    nothing is measured; --auto-offload-time and --offload-overlap-sr are accepted."""
+    from zbpp.megatron.flags import offload
+
+    zm.configure(_parse([]))
+    assert offload(zm.options(), 4, 2) == (None, None)
+    zm.configure(_parse(["--cpu-offload", "--auto-offload-time", "--offload-overlap-sr", "--offload-time", "0.75"]))
+    chosen, times = offload(zm.options(), 4, 2)
+    assert chosen == "auto" and times == {"f": 1.0, "b": 1.0, "w": 1.0, "offload": 1.5, "reload": 1.5}
+    zm.configure(_parse(["--cpu-offload", "--offload-chunk-num", "1"]))
+    assert offload(zm.options(), 4, 2)[0] == [0, 1, 2, 3]
+    zm.configure(_parse(["--cpu-offload", "--offload-chunk-num", "2"]))
+    assert offload(zm.options(), 4, 2)[0] == "auto"
 
 
 def test_flags_choose_the_schedule():

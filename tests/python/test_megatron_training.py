@@ -96,9 +96,13 @@ CASES = {
     "megatron-noclip": dict(clip_grad=0.0),
     "zbpp-zb-v-noclip": dict(use_zbpp=True, v_order=True, flags=V_FLAGS, clip_grad=0.0),
     "zbpp-zb-v": dict(use_zbpp=True, v_order=True, flags=V_FLAGS),
+    # PipeOffload through the fork's flags: ZB-V planned for copies an eighth of F + B each way
+    # (--offload-time, since nothing is profiled here), which move rank 0's activations.
+    "zbpp-zb-v-offload-noclip": dict(use_zbpp=True, v_order=True, clip_grad=0.0, plan_from_measured=False,
+                                     flags=V_FLAGS + ("--cpu-offload", "--offload-time", "0.125")),
 }
 KINDS = {"zbpp-1f1b": "1f1b", "zbpp-zb-h1": "zb-h1", "zbpp-zb-auto": "zb-auto", "zbpp-zb-v-noclip": "zb-v",
-         "zbpp-zb-v": "zb-v"}
+         "zbpp-zb-v": "zb-v", "zbpp-zb-v-offload-noclip": "zb-v"}
 
 
 @pytest.fixture(scope="module")
@@ -195,6 +199,20 @@ def test_zbpp_zb_v_matches_megatron_train_step_and_evaluate(training):
     _check_zbpp_ran(res, "zbpp-zb-v-noclip")
     diffs = mtr.differences(ref, res, grad_norm_exact=False)
     assert not diffs, f"ZB-V differs from Megatron's 1F1B in {len(diffs)} places:\n" + "\n".join(diffs[:20])
+
+
+def test_zbpp_zb_v_with_cpu_offload_matches_megatron(training):
+    """--cpu-offload under ZB-V: rank 0 moves activations to host memory and back in every step, and
+    the run is what ZB-V without offload is against Megatron's 1F1B (everything bit for bit but the
+    grad norm's last bit, see above), and bit for bit ZB-V's own run, grad norm included."""
+    mtr, results = training
+    ref, res = _get(results, "megatron-noclip"), _get(results, "zbpp-zb-v-offload-noclip")
+    _check_zbpp_ran(res, "zbpp-zb-v-offload-noclip")
+    assert all(n > 0 for n in res["ranks"][0]["offloads"]), res["ranks"][0]["offloads"]
+    diffs = mtr.differences(ref, res, grad_norm_exact=False)
+    assert not diffs, f"ZB-V with offload differs from Megatron's 1F1B in {len(diffs)} places:\n" + "\n".join(diffs[:20])
+    diffs = mtr.differences(_get(results, "zbpp-zb-v-noclip"), res)
+    assert not diffs, f"ZB-V with offload differs from ZB-V in {len(diffs)} places:\n" + "\n".join(diffs[:20])
 
 
 def test_zbpp_zb_v_with_grad_clipping_is_close_to_megatron(training):

@@ -52,7 +52,9 @@ planned again from the costs measured in the training iterations
 110) and run the new plan from the next one (zbpp.pipelining's plans from measured costs;
 `configure(plan_from_measured=False)` or ZBPP_PLAN_FROM_MEASURED=0 turns it off). The reference
 fork's other flags are accepted where they change nothing and refused by name where they select
-something zbpp does not run (1F1B-V, seq1F1B, grouped interleaving, offloading).
+something zbpp does not run (1F1B-V, seq1F1B, grouped interleaving). PipeOffload's flags
+(--cpu-offload, --offload-chunk-num, --offload-time, --auto-offload-time, --offload-overlap-sr) turn
+on zbpp's offload under any schedule (flags.offload says how each maps).
 
 The reference fork's train_step calls `forward_backward_func(..., optimizer=optimizer)` after the
 pass with --enable-optimizer-post-validation: zbpp finishes the fork's post-validation protocol

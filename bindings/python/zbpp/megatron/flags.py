@@ -23,7 +23,8 @@ class Options(NamedTuple):
     the zero-bubble schedules are planned from; None: zbpp's default, calls 2-3): the flags. kind,
     mem_limit: configure()'s override of the schedule (None: from the flags). plan_from_measured:
     configure()'s switch for plans from measured costs (None: on for the zero-bubble kinds unless
-    ZBPP_PLAN_FROM_MEASURED=0). timeout: seconds one transfer may take.
+    ZBPP_PLAN_FROM_MEASURED=0). timeout: seconds one transfer may take. cpu_offload,
+    offload_chunk_num, offload_time: the reference fork's PipeOffload flags (offload()).
     """
 
     enable_zero_bubble: bool = False
@@ -38,6 +39,9 @@ class Options(NamedTuple):
     mem_limit: Union[None, float, str] = None
     plan_from_measured: Optional[bool] = None
     timeout: float = 300.0
+    cpu_offload: bool = False
+    offload_chunk_num: int = 0
+    offload_time: float = 1.0
 
 
 _config = {}
@@ -121,10 +125,6 @@ _UNSUPPORTED = (
      "use more microbatches instead"),
     ("--interleave-group-size", "interleave_group_size", 0, "grouped interleaving is not scheduled; zbpp's "
      "interleaved 1F1B groups p microbatches"),
-    ("--cpu-offload", "cpu_offload", False, "activation offloading (PipeOffload) is not implemented"),
-    ("--offload-chunk-num", "offload_chunk_num", 0, "activation offloading (PipeOffload) is not implemented"),
-    ("--auto-offload-time", "auto_offload_time", False, "activation offloading (PipeOffload) is not implemented"),
-    ("--offload-overlap-sr", "offload_overlap_sr", False, "activation offloading (PipeOffload) is not implemented"),
 )
 
 
@@ -161,7 +161,39 @@ def _read_args(args):
         zero_bubble_v_schedule_mem_setup=setup,
         zero_bubble_max_pending_backward=_pending("auto" if pending is None else pending),
         enable_optimizer_post_validation=bool(getattr(args, "enable_optimizer_post_validation", False)),
+        **_offload_args(args),
     )
+
+
+def _offload_args(args):
+    """The reference fork's PipeOffload flags, checked (--auto-offload-time and --offload-overlap-sr
+    are accepted: zbpp measures the copy times, and runs one copy lane per rank)."""
+    chunks = getattr(args, "offload_chunk_num", 0) or 0
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 0:
+        raise ValueError(f"--offload-chunk-num must be an integer >= 0 (0: every chunk), got {chunks!r}")
+    seconds = getattr(args, "offload_time", 1.0)
+    seconds = 1.0 if seconds is None else seconds
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0 or seconds == float("inf"):
+        raise ValueError(f"--offload-time must be a number > 0 (the copy of a chunk's activations each way, as a "
+                         f"multiple of its forward plus backward), got {seconds!r}")
+    return dict(cpu_offload=bool(getattr(args, "cpu_offload", False)), offload_chunk_num=chunks,
+                offload_time=float(seconds))
+
+
+def offload(opts, p, v):
+    """(offload=, times=) for the schedule under the fork's flags: None and None without
+    --cpu-offload. The stages whose activations may move: those of the first --offload-chunk-num
+    chunks of every rank (stages below that many times p, in a loop and in a V alike; 0: every
+    stage, where the fork would move none). times: None, so the copies are timed in the profiled
+    calls (--auto-offload-time is what zbpp always does, from this machine, not a table of GPUs);
+    or, where nothing is profiled (a fixed order, or plan_from_measured off), F = B = W = 1 with
+    each copy --offload-time times F + B, as the fork reads that flag."""
+    if not opts.cpu_offload:
+        return None, None
+    n = opts.offload_chunk_num
+    chosen = "auto" if n == 0 or n >= v else list(range(n * p))
+    return chosen, {"f": 1.0, "b": 1.0, "w": 1.0, "offload": 2.0 * opts.offload_time,
+                    "reload": 2.0 * opts.offload_time}
 
 
 def options():
@@ -312,8 +344,19 @@ def add_arguments(parser):
         dest="zero_bubble_pipeline_timers_end_iter",
         help="Last training iteration measured for the plan (see the start flag). Default: 3 (the "
              "reference fork's: 110).")
+    add("--cpu-offload", action="store_true", dest="cpu_offload",
+        help="PipeOffload: move activations to host memory after their forward and back before their backward, "
+             "where the copies hide behind the compute (the step may grow by 2%% at most). Any schedule.")
+    add("--offload-chunk-num", type=int, default=0, dest="offload_chunk_num",
+        help="With --cpu-offload: only the first N model chunks of every rank offload (0: every chunk).")
     add("--offload-time", type=float, default=1.0, dest="offload_time",
-        help="The reference fork's activation offloading; accepted, changes nothing.")
+        help="With --cpu-offload, where no costs are measured (a fixed order such as 1F1B, or plans from "
+             "measured costs off): each copy's time as a multiple of a chunk's forward plus backward. "
+             "Zero-bubble schedules measure it instead.")
+    add("--auto-offload-time", action="store_true", dest="auto_offload_time",
+        help="The reference fork's flag; zbpp always measures the copy times (accepted).")
+    add("--offload-overlap-sr", action="store_true", dest="offload_overlap_sr",
+        help="The reference fork's flag; zbpp runs one copy lane per rank (accepted, changes nothing).")
     for flag, dest, unset, why in _UNSUPPORTED:
         if unset is False:
             add(flag, action="store_true", dest=dest, help=f"The reference fork's flag; refused by zbpp: {why}.")

@@ -319,6 +319,10 @@ class _SplitLinearWithAsyncCommunication(torch.autograd.Function):
     def forward(ctx, input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
                 tp_group):
         ctx.save_for_backward(input, weight)
+        # The parameter itself too: under saved-tensor hooks (PipeOffload's capture, torch's
+        # save_on_cpu) ctx.saved_tensors hands back a new tensor object, and W must write the
+        # parameter's own .grad and main_grad.
+        ctx.weight = weight
         # As Megatron: main_grad is kept on ctx (not saved) and put back on the weight in backward.
         ctx.main_grad = getattr(weight, "main_grad", None) if gradient_accumulation_fusion else None
         ctx.gradient_accumulation_fusion = gradient_accumulation_fusion
@@ -341,7 +345,8 @@ class _SplitLinearWithAsyncCommunication(torch.autograd.Function):
     @staticmethod
     @_custom_bwd
     def backward(ctx, grad_output):
-        input, weight = ctx.saved_tensors
+        input, _ = ctx.saved_tensors
+        weight = ctx.weight
         if ctx.main_grad is not None:
             weight.main_grad = ctx.main_grad
         tp_group = ctx.tp_group

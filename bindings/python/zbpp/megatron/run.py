@@ -9,7 +9,7 @@ import torch
 from .. import _lib
 from ..pipelining import PLANNED_KINDS, PipelineSchedule, PipelineStage
 from .evaluate import _forward_only
-from .flags import options, profile_steps, schedule_for
+from .flags import offload, options, profile_steps, schedule_for
 from .hooks import GradSync, finalize, forward_losses, optimizer_step, param_sync
 from .loss import _Call
 from .memory import Meter
@@ -27,9 +27,10 @@ class _MegatronSchedule(PipelineSchedule):
     """A zbpp schedule whose stages run Megatron's forward_step_func (the pipelining hooks)."""
 
     def __init__(self, stages, m, kind, mem_limit, timeout, meta, chunk_of, cpu_group=None, plan_from_measured=None,
-                 profile_steps=None):
+                 profile_steps=None, offload=None, times=None):
         super().__init__(stages, m, kind=kind, mem_limit=mem_limit, timeout=timeout, cpu_group=cpu_group,
-                         plan_from_measured=plan_from_measured, profile_steps=profile_steps)
+                         plan_from_measured=plan_from_measured, profile_steps=profile_steps, offload=offload,
+                         times=times)
         S = stages[0].num_stages
         # Megatron's activations are (seq, micro batch, hidden) everywhere; no inference pass, which
         # would read from the data iterators.
@@ -255,10 +256,14 @@ def forward_backward_func(*, forward_step_func, data_iterator, model, num_microb
         cpu = pipeline_cpu_group(group) if device.type == "cuda" and p > 1 else None
         # Zero-bubble kinds are planned again from the costs measured in the timer iterations
         # (--zero-bubble-pipeline-timers-start-iter/-end-iter; PipelineSchedule does it).
+        measured = opts.plan_from_measured if kind in PLANNED_KINDS else None
+        chosen, times = offload(opts, p, v)
+        if chosen is not None and kind in PLANNED_KINDS and measured is not False:
+            times = None  # timed in the profiled calls, with the other costs
         return _MegatronSchedule(stages, m, kind, mem_limit, opts.timeout, meta,
                                  {s: c for c, s in enumerate(stage_of)}, cpu_group=cpu,
-                                 plan_from_measured=opts.plan_from_measured if kind in PLANNED_KINDS else None,
-                                 profile_steps=profile_steps(opts))
+                                 plan_from_measured=measured, profile_steps=profile_steps(opts),
+                                 offload=chosen, times=times)
 
     device = _device_of(chunks)
     auto = (opts.kind is None and kind == "zb-auto" and opts.zero_bubble_max_pending_backward == "auto"
@@ -269,7 +274,8 @@ def forward_backward_func(*, forward_step_func, data_iterator, model, num_microb
     # Under "auto" the measured limit is not part of the key: the schedule that measured it plans
     # again for it (replan below), keeping what it has profiled so far.
     key = (kind, "auto" if auto else mem_limit, p, rank, m, tuple(id(c) for c in chunks), id(group),
-           tuple((str(d), s) for d, s in meta), opts.timeout, opts.plan_from_measured, profile_steps(opts))
+           tuple((str(d), s) for d, s in meta), opts.timeout, opts.plan_from_measured, profile_steps(opts),
+           str(offload(opts, p, v)[0]) if opts.cpu_offload else None, opts.offload_time if opts.cpu_offload else None)
     sched = _schedule(key, build)
     sched.call = call
     if auto and auto_key not in _auto_limits:
