@@ -6,8 +6,7 @@ reference fork's users give (--offload-time k: each copy takes k x (F + B) of a 
 What this is: the schedule model only (zbpp.Schedule.plan_offload, simulated). Every row is first
 checked: the schedule with copies validates, keeps every rank's compute ops in their order, and
 steps no longer than without copies; a failed check is reported and exits 1.
-What this is not: a measurement. The runner does not run copies yet (issue in progress), so there
-are no measured figures here; they come once it does.
+What this is not: a measurement; benchmarks/bench_offload_measured.py runs the copies.
 
 Columns: kind, p, m, k; peak = the largest device-resident peak of any rank, in microbatches through
 all of a rank's layers (without -> with copies, and the ratio); step = the makespan (without ->
@@ -79,8 +78,7 @@ def main(argv=None):
                     print(f"| {kind} | {p} | {m} | {k:g} | {r['peak0']:.3g} -> {r['peak1']:.3g} | "
                           f"{r['peak1'] / r['peak0']:.2f} | {r['step0']:.4g} -> {r['step1']:.4g} | {r['copies']} | "
                           f"{r['host']:.3g} |")
-    print(f"\n{time.perf_counter() - t0:.1f} s; planned and simulated, not measured (the runner does not run "
-          "copies yet)")
+    print(f"\n{time.perf_counter() - t0:.1f} s; planned and simulated (bench_offload_measured.py measures)")
     return 1 if failed else 0
 
 

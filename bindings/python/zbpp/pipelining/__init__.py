@@ -129,6 +129,15 @@ class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning, _Splitting, _Bou
     for host-memory messages, needed when `group` is a non-gloo subgroup of the world; by default
     the group itself when it takes CPU tensors, else a gloo group made over the whole world).
 
+    PipeOffload (_offload.py): offload ("none"; "auto": activations move to host memory where the
+    copies hide, the step growing by OFFLOAD_SLOWDOWN at most, a numeric mem_limit the device limit
+    to reach; or a list of the stage indices whose activations may move), with the copy times from
+    times= ('offload', 'reload'), costs=, or measured in the profiled steps of a planned kind;
+    offload_modelled (CPU stages: each copy runs on the runner's copy thread for at least its
+    planned time, times in ms, as a PCIe link would take it, instead of at once on the runner's
+    thread; for benchmarks and tests of the timing without a device). offload_report() gives the
+    measured peaks beside the plan's.
+
     Plans from measured costs (the module docstring): plan_from_measured (None: on for the kinds in
     PLANNED_KINDS unless times= or costs= is given, or ZBPP_PLAN_FROM_MEASURED=0; False: off; True:
     on, an error for a fixed kind), profile_steps (the steps timed, counted from 1: (first, last),
@@ -145,7 +154,7 @@ class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning, _Splitting, _Bou
                  csv=None, mem_limit=None, times=None, timeout=300.0, cpu_group=None,
                  plan_from_measured=None, profile_steps=None, costs=None, save_plan_dir=None,
                  use_full_backward=None, backward_requires_autograd=True, defer_pp_recv=False,
-                 stages=None, stage=None, split_backward=None, offload=None):
+                 stages=None, stage=None, split_backward=None, offload=None, offload_modelled=False):
         name = type(self).__name__
         # torch's keyword names: stages= (PipelineScheduleMulti and its subclasses), stage= (Single)
         given = [x for x in (stage_or_stages, stages, stage) if x is not None]
@@ -245,6 +254,10 @@ class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning, _Splitting, _Bou
         if self._plan_kind not in PLANNED_KINDS:
             self._plan_kind = None
         self._offload_arg = _offload_choice(name, offload, S)
+        if offload_modelled and (self._cuda or self._offload_arg is None):
+            raise ValueError(f"zbpp.{name}: offload_modelled=True models a PCIe link for offload= on CPU stages; "
+                             f"this pipeline has {'CUDA stages' if self._cuda else 'no offload'}")
+        self._offload_modelled = bool(offload_modelled)
         self._profile = _profile_window(name, self._plan_kind, kind if csv is None else "a CSV schedule",
                                         plan_from_measured, profile_steps, times, costs)
         if limit_kind == "bytes" and self._profile is None and (costs is None or costs.mem_f_bytes is None):
@@ -592,7 +605,8 @@ class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning, _Splitting, _Bou
                                       timeout_s=self.timeout, pairs=pairs, allocator=allocator,
                                       release=self._release_lent if self._lending else None,
                                       copy=self._offloader.copy if self._offloader is not None else None,
-                                      copy_inline=True)
+                                      copy_inline=not self._offload_modelled,
+                                      copy_time_scale=1e-3 if self._offload_modelled else 0.0)
 
     def _make_nccl(self):
         """The NCCL transport: rank 0 makes the unique id and sends it to every rank (with a flag,
