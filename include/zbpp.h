@@ -336,6 +336,16 @@ typedef struct {
 ZB_API zb_status_t zb_schedule_plan_offload(zb_schedule_t **out, const zb_schedule_t *schedule,
                                             const zb_offload_config_t *config);
 
+/* Generates spec's kind with PipeOffload's copies (spec's T_OFFLOAD/T_RELOAD). A fixed order gets
+ * zb_schedule_plan_offload's copies. zb-auto plans order and copies together: it plans orders for
+ * device_limit (config's, else spec->mem_limit, else p) and for more memory (1.25, 1.5, 2, 2.5, 3
+ * and 4 times it, and none), takes each down to the limit with the offload pass, and keeps the
+ * shortest step whose every rank's device peak is within the limit (the order for the limit
+ * itself always is). ZB_ERR_INFEASIBLE only when no order fits the limit at all. Blocks for
+ * several generations and passes (a second or more on large pipelines). */
+ZB_API zb_status_t zb_schedule_create_offloaded(zb_schedule_t **out, const zb_schedule_spec_t *spec,
+                                                const zb_offload_config_t *config);
+
 typedef enum {
   ZB_FORMAT_TEXT = 0,   /* a rank-by-time grid for a terminal */
   ZB_FORMAT_CSV = 1,    /* torch.distributed.pipelining's compute_only action grammar */

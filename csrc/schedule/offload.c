@@ -325,3 +325,78 @@ done:
   *out = t;
   return ZB_OK;
 }
+
+/* ---- zb-auto with offload: order and copies planned together ---------------------------------- */
+
+/* The memory limits zb-auto's order is tried under, as multiples of the device limit (0: none). */
+static const double JOINT_LADDER[] = {1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0, 0.0};
+
+/* The largest device peak of any rank of a simulated schedule, and its makespan. */
+static zb_status_t peak_and_step(const zb_schedule_t *s, double *peak, double *step) {
+  *peak = 0;
+  for (int r = 0; r < s->p; r++) {
+    double d, h;
+    ZB_CHECK(zb_schedule_rank_memory(s, r, &d, &h));
+    if (d > *peak) *peak = d;
+  }
+  *step = zb__makespan_of(s, s->start, s->end);
+  return ZB_OK;
+}
+
+zb_status_t zb_schedule_create_offloaded(zb_schedule_t **out, const zb_schedule_spec_t *spec,
+                                         const zb_offload_config_t *config) {
+  ZB_ARG_NOT_NULL(out);
+  *out = NULL;
+  ZB_ARG_NOT_NULL(spec);
+  zb_offload_config_t c = ZB_OFFLOAD_CONFIG_INIT;
+  if (config) memcpy(&c, config, config->struct_size < sizeof c ? config->struct_size : sizeof c);
+  zb_schedule_t *plain = NULL;
+  if (spec->kind != ZB_KIND_ZB_AUTO) { /* a fixed order: its copies only */
+    ZB_CHECK(zb_schedule_create(&plain, spec));
+    zb_status_t st = zb_schedule_plan_offload(out, plain, config);
+    zb_schedule_destroy(plain);
+    return st;
+  }
+  /* zb-auto: the device limit is the memory the plan may hold (the spec's mem_limit, else zb-auto's
+   * default, p). Orders planned for more memory are tried too, each with the offload pass taking it
+   * down to the limit; the shortest step whose every rank fits wins (the order planned for the limit
+   * itself always fits, so there is always one). */
+  double limit = c.device_limit > 0 ? c.device_limit : spec->mem_limit;
+  zb_schedule_info_t info;
+  ZB_CHECK(zb_schedule_create(&plain, spec));
+  zb_status_t st = zb_schedule_get_info(plain, &info);
+  zb_schedule_destroy(plain);
+  ZB_CHECK(st);
+  if (!(limit > 0)) limit = info.mem_limit > 0 ? info.mem_limit : info.ranks;
+  c.device_limit = limit;
+  zb_schedule_t *best = NULL;
+  double best_step = 0, best_peak = 0;
+  for (size_t k = 0; k < sizeof JOINT_LADDER / sizeof JOINT_LADDER[0]; k++) {
+    zb_schedule_spec_t sp = *spec;
+    sp.mem_limit = limit * JOINT_LADDER[k];
+    zb_schedule_t *order = NULL, *off = NULL;
+    st = zb_schedule_create(&order, &sp);
+    if (st == ZB_ERR_INFEASIBLE) continue; /* no order fits this limit (below the kind's smallest) */
+    if (st == ZB_OK) st = zb_schedule_plan_offload(&off, order, &c);
+    zb_schedule_destroy(order);
+    double peak = 0, step = 0;
+    if (st == ZB_OK) st = peak_and_step(off, &peak, &step);
+    if (st != ZB_OK) {
+      zb_schedule_destroy(off);
+      zb_schedule_destroy(best);
+      return st;
+    }
+    if (peak <= limit + ZB_EPS && (!best || step < best_step - ZB_EPS ||
+                                   (step <= best_step + ZB_EPS && peak < best_peak - ZB_EPS))) {
+      zb_schedule_destroy(best);
+      best = off, best_step = step, best_peak = peak;
+    } else {
+      zb_schedule_destroy(off);
+    }
+  }
+  if (!best)
+    return ZB_FAIL(ZB_ERR_INFEASIBLE, "zb-auto with offload: no order fits a device limit of %g microbatches, even "
+                   "with copies", limit);
+  *out = best;
+  return ZB_OK;
+}

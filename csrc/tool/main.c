@@ -69,7 +69,9 @@ static void usage(FILE *out) {
           "                       layers to host memory and back (PipeOffload; default 0,0)\n"
           "  --offload            place copies into the schedule (offload pass): longest-lived\n"
           "                       activations first, only where the step does not grow; prints\n"
-          "                       each rank's device and host peak\n"
+          "                       each rank's device and host peak. zb-auto plans its order and\n"
+          "                       the copies together under --mem-limit (orders for more memory,\n"
+          "                       brought down to it by copies, where that steps shorter)\n"
           "  --offload-limit L    stop offloading once every rank's device peak is at most L\n"
           "  --offload-slowdown X let the step grow by the fraction X for more offload (default 0)\n"
           "  --mem-limit L        peak activation memory per rank in microbatches, or 'Np' for N*p\n"
@@ -367,8 +369,9 @@ static int emit(zb_schedule_t *s, const args_t *a) {
   return 0;
 }
 
-/* With --offload: *s replaced by the offload pass's result (zb_schedule_plan_offload). */
-static int apply_offload(const args_t *a, zb_schedule_t **s) {
+/* With --offload: *s replaced by the offload pass's result (zb_schedule_plan_offload), or, for
+ * zb-auto (spec given), by order and copies planned together (zb_schedule_create_offloaded). */
+static int apply_offload(const args_t *a, zb_schedule_t **s, const zb_schedule_spec_t *spec) {
   if (!a->offload) return 0;
   double t = 0;
   if (!a->has_copy_times && zb_schedule_op_time(*s, ZB_OP_RELOAD, 0, &t) == ZB_OK && t <= 0)
@@ -378,7 +381,11 @@ static int apply_offload(const args_t *a, zb_schedule_t **s) {
   zb_offload_config_t cfg = ZB_OFFLOAD_CONFIG_INIT;
   cfg.device_limit = a->offload_limit, cfg.slowdown = a->offload_slowdown;
   zb_schedule_t *off = NULL;
-  if (zb_schedule_plan_offload(&off, *s, &cfg) != ZB_OK) return zb__tool_fail("cannot plan offload");
+  if (spec && spec->kind == ZB_KIND_ZB_AUTO) {
+    if (zb_schedule_create_offloaded(&off, spec, &cfg) != ZB_OK) return zb__tool_fail("cannot plan zb-auto with offload");
+  } else if (zb_schedule_plan_offload(&off, *s, &cfg) != ZB_OK) {
+    return zb__tool_fail("cannot plan offload");
+  }
   zb_schedule_destroy(*s);
   *s = off;
   return 0;
@@ -492,7 +499,7 @@ static int cmd_schedule(const args_t *a) {
     zb_schedule_get_info(s, &info);
     rc = costs_fit(have, a->stage_times, info.ranks, info.chunks, (int)info.placement, source);
   }
-  if (!rc) rc = apply_offload(a, &s);
+  if (!rc) rc = apply_offload(a, &s, &spec);
   if (!rc) rc = emit(s, a);
   if (!rc && a->offload) rc = offload_summary(s, a);
   zb_schedule_destroy(s);
@@ -541,7 +548,7 @@ static int cmd_simulate(const args_t *a) {
   }
   if (!rc && zb_schedule_import(&s, ZB_FORMAT_CSV, text, len, &spec) != ZB_OK) rc = zb__tool_fail(a->file);
   free(text);
-  if (!rc) rc = apply_offload(a, &s);
+  if (!rc) rc = apply_offload(a, &s, NULL);
   if (!rc) rc = emit(s, a);
   if (!rc && a->offload) rc = offload_summary(s, a);
   zb_schedule_destroy(s);

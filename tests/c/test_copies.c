@@ -339,6 +339,80 @@ static void test_version_1_callers_still_work(void **state) {
   ASSERT_CONTAINS(zb_last_error(), "struct_size");
 }
 
+static double max_device_peak(const zb_schedule_t *s, int p) {
+  double worst = 0;
+  for (int r = 0; r < p; r++) {
+    double d, h;
+    ZB_ASSERT_OK(zb_schedule_rank_memory(s, r, &d, &h));
+    if (d > worst) worst = d;
+  }
+  return worst;
+}
+
+static double makespan_of(const zb_schedule_t *s) {
+  zb_schedule_info_t info;
+  ZB_ASSERT_OK(zb_schedule_get_info(s, &info));
+  double first = INFINITY, last = 0;
+  for (int r = 0; r < info.ranks; r++) {
+    const zb_op_t *ops;
+    int32_t n;
+    const double *st, *en;
+    ZB_ASSERT_OK(zb_schedule_rank_ops(s, r, &ops, &n));
+    ZB_ASSERT_OK(zb_schedule_rank_times(s, r, &st, &en));
+    for (int k = 0; k < n; k++) first = fmin(first, st[k]), last = fmax(last, en[k]);
+  }
+  return last - first;
+}
+
+/* zb-auto with offload plans order and copies together: at p = 8, m = 16, equal costs and copies
+ * half a forward each way, zb-auto held to 3 microbatches steps 107; the order zb-auto plans for
+ * more memory, taken down to 3 by copies, steps 77, and no rank holds more than 3. A fixed order
+ * gets the offload pass's copies, the same as zb_schedule_plan_offload's; a limit no order fits is
+ * ZB_ERR_INFEASIBLE with the limit named. */
+static void test_zb_auto_plans_order_and_offload_together(void **state) {
+  (void)state;
+  zb_schedule_spec_t spec = zb_test_spec(ZB_KIND_ZB_AUTO, 8, 16, 1);
+  spec.time_offload = spec.time_reload = 0.5;
+  spec.mem_limit = 3;
+  zb_schedule_t *plain = NULL, *joint = NULL;
+  ZB_ASSERT_OK(zb_schedule_create(&plain, &spec));
+  zb_sim_result_t r;
+  ZB_ASSERT_OK(zb_schedule_simulate(plain, &r));
+  zb_offload_config_t oc = ZB_OFFLOAD_CONFIG_INIT;
+  oc.slowdown = 0.02;
+  ZB_ASSERT_OK(zb_schedule_create_offloaded(&joint, &spec, &oc));
+  ZB_ASSERT_OK(zb_schedule_validate(joint));
+  const double step0 = makespan_of(plain), step1 = makespan_of(joint);
+  if (!(step1 < 0.9 * step0)) fail_msg("zb-auto with offload steps %g, without %g: not shorter", step1, step0);
+  if (max_device_peak(joint, 8) > 3 + 1e-9) fail_msg("a rank holds %g > 3", max_device_peak(joint, 8));
+  zb_schedule_destroy(plain), zb_schedule_destroy(joint);
+
+  /* A fixed order: the pass's copies on the kind's own order. */
+  spec = zb_test_spec(ZB_KIND_1F1B, 4, 8, 1);
+  spec.time_offload = spec.time_reload = 0.25;
+  zb_schedule_t *via = NULL, *direct = NULL;
+  ZB_ASSERT_OK(zb_schedule_create_offloaded(&via, &spec, NULL));
+  ZB_ASSERT_OK(zb_schedule_create(&plain, &spec));
+  ZB_ASSERT_OK(zb_schedule_plan_offload(&direct, plain, NULL));
+  for (int q = 0; q < 4; q++) {
+    const zb_op_t *a, *b;
+    int32_t na, nb;
+    ZB_ASSERT_OK(zb_schedule_rank_ops(via, q, &a, &na));
+    ZB_ASSERT_OK(zb_schedule_rank_ops(direct, q, &b, &nb));
+    assert_int_equal(na, nb);
+    assert_memory_equal(a, b, (size_t)na * sizeof *a);
+  }
+  zb_schedule_destroy(via), zb_schedule_destroy(direct), zb_schedule_destroy(plain);
+
+  /* Below what any order needs. */
+  spec = zb_test_spec(ZB_KIND_ZB_AUTO, 4, 8, 1);
+  spec.time_offload = spec.time_reload = 0.25;
+  oc.device_limit = 0.25;
+  ASSERT_STATUS(zb_schedule_create_offloaded(&joint, &spec, &oc), ZB_ERR_INFEASIBLE);
+  ASSERT_CONTAINS(zb_last_error(), "device limit of 0.25");
+  assert_null(joint);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_copy_lane_by_hand),
@@ -349,6 +423,7 @@ int main(void) {
       cmocka_unit_test(test_offload_pass_keeps_the_step),
       cmocka_unit_test(test_offload_pass_on_every_kind),
       cmocka_unit_test(test_version_1_callers_still_work),
+      cmocka_unit_test(test_zb_auto_plans_order_and_offload_together),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

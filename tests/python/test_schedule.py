@@ -741,6 +741,24 @@ def test_copies_from_python_run_on_their_own_lane():
         Schedule.from_ops([[Op("COPY", 0, 0)]], m=1)
 
 
+def test_zb_auto_plans_order_and_offload_together():
+    """generate(offload=...): zb-auto held to 3 microbatches at p = 4, m = 8 steps 31 without copies;
+    planned with them it takes an order for more memory down to 3 and steps 27. A fixed kind gets
+    plan_offload's copies. Unknown keys are refused."""
+    times = {"f": 1, "b": 1, "w": 1, "offload": 0.25, "reload": 0.25}
+    with Schedule.generate("zb-auto", 4, 8, times=times, mem_limit=3) as plain, \
+            Schedule.generate("zb-auto", 4, 8, times=times, mem_limit=3, offload={"slowdown": 0.02}) as joint:
+        joint.validate()
+        assert joint.makespan() < plain.makespan()
+        assert max(joint.rank_memory(r)[0] for r in range(4)) <= 3
+        assert any(op.type == "OFFLOAD" for r in range(4) for op in joint.rank_ops(r))
+    with Schedule.generate("1f1b", 4, 8, times=times, offload={}) as via, \
+            Schedule.generate("1f1b", 4, 8, times=times) as base, base.plan_offload() as direct:
+        assert [via.rank_ops(r) for r in range(4)] == [direct.rank_ops(r) for r in range(4)]
+    with pytest.raises(ValueError, match="its keys are device_limit, slowdown, host_limit and stages"):
+        Schedule.generate("1f1b", 4, 8, times=times, offload={"limit": 2})
+
+
 def test_plan_offload_halves_1f1b_memory_at_the_same_step():
     # 1F1B, p = 4, m = 8, F = B = W = 1, copies of 1/4: every rank's activations are resident
     # p - r microbatches deep without copies; the offload pass moves the ones that wait out to the

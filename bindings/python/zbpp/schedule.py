@@ -113,6 +113,26 @@ class _OffloadConfig(ctypes.Structure):
     ]
 
 
+def _offload_config(S, device_limit=None, slowdown=0.0, host_limit=None, stages=None):
+    """(zb_offload_config_t, the stage mask it points at, to keep alive through the call)."""
+    limits = {}
+    for name, value in (("device_limit", device_limit), ("host_limit", host_limit)):
+        limits[name] = 0.0 if value is None else _number(value, name)
+        if value is not None and not limits[name] > 0:
+            raise ValueError(f"plan_offload: {name} must be a number of microbatches > 0 (None for no limit), "
+                             f"got {value!r}")
+    mask = None
+    if stages is not None:
+        chosen = list(stages)
+        bad = [x for x in chosen if not isinstance(x, int) or isinstance(x, bool) or not 0 <= x < S]
+        if bad:
+            raise ValueError(f"plan_offload: stages must be stage indices in 0..{S - 1}, got {bad[0]!r}")
+        mask = (ctypes.c_uint8 * S)(*[1 if x in chosen else 0 for x in range(S)])
+    cfg = _OffloadConfig(ctypes.sizeof(_OffloadConfig), ZB_OFFLOAD_CONFIG_VERSION, limits["device_limit"],
+                         _number(slowdown, "slowdown"), limits["host_limit"], mask)
+    return cfg, mask
+
+
 class _Info(ctypes.Structure):
     """zb_schedule_info_t."""
 
@@ -274,7 +294,8 @@ class Schedule(_ScheduleExports):
     # -- construction --
 
     @classmethod
-    def generate(cls, kind, p, m, v=None, times=None, comm=0.0, w_share=0.5, mem_limit=None, placement=None):
+    def generate(cls, kind, p, m, v=None, times=None, comm=0.0, w_share=0.5, mem_limit=None, placement=None,
+                 offload=None):
         """Generates a schedule of a kind for p ranks and m microbatches.
 
         kind: any name the library accepts (see kinds()), any case, '-' or '_', torch's class
@@ -291,6 +312,11 @@ class Schedule(_ScheduleExports):
         placement: None (the kind's own: V for zb-v, v-half, v-min and zb-auto with v = 2, loop
         otherwise), "loop" or "v". zb-auto takes "loop" with any v (stage s on rank s mod p, as
         torch's interleaved schedules place stages) and "v" with v = 2.
+        offload: None, or a dict of plan_offload's keywords (device_limit, slowdown, host_limit,
+        stages) to generate with PipeOffload's copies, timed on times' 'offload' and 'reload'
+        (zb_schedule_create_offloaded): a fixed order gets plan_offload's copies; zb-auto plans its
+        order and the copies together, trying orders planned for more memory than device_limit
+        (default: mem_limit, else p) and keeping the shortest step the copies bring within it.
 
         Raises TypeError/ValueError for malformed arguments and ZbError for what the library
         rejects (its message says what is allowed, e.g. the smallest m for a kind).
@@ -317,8 +343,21 @@ class Schedule(_ScheduleExports):
                 raise ValueError(f"placement is {placement!r}; it is None (the kind's own), 'loop' or 'v'")
             spec.placement_set, spec.placement = 1, _PLACEMENT_VALUES[placement]
         handle = ctypes.c_void_p()
-        _lib.call("zb_schedule_create", [ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(_Spec)],
-                  ctypes.byref(handle), ctypes.byref(spec))
+        if offload is not None:
+            if not isinstance(offload, dict):
+                raise TypeError(f"offload must be None or a dict of plan_offload's keywords, got {offload!r}")
+            unknown = set(offload) - {"device_limit", "slowdown", "host_limit", "stages"}
+            if unknown:
+                raise ValueError(f"offload has {sorted(unknown)[0]!r}; its keys are device_limit, slowdown, "
+                                 "host_limit and stages (as plan_offload's)")
+            cfg, mask = _offload_config(p * v_eff, **offload)
+            _lib.call("zb_schedule_create_offloaded", [ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(_Spec),
+                                                       ctypes.POINTER(_OffloadConfig)],
+                      ctypes.byref(handle), ctypes.byref(spec), ctypes.byref(cfg))
+            del mask
+        else:
+            _lib.call("zb_schedule_create", [ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(_Spec)],
+                      ctypes.byref(handle), ctypes.byref(spec))
         del keep  # the library copied the per-stage arrays during the call
         return cls(handle)
 
@@ -572,22 +611,7 @@ class Schedule(_ScheduleExports):
         that; with None it offloads all it can. stages: the stage indices whose activations may
         move (None: every stage). A copy that does not fit is left out, never an error: check
         rank_memory() of the result."""
-        limits = {}
-        for name, value in (("device_limit", device_limit), ("host_limit", host_limit)):
-            limits[name] = 0.0 if value is None else _number(value, name)
-            if value is not None and not limits[name] > 0:
-                raise ValueError(f"plan_offload: {name} must be a number of microbatches > 0 (None for no limit), "
-                                 f"got {value!r}")
-        mask = None
-        if stages is not None:
-            S = self.stages
-            chosen = list(stages)
-            bad = [x for x in chosen if not isinstance(x, int) or isinstance(x, bool) or not 0 <= x < S]
-            if bad:
-                raise ValueError(f"plan_offload: stages must be stage indices in 0..{S - 1}, got {bad[0]!r}")
-            mask = (ctypes.c_uint8 * S)(*[1 if x in chosen else 0 for x in range(S)])
-        cfg = _OffloadConfig(ctypes.sizeof(_OffloadConfig), ZB_OFFLOAD_CONFIG_VERSION, limits["device_limit"],
-                             _number(slowdown, "slowdown"), limits["host_limit"], mask)
+        cfg, mask = _offload_config(self.stages, device_limit, slowdown, host_limit, stages)
         out = ctypes.c_void_p()
         _lib.call("zb_schedule_plan_offload", [ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p,
                                                ctypes.POINTER(_OffloadConfig)],

@@ -115,6 +115,12 @@ _SHARED_GPU_WARNED = []  # the shared-GPU warning is given once per process
 _marked = _wsplit_marked  # the runner's marking of a stage's own failure (defined in _wsplit.py)
 
 
+def _stage_times(schedule):
+    """A schedule's per-stage times as Schedule.generate's times dict (copies included)."""
+    return {t.lower(): [schedule.op_time(t, st) for st in range(schedule.stages)]
+            for t in ("F", "B", "W", "BW", "OFFLOAD", "RELOAD")}
+
+
 # ---- the schedules ---------------------------------------------------------------------------------
 
 class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning, _Splitting, _BoundaryBuffers, _Stepping):
@@ -382,7 +388,15 @@ class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning, _Splitting, _Bou
             return old  # a CSV schedule with its copies already placed
         chosen = None if self._offload_arg == "auto" else list(self._offload_arg)
         device_limit = limit if isinstance(limit, (int, float)) and not isinstance(limit, bool) and limit > 0 else None
-        new = old.plan_offload(device_limit=device_limit, slowdown=OFFLOAD_SLOWDOWN, stages=chosen)
+        options = dict(device_limit=device_limit, slowdown=OFFLOAD_SLOWDOWN, stages=chosen)
+        if old.kind == "zb-auto":
+            # zb-auto plans its order and the copies together (Schedule.generate's offload=): orders
+            # for more memory, taken down to the limit by copies, where that steps shorter.
+            new = Schedule.generate("zb-auto", p=old.ranks, m=old.microbatches, v=old.chunks, times=_stage_times(old),
+                                    comm=old.time_comm, w_share=old.w_share, mem_limit=old.mem_limit or None,
+                                    placement=old.placement, offload=options)
+        else:
+            new = old.plan_offload(**options)
         if close:
             old.close()
         return new
@@ -702,7 +716,7 @@ class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning, _Splitting, _Bou
             # copy times 0. A rank's memory then moves only at its own compute ops' boundaries, in
             # list order, so this is what the run holds whatever its timing.
             S = sched.stages
-            times = {t.lower(): [sched.op_time(t, st) for st in range(S)] for t in ("F", "B", "W", "BW")}
+            times = _stage_times(sched)
             # (A copy lasts a millionth of the shortest op, so that copies at one instant keep their
             # list order, as the synchronous ones do.)
             tiny = 1e-6 * min(x for v in times.values() for x in v if x > 0)
