@@ -336,6 +336,15 @@ typedef struct {
 ZB_API zb_status_t zb_schedule_plan_offload(zb_schedule_t **out, const zb_schedule_t *schedule,
                                             const zb_offload_config_t *config);
 
+/* A new schedule, *out: schedule's ops (without copies) reordered by a local search judged by the
+ * simulator: swaps of two neighbouring ops of a rank that share no channel and no (stage, mb),
+ * kept while the step gets no longer and the rank's device peak stays within device_limit (<= 0:
+ * the schedule's own largest peak); the shortest order found, or the one given when none is
+ * strictly shorter. Deterministic (a fixed seed and a work budget of about 100 ms, not wall time),
+ * so every rank refines to the same schedule. For the memory-tight V kinds, whose rule-built orders
+ * a solver finds up to a few percent above the optimum. *out comes unsimulated. */
+ZB_API zb_status_t zb_schedule_refine(zb_schedule_t **out, const zb_schedule_t *schedule, double device_limit);
+
 /* Generates spec's kind with PipeOffload's copies (spec's T_OFFLOAD/T_RELOAD). A fixed order gets
  * zb_schedule_plan_offload's copies. zb-auto plans order and copies together: it plans orders for
  * device_limit (config's, else spec->mem_limit, else p) and for more memory (1.25, 1.5, 2, 2.5, 3

@@ -187,6 +187,12 @@ zb_status_t zb__gen_rules_best(zb_schedule_t *s, double limit);
  * (largest rank span and end to end, simulated on s's costs) becomes a fused BW; schedules of
  * more than max_ops ops are left as they are, and the search stops at a work budget. */
 zb_status_t zb__fuse_free(zb_schedule_t *s, int max_ops);
+/* search.c: swaps of neighbouring ops judged by the simulator, each rank held to `limit` (<= 0:
+ * none) where its list changed; s keeps the shortest order found, the given one unless a strictly
+ * shorter one was. Deterministic; budget counts simulated ops over the tries. */
+zb_status_t zb__local_search(zb_schedule_t *s, double limit, long long budget);
+/* zb_schedule_refine's budget: 10 million simulated ops, about 100 ms on a 2020s core. */
+#define ZB_REFINE_WORK 10000000LL
 /* The first op's start to the last op's end over all ranks, for op times aligned with s->ops. */
 double zb__makespan_of(const zb_schedule_t *s, const double *start, const double *end);
 /* Cost, busy, bubble and peak memory (zb_sim_result_t) for op times aligned with s->ops. */

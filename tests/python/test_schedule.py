@@ -785,3 +785,16 @@ def test_plan_offload_limits_are_positive_or_none():
         for name in ("device_limit", "host_limit"):
             with pytest.raises(ValueError, match=f"{name} must be a number of microbatches > 0"):
                 s.plan_offload(**{name: 0})
+
+
+def test_refine_finds_a_shorter_v_min_within_its_memory():
+    """Schedule.refine on v-min at p = 4, m = 16 (the paper's 1.5B costs): strictly shorter, within
+    the schedule's own peak, valid; a limit that is not a positive number is refused."""
+    times = (18.522, 18.086, 9.337)
+    with Schedule.generate("v-min", 4, 16, times=times, comm=0.601) as s, s.refine() as r:
+        r.validate()
+        assert r.makespan() < s.makespan()
+        assert max(r.rank_memory(q)[0] for q in range(4)) <= max(s.rank_memory(q)[0] for q in range(4))
+        assert r.kind == "v-min"
+        with pytest.raises(ValueError, match="device_limit must be a number of microbatches > 0"):
+            s.refine(0)

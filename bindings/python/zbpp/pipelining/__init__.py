@@ -74,6 +74,7 @@ from ._stage import PipelineStage, _adopt
 from ._step import _Stepping
 from ._wsplit import _marked as _wsplit_marked, _Splitting, measured_w_share
 from ._plan import DEFAULT_PROFILE_STEPS, PLANNED_KINDS, REPLAN_MIN_GAIN, PlanInfo, _Planning, _profile_window  # noqa: F401
+from ._plan import refined
 
 __all__ = [
     "PipelineStage",
@@ -299,7 +300,7 @@ class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning, _Splitting, _Bou
             # user (pipeline_order, _load_csv, _prepare_schedule_with_comms) before the first step.
             self.schedule = None
         elif costs is not None and kind not in _PY_KINDS:
-            self.schedule = costs.plan(kind, m, mem_limit if limit_kind == "bytes" else limit)
+            self.schedule = refined(costs.plan(kind, m, mem_limit if limit_kind == "bytes" else limit))
         else:
             self.schedule = self._generate(kind, p, m, v, times, limit)
         if self.schedule is not None and self._offload_arg is not None:
@@ -402,8 +403,10 @@ class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning, _Splitting, _Bou
         return new
 
     def _generate(self, kind, p, m, v, times, limit):
-        """The schedule of a kind for this pipeline (a subclass with its own order overrides it)."""
-        return Schedule.generate(kind, p=p, m=m, v=v, times=times, mem_limit=limit, placement=self._placement_arg)
+        """The schedule of a kind for this pipeline (a subclass with its own order overrides it);
+        the memory-tight V kinds refined (_plan.refined)."""
+        return refined(Schedule.generate(kind, p=p, m=m, v=v, times=times, mem_limit=limit,
+                                         placement=self._placement_arg))
 
     def _check_stages(self):
         """Checks that this rank was given the stages the schedule puts on it, and notes which of

@@ -199,13 +199,13 @@ class _Planning:
         v = self.stages[0].num_stages // p
         if costs is not None:
             costs.check_shape(p, v, self.schedule.placement, what=f"this pipeline ({name})")
-            new = costs.plan(self._kind_arg, m, limit)
+            new = refined(costs.plan(self._kind_arg, m, limit))
         else:
             if parse_mem_limit(limit)[0] == "bytes":
                 raise ValueError(f"zbpp.{name}: mem_limit={limit!r} is in bytes, which needs measured costs "
                                  "(mem_f_bytes) to plan")
-            new = Schedule.generate(self._kind_arg, p=p, m=m, v=v, times=self._times_arg, mem_limit=limit,
-                                    placement=self._placement_arg)
+            new = refined(Schedule.generate(self._kind_arg, p=p, m=m, v=v, times=self._times_arg, mem_limit=limit,
+                                            placement=self._placement_arg))
         plain = new  # without copies: what the measured costs time (expected_bubble)
         if self._offload_arg is not None and _copy_times_in(new):
             new = self._with_offload(plain, name, limit if not isinstance(limit, str) else None, close=False)
@@ -340,6 +340,17 @@ class PlanInfo(NamedTuple):
                 f"{c.time_f[s]:.2f}/{c.time_b[s]:.2f}/{c.time_w[s]:.2f}" + (f"/{bw[s]:.2f}" if bw else "")
                 for s in range(c.stages)) + f"; T_comm {c.time_comm:.3f} ms, w_share {c.w_share:.2f}")
         return text
+
+
+def refined(plan):
+    """The plan, refined (Schedule.refine, ~100 ms once) where its kind is a memory-tight V kind: a
+    run's plan is worth a search that a schedule drawn on the command line skips."""
+    if plan.kind not in ("v-half", "v-min"):
+        return plan
+    try:
+        return plan.refine()
+    finally:
+        plan.close()
 
 
 def _rank_span(starts, ends):
