@@ -25,6 +25,7 @@ every repetition; a step is timed from a barrier to the end of step() on its slo
   k            copy time each way over F + B, the fork's --offload-time
 
 Usage: python3 benchmarks/bench_offload_measured.py [--p 4] [--m 8] [--k 0.5,1] [--kinds ...]
+       [--offload auto|first-chunk]
 """
 
 import argparse
@@ -121,7 +122,8 @@ def make(kind, rank, p, m, args, k, offload):
     # and so every saved tensor, until the W.
     costs = zbpp.StageCosts(p, v, "v" if kind in ("zb-v", "v-half", "v-min") else "loop", [t] * S, [t] * S, [t] * S,
                             w_share=1.0, time_offload=[copy] * S, time_reload=[copy] * S)
-    extra = dict(offload="auto", offload_modelled=True) if offload else {}
+    chosen = "auto" if args.offload == "auto" else list(range(p))  # first-chunk: stages 0..p-1, half of them
+    extra = dict(offload=chosen, offload_modelled=True) if offload else {}
     sched = zbpp.get_schedule_class(kind)(stages, m, loss_fn=loss_fn, costs=costs, timeout=120.0, **extra)
     return sched, stages
 
@@ -198,6 +200,9 @@ def main(argv=None):
     ap.add_argument("--act-kb", type=int, default=256, help="activation one stage saves per microbatch, KiB")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per repetition (default 3)")
     ap.add_argument("--reps", type=int, default=4, help="repetitions (default 4)")
+    ap.add_argument("--offload", choices=("auto", "first-chunk"), default="auto",
+                    help="what may move: every stage's activations (auto) or only the first chunk's, stages "
+                         "0..p-1, half of them with v = 2 (selective offload)")
     ap.add_argument("--switch-us", type=float, default=100.0,
                     help="the interpreter's switch interval in the ranks, us (default 100; Python's is 5000)")
     args = ap.parse_args(argv)
@@ -207,7 +212,7 @@ def main(argv=None):
         mp.spawn(worker, args=(args.p, "bench", cells, args, tmp), nprocs=args.p, join=True)
         ranks = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(args.p)]
     print(f"p = {args.p}, F = B = W = {args.ms:g} ms per rank, {args.act_kb} KiB saved per stage and microbatch; "
-          f"{args.reps} x {args.steps} timed steps per configuration")
+          f"{args.reps} x {args.steps} timed steps per configuration; offload={args.offload}")
     print("| kind | m | k | copies | step without -> with (ms) | ratio | planned ratio | peak KiB: planned without "
           "-> measured with (planned with) | host KiB |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
