@@ -106,6 +106,7 @@ def train_kind(rank, world, kind, chunks, m, batch, steps, seed, csv=None, lr=1e
         "offload": report,
         "offloads": copies,
         "copy_times": offload is not None and any(sched_copy_times),
+        "plan_offloaded": getattr(sched.plan_info, "offloaded", 0) if sched.plan_info is not None else 0,
     }
 
 

@@ -149,6 +149,7 @@ def test_copy_times_are_measured_when_not_given(tmp_path):
         if r and "error" in r[-1]:
             pytest.fail("a rank failed:\n" + r[-1]["error"], pytrace=False)
     assert all(r[0]["copy_times"] for r in ranks), "the plan after the profile has no copy times"
+    assert all(r[0]["plan_offloaded"] > 0 for r in ranks), "plan_info does not say what was offloaded"
     ref_losses, ref_params = reference(steps=steps, m=M, batch=BATCH)
     per_stage = {}
     for r in ranks:

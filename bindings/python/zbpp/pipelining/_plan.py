@@ -257,11 +257,13 @@ class _Planning:
                 return self.plan_info
         self._switch_schedule(new)
         self.costs = costs
+        moved = sum(op.type == "OFFLOAD" for r in range(new.ranks) for op in new.rank_ops(r))
         self.plan_info = PlanInfo(step=self.steps, kind=new.kind, mem_limit=new.mem_limit, costs=costs,
                                   simulated=sim, before=before, measured_bubble=_measured,
                                   profile_steps=self._profile if _measured is not None else None,
                                   digest=digest, files=self._save_plan(costs, new), switched=True, candidate=sim,
-                                  expected_bubble=expected_new)
+                                  expected_bubble=expected_new, offloaded=moved,
+                                  device_peak=max(new.rank_memory(r)[0] for r in range(new.ranks)) if moved else None)
         if self.rank == 0:
             _log.info("%s", self.plan_info.summary())
         return self.plan_info
@@ -312,6 +314,10 @@ class PlanInfo(NamedTuple):
     measured_before: Optional[float] = None
     measured_after: Optional[float] = None
     fused_steps: tuple = ()  # profiled steps that ran the plan with every backward fused (fused_variant)
+    # PipeOffload (offload=): microbatch activations the plan moves to host memory per step (all
+    # ranks), and its largest device peak in microbatches (None without copies).
+    offloaded: int = 0
+    device_peak: Optional[float] = None
 
     def summary(self):
         text = f"zbpp: planned {self.kind} after step {self.step}"
@@ -333,6 +339,9 @@ class PlanInfo(NamedTuple):
         if self.before is not None and self.switched:
             text += f" (the previous plan: {100 * self.before.bubble_rate:.1f}% on the same costs"
             text += (f", measured {100 * self.measured_bubble:.1f}%)" if self.measured_bubble is not None else ")")
+        if self.offloaded:
+            text += (f"; {self.offloaded} microbatch activations offloaded a step, device peak "
+                     f"{self.device_peak:g} microbatches")
         if self.costs is not None:
             c = self.costs
             bw = c.time_bw
