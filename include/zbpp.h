@@ -130,7 +130,9 @@ typedef enum {
   X(ZB_KIND_V_MIN, 7, "v-min", "V schedule at about a third of 1F1B's activation memory")          \
   X(ZB_KIND_ZB_AUTO, 8, "zb-auto",                                                                 \
     "automatic: the shortest schedule found for the costs under a memory limit (default p)")       \
-  X(ZB_KIND_CUSTOM, 9, "custom", "imported from a file; no generator")
+  X(ZB_KIND_CUSTOM, 9, "custom", "imported from a file; no generator")                            \
+  X(ZB_KIND_GROUP_INTERLEAVED_1F1B, 10, "group-interleaved-1f1b",                                  \
+    "PipeOffload's base schedule (GIS): v chunks in a loop, groups of about p/2 microbatches, B and W split")
 
 typedef enum {
 #define ZB_X_ENUM(name, value, text, help) name = value,
@@ -138,7 +140,7 @@ typedef enum {
 #undef ZB_X_ENUM
 } zb_kind_t;
 
-#define ZB_KIND_COUNT 10
+#define ZB_KIND_COUNT 11
 
 /* Name ("zb-v") and one-line description of a kind; NULL for values outside the list. */
 ZB_API const char *zb_kind_name(zb_kind_t kind);

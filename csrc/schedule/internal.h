@@ -180,6 +180,8 @@ zb_status_t zb__gen_zb_v(zb_schedule_t *s);
 zb_status_t zb__gen_v_half(zb_schedule_t *s);
 zb_status_t zb__gen_v_min(zb_schedule_t *s);
 zb_status_t zb__gen_auto(zb_schedule_t *s, double limit);
+/* Group-interleaved 1F1B, the PipeOffload paper's GIS, as the reference fork builds it (gen_gis.c). */
+zb_status_t zb__gen_gis(zb_schedule_t *s);
 /* The best schedule of every rule set (list scheduler and round-based) under `limit`, for the
  * placement s has: zb-v, v-half and v-min are this at their own limits. */
 zb_status_t zb__gen_rules_best(zb_schedule_t *s, double limit);

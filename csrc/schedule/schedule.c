@@ -83,6 +83,7 @@ zb_status_t zb_kind_from_name(const char *name, zb_kind_t *out_kind, double *out
       {"zbauto", ZB_KIND_ZB_AUTO, 0},
       {"vzb", ZB_KIND_ZB_V, 0},
       {"vhalf", ZB_KIND_V_HALF, 0},
+      {"gis", ZB_KIND_GROUP_INTERLEAVED_1F1B, 0},
       {"vmin", ZB_KIND_V_MIN, 0},
   };
   char want[64], have[64];
@@ -408,6 +409,7 @@ void zb__schedule_take(zb_schedule_t *s, zb_schedule_t *from) {
 static int default_chunks(zb_kind_t kind) {
   switch (kind) {
     case ZB_KIND_INTERLEAVED_1F1B:
+    case ZB_KIND_GROUP_INTERLEAVED_1F1B:
     case ZB_KIND_ZB_V:
     case ZB_KIND_V_HALF:
     case ZB_KIND_V_MIN: return 2;
@@ -462,6 +464,8 @@ static zb_status_t check_shape(const zb_schedule_spec_t *spec, int v) {
         return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
                        "%s places two chunks per rank in a V (v = 2), got v = %d", name, v);
       break;
+    case ZB_KIND_GROUP_INTERLEAVED_1F1B:
+      break; /* any v >= 1 and m >= 1 (groups beyond m are cut, as the reference cuts them) */
     case ZB_KIND_ZB_AUTO:
       if (spec->placement_set && spec->placement == ZB_PLACEMENT_LOOP) break; /* any v >= 1 */
       if (spec->placement_set && spec->placement == ZB_PLACEMENT_V && v != 2)
@@ -475,7 +479,7 @@ static zb_status_t check_shape(const zb_schedule_spec_t *spec, int v) {
     default:
       return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
                      "kind %d cannot be generated; valid kinds: gpipe, 1f1b, interleaved-1f1b, "
-                     "zb-h1, zb-h2, zb-v, v-half, v-min, zb-auto",
+                     "zb-h1, zb-h2, zb-v, v-half, v-min, zb-auto, group-interleaved-1f1b",
                      (int)spec->kind);
   }
   return ZB_OK;
@@ -539,6 +543,7 @@ zb_status_t zb_schedule_create(zb_schedule_t **out, const zb_schedule_spec_t *sp
     case ZB_KIND_V_HALF: st = zb__gen_v_half(s); break;
     case ZB_KIND_V_MIN: st = zb__gen_v_min(s); break;
     case ZB_KIND_ZB_AUTO: st = zb__gen_auto(s, s->mem_limit); break;
+    case ZB_KIND_GROUP_INTERLEAVED_1F1B: st = zb__gen_gis(s); break;
     default: st = ZB_FAIL(ZB_ERR_INTERNAL, "no generator for kind %d", (int)spec->kind);
   }
   if (st == ZB_OK && spec->kind == ZB_KIND_V_MIN) st = best_under_own_memory(s);

@@ -641,6 +641,48 @@ static void test_refine_finds_shorter_orders_within_the_memory(void **state) {
   zb_schedule_destroy(plain), zb_schedule_destroy(off), zb_schedule_destroy(s);
 }
 
+/* group-interleaved-1f1b (gen_gis.c): valid for every p, m and v tried; on every rank each B is
+ * followed at once by its W, and chunk 0's forwards of a group come before chunk 1's (the building
+ * block's order); with more microbatches the bubble shrinks. The op-for-op match with the reference
+ * fork's own builder is tests/python/test_compare_reference.py's (it needs the fork's checkout). */
+static void test_group_interleaved_1f1b(void **state) {
+  (void)state;
+  for (int p = 1; p <= 8; p++)
+    for (int v = 1; v <= 3; v++)
+      for (int m = 1; m <= 3 * p; m += (p > 4 ? 3 : 1)) {
+        zb_schedule_spec_t spec = zb_test_spec(ZB_KIND_GROUP_INTERLEAVED_1F1B, p, m, v);
+        zb_schedule_t *s = NULL;
+        if (zb_schedule_create(&s, &spec) != ZB_OK) fail_msg("gis p=%d v=%d m=%d: %s", p, v, m, zb_last_error());
+        ZB_ASSERT_OK(zb_schedule_validate(s));
+        for (int r = 0; r < p; r++) {
+          const zb_op_t *ops;
+          int32_t n;
+          ZB_ASSERT_OK(zb_schedule_rank_ops(s, r, &ops, &n));
+          assert_int_equal(n, 3 * v * m);
+          for (int k = 0; k < n; k++)
+            if (ops[k].type == ZB_OP_B &&
+                (k + 1 >= n || ops[k + 1].type != ZB_OP_W || ops[k + 1].stage != ops[k].stage || ops[k + 1].mb != ops[k].mb))
+              fail_msg("gis p=%d v=%d m=%d rank %d: B(%d,%d) at %d is not followed by its W", p, v, m, r, ops[k].stage,
+                       ops[k].mb, k);
+        }
+        zb_schedule_destroy(s);
+      }
+  double last = 1.0;
+  for (int m = 8; m <= 64; m *= 2) {
+    zb_schedule_spec_t spec = zb_test_spec(ZB_KIND_GROUP_INTERLEAVED_1F1B, 4, m, 2);
+    zb_schedule_t *s = NULL;
+    zb_sim_result_t r;
+    ZB_ASSERT_OK(zb_schedule_create(&s, &spec));
+    ZB_ASSERT_OK(zb_schedule_simulate(s, &r));
+    if (!(r.bubble_rate < last)) fail_msg("gis p=4 m=%d: bubble %g, not below %g", m, r.bubble_rate, last);
+    last = r.bubble_rate;
+    zb_schedule_destroy(s);
+  }
+  zb_kind_t k;
+  ZB_ASSERT_OK(zb_kind_from_name("GIS", &k, NULL));
+  assert_int_equal(k, ZB_KIND_GROUP_INTERLEAVED_1F1B);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_1f1b),
@@ -662,6 +704,7 @@ int main(void) {
       cmocka_unit_test(test_generators_decide_on_replayed_times),
       cmocka_unit_test(test_v_min_takes_v_half_where_it_fits),
       cmocka_unit_test(test_refine_finds_shorter_orders_within_the_memory),
+      cmocka_unit_test(test_group_interleaved_1f1b),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

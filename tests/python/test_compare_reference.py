@@ -166,3 +166,37 @@ def test_reference_never_beats_the_lower_bound(results):
             if "bound" in z:
                 assert z["cost"] >= z["bound"] * (1 - 1e-9), f"{case_id}: zbpp below its own bound"
     assert not below, "the reference beat the lower bound (the bound is wrong) in:\n" + "\n".join(below)
+
+
+def _fork_gis():
+    """The fork's GroupBuildingBlockScheduler module (a standalone file), loaded from the checkout."""
+    path = os.path.join(os.environ["ZBPP_ZB_FORK"], "megatron", "core", "pipeline_parallel", "zerobubble",
+                        "scheduler", "group_interleaved_1f1b.py")
+    if not os.path.isfile(path):
+        pytest.skip(f"{path} is not there: not the fork's zero-bubble scheduler")
+    spec = importlib.util.spec_from_file_location("fork_gis", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 5, 6, 8])
+def test_group_interleaved_1f1b_is_the_forks_op_for_op(p):
+    """zbpp's group-interleaved-1f1b (gen_gis.c) against the fork's own builder, group size ceil(p/2)
+    (its default for equal costs), v = 2, m from p to 4p and odd: the same ops in the same order on
+    every rank."""
+    import contextlib
+    import io
+
+    import zbpp
+
+    gis = _fork_gis()
+    for m in (p, 2 * p, 3 * p, 4 * p, 2 * p + 1, 5):
+        with contextlib.redirect_stdout(io.StringIO()):  # the fork's builder prints as it goes
+            rows = gis.GroupBuildingBlockScheduler(p, m, chunk_num=2, min_group_size=0,
+                                                   group_size=(p + 1) // 2).get_schedule()
+        ref = [[(node.type.value, node.chunk * p + d, node.micro) for node in row if not node.is_nan()]
+               for d, row in enumerate(rows)]
+        with zbpp.Schedule.generate("group-interleaved-1f1b", p=p, m=m) as mine:
+            got = [[(op.type, op.stage, op.mb) for op in mine.rank_ops(r)] for r in range(p)]
+        assert got == ref, f"p={p} m={m}: rank 0 {got[0][:6]} vs the fork's {ref[0][:6]}"

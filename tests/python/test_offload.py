@@ -50,7 +50,8 @@ def _check_bitwise(cases, ranks, layers):
 
 def test_offloaded_training_is_bit_for_bit_on_two_ranks(tmp_path):
     cases = [dict(kind="gpipe", chunks=1), dict(kind="zb-v", chunks=2), dict(kind="interleaved-1f1b", chunks=2),
-             dict(kind="v-half", chunks=2), dict(kind="v-min", chunks=2)]
+             dict(kind="v-half", chunks=2), dict(kind="v-min", chunks=2),
+             dict(kind="group-interleaved-1f1b", chunks=2)]
     cases, ranks = _train(2, cases, tmp_path, layers=4)
     _check_bitwise(cases, ranks, layers=4)
 

@@ -76,6 +76,7 @@ CASES = [
     # torch's ScheduleInterleavedZeroBubble as its users place stages: in a loop, 2 and 3 per rank.
     dict(kind="InterleavedZeroBubble", chunks=2, placement="loop"),
     dict(kind="InterleavedZeroBubble", chunks=3, placement="loop", layers=6),
+    dict(kind="group-interleaved-1f1b", chunks=2),  # PipeOffload's base schedule (GIS)
 ]
 
 

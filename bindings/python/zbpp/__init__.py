@@ -91,6 +91,7 @@ _TORCH_EXPORTS = {
     "ScheduleVHalf": "pipelining",
     "ScheduleVMin": "pipelining",
     "ScheduleZBAuto": "pipelining",
+    "ScheduleGroupInterleaved1F1B": "pipelining",
     "ScheduleInterleavedZeroBubble": "pipelining",
     "ScheduleFromCSV": "pipelining",
     "ScheduleLoopedBFS": "pipelining",

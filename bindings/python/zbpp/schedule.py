@@ -33,7 +33,7 @@ __all__ = ["Op", "Schedule", "SimResult", "kinds", "stack_svgs"]
 # ---- constants mirrored from include/zbpp.h ------------------------------------------------------
 
 ZB_SCHEDULE_SPEC_VERSION = 2
-ZB_KIND_COUNT = 10
+ZB_KIND_COUNT = 11
 ZB_KIND_CUSTOM = 9
 
 # zb_op_type_t: the index is the C value.
@@ -50,7 +50,7 @@ _PLACEMENT_NAMES = ("loop", "v", "custom")
 # library keeps this in a static helper, so it is mirrored here by name: per-stage time lists need
 # S = p * v before the schedule exists. A wrong entry would only make the length check stricter
 # than the library, and the C side checks the shape again.
-_TWO_CHUNK_KINDS = frozenset({"interleaved-1f1b", "zb-v", "v-half", "v-min"})
+_TWO_CHUNK_KINDS = frozenset({"interleaved-1f1b", "group-interleaved-1f1b", "zb-v", "v-half", "v-min"})
 
 # ---- ctypes records, laid out exactly as in include/zbpp.h --------------------------------------
 

@@ -176,6 +176,10 @@ ScheduleVMin = _kind_class("v-min", "ScheduleVMin", "V-Min: a V schedule at a th
 ScheduleZBAuto = _kind_class("zb-auto", "ScheduleZBAuto",
                              "Automatic zero bubble for the given costs under a memory limit (mem_limit=).",
                              PipelineScheduleMulti)
+ScheduleGroupInterleaved1F1B = _kind_class("group-interleaved-1f1b", "ScheduleGroupInterleaved1F1B",
+                                           "Group-interleaved 1F1B (GIS): PipeOffload's base schedule, stages in a "
+                                           "loop, groups of about p/2 microbatches, B and W split; as the reference "
+                                           "fork builds it.", _Interleaved)
 ScheduleInterleavedZeroBubble = _kind_class("zb-auto", "ScheduleInterleavedZeroBubble",
                                             "torch's InterleavedZeroBubble name: zbpp's automatic scheduler "
                                             "over loop-placed stages.", _Interleaved,
@@ -199,6 +203,7 @@ _CLASSES = {
     "v-half": ScheduleVHalf,
     "v-min": ScheduleVMin,
     "zb-auto": ScheduleZBAuto,
+    "group-interleaved-1f1b": ScheduleGroupInterleaved1F1B,
 }
 
 
