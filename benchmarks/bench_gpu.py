@@ -19,11 +19,19 @@ reported and that row is not timed):
       microseconds per op, with a ctypes copy (the runner's own cost) and with torch views of the
       buffers (what zbpp.PipelineStage's callbacks pay).
 
+  (d) PipeOffload's copies: one transformer layer's activations (bf16, flash attention: 34 s h
+      bytes per sequence of s tokens at hidden h, Korthikanti et al.) copied to pinned host memory
+      and back on a stream of its own (zbpp.costs.measure_copy_time, what the torch layer's copies
+      do), against the layer's F + B compute (two GEMMs of its 24 s h^2 forward FLOPs, bf16): the
+      measured k = round trip / (F + B), the PipeOffload paper's "offload is free when k <= 1",
+      next to the reference fork's formula k = 10 / (3 (6h + s)) * B_c / B_o with its table's
+      A100/H100 figures and with this card's measured bf16 peak and copy bandwidth.
+
 GPU times come from CUDA events around the timed calls on torch's current stream (zbpp's backend
 is pointed at that stream), after warm-up; each figure is the median of the repeats. Host-side
 overhead (c) is wall-clock time. The table starts with the device, the date and the versions.
 
-Usage: python3 benchmarks/bench_gpu.py [--json out.json] [--quick] [--only a,b,c]
+Usage: python3 benchmarks/bench_gpu.py [--json out.json] [--quick] [--only a,b,c,d]
 The library is found as zbpp finds it ($ZBPP_LIBRARY, or build/libzbpp.so of this checkout); pass
 --library PATH to choose. Exits 1 with a message when there is no CUDA device, 3 when a
 correctness check failed.
@@ -47,7 +55,7 @@ def _args():
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH ('-': stdout)")
     ap.add_argument("--library", metavar="PATH", help="libzbpp.so to use (default: as zbpp finds it)")
     ap.add_argument("--quick", action="store_true", help="small sizes and few repeats (a smoke run)")
-    ap.add_argument("--only", default="a,b,c", help="which benchmarks, e.g. 'a,c' (default: all)")
+    ap.add_argument("--only", default="a,b,c,d", help="which benchmarks, e.g. 'a,c' (default: all)")
     ap.add_argument("--repeats", type=int, default=None, help="timed repeats per figure (default 10; quick 3)")
     ap.add_argument("--host-only", action="store_true",
                     help="run only the host-backend half of (c): checks this script on a machine without a GPU")
@@ -407,6 +415,52 @@ def print_runner(rows):
             f"{r['us_per_op']:>8.2f} {r['ms_per_iteration']:>9.2f}")
 
 
+# ---- (d) PipeOffload's copies --------------------------------------------------------------------------
+
+# The reference fork's table (megatron/core/zbpp_utils.py get_gpu_flops_and_offload_bandwidth): bf16
+# TFLOP/s and D2H GB/s by card name; zbpp does not plan from it, it is printed for comparison.
+FORK_TABLE = {"A100": (220.0, 15.0), "H100": (440.0, 21.0)}
+
+
+def fork_k(h, s, tflops, gbps):
+    """The fork's k (get_offload_time returns k / 2): 10 / (3 (6h + s)) * B_c / B_o."""
+    return 10.0 / (3.0 * (6 * h + s)) * (tflops * 1e3) / gbps
+
+
+def bench_offload(dev):
+    from zbpp.costs import measure_copy_time
+
+    peak = bf16_peak(dev)["tflops"]  # TFLOP/s of one large bf16 matmul
+    name = torch.cuda.get_device_name(dev)
+    table = next((v for key, v in FORK_TABLE.items() if key in name), None)
+    rows = []
+    cases = [(4096, 2048)] if ARGS.quick else [(4096, 2048), (4096, 8192), (8192, 4096)]  # up to 1.1 GB a layer
+    for h, seq in cases:
+        nbytes = 34 * seq * h  # bf16 activations of one layer, one sequence (flash attention)
+        t_off, t_rel = measure_copy_time(nbytes, dev)
+        a = torch.randn(seq, h, device=dev, dtype=torch.bfloat16)
+        w = torch.randn(h, 12 * h, device=dev, dtype=torch.bfloat16)
+        t_gemm = gpu_time(lambda: torch.matmul(a, w)) * 1e3  # ms; 24 s h^2 FLOPs: the layer's forward GEMMs
+        t_c = 2 * t_gemm  # F + B (B: the input gradient, as many FLOPs)
+        k = (t_off + t_rel) / t_c
+        gbps = nbytes / (t_off * 1e-3) / 1e9
+        rows.append(dict(hidden=h, seq=seq, bytes=nbytes, offload_ms=t_off, reload_ms=t_rel, compute_ms=t_c,
+                         k=k, d2h_gbps=gbps, k_fork_table=fork_k(h, seq, *table) if table else None,
+                         k_fork_measured=fork_k(h, seq, peak, gbps)))
+    return {"bf16_tflops": peak, "card": name, "rows": rows}
+
+
+def print_offload(result):
+    log(f"\n(d) PipeOffload copies: one layer's activations to pinned host memory and back vs its F + B "
+        f"({result['card']}, bf16 peak {result['bf16_tflops']:.0f} TFLOP/s)")
+    log(f"{'h':>6} {'s':>6} {'MiB':>7} {'D2H ms':>8} {'H2D ms':>8} {'F+B ms':>8} {'GB/s':>6} {'k':>6} "
+        f"{'k fork table':>12} {'k fork meas.':>12}")
+    for r in result["rows"]:
+        table = f"{r['k_fork_table']:.2f}" if r["k_fork_table"] is not None else "n/a"
+        log(f"{r['hidden']:>6} {r['seq']:>6} {r['bytes'] / 2**20:>7.1f} {r['offload_ms']:>8.3f} {r['reload_ms']:>8.3f} "
+            f"{r['compute_ms']:>8.3f} {r['d2h_gbps']:>6.1f} {r['k']:>6.2f} {table:>12} {r['k_fork_measured']:>12.2f}")
+
+
 # ---- main ------------------------------------------------------------------------------------------
 
 def header(dev):
@@ -453,6 +507,7 @@ def main():
         ("a", "wgemm", lambda: bench_wgemm(dev), print_wgemm),
         ("b", "optim", None, None),
         ("c", "runner", lambda: bench_runner(dev, ["cuda", "host"]), print_runner),
+        ("d", "offload", lambda: bench_offload(dev), print_offload),
     ]
     for key, name, fn, show in steps:
         if key not in only:
