@@ -42,6 +42,7 @@ except ImportError:
     sys.path.insert(0, os.path.join(_REPO, "bindings", "python"))
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_synthetic import wait_until  # noqa: E402 - the same sleep-then-spin wait as its stages
 from bench_synthetic_timing import set_timer_slack  # noqa: E402
 
 import torch  # noqa: E402
@@ -49,16 +50,6 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 KINDS = ("1f1b", "interleaved-1f1b", "zb-h1", "zb-v", "v-half")
-SPIN_S = 3e-4
-
-
-def wait_until(deadline):
-    """Returns at `deadline` (time.perf_counter): sleeps until shortly before, spins the rest."""
-    left = deadline - time.perf_counter()
-    if left > SPIN_S:
-        time.sleep(left - SPIN_S)
-    while time.perf_counter() < deadline:
-        pass
 
 
 class SleepSave(torch.autograd.Function):
