@@ -647,9 +647,11 @@ static void test_refine_finds_shorter_orders_within_the_memory(void **state) {
  * fork's own builder is tests/python/test_compare_reference.py's (it needs the fork's checkout). */
 static void test_group_interleaved_1f1b(void **state) {
   (void)state;
-  for (int p = 1; p <= 8; p++)
+  const char *q = getenv("ZBPP_TEST_QUICK"); /* valgrind: p <= 4 and every other m */
+  const int quick = q && q[0] == '1';
+  for (int p = 1; p <= (quick ? 4 : 8); p++)
     for (int v = 1; v <= 3; v++)
-      for (int m = 1; m <= 3 * p; m += (p > 4 ? 3 : 1)) {
+      for (int m = 1; m <= 3 * p; m += (p > 4 || quick ? 3 : 1)) {
         zb_schedule_spec_t spec = zb_test_spec(ZB_KIND_GROUP_INTERLEAVED_1F1B, p, m, v);
         zb_schedule_t *s = NULL;
         if (zb_schedule_create(&s, &spec) != ZB_OK) fail_msg("gis p=%d v=%d m=%d: %s", p, v, m, zb_last_error());
