@@ -23,6 +23,7 @@ every repetition; a step is timed from a barrier to the end of step() on its slo
                and planned with
   host         the largest host-memory peak (KiB), measured
   k            copy time each way over F + B, the fork's --offload-time
+Then rank 0's median op times without and with offload (the torch layer's own cost per op).
 
 Usage: python3 benchmarks/bench_offload_measured.py [--p 4] [--m 8] [--k 0.5,1] [--kinds ...]
        [--offload auto|first-chunk]
@@ -150,6 +151,7 @@ def worker(rank, p, key, cells, args, out_dir):
                 st.submod.zero_grad(set_to_none=True)
         same = first[False][0] == first[True][0] and all(torch.equal(a, b) for a, b in zip(first[False][1], first[True][1]))
         times = {False: [], True: []}
+        op_ms = {False: {}, True: {}}  # per op type: this rank's durations over the timed steps (ms)
         for rep in range(args.reps):
             for off in ((False, True) if rep % 2 == 0 else (True, False)):
                 sched, stages = built[off]
@@ -163,12 +165,17 @@ def worker(rank, p, key, cells, args, out_dir):
                     spans = [None] * p
                     dist.all_gather_object(spans, t1 - t0)
                     times[off].append(max(spans))
+                    with sched.timeline() as tl:  # a collective: every rank, every step
+                        st, en = tl.rank_times(rank)
+                        for op, a, b in zip(tl.rank_ops(rank), st, en):
+                            op_ms[off].setdefault(op.type, []).append(b - a)
         sched_on = built[True][0]
         report = sched_on.offload_report()
         plain = built[False][0].schedule
         plain.simulate()
         copies = sum(op.type == "OFFLOAD" for op in sched_on.schedule.rank_ops(rank))
         results.append(dict(kind=kind, m=m, k=k, same=same, times=times, report=report, copies=copies,
+                            op_ms={off: {t: statistics.median(v) for t, v in d.items()} for off, d in op_ms.items()},
                             planned0=plain.rank_memory(rank)[0], step_ratio=sched_on.schedule.makespan() / plain.makespan()))
         for sched, _ in built.values():
             sched.close()
@@ -229,6 +236,13 @@ def main(argv=None):
             continue
         print(f"| {kind} | {m} | {k:g} | {copies} | {t_none:.1f} -> {t_off:.1f} | {t_off / t_none:.3f} | "
               f"{rows[0]['step_ratio']:.3f} | {peak0:.0f} -> {got:.0f} ({plan:.0f}) | {host:.0f} |")
+    print("\nRank 0's median op times (ms), without -> with offload:")
+    for c, (kind, m, k) in enumerate(cells):
+        ops = ranks[0][c]["op_ms"]
+        text = ", ".join(f"{t} {ops[False][t]:.2f} -> {ops[True][t]:.2f}" for t in ("F", "B", "W", "BW")
+                         if t in ops[False] and t in ops[True])
+        copies = ", ".join(f"{t} {ops[True][t]:.2f}" for t in ("OFFLOAD", "RELOAD") if t in ops[True])
+        print(f"  {kind} m={m} k={k:g}: {text}" + (f"; {copies}" if copies else ""))
     print(f"\n{time.perf_counter() - t0:.0f} s. The peak columns are over the ranks that moved something.")
     return 1 if bad else 0
 
