@@ -76,6 +76,8 @@ class Offloader:
     def __init__(self, stages, device, min_bytes=1024):
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
+        if self.cuda and self.device.index is None:  # saved tensors say cuda:N; compare like with like
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.min_bytes = int(min_bytes)
         self._skip = {}  # stage -> storage pointers of its parameters and buffers
         for s, module in stages.items():
