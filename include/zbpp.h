@@ -330,9 +330,14 @@ typedef struct {
   /* Which stages' activations may move: S flags (nonzero: its microbatches are candidates), read
    * during the call; NULL: every stage. A struct_size that ends before this field means NULL. */
   const uint8_t *stages;
+  /* 1: ranks 2k and 2k+1 share one link to host memory (two GPUs under one PCIe switch, as the
+   * reference fork assumes): a copy is kept only where no copy of the pair's other rank runs at
+   * the same time in the plan, so the pair's copies take turns on the link. 0: every rank has its
+   * own. A struct_size that ends before this field means 0. */
+  int32_t paired_lanes;
 } zb_offload_config_t;
 
-#define ZB_OFFLOAD_CONFIG_INIT {sizeof(zb_offload_config_t), ZB_OFFLOAD_CONFIG_VERSION, 0.0, 0.0, 0.0, NULL}
+#define ZB_OFFLOAD_CONFIG_INIT {sizeof(zb_offload_config_t), ZB_OFFLOAD_CONFIG_VERSION, 0.0, 0.0, 0.0, NULL, 0}
 
 /* config may be NULL for ZB_OFFLOAD_CONFIG_INIT. */
 ZB_API zb_status_t zb_schedule_plan_offload(zb_schedule_t **out, const zb_schedule_t *schedule,

@@ -15,13 +15,14 @@
  *   3. The schedule with the candidate's copies is simulated; it is kept when the end-to-end time
  *      (makespan) and the largest rank span (the cost, which bubble rates use) stay within
  *      (1 + slowdown) of the schedule without copies, the rank's device peak
- *      does not grow, and the host peak stays under host_limit where one is set. Otherwise the
+ *      does not grow, the host peak stays under host_limit where one is set, and, with
+ *      paired_lanes, no two copies of a pair of ranks (2k, 2k+1) overlap in time. Otherwise the
  *      candidate is dropped and the next one is tried: a copy that does not fit is never an error,
  *      the result just has fewer copies.
  *   4. With device_limit set, the pass stops once every rank's device peak is at most the limit;
  *      without, it offloads every candidate that the rule keeps.
  *   5. Then each kept candidate is taken out again, shortest-lived first, where that leaves every
- *      rank's device peak and the step as they are: a copy that lowers no peak only costs
+ *      rank's device peak and the step as they are (and pairs' copies apart): a copy that lowers no peak only costs
  *      bandwidth and host memory. Rules 3 and 5 repeat (at most MAX_SWEEPS times) while 3 keeps
  *      a candidate it had not: one that did not fit may, once others have gone or moved.
  *   6. Each try simulates the whole schedule, so the pass stops trying after WORK_BUDGET simulated
@@ -75,6 +76,32 @@ static zb_status_t measure(const zb_schedule_t *t, double *start, double *end, d
     if (h > *host_max) *host_max = h;
   }
   return ZB_OK;
+}
+
+/* With paired lanes (ranks 2k and 2k+1 share a link): whether a copy of rank r and one of its
+ * partner run at the same time. Each lane runs its copies one at a time in list order, so both
+ * sides' intervals come sorted by start. */
+static int pair_overlap(const zb_schedule_t *t, const double *start, const double *end, int r) {
+  const int q = r ^ 1;
+  if (q >= t->p) return 0;
+  int a = t->rank_off[r], ae = t->rank_off[r + 1], b = t->rank_off[q], be = t->rank_off[q + 1];
+  for (;;) {
+    while (a < ae && !zb__op_is_copy(t->ops[a].type)) a++;
+    while (b < be && !zb__op_is_copy(t->ops[b].type)) b++;
+    if (a >= ae || b >= be) return 0;
+    if (start[a] < end[b] - ZB_EPS && start[b] < end[a] - ZB_EPS) return 1;
+    if (end[a] <= end[b]) a++;
+    else b++;
+  }
+}
+
+/* Any pair's copies at the same time: a change on one rank can move the compute, and so the copies,
+ * of others (within the step's bound), so every pair is looked at. */
+static int pair_overlaps(const zb_schedule_t *t, const double *start, const double *end, int r) {
+  (void)r;
+  for (int q = 0; q < t->p; q += 2)
+    if (pair_overlap(t, start, end, q)) return 1;
+  return 0;
 }
 
 /* The largest rank span over compute ops (the paper's cost; copies run beside them). */
@@ -163,7 +190,9 @@ zb_status_t zb_schedule_plan_offload(zb_schedule_t **out, const zb_schedule_t *s
   zb_offload_config_t c = ZB_OFFLOAD_CONFIG_INIT;
   if (cfg) {
     const size_t before_stages = offsetof(zb_offload_config_t, stages);
-    if ((cfg->struct_size != before_stages && cfg->struct_size < sizeof(zb_offload_config_t)) ||
+    const size_t before_paired = offsetof(zb_offload_config_t, paired_lanes);
+    if ((cfg->struct_size != before_stages && cfg->struct_size != before_paired &&
+         cfg->struct_size < sizeof(zb_offload_config_t)) ||
         cfg->version != ZB_OFFLOAD_CONFIG_VERSION)
       return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
                      "zb_offload_config_t has struct_size %u and version %u; initialise it with "
@@ -269,7 +298,8 @@ zb_status_t zb_schedule_plan_offload(zb_schedule_t **out, const zb_schedule_t *s
         double span, thost;
         zb_status_t ms = measure(t, tstart, tend, &span, tdev, &thost);
         int keep = ms == ZB_OK && span <= bound && cost_of(t, tstart, tend) <= cost_bound && tdev[r] <= dev[r] + ZB_EPS &&
-                   (c.host_limit <= 0 || thost <= c.host_limit + ZB_EPS);
+                   (c.host_limit <= 0 || thost <= c.host_limit + ZB_EPS) &&
+                   !(c.paired_lanes && pair_overlaps(t, tstart, tend, r));
         if (keep) {
           memcpy(start, tstart, (size_t)t->n_ops * sizeof(double));
           memcpy(end, tend, (size_t)t->n_ops * sizeof(double));
@@ -290,7 +320,7 @@ zb_status_t zb_schedule_plan_offload(zb_schedule_t **out, const zb_schedule_t *s
       work += 3LL * t->n_ops;
       double span, thost;
       int gone = measure(t, tstart, tend, &span, tdev, &thost) == ZB_OK && span <= bound &&
-                 cost_of(t, tstart, tend) <= cost_bound;
+                 cost_of(t, tstart, tend) <= cost_bound && !(c.paired_lanes && pair_overlaps(t, tstart, tend, r));
       for (int x = 0; x < t->p && gone; x++) gone = tdev[x] <= dev[x] + ZB_EPS;
       if (gone) {
         memcpy(start, tstart, (size_t)t->n_ops * sizeof(double));

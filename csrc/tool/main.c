@@ -74,6 +74,8 @@ static void usage(FILE *out) {
           "                       brought down to it by copies, where that steps shorter)\n"
           "  --offload-limit L    stop offloading once every rank's device peak is at most L\n"
           "  --offload-slowdown X let the step grow by the fraction X for more offload (default 0)\n"
+          "  --offload-paired     ranks 2k and 2k+1 share one link to host memory (one PCIe switch):\n"
+          "                       their copies take turns\n"
           "  --mem-limit L        peak activation memory per rank in microbatches, or 'Np' for N*p\n"
           "                       (zb-auto's target; a limit for validation otherwise)\n"
           "  --placement P        loop or v: where zb-auto puts the stages (default: v for v = 2, else\n"
@@ -102,6 +104,7 @@ typedef struct {
   int offload;          /* --offload or --offload-limit: run the offload pass */
   int has_copy_times;
   double offload_limit, offload_slowdown;
+  int offload_paired; /* --offload-paired: ranks 2k and 2k+1 share one link */
   double comm, w_share;
   int has_comm, has_w_share; /* given on the command line: they win over a cost file's values */
 } args_t;
@@ -197,6 +200,8 @@ static int parse_args(int argc, char **argv, args_t *a) {
       a->has_copy_times = 1;
     } else if (!strcmp(arg, "--offload")) {
       a->offload = 1;
+    } else if (!strcmp(arg, "--offload-paired")) {
+      a->offload = 1, a->offload_paired = 1;
     } else if (!strcmp(arg, "--offload-limit")) {
       NEED_VALUE();
       if (!zb__tool_parse_double(val, &a->offload_limit) || !(a->offload_limit > 0) || isinf(a->offload_limit))
@@ -380,6 +385,7 @@ static int apply_offload(const args_t *a, zb_schedule_t **s, const zb_schedule_s
                                     "--stage-times with time_offload and time_reload");
   zb_offload_config_t cfg = ZB_OFFLOAD_CONFIG_INIT;
   cfg.device_limit = a->offload_limit, cfg.slowdown = a->offload_slowdown;
+  cfg.paired_lanes = a->offload_paired;
   zb_schedule_t *off = NULL;
   if (spec && spec->kind == ZB_KIND_ZB_AUTO) {
     if (zb_schedule_create_offloaded(&off, spec, &cfg) != ZB_OK) return zb__tool_fail("cannot plan zb-auto with offload");

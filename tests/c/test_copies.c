@@ -399,6 +399,63 @@ static void test_zb_auto_plans_order_and_offload_together(void **state) {
   assert_null(joint);
 }
 
+/* The copies of ranks 2k and 2k+1 in the plan: 1 when two of them run at the same time. */
+static int pair_copies_overlap(const zb_schedule_t *s, int p) {
+  for (int r = 0; r + 1 < p; r += 2) {
+    const zb_op_t *oa, *ob;
+    int32_t na, nb;
+    const double *sa, *ea, *sb, *eb;
+    ZB_ASSERT_OK(zb_schedule_rank_ops(s, r, &oa, &na));
+    ZB_ASSERT_OK(zb_schedule_rank_ops(s, r + 1, &ob, &nb));
+    ZB_ASSERT_OK(zb_schedule_rank_times(s, r, &sa, &ea));
+    ZB_ASSERT_OK(zb_schedule_rank_times(s, r + 1, &sb, &eb));
+    for (int i = 0; i < na; i++)
+      for (int j = 0; j < nb; j++)
+        if ((oa[i].type == ZB_OP_OFFLOAD || oa[i].type == ZB_OP_RELOAD) &&
+            (ob[j].type == ZB_OP_OFFLOAD || ob[j].type == ZB_OP_RELOAD) && sa[i] < eb[j] - 1e-9 && sb[j] < ea[i] - 1e-9)
+          return 1;
+  }
+  return 0;
+}
+
+/* paired_lanes: with ranks 2k and 2k+1 on one link, the pass keeps no two of a pair's copies at
+ * the same time, where their own lanes overlap them (1F1B and interleaved 1F1B, p = 4, copies a
+ * quarter of F each way); the step is the same, and each rank's peak is no higher than without
+ * copies. The pre-paired config size is still accepted. */
+static void test_paired_lanes_take_turns(void **state) {
+  (void)state;
+  for (int k = 0; k < 2; k++) {
+    zb_schedule_spec_t spec = zb_test_spec(k ? ZB_KIND_INTERLEAVED_1F1B : ZB_KIND_1F1B, 4, 16, k ? 2 : 1);
+    spec.time_offload = spec.time_reload = 0.25;
+    zb_schedule_t *base = NULL, *own = NULL, *paired = NULL;
+    ZB_ASSERT_OK(zb_schedule_create(&base, &spec));
+    zb_offload_config_t oc = ZB_OFFLOAD_CONFIG_INIT;
+    ZB_ASSERT_OK(zb_schedule_plan_offload(&own, base, &oc));
+    oc.paired_lanes = 1;
+    ZB_ASSERT_OK(zb_schedule_plan_offload(&paired, base, &oc));
+    ZB_ASSERT_OK(zb_schedule_validate(paired));
+    assert_true(pair_copies_overlap(own, 4));     /* the case is one where it matters */
+    assert_false(pair_copies_overlap(paired, 4));
+    if (fabs(makespan(paired) - makespan(base)) > 1e-9) fail_msg("paired: step %g, without copies %g", makespan(paired), makespan(base));
+    for (int r = 0; r < 4; r++) {
+      double d0, h0, d1, h1;
+      ZB_ASSERT_OK(zb_schedule_rank_memory(base, r, &d0, &h0));
+      ZB_ASSERT_OK(zb_schedule_rank_memory(paired, r, &d1, &h1));
+      assert_true(d1 <= d0 + 1e-9);
+    }
+    assert_true(max_device_peak(paired, 4) < max_device_peak(base, 4));
+    zb_schedule_destroy(base), zb_schedule_destroy(own), zb_schedule_destroy(paired);
+  }
+  zb_schedule_spec_t spec = zb_test_spec(ZB_KIND_1F1B, 2, 4, 1);
+  spec.time_offload = spec.time_reload = 0.25;
+  zb_schedule_t *base = NULL, *off = NULL;
+  ZB_ASSERT_OK(zb_schedule_create(&base, &spec));
+  zb_offload_config_t old = ZB_OFFLOAD_CONFIG_INIT;
+  old.struct_size = (uint32_t)offsetof(zb_offload_config_t, paired_lanes);
+  ZB_ASSERT_OK(zb_schedule_plan_offload(&off, base, &old));
+  zb_schedule_destroy(base), zb_schedule_destroy(off);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_copy_lane_by_hand),
@@ -410,6 +467,7 @@ int main(void) {
       cmocka_unit_test(test_offload_pass_on_every_kind),
       cmocka_unit_test(test_version_1_callers_still_work),
       cmocka_unit_test(test_zb_auto_plans_order_and_offload_together),
+      cmocka_unit_test(test_paired_lanes_take_turns),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -395,6 +395,9 @@ printf '%s' '{"format": "zbpp-costs", "version": 1, "ranks": 4, "chunks": 1, "pl
 run schedule 1f1b -p 4 -m 8 --stage-times "$T/copies.json" --offload
 check_rc "schedule --offload with a cost file's copy times exits 0" 0
 check_grep "--offload with a cost file's copy times moves microbatches" "$T/err" "device peak / host peak: 0: 2 /"
+run schedule 1f1b -p 4 -m 8 --copy-times 0.25,0.25 --offload-paired
+check_rc "--offload-paired exits 0" 0
+check_grep "--offload-paired moves fewer (8 where own lanes move 15)" "$T/err" "offload: 8 microbatch"
 run schedule zb-auto -p 8 -m 16 --mem-limit 3 --copy-times 0.5,0.5 --offload
 check_rc "zb-auto --offload exits 0" 0
 check_grep "zb-auto --offload plans order and copies together (cost 77, without copies 107)" "$T/out" "cost 77 "

@@ -755,7 +755,7 @@ def test_zb_auto_plans_order_and_offload_together():
     with Schedule.generate("1f1b", 4, 8, times=times, offload={}) as via, \
             Schedule.generate("1f1b", 4, 8, times=times) as base, base.plan_offload() as direct:
         assert [via.rank_ops(r) for r in range(4)] == [direct.rank_ops(r) for r in range(4)]
-    with pytest.raises(ValueError, match="its keys are device_limit, slowdown, host_limit and stages"):
+    with pytest.raises(ValueError, match="its keys are device_limit, slowdown, host_limit, stages and paired_lanes"):
         Schedule.generate("1f1b", 4, 8, times=times, offload={"limit": 2})
 
 
@@ -812,3 +812,25 @@ def test_selective_offload_is_better_than_linear():
         moved = sum(op.type == "OFFLOAD" for r in range(8) for op in half.rank_ops(r))
         assert moved <= 8 * 32  # at most the first chunk's 256 of 512 microbatch activations
         assert after < 0.45 * before, f"{before} -> {after}"
+
+
+def test_plan_offload_with_paired_lanes_keeps_a_pairs_copies_apart():
+    """paired_lanes=True: ranks 2k and 2k+1 share one link, so none of their copies overlap in the
+    plan (with their own lanes some do), at the same step."""
+    times = {"f": 1, "b": 1, "w": 1, "offload": 0.25, "reload": 0.25}
+
+    def overlaps(s):
+        found = 0
+        for r in range(0, s.ranks - 1, 2):
+            lanes = []
+            for q in (r, r + 1):
+                st, en = s.rank_times(q)
+                lanes.append([(a, b) for op, a, b in zip(s.rank_ops(q), st, en) if op.type in ("OFFLOAD", "RELOAD")])
+            found += sum(a < d - 1e-9 and c < b - 1e-9 for a, b in lanes[0] for c, d in lanes[1])
+        return found
+
+    with Schedule.generate("interleaved-1f1b", 4, 16, v=2, times=times) as base, \
+            base.plan_offload() as own, base.plan_offload(paired_lanes=True) as paired:
+        assert overlaps(own) > 0 and overlaps(paired) == 0
+        assert paired.makespan() == base.makespan()
+        assert max(paired.rank_memory(r)[0] for r in range(4)) < max(base.rank_memory(r)[0] for r in range(4))

@@ -110,10 +110,11 @@ class _OffloadConfig(ctypes.Structure):
         ("slowdown", ctypes.c_double),
         ("host_limit", ctypes.c_double),
         ("stages", ctypes.POINTER(ctypes.c_uint8)),
+        ("paired_lanes", ctypes.c_int32),
     ]
 
 
-def _offload_config(S, device_limit=None, slowdown=0.0, host_limit=None, stages=None):
+def _offload_config(S, device_limit=None, slowdown=0.0, host_limit=None, stages=None, paired_lanes=False):
     """(zb_offload_config_t, the stage mask it points at, to keep alive through the call)."""
     limits = {}
     for name, value in (("device_limit", device_limit), ("host_limit", host_limit)):
@@ -129,7 +130,7 @@ def _offload_config(S, device_limit=None, slowdown=0.0, host_limit=None, stages=
             raise ValueError(f"plan_offload: stages must be stage indices in 0..{S - 1}, got {bad[0]!r}")
         mask = (ctypes.c_uint8 * S)(*[1 if x in chosen else 0 for x in range(S)])
     cfg = _OffloadConfig(ctypes.sizeof(_OffloadConfig), ZB_OFFLOAD_CONFIG_VERSION, limits["device_limit"],
-                         _number(slowdown, "slowdown"), limits["host_limit"], mask)
+                         _number(slowdown, "slowdown"), limits["host_limit"], mask, 1 if paired_lanes else 0)
     return cfg, mask
 
 
@@ -346,10 +347,10 @@ class Schedule(_ScheduleExports):
         if offload is not None:
             if not isinstance(offload, dict):
                 raise TypeError(f"offload must be None or a dict of plan_offload's keywords, got {offload!r}")
-            unknown = set(offload) - {"device_limit", "slowdown", "host_limit", "stages"}
+            unknown = set(offload) - {"device_limit", "slowdown", "host_limit", "stages", "paired_lanes"}
             if unknown:
                 raise ValueError(f"offload has {sorted(unknown)[0]!r}; its keys are device_limit, slowdown, "
-                                 "host_limit and stages (as plan_offload's)")
+                                 "host_limit, stages and paired_lanes (as plan_offload's)")
             cfg, mask = _offload_config(p * v_eff, **offload)
             _lib.call("zb_schedule_create_offloaded", [ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(_Spec),
                                                        ctypes.POINTER(_OffloadConfig)],
@@ -600,7 +601,7 @@ class Schedule(_ScheduleExports):
 
     # -- checking and simulating --
 
-    def plan_offload(self, device_limit=None, slowdown=0.0, host_limit=None, stages=None):
+    def plan_offload(self, device_limit=None, slowdown=0.0, host_limit=None, stages=None, paired_lanes=False):
         """A new Schedule: this one's compute ops in the same order, with PipeOffload's copies
         (OFFLOAD after an F, RELOAD before its backward) where they pay, timed on this schedule's
         times['offload'] and times['reload'] (zb_schedule_plan_offload; csrc/schedule/offload.c
@@ -609,9 +610,10 @@ class Schedule(_ScheduleExports):
         holds at most `host_limit` microbatches (None: no limit). With `device_limit` (microbatches
         through all of a rank's layers) the pass stops once every rank's device peak is at most
         that; with None it offloads all it can. stages: the stage indices whose activations may
-        move (None: every stage). A copy that does not fit is left out, never an error: check
-        rank_memory() of the result."""
-        cfg, mask = _offload_config(self.stages, device_limit, slowdown, host_limit, stages)
+        move (None: every stage). paired_lanes: ranks 2k and 2k+1 share one link to host memory (two
+        GPUs under one PCIe switch), so no two of their copies may overlap in time. A copy that does
+        not fit is left out, never an error: check rank_memory() of the result."""
+        cfg, mask = _offload_config(self.stages, device_limit, slowdown, host_limit, stages, paired_lanes)
         out = ctypes.c_void_p()
         _lib.call("zb_schedule_plan_offload", [ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p,
                                                ctypes.POINTER(_OffloadConfig)],
