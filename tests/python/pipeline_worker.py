@@ -56,7 +56,7 @@ def model_config(layers=4):
 
 
 def train_kind(rank, world, kind, chunks, m, batch, steps, seed, csv=None, lr=1e-2, layers=4, placement=None,
-               offload=None, times=None, mem_limit=None):
+               offload=None, times=None, mem_limit=None, offload_paired=False):
     import zbpp
     from zbpp.examples import gpt
     from zbpp.split import default_store
@@ -73,7 +73,7 @@ def train_kind(rank, world, kind, chunks, m, batch, steps, seed, csv=None, lr=1e
     stages = [zbpp.PipelineStage(zbpp.split_linear(modules[s]), s, S, "cpu") for s in mine]
     extra = {"csv": csv} if csv is not None else {}
     if offload is not None:
-        extra.update(offload=offload, times=times, mem_limit=mem_limit)
+        extra.update(offload=offload, times=times, mem_limit=mem_limit, offload_paired=offload_paired)
     sched = cls(stages, m, loss_fn=gpt.loss_fn, timeout=60.0, **extra)
     params = [p for st in stages for p in st.submod.parameters()]
     opt = torch.optim.AdamW(params, lr=lr, foreach=False)

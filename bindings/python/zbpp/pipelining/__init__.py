@@ -143,7 +143,8 @@ class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning, _Splitting, _Bou
     times= ('offload', 'reload'), costs=, or measured in the profiled steps of a planned kind;
     offload_modelled (CPU stages: each copy runs on the runner's copy thread for at least its
     planned time, times in ms, as a PCIe link would take it, instead of at once on the runner's
-    thread; for benchmarks and tests of the timing without a device). offload_report() gives the
+    thread; for benchmarks and tests of the timing without a device); offload_paired (ranks 2k and
+    2k+1 share one link to host memory, one PCIe switch for two GPUs: their copies take turns). offload_report() gives the
     measured peaks beside the plan's.
 
     Plans from measured costs (the module docstring): plan_from_measured (None: on for the kinds in
@@ -162,7 +163,8 @@ class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning, _Splitting, _Bou
                  csv=None, mem_limit=None, times=None, timeout=300.0, cpu_group=None,
                  plan_from_measured=None, profile_steps=None, costs=None, save_plan_dir=None,
                  use_full_backward=None, backward_requires_autograd=True, defer_pp_recv=False,
-                 stages=None, stage=None, split_backward=None, offload=None, offload_modelled=False):
+                 stages=None, stage=None, split_backward=None, offload=None, offload_modelled=False,
+                 offload_paired=False):
         name = type(self).__name__
         # torch's keyword names: stages= (PipelineScheduleMulti and its subclasses), stage= (Single)
         given = [x for x in (stage_or_stages, stages, stage) if x is not None]
@@ -266,6 +268,10 @@ class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning, _Splitting, _Bou
             raise ValueError(f"zbpp.{name}: offload_modelled=True models a PCIe link for offload= on CPU stages; "
                              f"this pipeline has {'CUDA stages' if self._cuda else 'no offload'}")
         self._offload_modelled = bool(offload_modelled)
+        if offload_paired and self._offload_arg is None:
+            raise ValueError(f"zbpp.{name}: offload_paired=True says how ranks share their link to host memory; "
+                             "it goes with offload=")
+        self._offload_paired = bool(offload_paired)
         self._profile = _profile_window(name, self._plan_kind, kind if csv is None else "a CSV schedule",
                                         plan_from_measured, profile_steps, times, costs)
         if limit_kind == "bytes" and self._profile is None and (costs is None or costs.mem_f_bytes is None):
@@ -390,7 +396,8 @@ class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning, _Splitting, _Bou
             return old  # a CSV schedule with its copies already placed
         chosen = None if self._offload_arg == "auto" else list(self._offload_arg)
         device_limit = limit if isinstance(limit, (int, float)) and not isinstance(limit, bool) and limit > 0 else None
-        options = dict(device_limit=device_limit, slowdown=OFFLOAD_SLOWDOWN, stages=chosen)
+        options = dict(device_limit=device_limit, slowdown=OFFLOAD_SLOWDOWN, stages=chosen,
+                       paired_lanes=self._offload_paired)
         if old.kind == "zb-auto":
             # zb-auto plans its order and the copies together (Schedule.generate's offload=): orders
             # for more memory, taken down to the limit by copies, where that steps shorter.
