@@ -64,6 +64,9 @@ def parse_args(argv=None):
     ap.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
     ap.add_argument("--mem-limit", default=None,
                     help="zb-auto's memory limit: microbatches (6, 2p) or activation bytes per rank (8MB)")
+    ap.add_argument("--offload", action="store_true",
+                    help="PipeOffload: activations to host memory where the copies hide (offload='auto'); the "
+                         "copies are timed in the profiled steps, so use a planned kind (zb-auto, the default)")
     ap.add_argument("--no-post-validation", dest="post_validation", action="store_false",
                     help="step the optimizer after a global sync instead of with post-validation "
                          "(the default: speculative step, exact rollback)")
@@ -123,6 +126,8 @@ def train(rank, ranks, args, group=None, report=print):
     kwargs = {"mem_limit": args.mem_limit} if args.mem_limit else {}
     if not args.plan_from_measured:
         kwargs["plan_from_measured"] = False
+    if args.offload:
+        kwargs["offload"] = "auto"
     sched = cls(stages, args.microbatches, loss_fn=gpt.loss_fn, timeout=args.timeout,
                 profile_steps=args.profile_steps, **kwargs)
     params = [p for st in stages for p in st.submod.parameters()]
@@ -171,6 +176,8 @@ def train(rank, ranks, args, group=None, report=print):
                     report(_plan_lines(info), flush=True)
     final = sched.timeline()
     info = sched.plan_info
+    out["offload"] = sched.offload_report() if args.offload else None
+    out["offloaded"] = sum(op.type == "OFFLOAD" for op in sched.schedule.rank_ops(rank))
     if info is not None:
         out["plan"] = {"step": info.step, "simulated": info.simulated.bubble_rate, "measured": info.measured_bubble,
                        "expected": info.expected_bubble,
@@ -329,6 +336,14 @@ def main(argv=None):
         expected = "" if plan.get("expected") is None else f" ({100 * plan['expected']:.1f}% expected as measured)"
         print(f"  {what}: simulated bubble {100 * plan['simulated']:.1f}%{expected} on the measured costs, measured "
               f"{100 * statistics.median(steady):.1f}% in steps {start + 1}-{len(bubbles)}{before}")
+    if args.offload:
+        moved = sum(r["offloaded"] for r in results.values())
+        reps = [(q, r["offload"]) for q, r in sorted(results.items()) if r["offload"] is not None]
+        print(f"  offload: {moved} activations moved to host memory a step", flush=True)
+        for q, rep in reps:
+            print(f"    rank {q}: saved activations at once {rep['device_peak_bytes'] / 2**10:,.0f} KiB on the device "
+                  f"(plan: {rep['planned_device_peak']:g} microbatches, {rep['planned_device_peak_bytes'] / 2**10:,.0f} KiB), "
+                  f"{rep['host_peak_bytes'] / 2**10:,.0f} KiB in host memory")
     for f in results[0].get("files", []):
         print(f"  wrote {f}")
     return 0
