@@ -172,6 +172,26 @@ static zb_schedule_t *one_rank(void) {
   return s;
 }
 
+/* The one-rank schedule above with a host backend and a W store, and their teardown. */
+typedef struct {
+  zb_schedule_t *s;
+  zb_backend_t *be;
+  zb_wstore_t *ws;
+} rig_t;
+
+static rig_t rig_open(void) {
+  rig_t g = {one_rank(), NULL, NULL};
+  ZB_ASSERT_OK(zb_backend_create_host(&g.be));
+  ZB_ASSERT_OK(zb_wstore_create(&g.ws, g.be, NULL, NULL));
+  return g;
+}
+
+static void rig_close(rig_t *g) {
+  zb_wstore_destroy(g->ws);
+  zb_backend_destroy(g->be);
+  zb_schedule_destroy(g->s);
+}
+
 typedef struct {
   int f_done[3], on_host[3]; /* what the copies and the computes saw */
   int fail_type, fail_mb;    /* the copy that fails, or -1 */
@@ -229,11 +249,10 @@ static zb_runner_t *lane_runner(zb_schedule_t *s, zb_backend_t *be, zb_wstore_t 
  * BW(2) (issued with the compute op before it), R(0) with BW(1). */
 static void test_the_lane_keeps_the_model_rules(void **state) {
   (void)state;
-  zb_schedule_t *s = one_rank();
-  zb_backend_t *be = NULL;
-  zb_wstore_t *ws = NULL;
-  ZB_ASSERT_OK(zb_backend_create_host(&be));
-  ZB_ASSERT_OK(zb_wstore_create(&ws, be, NULL, NULL));
+  rig_t g = rig_open();
+  zb_schedule_t *s = g.s;
+  zb_backend_t *be = g.be;
+  zb_wstore_t *ws = g.ws;
   const double unit = 0.01;
   lane_user_t u = {{0}, {0}, -1, -1, 0, unit};
   zb_runner_t *run = lane_runner(s, be, ws, &u, unit);
@@ -258,9 +277,7 @@ static void test_the_lane_keeps_the_model_rules(void **state) {
   if (fabs(st[6] - st[5]) > 0.5 * unit) fail_msg("R(1) started %g s after BW(2)", st[6] - st[5]);
   if (fabs(st[8] - st[7]) > 0.5 * unit) fail_msg("R(0) started %g s after BW(1)", st[8] - st[7]);
   zb_runner_destroy(run);
-  zb_wstore_destroy(ws);
-  zb_backend_destroy(be);
-  zb_schedule_destroy(s);
+  rig_close(&g);
 }
 
 /* A copy that fails fails the iteration with the copy named and the callback's words; the next
@@ -268,11 +285,10 @@ static void test_the_lane_keeps_the_model_rules(void **state) {
  * does not wait, a backward still never runs while its activations are on the host. */
 static void test_a_failing_copy_is_named(void **state) {
   (void)state;
-  zb_schedule_t *s = one_rank();
-  zb_backend_t *be = NULL;
-  zb_wstore_t *ws = NULL;
-  ZB_ASSERT_OK(zb_backend_create_host(&be));
-  ZB_ASSERT_OK(zb_wstore_create(&ws, be, NULL, NULL));
+  rig_t g = rig_open();
+  zb_schedule_t *s = g.s;
+  zb_backend_t *be = g.be;
+  zb_wstore_t *ws = g.ws;
   lane_user_t u = {{0}, {0}, ZB_OP_RELOAD, 1, 0, 0.0};
   zb_runner_t *run = lane_runner(s, be, ws, &u, 0.0);
   ASSERT_STATUS(zb_runner_run(run), ZB_ERR_IO);
@@ -287,19 +303,16 @@ static void test_a_failing_copy_is_named(void **state) {
   }
   assert_int_equal(u.copies, 80);
   zb_runner_destroy(run);
-  zb_wstore_destroy(ws);
-  zb_backend_destroy(be);
-  zb_schedule_destroy(s);
+  rig_close(&g);
 }
 
 /* A caller compiled before copy_cb existed cannot run copies: refused at creation, with the reason. */
 static void test_old_callers_are_refused(void **state) {
   (void)state;
-  zb_schedule_t *s = one_rank();
-  zb_backend_t *be = NULL;
-  zb_wstore_t *ws = NULL;
-  ZB_ASSERT_OK(zb_backend_create_host(&be));
-  ZB_ASSERT_OK(zb_wstore_create(&ws, be, NULL, NULL));
+  rig_t g = rig_open();
+  zb_schedule_t *s = g.s;
+  zb_backend_t *be = g.be;
+  zb_wstore_t *ws = g.ws;
   zb_runner_config_t rc = ZB_RUNNER_CONFIG_INIT;
   rc.struct_size = (uint32_t)offsetof(zb_runner_config_t, copy_cb);
   rc.rank = 0, rc.schedule = s, rc.backend = be, rc.wstore = ws;
@@ -313,9 +326,7 @@ static void test_old_callers_are_refused(void **state) {
   rc.copy_time_scale = -1;
   ASSERT_STATUS(zb_runner_create(&run, &rc), ZB_ERR_INVALID_ARGUMENT);
   ASSERT_CONTAINS(zb_last_error(), "copy_time_scale is -1");
-  zb_wstore_destroy(ws);
-  zb_backend_destroy(be);
-  zb_schedule_destroy(s);
+  rig_close(&g);
 }
 
 int main(void) {
