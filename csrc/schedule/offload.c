@@ -27,6 +27,11 @@
  *      a candidate it had not: one that did not fit may, once others have gone or moved.
  *   6. Each try simulates the whole schedule, so the pass stops trying after WORK_BUDGET simulated
  *      ops (about a second here), keeping what it placed: 1F1B at p = 32, m = 128 takes all of it.
+ *   7. With slowdown > 0 the pass (1-6) runs twice, with no slowdown and with the one allowed, and
+ *      keeps the second only where it lowers the largest device peak (and the first does not meet
+ *      device_limit already): the slowdown is what the step may pay for memory. A copy kept early
+ *      under the allowance can block one that would have hidden, so the second can reach the same
+ *      peak with a longer step (interleaved 1F1B at p = 4, m = 8, copies k = 0.5 did: 1.018x).
  * Compute ops keep their order, so what the ranks compute, and in which order, is unchanged.
  *
  * What this is not: a search over op orders (the compute order is the input's; zb-auto's planning
@@ -183,6 +188,20 @@ static void insert_copies(zb_schedule_t *t, zb_op_t *into, int r, int pf, int q,
   zb__schedule_invalidate(t);
 }
 
+/* The largest device peak of any rank of a simulated schedule, and its makespan. */
+static zb_status_t peak_and_step(const zb_schedule_t *s, double *peak, double *step) {
+  *peak = 0;
+  for (int r = 0; r < s->p; r++) {
+    double d, h;
+    ZB_CHECK(zb_schedule_rank_memory(s, r, &d, &h));
+    if (d > *peak) *peak = d;
+  }
+  *step = zb__makespan_of(s, s->start, s->end);
+  return ZB_OK;
+}
+
+static zb_status_t offload_pass(zb_schedule_t **out, const zb_schedule_t *src, const zb_offload_config_t *cfg);
+
 zb_status_t zb_schedule_plan_offload(zb_schedule_t **out, const zb_schedule_t *src, const zb_offload_config_t *cfg) {
   ZB_ARG_NOT_NULL(out);
   *out = NULL;
@@ -213,7 +232,36 @@ zb_status_t zb_schedule_plan_offload(zb_schedule_t **out, const zb_schedule_t *s
       return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
                      "the schedule has copies already (%s stage %d mb %d); plan offload on a schedule without them",
                      zb__op_name(src->ops[k].type), src->ops[k].stage, src->ops[k].mb);
+  if (!(c.slowdown > 0)) return offload_pass(out, src, &c);
+  /* 7: the slowdown is what the step may pay for a lower peak, not a budget to spend. */
+  zb_schedule_t *flat = NULL, *slow = NULL;
+  zb_offload_config_t c0 = c;
+  c0.slowdown = 0;
+  ZB_CHECK(offload_pass(&flat, src, &c0));
+  zb_status_t st = offload_pass(&slow, src, &c);
+  double flat_peak = 0, slow_peak = 0, step;
+  if (st == ZB_OK) st = peak_and_step(flat, &flat_peak, &step);
+  if (st == ZB_OK) st = peak_and_step(slow, &slow_peak, &step);
+  if (st != ZB_OK) {
+    zb_schedule_destroy(flat);
+    zb_schedule_destroy(slow);
+    return st;
+  }
+  const int flat_meets = c.device_limit > 0 && flat_peak <= c.device_limit + ZB_EPS;
+  if (!flat_meets && slow_peak < flat_peak - ZB_EPS) {
+    zb_schedule_destroy(flat);
+    *out = slow;
+  } else {
+    zb_schedule_destroy(slow);
+    *out = flat;
+  }
+  return ZB_OK;
+}
 
+/* Rules 1-6 under c (validated), into *out. */
+static zb_status_t offload_pass(zb_schedule_t **out, const zb_schedule_t *src, const zb_offload_config_t *cfg) {
+  const zb_offload_config_t c = *cfg;
+  *out = NULL;
   zb_schedule_t *t = NULL;
   ZB_CHECK(zb__schedule_clone_empty(src, &t));
   t->kind = src->kind;
@@ -360,18 +408,6 @@ done:
 
 /* The memory limits zb-auto's order is tried under, as multiples of the device limit (0: none). */
 static const double JOINT_LADDER[] = {1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0, 0.0};
-
-/* The largest device peak of any rank of a simulated schedule, and its makespan. */
-static zb_status_t peak_and_step(const zb_schedule_t *s, double *peak, double *step) {
-  *peak = 0;
-  for (int r = 0; r < s->p; r++) {
-    double d, h;
-    ZB_CHECK(zb_schedule_rank_memory(s, r, &d, &h));
-    if (d > *peak) *peak = d;
-  }
-  *step = zb__makespan_of(s, s->start, s->end);
-  return ZB_OK;
-}
 
 zb_status_t zb_schedule_create_offloaded(zb_schedule_t **out, const zb_schedule_spec_t *spec,
                                          const zb_offload_config_t *config) {

@@ -133,6 +133,43 @@ def test_one_rank_runs_its_copies_and_matches_no_offload():
     assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
+def test_host_memory_is_reserved_once_from_the_plan():
+    """The host pool: reserved at the first OFFLOAD, as many slots as the plan ever holds on the
+    host at once, each one microbatch's saved bytes; later steps take no new host memory, and
+    microbatches larger than the first (a longer batch) get memory of their own and still train
+    as without offload."""
+    torch.manual_seed(0)
+    net = nn_model()
+    batches = [(torch.randn(64, 32), torch.randn(64, 32)) for _ in range(2)] + [(torch.randn(128, 32),
+                                                                               torch.randn(128, 32))]
+    grads, reports = {}, []
+    for offload in (None, "auto"):
+        model = nn_model()
+        model.load_state_dict(net.state_dict())
+        stage = zbpp.PipelineStage(model, 0, 1, "cpu")
+        sched = zbpp.ScheduleGPipe(stage, 8, loss_fn=lambda out, t: ((out - t) ** 2).mean(), offload=offload,
+                                   times=TIMES if offload else None)
+        grads[offload] = []
+        for x, y in batches:
+            sched.step(x, target=y)
+            grads[offload].append([p.grad.clone() for p in model.parameters()])
+            model.zero_grad(set_to_none=True)
+            if offload:
+                reports.append(dict(sched.offload_report(), pool=sched._offloader.pool))
+        sched.close()
+    for a, b in zip(grads[None], grads["auto"]):
+        assert all(torch.equal(u, v) for u, v in zip(a, b))
+    first, second, longer = reports
+    held = first["planned_host_peak"]
+    assert held >= 2, "GPipe holds several microbatches on the host at once; the plan says so"
+    slot = first["pool"].size[0]
+    assert first["bytes_per_microbatch"] <= slot <= first["bytes_per_microbatch"] + 512 * 8  # aligned copies
+    assert first["host_pool_bytes"] == held * slot >= first["host_peak_bytes"] > 0
+    assert first["host_pool_misses"] == second["host_pool_misses"] == 0
+    assert second["host_pool_bytes"] == first["host_pool_bytes"]  # nothing taken again
+    assert longer["host_pool_misses"] > 0 and longer["host_pool_bytes"] == first["host_pool_bytes"]
+
+
 def nn_model():
     import torch.nn as nn
 

@@ -624,6 +624,8 @@ class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning, _Splitting, _Bou
             self._offloader = Offloader({st.stage_index: st.submod for st in self.stages}, self.device)
         elif not copies:
             self._offloader = None
+        if self._offloader is not None:
+            self._offloader.plan(self.schedule, self.rank)
         self._runner = runtime.Runner(self.schedule, self.rank, self._store.backend, self._store.store,
                                       transport, sizes, self._stage_callback(self._on_forward, "F"),
                                       self._stage_callback(self._on_backward, "B"),
@@ -702,7 +704,10 @@ class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning, _Splitting, _Bou
         as the schedule model counts them: _offload.py), 'planned_device_peak', 'planned_host_peak'
         (the plan's, in microbatches through all of this rank's layers), 'bytes_per_microbatch'
         (measured: the mean of one microbatch's saved bytes per stage, summed over the rank's
-        stages), 'planned_device_peak_bytes', 'planned_host_peak_bytes'}, and on the CPU
+        stages), 'planned_device_peak_bytes', 'planned_host_peak_bytes', 'host_pool_bytes' (the host
+        memory reserved for copies: pinned on CUDA, as many slots per stage as the plan holds at
+        once), 'host_pool_misses' (groups in the last step that found no slot and got memory of
+        their own: larger than the stage's first microbatch)}, and on the CPU
         'sync_device_peak_bytes', 'sync_host_peak_bytes': the plan's figures for copies that take no
         time of their own, as the CPU's synchronous copies (copy_inline) run. The plan's memory model
         counts every stage alike (F adds 1/v; a split backward frees 1 - w_share of it at B): the
@@ -721,7 +726,8 @@ class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning, _Splitting, _Bou
         pdev, phost = sched.rank_memory(self.rank)
         report = {"device_peak_bytes": dev, "host_peak_bytes": host, "planned_device_peak": pdev,
                   "planned_host_peak": phost, "bytes_per_microbatch": unit,
-                  "planned_device_peak_bytes": pdev * unit, "planned_host_peak_bytes": phost * unit}
+                  "planned_device_peak_bytes": pdev * unit, "planned_host_peak_bytes": phost * unit,
+                  "host_pool_bytes": off.pool.reserved, "host_pool_misses": off.pool.misses}
         if not self._cuda:
             # Synchronous copies take no time of their own on the copy lane: the same op lists with
             # copy times 0. A rank's memory then moves only at its own compute ops' boundaries, in

@@ -23,6 +23,15 @@ puts them back on the device when it starts and off the host when it ends; a sto
 device when autograd lets go of its last handle (after the B or W that read it). `peaks()` gives
 the step's largest device-resident and host-held bytes, to set beside the plan's.
 
+Host memory comes from a pool (`_HostPool`, pinned on CUDA) reserved once per stage, at the
+stage's first OFFLOAD: as many slots as the rank's plan ever holds of that stage's microbatches on
+the host at once (`plan`; copies run one at a time in list order, so the list says it), each the
+size of that first microbatch's saved bytes. An offloaded group takes a slot and gives it back when
+its RELOAD has read it (on CUDA at once: the next copy into it is queued behind the RELOAD on the
+same copy stream), so a step allocates no host memory after its first, and a CPU copy writes into
+memory that is already mapped instead of asking the kernel for fresh pages. A group larger than its
+stage's slot, or one more than the plan holds, gets memory of its own (`pool_misses` counts them).
+
 What this is not: a planner (the schedule says what moves and when: Schedule.plan_offload), or a
 general CPU-offload context (torch.autograd.graph.save_on_cpu moves everything at once).
 """
@@ -38,10 +47,68 @@ _OFFLOAD, _RELOAD = "OFFLOAD", "RELOAD"
 class _Entry:
     """One saved storage of one (stage, mb): its bytes on the device or on the host."""
 
-    __slots__ = ("nbytes", "dev", "host", "live", "ready", "key")
+    __slots__ = ("nbytes", "dev", "host", "live", "ready", "key", "slot")
 
     def __init__(self, nbytes, dev, key):
         self.nbytes, self.dev, self.host, self.live, self.ready, self.key = nbytes, dev, None, 0, None, key
+        self.slot = None  # the pool slot its host copy lies in (None: memory of its own)
+
+
+class _Slot:
+    """One microbatch's room in a stage's reserved host memory, and how many entries lie in it."""
+
+    __slots__ = ("stage", "buf", "users")
+
+    def __init__(self, stage, buf):
+        self.stage, self.buf, self.users = stage, buf, 0
+
+
+_ALIGN = 512  # each storage's copy starts at this alignment within its slot (DMA-friendly on CUDA)
+
+
+def _aligned(n):
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+class _HostPool:
+    """Host memory for offloaded activations, reserved once per stage (see the module docstring)."""
+
+    def __init__(self, pinned):
+        self.pinned = pinned
+        self.count = {}  # stage -> slots the plan needs at once
+        self.size = {}  # stage -> bytes of one slot (known at the stage's first OFFLOAD)
+        self.free = {}  # stage -> [free _Slot]
+        self.reserved = 0  # bytes reserved
+        self.misses = 0  # groups that got memory of their own
+
+    def plan(self, counts):
+        """The plan's slots per stage; a stage already reserved grows to a larger count."""
+        for s, n in counts.items():
+            more = n - self.count.get(s, 0)
+            if more > 0:
+                self.count[s] = n
+                if s in self.size:
+                    self._reserve(s, more)
+
+    def _reserve(self, s, n):
+        size = self.size[s]
+        slab = torch.empty(n * size, dtype=torch.uint8, pin_memory=self.pinned)
+        self.free.setdefault(s, []).extend(_Slot(s, slab[j * size:(j + 1) * size]) for j in range(n))
+        self.reserved += n * size
+
+    def take(self, s, nbytes):
+        """A slot of stage s for a group of `nbytes` (aligned), or None when none fits."""
+        if s not in self.size and self.count.get(s, 0) > 0:
+            self.size[s] = nbytes
+            self._reserve(s, self.count[s])
+        free = self.free.get(s)
+        if not free or nbytes > self.size[s]:
+            self.misses += 1
+            return None
+        return free.pop()
+
+    def give(self, slot):
+        self.free[slot.stage].append(slot)
 
 
 class _Handle:
@@ -87,7 +154,8 @@ class Offloader:
         self._lock = threading.RLock()
         self._groups = {}  # (stage, mb) -> {storage pointer: _Entry}
         self._stream = torch.cuda.Stream(self.device) if self.cuda else None
-        self._pinned = {}  # nbytes -> [free pinned host buffers] (CUDA)
+        self._pinned = {}  # nbytes -> [free pinned host buffers] (CUDA; groups the pool had no slot for)
+        self.pool = _HostPool(pinned=self.cuda)
         self._pending_host = []  # (event, host buffer) of RELOADs still reading their host buffer
         self.begin_step()
 
@@ -98,11 +166,14 @@ class Offloader:
         with self._lock:
             for group in self._groups.values():
                 for entry in group.values():
+                    if entry.slot is not None:  # a failed step's copy: its slot is free again
+                        self._give_host(entry)
                     entry.dev = entry.host = None
             self._groups = {}
             self.device_bytes = self.host_bytes = 0
             self.device_peak = self.host_peak = 0
             self.group_bytes = {}  # (stage, mb) -> bytes captured
+            self.pool.misses = 0
 
     def _add(self, device=0, host=0):
         with self._lock:
@@ -121,9 +192,21 @@ class Offloader:
                 entry.dev = None
                 self.device_bytes -= entry.nbytes
             if entry.host is not None:  # offloaded and never reloaded (a forward-only or failed step)
-                self._give_host(entry.host)
+                self._give_host(entry)
                 entry.host = None
                 self.host_bytes -= entry.nbytes
+
+    def plan(self, schedule, rank):
+        """Sizes the host pool for `rank`'s op list: per stage, the most of its microbatches that
+        are on the host at once (offloaded, not yet reloaded), counted in list order."""
+        held, most = {}, {}
+        for op in schedule.rank_ops(rank):
+            if op.type == _OFFLOAD:
+                held[op.stage] = held.get(op.stage, 0) + 1
+                most[op.stage] = max(most.get(op.stage, 0), held[op.stage])
+            elif op.type == _RELOAD:
+                held[op.stage] = held.get(op.stage, 0) - 1
+        self.pool.plan(most)
 
     def peaks(self):
         """(device-resident, host-held) peak bytes of saved activations since begin_step."""
@@ -175,17 +258,30 @@ class Offloader:
     def _offload(self, entries):
         todo = [e for e in entries if e.dev is not None and e.host is None]
         self._add(host=sum(e.nbytes for e in todo))  # on the host from the copy's start
+        if todo:
+            with self._lock:
+                slot = self.pool.take(todo[0].key[0], sum(_aligned(e.nbytes) for e in todo))
+            if slot is not None:
+                at = 0
+                for e in todo:
+                    e.host, e.slot = slot.buf[at:at + e.nbytes], slot
+                    slot.users += 1
+                    at += _aligned(e.nbytes)
         if self.cuda:
             compute = torch.cuda.current_stream(self.device)
             self._stream.wait_stream(compute)  # the forward that made them was enqueued before
             with torch.cuda.stream(self._stream):
                 for e in todo:
-                    e.host = self._take_host(e.nbytes)
+                    if e.host is None:
+                        e.host = self._take_host(e.nbytes)
                     e.host.copy_(e.dev, non_blocking=True)
                     e.dev.record_stream(self._stream)  # freed now, reused only after this copy
         else:
             for e in todo:
-                e.host = e.dev.clone()
+                if e.host is None:
+                    e.host = e.dev.clone()
+                else:
+                    e.host.copy_(e.dev)
         with self._lock:
             for e in todo:
                 if e.live > 0 and e.dev is not None:
@@ -205,14 +301,15 @@ class Offloader:
                     e.dev = dev
                     e.ready = torch.cuda.Event()
                     e.ready.record(self._stream)
-                    self._pending_host.append((e.ready, e.host))
+                    if e.slot is None:  # a pool slot is reused behind this copy on the same stream
+                        self._pending_host.append((e.ready, e.host))
         else:
             for e in todo:
                 e.dev = e.host.clone()
         with self._lock:
             for e in todo:
-                if not self.cuda:
-                    self._give_host(e.host)
+                if not self.cuda or e.slot is not None:
+                    self._give_host(e)
                 e.host = None
                 self.host_bytes -= e.nbytes
 
@@ -229,9 +326,17 @@ class Offloader:
                 return free.pop()
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
-    def _give_host(self, buf):
-        if self.cuda:
-            self._pinned.setdefault(buf.numel(), []).append(buf)
+    def _give_host(self, entry):
+        """entry's host copy is no longer needed: back to its pool slot (when its last user goes)
+        or, on CUDA, to the free pinned buffers."""
+        slot = entry.slot
+        if slot is not None:
+            entry.slot = None
+            slot.users -= 1
+            if slot.users == 0:
+                self.pool.give(slot)
+        elif self.cuda:
+            self._pinned.setdefault(entry.host.numel(), []).append(entry.host)
 
 
 # The step may grow by this fraction at most for the copies PipelineSchedule(offload=...) places
