@@ -152,6 +152,7 @@ def worker(rank, p, key, cells, args, out_dir):
         same = first[False][0] == first[True][0] and all(torch.equal(a, b) for a, b in zip(first[False][1], first[True][1]))
         times = {False: [], True: []}
         op_ms = {False: {}, True: {}}  # per op type: this rank's durations over the timed steps (ms)
+        replays = {False: [], True: []}  # rank 0: per timed step, _replay's figures
         for rep in range(args.reps):
             for off in ((False, True) if rep % 2 == 0 else (True, False)):
                 sched, stages = built[off]
@@ -169,12 +170,14 @@ def worker(rank, p, key, cells, args, out_dir):
                         st, en = tl.rank_times(rank)
                         for op, a, b in zip(tl.rank_ops(rank), st, en):
                             op_ms[off].setdefault(op.type, []).append(b - a)
+                        if rank == 0:
+                            replays[off].append(_replay(tl, sched.schedule))
         sched_on = built[True][0]
         report = sched_on.offload_report()
         plain = built[False][0].schedule
         plain.simulate()
         copies = sum(op.type == "OFFLOAD" for op in sched_on.schedule.rank_ops(rank))
-        results.append(dict(kind=kind, m=m, k=k, same=same, times=times, report=report, copies=copies,
+        results.append(dict(kind=kind, m=m, k=k, same=same, times=times, report=report, copies=copies, replays=replays,
                             op_ms={off: {t: statistics.median(v) for t, v in d.items()} for off, d in op_ms.items()},
                             planned0=plain.rank_memory(rank)[0], step_ratio=sched_on.schedule.makespan() / plain.makespan()))
         for sched, _ in built.values():
@@ -182,6 +185,21 @@ def worker(rank, p, key, cells, args, out_dir):
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _replay(tl, plan):
+    """One measured step replayed through its plan: (the plan's makespan with every op's measured
+    duration, with the measured compute and the planned copies, the copies that ran over their
+    planned time by more than 2%). Where the first grows with offload as the step does, the step
+    grew because ops took longer than planned, not because the runner waited on its own."""
+    p = tl.ranks
+    ops = [tl.rank_ops(r) for r in range(p)]
+    measured = [[b - a for a, b in zip(*tl.rank_times(r))] for r in range(p)]
+    planned = [[plan.op_time(o.type, o.stage) for o in ops[r]] for r in range(p)]
+    copy = [[o.type in ("OFFLOAD", "RELOAD") for o in ops[r]] for r in range(p)]
+    compute_only = [[planned[r][j] if copy[r][j] else measured[r][j] for j in range(len(ops[r]))] for r in range(p)]
+    late = sum(copy[r][j] and measured[r][j] > 1.02 * planned[r][j] for r in range(p) for j in range(len(ops[r])))
+    return tl.makespan_durations(measured), tl.makespan_durations(compute_only), late
 
 
 def _list(text, cast):
@@ -243,6 +261,17 @@ def main(argv=None):
                          if t in ops[False] and t in ops[True])
         copies = ", ".join(f"{t} {ops[True][t]:.2f}" for t in ("OFFLOAD", "RELOAD") if t in ops[True])
         print(f"  {kind} m={m} k={k:g}: {text}" + (f"; {copies}" if copies else ""))
+    print("\nThe plans replayed with each timed step's measured op times (the median step, ms, without -> with "
+          "offload): every op as measured; the compute as measured and the copies as planned; copies per step "
+          "that ran more than 2% over their planned time:")
+    for c, (kind, m, k) in enumerate(cells):
+        rep = ranks[0][c]["replays"]
+        if not rep[True] or not ranks[0][c]["copies"] and not any(r[c]["copies"] for r in ranks):
+            continue
+        med = lambda off, i: statistics.median(x[i] for x in rep[off])  # noqa: E731
+        print(f"  {kind} m={m} k={k:g}: all {med(False, 0):.1f} -> {med(True, 0):.1f} ({med(True, 0) / med(False, 0):.3f}), "
+              f"compute {med(False, 1):.1f} -> {med(True, 1):.1f} ({med(True, 1) / med(False, 1):.3f}), "
+              f"late copies {med(True, 2):.0f}")
     print(f"\n{time.perf_counter() - t0:.0f} s. The peak columns are over the ranks that moved something.")
     return 1 if bad else 0
 

@@ -317,8 +317,9 @@ ZB_API zb_status_t zb_schedule_rank_memory(const zb_schedule_t *schedule, int32_
  * without copies, the rank's device peak does not grow and the host peak stays under host_limit. A copy that does not fit is left
  * out, never an error. With device_limit > 0 the pass stops once every rank's device peak is at
  * most that; with <= 0 it offloads all it can. Each try is a simulation: past a work budget
- * (about a second on large pipelines) the pass keeps what it placed and stops. *out comes
- * simulated; schedule is not changed. */
+ * (about a second on large pipelines) the pass keeps what it placed and stops. A slowdown is what
+ * the step may pay for memory: the result is the plan without slowdown unless the one with it
+ * lowers the largest device peak. *out comes simulated; schedule is not changed. */
 #define ZB_OFFLOAD_CONFIG_VERSION 1
 
 typedef struct {
@@ -353,7 +354,13 @@ ZB_API zb_status_t zb_schedule_plan_offload(zb_schedule_t **out, const zb_schedu
 ZB_API zb_status_t zb_schedule_refine(zb_schedule_t **out, const zb_schedule_t *schedule, double device_limit);
 
 /* Generates spec's kind with PipeOffload's copies (spec's T_OFFLOAD/T_RELOAD). A fixed order gets
- * zb_schedule_plan_offload's copies. zb-auto plans order and copies together: it plans orders for
+ * zb_schedule_plan_offload's copies. v-min and v-half under a device_limit choose their order too:
+ * their own and the V orders that hold more (v-half's and ZB-V's for v-min; ZB-V's for v-half),
+ * each refined (zb_schedule_refine) and taken down to the limit by the pass; the shortest step
+ * that fits wins, so the result's kind may be another V kind's (v-min held to its own peak at
+ * p = 4, m = 16 steps as v-half does, 50.5 against 53.5, with copies of a quarter of F; the
+ * command: zbpp schedule v-min -p 4 -m 16 --copy-times 0.25,0.25 --offload --offload-limit 2).
+ * zb-auto plans order and copies together: it plans orders for
  * device_limit (config's, else spec->mem_limit, else p) and for more memory (1.25, 1.5, 2, 2.5, 3
  * and 4 times it, and none), takes each down to the limit with the offload pass, and keeps the
  * shortest step whose every rank's device peak is within the limit (the order for the limit

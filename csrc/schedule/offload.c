@@ -409,6 +409,53 @@ done:
 /* The memory limits zb-auto's order is tried under, as multiples of the device limit (0: none). */
 static const double JOINT_LADDER[] = {1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0, 0.0};
 
+/* The memory-tight V kinds under a device limit: their own order, and the V orders that hold more
+ * (v-half's and ZB-V's for v-min, ZB-V's for v-half), each refined (zb_schedule_refine) and taken
+ * down to the limit by the pass; the shortest step whose every rank fits wins, the kind's own
+ * order when none does (the pass never fails: it places what fits). Offload extends the search
+ * over orders: a faster order's extra memory goes to the host where the copies hide. */
+static zb_status_t v_kinds_offloaded(zb_schedule_t **out, const zb_schedule_spec_t *spec,
+                                     const zb_offload_config_t *c) {
+  const zb_kind_t kinds[] = {spec->kind, ZB_KIND_V_HALF, ZB_KIND_ZB_V};
+  const size_t n = spec->kind == ZB_KIND_V_MIN ? 3 : 2;
+  zb_schedule_t *best = NULL;
+  double best_step = 0, best_peak = 0;
+  int best_fits = 0;
+  for (size_t k = 0; k < n; k++) {
+    if (k > 0 && kinds[k] == spec->kind) continue;
+    zb_schedule_spec_t sp = *spec;
+    sp.kind = kinds[k];
+    if (k > 0) sp.mem_limit = 0; /* the kind's own memory */
+    zb_schedule_t *order = NULL, *refined = NULL, *off = NULL;
+    zb_status_t st = zb_schedule_create(&order, &sp);
+    if (st == ZB_OK) st = zb_schedule_refine(&refined, order, 0);
+    zb_schedule_destroy(order);
+    if (st == ZB_OK) st = zb_schedule_plan_offload(&off, refined, c);
+    zb_schedule_destroy(refined);
+    double peak = 0, step = 0;
+    if (st == ZB_OK) st = peak_and_step(off, &peak, &step);
+    if (st != ZB_OK) {
+      zb_schedule_destroy(off);
+      if (k == 0) {
+        zb_schedule_destroy(best);
+        return st;
+      }
+      zb__clear_error();
+      continue; /* an order this pipeline does not have (a V kind's own limits): the others stand */
+    }
+    const int fits = peak <= c->device_limit + ZB_EPS;
+    if (!best || (fits && (!best_fits || step < best_step - ZB_EPS ||
+                           (step <= best_step + ZB_EPS && peak < best_peak - ZB_EPS)))) {
+      zb_schedule_destroy(best);
+      best = off, best_step = step, best_peak = peak, best_fits = fits;
+    } else {
+      zb_schedule_destroy(off);
+    }
+  }
+  *out = best;
+  return ZB_OK;
+}
+
 zb_status_t zb_schedule_create_offloaded(zb_schedule_t **out, const zb_schedule_spec_t *spec,
                                          const zb_offload_config_t *config) {
   ZB_ARG_NOT_NULL(out);
@@ -417,6 +464,8 @@ zb_status_t zb_schedule_create_offloaded(zb_schedule_t **out, const zb_schedule_
   zb_offload_config_t c = ZB_OFFLOAD_CONFIG_INIT;
   if (config) memcpy(&c, config, config->struct_size < sizeof c ? config->struct_size : sizeof c);
   zb_schedule_t *plain = NULL;
+  if ((spec->kind == ZB_KIND_V_MIN || spec->kind == ZB_KIND_V_HALF) && c.device_limit > 0)
+    return v_kinds_offloaded(out, spec, &c);
   if (spec->kind != ZB_KIND_ZB_AUTO) { /* a fixed order: its copies only */
     ZB_CHECK(zb_schedule_create(&plain, spec));
     zb_status_t st = zb_schedule_plan_offload(out, plain, config);

@@ -375,7 +375,8 @@ static int emit(zb_schedule_t *s, const args_t *a) {
 }
 
 /* With --offload: *s replaced by the offload pass's result (zb_schedule_plan_offload), or, for
- * zb-auto (spec given), by order and copies planned together (zb_schedule_create_offloaded). */
+ * zb-auto, and v-min/v-half under --offload-limit (spec given), by order and copies planned
+ * together (zb_schedule_create_offloaded). */
 static int apply_offload(const args_t *a, zb_schedule_t **s, const zb_schedule_spec_t *spec) {
   if (!a->offload) return 0;
   double t = 0;
@@ -387,11 +388,18 @@ static int apply_offload(const args_t *a, zb_schedule_t **s, const zb_schedule_s
   cfg.device_limit = a->offload_limit, cfg.slowdown = a->offload_slowdown;
   cfg.paired_lanes = a->offload_paired;
   zb_schedule_t *off = NULL;
-  if (spec && spec->kind == ZB_KIND_ZB_AUTO) {
-    if (zb_schedule_create_offloaded(&off, spec, &cfg) != ZB_OK) return zb__tool_fail("cannot plan zb-auto with offload");
+  if (spec && (spec->kind == ZB_KIND_ZB_AUTO ||
+               ((spec->kind == ZB_KIND_V_MIN || spec->kind == ZB_KIND_V_HALF) && cfg.device_limit > 0))) {
+    if (zb_schedule_create_offloaded(&off, spec, &cfg) != ZB_OK)
+      return zb__tool_fail(spec->kind == ZB_KIND_ZB_AUTO ? "cannot plan zb-auto with offload"
+                                                         : "cannot plan the V kind with offload");
   } else if (zb_schedule_plan_offload(&off, *s, &cfg) != ZB_OK) {
     return zb__tool_fail("cannot plan offload");
   }
+  zb_schedule_info_t got;
+  if (spec && zb_schedule_get_info(off, &got) == ZB_OK && got.kind != spec->kind)
+    fprintf(stderr, "zbpp: offload: %s's order with copies holds %s to --offload-limit %g and steps shorter than %s's own\n",
+            zb_kind_name(got.kind), zb_kind_name(spec->kind), a->offload_limit, zb_kind_name(spec->kind));
   zb_schedule_destroy(*s);
   *s = off;
   return 0;

@@ -365,6 +365,39 @@ static void test_slowdown_buys_memory_or_nothing(void **state) {
     }
 }
 
+/* v-min under a device limit of its own peak: the V orders that hold more (v-half's, ZB-V's),
+ * taken down to the limit by copies, step shorter where the copies hide; the result fits the limit
+ * on every rank and is never longer than v-min's own order with copies. */
+static void test_v_min_under_a_limit_takes_a_faster_order(void **state) {
+  (void)state;
+  const int cases[][2] = {{4, 8}, {4, 16}, {6, 24}};
+  for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+    int p = cases[k][0], m = cases[k][1];
+    zb_schedule_t *own = generated(ZB_KIND_V_MIN, p, m, 0.25), *half = generated(ZB_KIND_V_HALF, p, m, 0.25);
+    ZB_ASSERT_OK(zb_schedule_simulate(own, NULL));
+    double limit = max_peak(own, p);
+    zb_offload_config_t cfg = ZB_OFFLOAD_CONFIG_INIT;
+    cfg.device_limit = limit;
+    zb_schedule_t *plain_off = NULL, *joint = NULL;
+    ZB_ASSERT_OK(zb_schedule_plan_offload(&plain_off, own, &cfg));
+    zb_schedule_spec_t spec = zb_test_spec(ZB_KIND_V_MIN, p, m, 0);
+    spec.time_f = spec.time_b = spec.time_w = 1;
+    spec.time_offload = spec.time_reload = 0.25;
+    ZB_ASSERT_OK(zb_schedule_create_offloaded(&joint, &spec, &cfg));
+    ZB_ASSERT_OK(zb_schedule_validate(joint));
+    double peak = max_peak(joint, p), t_joint = makespan(joint), t_own = makespan(plain_off);
+    if (peak > limit + 1e-9) fail_msg("p=%d m=%d: the plan holds %g, above v-min's %g", p, m, peak, limit);
+    if (!(t_joint < t_own - 1e-9))
+      fail_msg("p=%d m=%d: %g is not shorter than v-min's own order with copies (%g)", p, m, t_joint, t_own);
+    if (t_joint > makespan(half) + 1e-9) fail_msg("p=%d m=%d: %g, longer than v-half's %g", p, m, t_joint, makespan(half));
+    assert_true(count_copies(joint, p) > 0);
+    zb_schedule_destroy(joint);
+    zb_schedule_destroy(plain_off);
+    zb_schedule_destroy(half);
+    zb_schedule_destroy(own);
+  }
+}
+
 /* A caller built with the version 1 header (before the copy times) still gets its schedules: the
  * library reads the part it has and takes no copy times. Other sizes are refused. */
 static void test_version_1_callers_still_work(void **state) {
@@ -510,6 +543,7 @@ int main(void) {
       cmocka_unit_test(test_offload_pass_keeps_the_step),
       cmocka_unit_test(test_offload_pass_on_every_kind),
       cmocka_unit_test(test_slowdown_buys_memory_or_nothing),
+      cmocka_unit_test(test_v_min_under_a_limit_takes_a_faster_order),
       cmocka_unit_test(test_version_1_callers_still_work),
       cmocka_unit_test(test_zb_auto_plans_order_and_offload_together),
       cmocka_unit_test(test_paired_lanes_take_turns),

@@ -57,9 +57,11 @@ def test_offloaded_training_is_bit_for_bit_on_two_ranks(tmp_path):
 
 
 def test_offloaded_training_is_bit_for_bit_on_four_ranks(tmp_path):
-    # zb-auto held to 3 microbatches plans its order and the copies together (shorter than without).
+    # zb-auto held to 3 microbatches plans its order and the copies together (shorter than without);
+    # so does v-min under a limit (test_copies.c: test_v_min_under_a_limit_takes_a_faster_order).
     cases = [dict(kind="1f1b", chunks=1), dict(kind="zb-h1", chunks=1), dict(kind="zb-v", chunks=2),
              dict(kind="v-min", chunks=2), dict(kind="zb-auto", chunks=1, mem_limit=3),
+             dict(kind="v-min", chunks=2, mem_limit=2),  # v-half's order held to v-min's 2 by copies
              dict(kind="interleaved-1f1b", chunks=2, offload_paired=True)]  # pairs of ranks share a link
     cases, ranks = _train(4, cases, tmp_path, layers=8)
     _check_bitwise(cases, ranks, layers=8)

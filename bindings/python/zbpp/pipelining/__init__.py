@@ -398,10 +398,11 @@ class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning, _Splitting, _Bou
         device_limit = limit if isinstance(limit, (int, float)) and not isinstance(limit, bool) and limit > 0 else None
         options = dict(device_limit=device_limit, slowdown=OFFLOAD_SLOWDOWN, stages=chosen,
                        paired_lanes=self._offload_paired)
-        if old.kind == "zb-auto":
+        if old.kind == "zb-auto" or (old.kind in ("v-min", "v-half") and device_limit):
             # zb-auto plans its order and the copies together (Schedule.generate's offload=): orders
-            # for more memory, taken down to the limit by copies, where that steps shorter.
-            new = Schedule.generate("zb-auto", p=old.ranks, m=old.microbatches, v=old.chunks, times=_stage_times(old),
+            # for more memory, taken down to the limit by copies, where that steps shorter. So do
+            # v-min and v-half under a limit, over the V orders that hold more.
+            new = Schedule.generate(old.kind, p=old.ranks, m=old.microbatches, v=old.chunks, times=_stage_times(old),
                                     comm=old.time_comm, w_share=old.w_share, mem_limit=old.mem_limit or None,
                                     placement=old.placement, offload=options)
         else:
