@@ -813,6 +813,27 @@ ZB_API zb_status_t zb_transport_abort(zb_transport_t *transport, const char *rea
  * zb_optimizer) created on it still exists. NULL is a no-op. */
 ZB_API zb_status_t zb_transport_destroy(zb_transport_t *transport);
 
+/* Collectives over every rank of the transport's group (Vocabulary Parallelism's all-reduces and
+ * broadcasts across the pipeline), blocking; every rank calls them in the same order, and not
+ * while a runner of the transport is inside an iteration on another thread. They travel as the
+ * transport's own messages on a channel of their own, through rank 0: it receives every rank's
+ * buffer, reduces them in rank order, ((x0 op x1) op x2) ..., each step rounded to the dtype, and
+ * sends the result to every rank, so the bits are the same on every rank, transport and run. A
+ * broadcast goes from the root to each rank. p - 1 messages each way: for per-token statistics and
+ * hidden-sized tensors, not for a model's gradients. timeout_s (<= 0: 300 s) bounds each message: a
+ * rank that does not join fails the others at their timeout, naming it; one that aborted, at once
+ * (ZB_ERR_REMOTE). MAX keeps NaNs. Host memory only: the in-process (on a host backend), callback,
+ * socket and staged transports; the NCCL transport is refused (ZB_ERR_UNSUPPORTED) for now. */
+typedef enum {
+  ZB_REDUCE_SUM = 0,
+  ZB_REDUCE_MAX = 1,
+} zb_reduce_op_t;
+
+ZB_API zb_status_t zb_transport_all_reduce(zb_transport_t *transport, void *buf, size_t count, zb_dtype_t dtype,
+                                           zb_reduce_op_t op, double timeout_s);
+ZB_API zb_status_t zb_transport_broadcast(zb_transport_t *transport, void *buf, size_t bytes, int32_t root,
+                                          double timeout_s);
+
 /* ---- the runner ----------------------------------------------------------------------------
  * Executes one rank's op list for one iteration. F and B call back into the caller's model:
  *

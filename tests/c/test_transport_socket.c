@@ -349,6 +349,55 @@ static void test_size_mismatch(void **state) {
   mesh_free(&m);
 }
 
+/* Collectives over sockets (test_collectives.c has them on the in-process transport): three ranks
+ * as threads sum a buffer bigger than a socket's kernel buffer and each broadcasts one; every rank
+ * gets the rank-order sum, ((x0 + x1) + x2), bit for bit. */
+typedef struct {
+  zb_transport_t *t;
+  int rank;
+  float *sum, *bc;
+  zb_status_t st;
+} coll_t;
+
+enum { COLL_N = 300000 };
+
+static float coll_value(int r, int i) { return urand((uint64_t)r, (uint64_t)i, 3, 5) * (i % 2 ? 1e5f : 1.0f); }
+
+static void *coll_run(void *arg) {
+  coll_t *c = arg;
+  c->st = zb_transport_all_reduce(c->t, c->sum, COLL_N, ZB_DTYPE_F32, ZB_REDUCE_SUM, 20.0);
+  for (int root = 0; root < 3 && c->st == ZB_OK; root++)
+    c->st = zb_transport_broadcast(c->t, c->bc + (size_t)root * 1000, 1000 * sizeof(float), root, 20.0);
+  return NULL;
+}
+
+static void test_collectives_over_sockets(void **state) {
+  (void)state;
+  mesh_t m;
+  mesh_make(&m, 3, NULL);
+  coll_t c[3];
+  pthread_t th[3];
+  for (int r = 0; r < 3; r++) {
+    c[r] = (coll_t){m.t[r], r, malloc(COLL_N * sizeof(float)), malloc(3000 * sizeof(float)), ZB_OK};
+    for (int i = 0; i < COLL_N; i++) c[r].sum[i] = coll_value(r, i);
+    for (int i = 0; i < 3000; i++) c[r].bc[i] = i / 1000 == r ? coll_value(10 + r, i) : 0.0f;
+  }
+  for (int r = 0; r < 3; r++) assert_int_equal(pthread_create(&th[r], NULL, coll_run, &c[r]), 0);
+  for (int r = 0; r < 3; r++) pthread_join(th[r], NULL);
+  for (int r = 0; r < 3; r++) {
+    ZB_ASSERT_OK(c[r].st);
+    for (int i = 0; i < COLL_N; i++) {
+      float want = (coll_value(0, i) + coll_value(1, i)) + coll_value(2, i);
+      if (memcmp(&want, &c[r].sum[i], sizeof want) != 0)
+        fail_msg("rank %d element %d: %.9g, rank order gives %.9g", r, i, c[r].sum[i], want);
+    }
+    for (int i = 0; i < 3000; i++)
+      if (c[r].bc[i] != coll_value(10 + i / 1000, i)) fail_msg("rank %d: broadcast element %d is wrong", r, i);
+    free(c[r].sum), free(c[r].bc);
+  }
+  mesh_free(&m);
+}
+
 static void test_bad_configs(void **state) {
   (void)state;
   zb_transport_t *t = NULL;
@@ -407,6 +456,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_large_both_ways_before_receives),
       cmocka_unit_test(test_threads_exchange),
+      cmocka_unit_test(test_collectives_over_sockets),
       cmocka_unit_test(test_channels_in_order),
       cmocka_unit_test(test_peer_death),
       cmocka_unit_test(test_abort_reaches_peers),

@@ -263,6 +263,45 @@ class Transport(_Handle):
     def abort(self, reason):
         _lib.call("zb_transport_abort", [_P, _c.c_char_p], self.handle, reason.encode())
 
+    def all_reduce(self, x, op="sum", timeout=300.0):
+        """x (a contiguous CPU torch tensor or numpy array of float32, float16 or bfloat16) becomes
+        the sum (op="sum") or the elementwise max (op="max") of every rank's x, the same bits on
+        every rank: rank 0 reduces in rank order, ((x0 + x1) + x2) ... (zb_transport_all_reduce).
+        Every rank calls it, in the same order as its other collectives. Returns x."""
+        if op not in _REDUCE_OPS:
+            raise ValueError(f"all_reduce: op must be one of {sorted(_REDUCE_OPS)}, got {op!r}")
+        addr, count, nbytes, name = _host_buffer(x, "all_reduce")
+        if name not in _REDUCE_DTYPES:
+            raise ValueError(f"all_reduce: dtype {name} is not reduced here; use float32, float16 or bfloat16")
+        _lib.call("zb_transport_all_reduce", [_P, _P, _c.c_size_t, _c.c_int, _c.c_int, _c.c_double], self.handle,
+                  addr, count, _REDUCE_DTYPES[name], _REDUCE_OPS[op], float(timeout))
+        return x
+
+    def broadcast(self, x, root, timeout=300.0):
+        """x (a contiguous CPU torch tensor or numpy array, any dtype) becomes root's x on every rank
+        (zb_transport_broadcast). Every rank calls it, in the same order. Returns x."""
+        addr, _, nbytes, _ = _host_buffer(x, "broadcast")
+        _lib.call("zb_transport_broadcast", [_P, _P, _c.c_size_t, _c.c_int32, _c.c_double], self.handle, addr,
+                  nbytes, int(root), float(timeout))
+        return x
+
+
+_REDUCE_OPS = {"sum": 0, "max": 1}
+_REDUCE_DTYPES = {"float32": 0, "float16": 1, "bfloat16": 2}
+
+
+def _host_buffer(x, what):
+    """(address, elements, bytes, dtype name) of a contiguous CPU torch tensor or numpy array."""
+    if hasattr(x, "data_ptr") and hasattr(x, "is_contiguous"):  # a torch tensor
+        if x.device.type != "cpu" or not x.is_contiguous():
+            raise ValueError(f"{what}: x must be a contiguous CPU tensor (host memory), got one on {x.device} "
+                             f"{'' if x.is_contiguous() else '(not contiguous)'}")
+        return x.data_ptr(), x.numel(), x.numel() * x.element_size(), str(x.dtype).replace("torch.", "")
+    iface = getattr(x, "__array_interface__", None)
+    if iface is None or not x.flags["C_CONTIGUOUS"] or not x.flags["WRITEABLE"]:
+        raise ValueError(f"{what}: x must be a contiguous, writeable CPU torch tensor or numpy array, got {type(x).__name__}")
+    return iface["data"][0], x.size, x.nbytes, x.dtype.name
+
 
 def _store_signal(store, key, prefix=""):
     """The C abort signal (zb_abort_signal_t) over a torch.distributed Store: poll reads `key`,
