@@ -1,0 +1,235 @@
+"""Vocabulary Parallelism's passes (Yeung, Qi, Lin, Wan, MLSys 2025): the output layer with its
+cross entropy, and the input embedding, split over the vocabulary across every pipeline rank.
+
+What this is: `VocabParallelOutput` and `VocabParallelEmbedding`, one per rank, each holding this
+rank's rows of a weight the user hands over whole ([V, H], the same on every rank), and the passes
+the schedule runs on every rank for every microbatch, with the collectives between them over the
+pipeline group (zbpp.runtime.Transport.all_reduce / broadcast: rank 0 reduces in rank order, so
+every rank gets the same bits):
+
+  output layer, on the last transformer stage's hidden state h [T, H] (broadcast to every rank)
+  and the targets [T]:
+    S   s_pass(h, target): this shard's logits, their max m_r, sum of exp(l - m_r), the target's
+        logit where it falls in the shard; with fused=True (the reference's Vocab-2, its default,
+        "backward fusion") also exp(l - m_r) @ W_r and W_r[target], the input gradient's parts.
+    C0  reduce(state): all-reduce MAX of the maxima M, then SUM of the sums rescaled by
+        exp(m_r - M) and of the target logits: the per-token loss log(sum) + M - target logit on
+        every rank; fused, one more SUM gives the input gradient per unit of loss gradient.
+    T   t_pass(state, grad_loss): the softmax from the global max and sum, its gradient times the
+        per-token loss gradient, the shard's weight gradient (into weight.grad); unfused (Vocab-1)
+        also this shard's part of the input gradient,
+    C1  reduce_grad(state) (unfused only): SUM of those parts.
+  input embedding, on the tokens [T]:
+    IF  embed(tokens): the shard's rows for tokens in the shard, zeros elsewhere, SUM over ranks:
+        every rank gets the embedding (exact: one nonzero term per element).
+    IB  embed_backward(tokens, grad): the embedding output's gradient, broadcast from the rank
+        that holds stage 0, accumulated into the shard's rows of weight.grad.
+
+Numbers: the loss and gradients are the unsharded layer's within float32 rounding (the softmax's
+sum is merged from the shards' sums, exp(l - m_r) exp(m_r - M) where an unsharded one takes
+exp(l - M)); the embedding forward is exact. Label smoothing is torch's (F.cross_entropy's
+label_smoothing). A vocabulary not divisible by the ranks is padded as Megatron pads it (to a
+multiple of pad_multiple x ranks); padded rows take no part in the softmax (their logits are
+-inf), so the result is the unpadded layer's. Tied embeddings: VocabParallelOutput(..., tied=emb)
+uses the embedding's shard, and both passes' gradients add into it. gather() gives the whole
+weight back, in the unsharded layout, for a checkpoint.
+
+What this is not: the schedule's placement of these passes (the schedule model's S/T/IF/IB ops),
+or device collectives (the host transports carry them; NCCL's group communicator is to come).
+"""
+
+import torch
+
+__all__ = ["VocabParallelOutput", "VocabParallelEmbedding", "vocab_shard_range"]
+
+
+def vocab_shard_range(vocab_size, rank, ranks, pad_multiple=1):
+    """(start, end, padded vocabulary) of rank's rows: the vocabulary padded up to a multiple of
+    pad_multiple x ranks (Megatron's make_vocab_size_divisible_by x its split), split evenly.
+    end may pass vocab_size: those rows are padding."""
+    if vocab_size < 1 or ranks < 1 or not 0 <= rank < ranks or pad_multiple < 1:
+        raise ValueError(f"vocab_shard_range: vocab_size {vocab_size} and ranks {ranks} must be >= 1, rank {rank} "
+                         f"in 0..{ranks - 1}, pad_multiple {pad_multiple} >= 1")
+    multiple = pad_multiple * ranks
+    padded = -(-vocab_size // multiple) * multiple
+    per = padded // ranks
+    return rank * per, (rank + 1) * per, padded
+
+
+def _check_weight(name, weight, rank, ranks):
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise ValueError(f"zbpp.{name}: weight must be the whole [vocab, hidden] weight (a 2-D tensor), got "
+                         f"{getattr(weight, 'shape', type(weight).__name__)}")
+    if not 0 <= rank < ranks:
+        raise ValueError(f"zbpp.{name}: rank {rank} is not in 0..{ranks - 1}")
+
+
+class _Shard:
+    """This rank's rows of a [V, H] weight, padded: a Parameter of [end - start, H] (padding zeros)."""
+
+    def __init__(self, name, weight, rank, ranks, transport, pad_multiple):
+        _check_weight(name, weight, rank, ranks)
+        self.rank, self.ranks, self.transport = rank, ranks, transport
+        self.vocab_size, self.hidden = weight.shape
+        self.start, self.end, self.padded = vocab_shard_range(self.vocab_size, rank, ranks, pad_multiple)
+        rows = torch.zeros(self.end - self.start, self.hidden, dtype=weight.dtype)
+        real = max(0, min(self.end, self.vocab_size) - self.start)
+        if real:
+            rows[:real] = weight.detach()[self.start:self.start + real].to("cpu")
+        self.real = real  # rows of this shard that are vocabulary, not padding
+        self.weight = torch.nn.Parameter(rows)
+
+    def gather(self):
+        """The whole [V, H] weight on every rank (a collective: one broadcast per rank, exact)."""
+        per = self.end - self.start
+        out = torch.empty(self.padded, self.hidden, dtype=self.weight.dtype)
+        for r in range(self.ranks):
+            part = out[r * per:(r + 1) * per]
+            if r == self.rank:
+                part.copy_(self.weight.detach())
+            self.transport.broadcast(part, r)
+        return out[:self.vocab_size].clone()
+
+    def _add_grad(self, g):
+        if self.weight.grad is None:
+            self.weight.grad = g
+        else:
+            self.weight.grad += g
+
+
+class _OutputState:
+    """One microbatch's S pass results and what C0 adds to them."""
+
+    __slots__ = ("h", "logits", "in_shard", "local_target", "m", "s", "t", "sum_logits", "soft_w", "target_w",
+                 "M", "sum", "loss", "grad_unit", "grad_part")
+
+
+class VocabParallelOutput(_Shard):
+    """The output layer (logits = h @ W^T over the vocabulary) and its cross entropy on this rank's
+    rows; see the module docstring for the passes. weight: the whole [V, H] weight (every rank
+    passes the same), or tied=a VocabParallelEmbedding whose shard this layer shares."""
+
+    def __init__(self, weight=None, rank=0, ranks=1, transport=None, pad_multiple=1, fused=True,
+                 label_smoothing=0.0, tied=None):
+        if tied is not None:
+            self.__dict__.update({k: getattr(tied, k) for k in ("rank", "ranks", "transport", "vocab_size", "hidden",
+                                                              "start", "end", "padded", "real", "weight")})
+        else:
+            super().__init__("VocabParallelOutput", weight, rank, ranks, transport, pad_multiple)
+        if not 0.0 <= label_smoothing < 1.0:
+            raise ValueError(f"zbpp.VocabParallelOutput: label_smoothing must be in [0, 1), got {label_smoothing}")
+        self.fused, self.label_smoothing = bool(fused), float(label_smoothing)
+
+    # ---- S ----------------------------------------------------------------------------------------
+
+    def s_pass(self, h, target):
+        """S on one microbatch: h [T, H] (float), target [T] (vocabulary ids). Returns its state."""
+        st = _OutputState()
+        w = self.weight.detach()
+        st.h = h.detach().float()
+        logits = st.h @ w.float().t()
+        if self.real < logits.shape[1]:
+            logits[:, self.real:] = float("-inf")  # padding takes no part in the softmax
+        st.logits = logits
+        st.in_shard = (target >= self.start) & (target < self.start + self.real)
+        st.local_target = torch.where(st.in_shard, target - self.start, torch.zeros_like(target))
+        st.m = logits.max(dim=1).values if self.real else torch.full((logits.shape[0],), float("-inf"))
+        finite = torch.isfinite(st.m)
+        shifted = logits - torch.where(finite, st.m, torch.zeros_like(st.m)).unsqueeze(1)
+        e = torch.exp(shifted)
+        st.s = e.sum(dim=1)
+        picked = logits.gather(1, st.local_target.unsqueeze(1)).squeeze(1)
+        st.t = torch.where(st.in_shard, picked, torch.zeros_like(picked))
+        if self.label_smoothing:
+            st.sum_logits = logits[:, :self.real].sum(dim=1)
+        if self.fused:
+            st.soft_w = e @ w.float()
+            st.target_w = torch.where(st.in_shard.unsqueeze(1), w.float()[st.local_target], torch.zeros(1))
+        return st
+
+    # ---- C0 ---------------------------------------------------------------------------------------
+
+    def reduce(self, st):
+        """C0: the global max and sum (and, fused, the input gradient per unit of loss gradient);
+        fills st.loss [T], the per-token cross entropy, the same on every rank."""
+        tr = self.transport
+        st.M = tr.all_reduce(st.m.clone(), "max")
+        scale = torch.where(torch.isfinite(st.m), torch.exp(st.m - st.M), torch.zeros_like(st.m))
+        st.sum = tr.all_reduce((st.s * scale).contiguous(), "sum")
+        target_logit = tr.all_reduce(st.t.clone(), "sum")
+        log_z = torch.log(st.sum) + st.M
+        st.loss = log_z - target_logit
+        a, V = self.label_smoothing, self.vocab_size
+        if a:
+            total = tr.all_reduce(st.sum_logits.contiguous(), "sum")
+            st.loss = (1 - a) * st.loss + a * (log_z - total / V)
+        if self.fused:
+            part = st.soft_w * (scale / st.sum).unsqueeze(1) - (1 - a) * st.target_w
+            if a:
+                part = part - (a / V) * self.weight.detach().float()[:self.real].sum(dim=0)
+            st.grad_unit = tr.all_reduce(part.contiguous(), "sum")
+        return st.loss
+
+    # ---- T (and C1) -------------------------------------------------------------------------------
+
+    def t_pass(self, st, grad_loss):
+        """T: grad_loss [T] is d(loss)/d(per-token loss); the shard's weight gradient goes into
+        weight.grad. Fused: returns the input gradient [T, H] (C0 made it); unfused: returns None
+        and reduce_grad gives it."""
+        g = grad_loss.detach().float()
+        soft = torch.exp(st.logits - st.M.unsqueeze(1)) / st.sum.unsqueeze(1)
+        a = self.label_smoothing
+        grad_logits = soft
+        rows = torch.arange(grad_logits.shape[0])
+        hit = st.in_shard.float() * (1 - a)
+        grad_logits[rows, st.local_target] -= hit
+        if a:
+            grad_logits[:, :self.real] -= a / self.vocab_size
+        grad_logits[:, self.real:] = 0.0
+        grad_logits *= g.unsqueeze(1)
+        self._add_grad((grad_logits.t() @ st.h).to(self.weight.dtype))
+        if self.fused:
+            return st.grad_unit * g.unsqueeze(1)
+        st.grad_part = grad_logits @ self.weight.detach().float()
+        return None
+
+    def reduce_grad(self, st):
+        """C1 (unfused only): the input gradient [T, H], summed over the shards."""
+        if self.fused:
+            raise RuntimeError("zbpp.VocabParallelOutput.reduce_grad is the unfused variant's C1 (fused=False); "
+                               "with fused=True t_pass returns the input gradient")
+        return self.transport.all_reduce(st.grad_part.contiguous(), "sum")
+
+    def forward_backward(self, h, target, grad_loss=None):
+        """S, C0, T (and C1) for one microbatch: (per-token loss [T], input gradient [T, H]).
+        grad_loss: d(loss)/d(per-token loss); None: the mean over tokens (1 / T each)."""
+        st = self.s_pass(h, target)
+        loss = self.reduce(st)
+        if grad_loss is None:
+            grad_loss = torch.full_like(loss, 1.0 / loss.numel())
+        grad = self.t_pass(st, grad_loss)
+        return loss, grad if grad is not None else self.reduce_grad(st)
+
+
+class VocabParallelEmbedding(_Shard):
+    """The input embedding on this rank's rows; see the module docstring (IF: embed, IB:
+    embed_backward). weight: the whole [V, H] weight, the same on every rank."""
+
+    def __init__(self, weight, rank, ranks, transport, pad_multiple=1):
+        super().__init__("VocabParallelEmbedding", weight, rank, ranks, transport, pad_multiple)
+
+    def embed(self, tokens):
+        """IF and its SUM: the embedding of tokens [T] ([T, H]) on every rank."""
+        in_shard = (tokens >= self.start) & (tokens < self.start + self.real)
+        local = torch.where(in_shard, tokens - self.start, torch.zeros_like(tokens))
+        out = torch.where(in_shard.unsqueeze(1), self.weight.detach()[local], torch.zeros((), dtype=self.weight.dtype))
+        return self.transport.all_reduce(out.contiguous(), "sum")
+
+    def embed_backward(self, tokens, grad, root=0):
+        """IB: grad [T, H], the embedding output's gradient, from rank `root` (the others pass a
+        tensor of that shape to receive it); the shard's rows of weight.grad gain their part."""
+        grad = self.transport.broadcast(grad.detach().contiguous().to(self.weight.dtype), root)
+        in_shard = (tokens >= self.start) & (tokens < self.start + self.real)
+        g = torch.zeros_like(self.weight)
+        g.index_add_(0, tokens[in_shard] - self.start, grad[in_shard])
+        self._add_grad(g)
