@@ -104,11 +104,26 @@ typedef enum {
    * after the OFFLOAD), one at a time on the lane, and never hold up compute by themselves. */
   ZB_OP_OFFLOAD = 4,
   ZB_OP_RELOAD = 5,
+  /* Vocabulary Parallelism's passes (spec version 3, `vocab`): the output layer and the input
+   * embedding split over the vocabulary across every rank, one of each pass per rank and
+   * microbatch. They belong to no stage: `stage` holds the rank that runs them. S runs the output
+   * layer's forward on the rank's shard after F(S-1, mb) (whose hidden state every rank gets, with
+   * T_comm where it crosses ranks); T its backward, after the barrier joining every rank's S(mb).
+   * IF runs the input embedding's forward on the shard; F(0, mb) waits for the barrier joining
+   * every rank's IF(mb). IB its backward, after B/BW(0, mb) (plus T_comm across ranks). A barrier
+   * starts when the last rank's pass ends and lasts T_VOCAB_COMM (the all-reduces, on a stream of
+   * their own). vocab = 2 (the reference's Vocab-2, backward fused into S): B/BW(S-1, mb) waits for
+   * the S barrier; vocab = 1 (Vocab-1): a second barrier after every rank's T(mb), which B/BW(S-1,
+   * mb) waits for. */
+  ZB_OP_S = 6,
+  ZB_OP_T = 7,
+  ZB_OP_IF = 8,
+  ZB_OP_IB = 9,
 } zb_op_type_t;
 
 typedef struct {
   int32_t type;  /* a zb_op_type_t */
-  int32_t stage; /* 0 .. S-1 */
+  int32_t stage; /* 0 .. S-1 (S, T, IF, IB: the rank, 0 .. p-1) */
   int32_t mb;    /* microbatch, 0 .. m-1 */
 } zb_op_t;
 
@@ -163,7 +178,7 @@ ZB_API zb_status_t zb_kind_from_name(const char *name, zb_kind_t *out_kind, doub
  * ownership). mem_limit is in units of one microbatch's activations through all of a rank's layers;
  * <= 0 means no limit (zb-auto then keeps 1F1B's memory, p).
  * ------------------------------------------------------------------------------------------- */
-#define ZB_SCHEDULE_SPEC_VERSION 2
+#define ZB_SCHEDULE_SPEC_VERSION 3
 
 typedef struct {
   uint32_t struct_size; /* sizeof(zb_schedule_spec_t) as the caller compiled it */
@@ -189,12 +204,19 @@ typedef struct {
    * OFFLOAD/RELOAD ops use them. */
   double time_offload, time_reload;
   const double *stage_time_offload, *stage_time_reload;
+  /* Version 3: Vocabulary Parallelism (ZB_OP_S and the other vocabulary passes). vocab: 0 none;
+   * 1 two barriers a microbatch (the reference's Vocab-1); 2 one barrier, the output layer's input
+   * gradient fused into S (Vocab-2). The times are one rank's pass on its shard of the vocabulary
+   * (the same on every rank), and time_vocab_comm one barrier's all-reduces. */
+  int32_t vocab;
+  double time_s, time_t, time_if, time_ib, time_vocab_comm;
 } zb_schedule_spec_t;
 
 #define ZB_SCHEDULE_SPEC_INIT                                                                      \
   {                                                                                                \
     sizeof(zb_schedule_spec_t), ZB_SCHEDULE_SPEC_VERSION, ZB_KIND_1F1B, 1, 0, 1, 1.0, 1.0, 1.0,    \
-        0.0, NULL, NULL, NULL, NULL, 0.0, 0.5, 0.0, 0, ZB_PLACEMENT_LOOP, 0.0, 0.0, NULL, NULL     \
+        0.0, NULL, NULL, NULL, NULL, 0.0, 0.5, 0.0, 0, ZB_PLACEMENT_LOOP, 0.0, 0.0, NULL, NULL, 0, \
+        0.0, 0.0, 0.0, 0.0, 0.0                                                                     \
   }
 
 typedef struct zb_schedule zb_schedule_t; /* opaque */

@@ -209,6 +209,17 @@ zb_status_t zb_runner_create(zb_runner_t **out, const zb_runner_config_t *c) {
                        (int)q, (int)k, ops[k].type == ZB_OP_OFFLOAD ? "OFFLOAD" : "RELOAD",
                        (unsigned)c->struct_size);
   }
+  for (int32_t q = 0; q < info.ranks; q++) { /* every rank alike: each refuses */
+    const zb_op_t *ops;
+    int32_t n = 0;
+    ZB_CHECK(zb_schedule_rank_ops(c->schedule, q, &ops, &n));
+    for (int32_t k = 0; k < n; k++)
+      if (ops[k].type >= ZB_OP_S && ops[k].type <= ZB_OP_IB)
+        return ZB_FAIL(ZB_ERR_UNSUPPORTED,
+                       "rank %d, position %d: the schedule has Vocabulary Parallelism's passes (S, T, IF, IB); the "
+                       "runner does not run them yet (zbpp.vocab has the passes for a caller to run)",
+                       (int)q, (int)k);
+  }
   if (c->transport && (c->transport->ranks != info.ranks || c->transport->rank != c->rank))
     return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
                    "the transport is rank %d of %d but the runner is rank %d of the schedule's %d",

@@ -43,7 +43,8 @@ zb_status_t zb__export_csv(const zb_schedule_t *s, char **out, size_t *len) {
         free(b.buf);
         return ZB_FAIL(ZB_ERR_INVALID_SCHEDULE,
                        "rank %d, position %d: op (type %d, stage %d, mb %d) cannot be written as "
-                       "CSV; types are F, B, W, BW, OFFLOAD, RELOAD and stage and microbatch must be >= 0",
+                       "CSV; types are F, B, W, BW, OFFLOAD, RELOAD and stage and microbatch must be >= 0 "
+                       "(Vocabulary Parallelism's passes have no CSV cells: export JSON)",
                        r, k - s->rank_off[r], (int)op->type, (int)op->stage, (int)op->mb);
       }
       if (k > s->rank_off[r]) zb__sbuf_putc(&b, ',');

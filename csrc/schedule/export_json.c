@@ -144,7 +144,7 @@ zb_status_t zb__export_chrome(const zb_schedule_t *s, char **out, size_t *len) {
                       ", \"pid\": 0, \"tid\": %d, \"args\": {\"stage\": %d, \"mb\": %d, "
                       "\"chunk\": %d}}",
                       zb__op_is_copy(op->type) ? s->p + r : r, (int)op->stage, (int)op->mb,
-                      zb__stage_chunk(s, op->stage));
+                      zb__op_is_vocab(op->type) ? 0 : zb__stage_chunk(s, op->stage));
     }
   }
   zb__sbuf_printf(&b, "\n],\n\"displayTimeUnit\": \"ms\"}\n");

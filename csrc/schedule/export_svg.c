@@ -28,16 +28,21 @@ typedef struct {
 
 /* Light shade (chunk 0) and dark shade (last chunk) per op type, indexed by zb_op_type_t. BW is a
  * darker blend of B's teal and W's green, so a fused backward reads as "both". */
-static const rgb_t light[6] = {{0x9f, 0xc5, 0xe8}, {0x7f, 0xd6, 0xd6}, {0xb6, 0xd7, 0xa8},
-                               {0x7b, 0xab, 0x99}, {0xf6, 0xc0, 0x8c}, {0xc9, 0xb3, 0xe6}};
-static const rgb_t dark[6] = {{0x3d, 0x78, 0xb5}, {0x2b, 0x9a, 0x9a}, {0x5f, 0x9e, 0x48},
-                              {0x3e, 0x7a, 0x68}, {0xc8, 0x6a, 0x1a}, {0x7a, 0x55, 0xb0}};
-static const char *const type_label[6] = {"F forward", "B input-grad backward", "W weight-grad backward",
-                                          "BW fused backward", "offload to host", "reload"};
+#define NTYPES 10
+static const rgb_t light[NTYPES] = {{0x9f, 0xc5, 0xe8}, {0x7f, 0xd6, 0xd6}, {0xb6, 0xd7, 0xa8}, {0x7b, 0xab, 0x99},
+                                    {0xf6, 0xc0, 0x8c}, {0xc9, 0xb3, 0xe6}, {0xf4, 0xa6, 0xa6}, {0xe8, 0x8c, 0x8c},
+                                    {0xf2, 0xe0, 0x8f}, {0xe0, 0xc8, 0x6e}};
+static const rgb_t dark[NTYPES] = {{0x3d, 0x78, 0xb5}, {0x2b, 0x9a, 0x9a}, {0x5f, 0x9e, 0x48}, {0x3e, 0x7a, 0x68},
+                                   {0xc8, 0x6a, 0x1a}, {0x7a, 0x55, 0xb0}, {0xf4, 0xa6, 0xa6}, {0xe8, 0x8c, 0x8c},
+                                   {0xf2, 0xe0, 0x8f}, {0xe0, 0xc8, 0x6e}};
+static const char *const type_label[NTYPES] = {"F forward", "B input-grad backward", "W weight-grad backward",
+                                               "BW fused backward", "offload to host", "reload",
+                                               "S vocabulary forward", "T vocabulary backward",
+                                               "IF embedding forward", "IB embedding backward"};
 
 static rgb_t op_colour(int type, int chunk, int v) {
   double t = v > 1 ? (double)chunk / (v - 1) : 0;
-  if (type < 0 || type > ZB_OP_RELOAD) type = ZB_OP_BW;
+  if (type < 0 || type >= NTYPES) type = ZB_OP_BW;
   rgb_t a = light[type], z = dark[type];
   rgb_t c = {(unsigned char)(a.r + (z.r - a.r) * t + 0.5), (unsigned char)(a.g + (z.g - a.g) * t + 0.5),
              (unsigned char)(a.b + (z.b - a.b) * t + 0.5)};
@@ -65,12 +70,12 @@ static double fin(double x) { return isfinite(x) ? x : 0; }
 
 zb_status_t zb__export_svg(const zb_schedule_t *s, char **out, size_t *len) {
   double origin = INFINITY, last = -INFINITY;
-  int used[6] = {0, 0, 0, 0, 0, 0}, copies = 0;
+  int used[NTYPES] = {0}, copies = 0;
   for (int k = 0; k < s->n_ops; k++) {
     if (s->start[k] < origin) origin = s->start[k];
     if (s->end[k] > last) last = s->end[k];
     int t = s->ops[k].type;
-    if (t >= 0 && t <= ZB_OP_RELOAD) used[t] = 1;
+    if (t >= 0 && t < NTYPES) used[t] = 1;
     copies += zb__op_is_copy(t);
   }
   if (!isfinite(origin)) origin = 0;
@@ -107,7 +112,7 @@ zb_status_t zb__export_svg(const zb_schedule_t *s, char **out, size_t *len) {
 
   /* Legend: one swatch per op type present, then a note on chunk shades. */
   double lx = LEFT;
-  for (int t = 0; t < 6; t++) {
+  for (int t = 0; t < NTYPES; t++) {
     if (!used[t]) continue;
     rgb_t c = op_colour(t, 0, 1);
     zb__sbuf_printf(&b,
@@ -143,7 +148,7 @@ zb_status_t zb__export_svg(const zb_schedule_t *s, char **out, size_t *len) {
       double w = fin((s->end[k] - s->start[k]) * scale);
       if (x > WIDTH - RIGHT) x = WIDTH - RIGHT;
       if (w < 0) w = 0;
-      rgb_t c = op_colour(op->type, zb__stage_chunk(s, op->stage), s->v);
+      rgb_t c = op_colour(op->type, zb__op_is_vocab(op->type) ? 0 : zb__stage_chunk(s, op->stage), s->v);
       zb__sbuf_printf(&b,
                       "<rect class=\"%s\" x=\"%.2f\" y=\"%.1f\" width=\"%.2f\" height=\"%.1f\" "
                       "fill=\"#%02x%02x%02x\" stroke=\"white\" stroke-width=\"%.2f\"/>\n",

@@ -56,8 +56,8 @@ static int layout_rank(const zb_schedule_t *s, int r, int copy, double origin, d
     if (c1 > MAX_COLS) c1 = MAX_COLS;
     if (line) {
       const zb_op_t *op = &s->ops[k];
-      char letter = "FBWXOR"[op->type >= 0 && op->type <= ZB_OP_RELOAD ? op->type : 3];
-      if (zb__stage_chunk(s, op->stage) > 0) letter = (char)(letter - 'A' + 'a');
+      char letter = "FBWXORSTIE"[op->type >= 0 && op->type <= ZB_OP_IB ? op->type : 3];
+      if (!zb__op_is_vocab(op->type) && zb__stage_chunk(s, op->stage) > 0) letter = (char)(letter - 'A' + 'a');
       memset(line + cursor, '.', (size_t)(c0 - cursor));
       memset(line + c0, '-', (size_t)(c1 - c0));
       line[c0] = letter;
@@ -94,8 +94,8 @@ zb_status_t zb__export_text(const zb_schedule_t *s, char **out, size_t *len) {
   }
   double scale = per_unit / unit;
 
-  int width = 0, copies = 0;
-  for (int k = 0; k < s->n_ops; k++) copies += zb__op_is_copy(s->ops[k].type);
+  int width = 0, copies = 0, vocab = 0;
+  for (int k = 0; k < s->n_ops; k++) copies += zb__op_is_copy(s->ops[k].type), vocab |= zb__op_is_vocab(s->ops[k].type);
   for (int r = 0; r < s->p; r++)
     for (int lane = 0; lane <= (copies > 0); lane++) {
       int cut, w = layout_rank(s, r, lane, origin, scale, NULL, &cut);
@@ -109,8 +109,11 @@ zb_status_t zb__export_text(const zb_schedule_t *s, char **out, size_t *len) {
                   s->sim.max_peak_memory);
   zb__sbuf_printf(&b,
                   "legend: F forward, B input-grad backward, W weight-grad backward, X fused B+W, "
-                  "each then its microbatch; . idle;%s%s time per column %.4g\n",
+                  "each then its microbatch; . idle;%s%s%s time per column %.4g\n",
                   s->v > 1 ? " lower case (f b w x) = chunk 1 and up;" : "",
+                  vocab ? " vocabulary passes: S output layer forward, T its backward, I embedding forward, E its "
+                          "backward;"
+                        : "",
                   copies ? " copy lane: O offload, R reload (o r for chunk 1 and up; peak: device-resident, and host);"
                          : "",
                   1 / scale);

@@ -27,6 +27,10 @@ struct zb_schedule {
   double t_comm;
   double *tf, *tb, *tw, *tbw; /* S each */
   double *toff, *trel;        /* S each: OFFLOAD and RELOAD copy times */
+  /* Vocabulary Parallelism (spec version 3): 0 none, 1 two barriers, 2 one (zbpp.h, ZB_OP_S); one
+   * rank's S, T, IF and IB pass, and a barrier's all-reduces. */
+  int vocab;
+  double ts, tt, tif, tib, tvc;
 
   zb_op_t *ops;  /* all ranks' ops, rank by rank */
   int *rank_off; /* p + 1 offsets into ops */
@@ -108,12 +112,20 @@ static inline double zb__op_cost(const zb_schedule_t *s, int type, int stage) {
     case ZB_OP_W: return s->tw[stage];
     case ZB_OP_OFFLOAD: return s->toff[stage];
     case ZB_OP_RELOAD: return s->trel[stage];
+    case ZB_OP_S: return s->ts;
+    case ZB_OP_T: return s->tt;
+    case ZB_OP_IF: return s->tif;
+    case ZB_OP_IB: return s->tib;
     default: return s->tbw[stage];
   }
 }
 
 /* OFFLOAD and RELOAD run on a rank's copy lane, not its compute. */
 static inline int zb__op_is_copy(int type) { return type == ZB_OP_OFFLOAD || type == ZB_OP_RELOAD; }
+
+/* Vocabulary Parallelism's passes run on a rank's compute but belong to no stage: op->stage holds
+ * the rank (zbpp.h). Code that indexes by stage skips them. */
+static inline int zb__op_is_vocab(int type) { return type >= ZB_OP_S && type <= ZB_OP_IB; }
 
 /* Device memory change of one op in units of a microbatch through all of a rank's layers
  * (DESIGN.md 3): what it leaves resident once done, in list order. A copy moves memory between the
@@ -126,7 +138,11 @@ static inline double zb__op_mem(const zb_schedule_t *s, int type) {
     case ZB_OP_B: return -(1.0 - s->w_share) * unit;
     case ZB_OP_W: return -s->w_share * unit;
     case ZB_OP_OFFLOAD:
-    case ZB_OP_RELOAD: return 0.0;
+    case ZB_OP_RELOAD:
+    case ZB_OP_S: /* a vocabulary pass keeps per-token statistics, not counted (DESIGN.md 3) */
+    case ZB_OP_T:
+    case ZB_OP_IF:
+    case ZB_OP_IB: return 0.0;
     default: return -unit;
   }
 }
@@ -135,6 +151,7 @@ static inline double zb__op_mem(const zb_schedule_t *s, int type) {
  * count), as its per-rank times are divided (zb__schedule_alloc_mapped). */
 static inline double zb__op_mem_at(const zb_schedule_t *s, int type, int stage) {
   double mem = zb__op_mem(s, type);
+  if (zb__op_is_vocab(type)) return 0.0;
   return s->stage_unit ? mem * s->v * s->stage_unit[stage] : mem;
 }
 
@@ -170,6 +187,8 @@ zb_status_t zb__validate_structure(const zb_schedule_t *s);
  * `limit` is the memory limit they must respect where the kind takes one. */
 zb_status_t zb__gen_gpipe(zb_schedule_t *s);
 zb_status_t zb__gen_1f1b(zb_schedule_t *s);
+/* 1F1B with Vocabulary Parallelism's passes (s->vocab 1 or 2): the reference's order (gen_vocab.c). */
+zb_status_t zb__gen_vocab_1f1b(zb_schedule_t *s);
 zb_status_t zb__gen_interleaved(zb_schedule_t *s);
 /* Interleaved 1F1B with B and W split, rank r's W's held back r backwards; warm-up factor 1 or 2. */
 zb_status_t zb__gen_interleaved_zb1(zb_schedule_t *s);

@@ -227,11 +227,17 @@ zb_status_t zb_schedule_plan_offload(zb_schedule_t **out, const zb_schedule_t *s
                    "(a fraction >= 0 the step may grow by)",
                    c.device_limit, c.host_limit, c.slowdown);
   ZB_CHECK(zb__validate_structure(src));
-  for (int k = 0; k < src->n_ops; k++)
+  for (int k = 0; k < src->n_ops; k++) {
     if (zb__op_is_copy(src->ops[k].type))
       return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
                      "the schedule has copies already (%s stage %d mb %d); plan offload on a schedule without them",
                      zb__op_name(src->ops[k].type), src->ops[k].stage, src->ops[k].mb);
+    if (zb__op_is_vocab(src->ops[k].type))
+      return ZB_FAIL(ZB_ERR_UNSUPPORTED,
+                     "the schedule has Vocabulary Parallelism's passes (%s mb %d on rank %d); the offload pass does "
+                     "not place copies around them yet", zb__op_name(src->ops[k].type), src->ops[k].mb,
+                     src->ops[k].stage);
+  }
   if (!(c.slowdown > 0)) return offload_pass(out, src, &c);
   /* 7: the slowdown is what the step may pay for a lower peak, not a budget to spend. */
   zb_schedule_t *flat = NULL, *slow = NULL;

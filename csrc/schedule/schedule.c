@@ -21,6 +21,10 @@ const char *zb__op_name(int type) {
     case ZB_OP_BW: return "BW";
     case ZB_OP_OFFLOAD: return "OFFLOAD";
     case ZB_OP_RELOAD: return "RELOAD";
+    case ZB_OP_S: return "S";
+    case ZB_OP_T: return "T";
+    case ZB_OP_IF: return "IF";
+    case ZB_OP_IB: return "IB";
     default: return "?";
   }
 }
@@ -222,23 +226,25 @@ void zb__schedule_free(zb_schedule_t *s) {
 }
 
 /* Checks a caller's spec header and, for a caller built with the version 1 header (which ends
- * before the copy times), points *spec at a version 2 copy with no copy times: callers built
- * before PipeOffload keep working. */
+ * before the copy times) or the version 2 one (before Vocabulary Parallelism), points *spec at a
+ * current copy without what its header lacked: callers built before those keep working. */
 static zb_status_t upgrade_spec(const zb_schedule_spec_t **spec, zb_schedule_spec_t *upgraded) {
   const zb_schedule_spec_t *in = *spec;
   const size_t v1_size = offsetof(zb_schedule_spec_t, time_offload);
-  if (in->version == 1 && in->struct_size == v1_size) {
+  const size_t v2_size = offsetof(zb_schedule_spec_t, vocab);
+  if ((in->version == 1 && in->struct_size == v1_size) || (in->version == 2 && in->struct_size == v2_size)) {
     *upgraded = (zb_schedule_spec_t)ZB_SCHEDULE_SPEC_INIT;
-    memcpy(upgraded, in, v1_size);
+    memcpy(upgraded, in, in->struct_size);
     upgraded->struct_size = sizeof(zb_schedule_spec_t), upgraded->version = ZB_SCHEDULE_SPEC_VERSION;
     *spec = upgraded;
     return ZB_OK;
   }
   if (in->struct_size < sizeof(zb_schedule_spec_t) || in->version != ZB_SCHEDULE_SPEC_VERSION)
     return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
-                   "spec has struct_size %u and version %u; this library needs %zu and %d, or %zu and 1 "
-                   "(initialise it with ZB_SCHEDULE_SPEC_INIT)",
-                   in->struct_size, in->version, sizeof(zb_schedule_spec_t), ZB_SCHEDULE_SPEC_VERSION, v1_size);
+                   "spec has struct_size %u and version %u; this library needs %zu and %d, %zu and 2, or "
+                   "%zu and 1 (initialise it with ZB_SCHEDULE_SPEC_INIT)",
+                   in->struct_size, in->version, sizeof(zb_schedule_spec_t), ZB_SCHEDULE_SPEC_VERSION, v2_size,
+                   v1_size);
   return ZB_OK;
 }
 
@@ -260,6 +266,9 @@ static zb_status_t alloc_named(zb_schedule_t **out, const zb_schedule_spec_t *sp
   s->w_share = spec->w_share;
   s->mem_limit = spec->mem_limit > 0 ? spec->mem_limit : 0;
   s->t_comm = spec->time_comm;
+  s->vocab = spec->vocab;
+  s->ts = spec->time_s, s->tt = spec->time_t, s->tif = spec->time_if, s->tib = spec->time_ib;
+  s->tvc = spec->time_vocab_comm;
   size_t S = (size_t)s->S;
   s->tf = malloc(S * sizeof(double));
   s->tb = malloc(S * sizeof(double));
@@ -382,6 +391,9 @@ zb_status_t zb__schedule_clone_shape(const zb_schedule_t *s, int m, zb_schedule_
   spec.time_comm = s->t_comm;
   spec.w_share = s->w_share;
   spec.mem_limit = s->mem_limit;
+  spec.vocab = s->vocab;
+  spec.time_s = s->ts, spec.time_t = s->tt, spec.time_if = s->tif, spec.time_ib = s->tib;
+  spec.time_vocab_comm = s->tvc;
   if (s->stage_map) return zb__schedule_alloc_mapped(out, &spec, s->p, s->S, m, s->stage_map);
   return zb__schedule_alloc(out, &spec, s->p, s->v, m, s->placement);
 }
@@ -530,9 +542,23 @@ zb_status_t zb_schedule_create(zb_schedule_t **out, const zb_schedule_spec_t *sp
                      zb_kind_name(spec->kind), placement == ZB_PLACEMENT_V ? "V" : "loop");
     placement = spec->placement;
   }
+  if (spec->vocab && spec->kind != ZB_KIND_1F1B)
+    return ZB_FAIL(ZB_ERR_UNSUPPORTED,
+                   "vocab %d: Vocabulary Parallelism's passes are placed in 1f1b so far (the reference's "
+                   "schedule); %s with them is to come", (int)spec->vocab, zb_kind_name(spec->kind));
   zb_schedule_t *s = NULL;
   ZB_CHECK(zb__schedule_alloc(&s, spec, spec->ranks, v, spec->microbatches, placement));
   zb_status_t st = ZB_OK;
+  if (spec->vocab) {
+    st = zb__gen_vocab_1f1b(s);
+    if (st != ZB_OK) {
+      zb__schedule_free(s);
+      return st;
+    }
+    zb__schedule_invalidate(s);
+    *out = s;
+    return ZB_OK;
+  }
   switch (spec->kind) {
     case ZB_KIND_GPIPE: st = zb__gen_gpipe(s); break;
     case ZB_KIND_1F1B: st = zb__gen_1f1b(s); break;
@@ -727,12 +753,14 @@ zb_status_t zb_schedule_op_time(const zb_schedule_t *s, zb_op_type_t type, int32
                                 double *out) {
   ZB_ARG_NOT_NULL(s);
   ZB_ARG_NOT_NULL(out);
-  if (stage < 0 || stage >= s->S)
-    return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "stage %d is out of range; the schedule has stages 0..%d",
-                   (int)stage, s->S - 1);
-  if (type < ZB_OP_F || type > ZB_OP_RELOAD)
+  if (type < ZB_OP_F || type > ZB_OP_IB)
     return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
-                   "op type %d; use ZB_OP_F, ZB_OP_B, ZB_OP_W, ZB_OP_BW, ZB_OP_OFFLOAD or ZB_OP_RELOAD", (int)type);
+                   "op type %d; use ZB_OP_F, ZB_OP_B, ZB_OP_W, ZB_OP_BW, ZB_OP_OFFLOAD, ZB_OP_RELOAD, ZB_OP_S, "
+                   "ZB_OP_T, ZB_OP_IF or ZB_OP_IB", (int)type);
+  if (zb__op_is_vocab(type) ? (stage < 0 || stage >= s->p) : (stage < 0 || stage >= s->S))
+    return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "%s %d is out of range; the schedule has %s 0..%d",
+                   zb__op_is_vocab(type) ? "rank" : "stage", (int)stage,
+                   zb__op_is_vocab(type) ? "ranks" : "stages", zb__op_is_vocab(type) ? s->p - 1 : s->S - 1);
   *out = zb__op_cost(s, type, stage);
   return ZB_OK;
 }
@@ -794,11 +822,16 @@ zb_status_t zb_schedule_refine(zb_schedule_t **out, const zb_schedule_t *schedul
   if (isnan(device_limit) || isinf(device_limit))
     return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "zb_schedule_refine: device_limit is %g; a number of microbatches "
                    "(<= 0: the schedule's own largest peak)", device_limit);
-  for (int k = 0; k < schedule->n_ops; k++)
+  for (int k = 0; k < schedule->n_ops; k++) {
     if (zb__op_is_copy(schedule->ops[k].type))
       return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "zb_schedule_refine: the schedule has copies (%s stage %d mb %d); "
                      "refine it before the offload pass", zb__op_name(schedule->ops[k].type), schedule->ops[k].stage,
                      schedule->ops[k].mb);
+    if (zb__op_is_vocab(schedule->ops[k].type))
+      return ZB_FAIL(ZB_ERR_UNSUPPORTED, "zb_schedule_refine: the schedule has Vocabulary Parallelism's passes (%s "
+                     "mb %d on rank %d), which the local search does not move yet", zb__op_name(schedule->ops[k].type),
+                     schedule->ops[k].mb, schedule->ops[k].stage);
+  }
   ZB_CHECK(zb__validate_structure(schedule));
   zb_schedule_t *t = NULL;
   ZB_CHECK(zb__schedule_clone_empty(schedule, &t));

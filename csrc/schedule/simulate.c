@@ -15,6 +15,12 @@
  * for its RELOAD. Copies never hold up compute otherwise. Memory is then counted in time over both
  * lanes (rank_memory below); span and busy count compute ops only.
  *
+ * Vocabulary Parallelism's passes (S, T, IF, IB) run on the rank's compute like any op. S(r,i)
+ * after F(S-1,i) (+ T_comm across ranks), IB(r,i) after B/BW(0,i) (likewise). Barriers join every
+ * rank: the S barrier of i starts when the last rank's S(i) ends and lasts T_VOCAB_COMM; T(i) waits
+ * for it, and so does B/BW(S-1,i) with vocab 2; with vocab 1 a T barrier after every rank's T(i)
+ * holds B/BW(S-1,i) instead. F(0,i) waits for the IF barrier where there are IF passes.
+ *
  * What this is not: a check of the schedule's rules; zb_schedule_simulate runs the validator's
  * structural rules first, so the core below may assume every op is in range and appears once.
  */
@@ -30,7 +36,26 @@
 typedef struct {
   double *endF, *endB, *endBonly, *endOff, *endRel;
   unsigned char *offloaded;
+  /* Per microbatch, for the vocabulary barriers: how many ranks ended their S, T and IF, and the
+   * latest end; inputs: the lists have IF passes. */
+  int *nS, *nT, *nIF;
+  double *lastS, *lastT, *lastIF;
+  int inputs;
 } ends_t;
+
+/* The barrier of `type` passes of microbatch i: its end into *t (raised) when every rank is
+ * through, else 1 with *dep naming what it waits for. */
+static int barrier_dep(const zb_schedule_t *s, const ends_t *e, int type, int i, double *t, zb_op_t *dep) {
+  const int *n = type == ZB_OP_S ? e->nS : type == ZB_OP_T ? e->nT : e->nIF;
+  const double *last = type == ZB_OP_S ? e->lastS : type == ZB_OP_T ? e->lastT : e->lastIF;
+  if (n[i] < s->p) {
+    *dep = (zb_op_t){type, -1, i}; /* stage -1: every rank */
+    return 1;
+  }
+  double b = last[i] + s->tvc;
+  if (b > *t) *t = b;
+  return 0;
+}
 
 /* Which op an op waits for, if any is not yet done: fills *dep (type, stage, mb) and returns 1. */
 static int pending_dep(const zb_schedule_t *s, const zb_op_t *op, const ends_t *e_, int rank, double *ready,
@@ -39,6 +64,31 @@ static int pending_dep(const zb_schedule_t *s, const zb_op_t *op, const ends_t *
   int st = op->stage, i = op->mb, m = s->m;
   size_t key = (size_t)st * m + i;
   double t = 0;
+  if (zb__op_is_vocab(op->type)) {
+    if (op->type == ZB_OP_S) {
+      double e = endF[(size_t)(s->S - 1) * m + i];
+      if (isnan(e)) {
+        *dep = (zb_op_t){ZB_OP_F, s->S - 1, i};
+        return 1;
+      }
+      t = e + (zb__stage_rank(s, s->S - 1) != rank ? s->t_comm : 0);
+    } else if (op->type == ZB_OP_T) {
+      if (barrier_dep(s, e_, ZB_OP_S, i, &t, dep)) return 1;
+    } else if (op->type == ZB_OP_IB) {
+      double e = endB[(size_t)i];
+      if (isnan(e)) {
+        *dep = (zb_op_t){ZB_OP_B, 0, i};
+        return 1;
+      }
+      t = e + (zb__stage_rank(s, 0) != rank ? s->t_comm : 0);
+    }
+    *ready = t;
+    return 0;
+  }
+  if (op->type == ZB_OP_F && st == 0 && e_->inputs && barrier_dep(s, e_, ZB_OP_IF, i, &t, dep)) return 1;
+  if ((op->type == ZB_OP_B || op->type == ZB_OP_BW) && st == s->S - 1 && s->vocab &&
+      barrier_dep(s, e_, s->vocab == 2 ? ZB_OP_S : ZB_OP_T, i, &t, dep))
+    return 1;
   if (zb__op_is_copy(op->type)) {
     int off = op->type == ZB_OP_OFFLOAD;
     double e = off ? endF[key] : e_->endOff[key];
@@ -109,19 +159,24 @@ zb_status_t zb__simulate_durations(const zb_schedule_t *s, const double *dur, do
   e.endOff = malloc(n * sizeof(double));
   e.endRel = malloc(n * sizeof(double));
   e.offloaded = calloc(n, 1);
+  size_t nm = (size_t)s->m;
+  e.nS = calloc(nm, sizeof(int)), e.nT = calloc(nm, sizeof(int)), e.nIF = calloc(nm, sizeof(int));
+  e.lastS = calloc(nm, sizeof(double)), e.lastT = calloc(nm, sizeof(double)), e.lastIF = calloc(nm, sizeof(double));
   int *pos = calloc((size_t)s->p, sizeof(int));
   double *free_at = calloc((size_t)s->p, sizeof(double));
   double *copy_free = calloc((size_t)s->p, sizeof(double)); /* the copy lane */
   double *issued = calloc((size_t)s->p, sizeof(double));    /* start of the last compute op */
   zb_status_t st = ZB_OK;
   if (!e.endF || !e.endB || !e.endBonly || !e.endOff || !e.endRel || !e.offloaded || !pos || !free_at ||
-      !copy_free || !issued) {
+      !copy_free || !issued || !e.nS || !e.nT || !e.nIF || !e.lastS || !e.lastT || !e.lastIF) {
     st = ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory simulating %d ops", s->n_ops);
     goto done;
   }
   for (size_t k = 0; k < n; k++) e.endF[k] = e.endB[k] = e.endBonly[k] = e.endOff[k] = e.endRel[k] = NAN;
-  for (int k = 0; k < s->n_ops; k++)
+  for (int k = 0; k < s->n_ops; k++) {
     if (s->ops[k].type == ZB_OP_OFFLOAD) e.offloaded[(size_t)s->ops[k].stage * s->m + s->ops[k].mb] = 1;
+    e.inputs |= s->ops[k].type == ZB_OP_IF;
+  }
 
   /* Round-robin passes: each pass runs every rank as far as its dependencies allow. The times do
    * not depend on the order in which ranks are advanced, only on each rank's list order. */
@@ -149,6 +204,18 @@ zb_status_t zb__simulate_durations(const zb_schedule_t *s, const double *dur, do
         }
         start[base + pos[r]] = t0;
         end[base + pos[r]] = t1;
+        if (zb__op_is_vocab(op->type)) {
+          int *cnt_ = op->type == ZB_OP_S ? e.nS : op->type == ZB_OP_T ? e.nT : op->type == ZB_OP_IF ? e.nIF : NULL;
+          double *last = op->type == ZB_OP_S ? e.lastS : op->type == ZB_OP_T ? e.lastT : e.lastIF;
+          if (cnt_) {
+            cnt_[op->mb]++;
+            if (t1 > last[op->mb]) last[op->mb] = t1;
+          }
+          pos[r]++;
+          done++;
+          progress = 1;
+          continue;
+        }
         size_t key = (size_t)op->stage * s->m + op->mb;
         if (op->type == ZB_OP_F) e.endF[key] = t1;
         if (op->type == ZB_OP_B || op->type == ZB_OP_BW) e.endB[key] = t1;
@@ -177,17 +244,25 @@ zb_status_t zb__simulate_durations(const zb_schedule_t *s, const double *dur, do
       pending_dep(s, op, &e, r, &ready, &dep);
       const char *dname = dep.type == ZB_OP_B ? (op->type == ZB_OP_W ? "B" : "B/BW")
                           : dep.type == ZB_OP_F ? "F" : zb__op_name(dep.type);
-      len += (size_t)snprintf(msg + len, sizeof msg - len,
-                              "%s rank %d at position %d (%s stage %d mb %d) waits for %s stage %d "
-                              "mb %d on rank %d",
-                              shown ? ";" : "", r, pos[r], zb__op_name(op->type), op->stage,
-                              op->mb, dname, dep.stage, dep.mb, zb__stage_rank(s, dep.stage));
+      if (dep.stage < 0) /* a vocabulary barrier */
+        len += (size_t)snprintf(msg + len, sizeof msg - len,
+                                "%s rank %d at position %d (%s %s %d mb %d) waits for %s mb %d on every rank (a "
+                                "barrier)", shown ? ";" : "", r, pos[r], zb__op_name(op->type),
+                                zb__op_is_vocab(op->type) ? "rank" : "stage", op->stage, op->mb, dname, dep.mb);
+      else
+        len += (size_t)snprintf(msg + len, sizeof msg - len,
+                                "%s rank %d at position %d (%s %s %d mb %d) waits for %s stage %d "
+                                "mb %d on rank %d",
+                                shown ? ";" : "", r, pos[r], zb__op_name(op->type),
+                                zb__op_is_vocab(op->type) ? "rank" : "stage", op->stage, op->mb, dname, dep.stage,
+                                dep.mb, zb__stage_rank(s, dep.stage));
       if (++shown >= 4) break;
     }
     st = ZB_FAIL(ZB_ERR_INVALID_SCHEDULE, "%s", msg);
   }
 done:
   free(e.endF), free(e.endB), free(e.endBonly), free(e.endOff), free(e.endRel), free(e.offloaded);
+  free(e.nS), free(e.nT), free(e.nIF), free(e.lastS), free(e.lastT), free(e.lastIF);
   free(pos), free(free_at), free(copy_free), free(issued);
   return st;
 }

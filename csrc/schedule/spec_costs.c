@@ -28,7 +28,9 @@ zb_status_t zb__spec_check_costs(const zb_schedule_spec_t *spec, int S) {
     double v;
   } scalars[] = {{"time_f", spec->time_f},           {"time_b", spec->time_b},
                  {"time_w", spec->time_w},           {"time_comm", spec->time_comm},
-                 {"time_offload", spec->time_offload}, {"time_reload", spec->time_reload}};
+                 {"time_offload", spec->time_offload}, {"time_reload", spec->time_reload},
+                 {"time_s", spec->time_s}, {"time_t", spec->time_t}, {"time_if", spec->time_if},
+                 {"time_ib", spec->time_ib}, {"time_vocab_comm", spec->time_vocab_comm}};
   for (size_t i = 0; i < sizeof scalars / sizeof scalars[0]; i++)
     if (bad_number(scalars[i].v))
       return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "%s is %g; times must be finite and >= 0",
@@ -60,6 +62,10 @@ zb_status_t zb__spec_check_costs(const zb_schedule_spec_t *spec, int S) {
     return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
                    "mem_limit is %g; give a finite limit in microbatches, or <= 0 for none",
                    spec->mem_limit);
+  if (spec->vocab < 0 || spec->vocab > 2)
+    return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
+                   "vocab is %d; 0 (no Vocabulary Parallelism), 1 (two barriers a microbatch, Vocab-1) or 2 "
+                   "(one barrier, the backward fused into S, Vocab-2)", (int)spec->vocab);
   return ZB_OK;
 }
 

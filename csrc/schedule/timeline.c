@@ -60,6 +60,7 @@ zb_status_t zb_schedule_stage_costs(const zb_schedule_t *s, double *tf, double *
     return ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory averaging op times");
   }
   for (int k = 0; k < s->n_ops; k++) {
+    if (zb__op_is_vocab(s->ops[k].type)) continue; /* no stage's: the rank's vocabulary shard */
     int idx = s->ops[k].type * s->S + s->ops[k].stage;
     sum[idx] += s->end[k] - s->start[k];
     cnt[idx]++;

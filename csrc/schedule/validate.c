@@ -14,6 +14,11 @@
  * microbatch), an OFFLOAD after its F and before its backward, a RELOAD after its OFFLOAD and
  * before its backward (so every OFFLOAD has its RELOAD, since every F has its backward). Rule 6 counts device-resident memory in
  * simulated time when copies are present (they move memory while compute runs).
+ * Vocabulary Parallelism's passes (S, T, IF, IB) with rules 1-3: each on the rank its stage field
+ * names, only in a schedule with vocab set, one S and one T per rank and microbatch (and IF and IB
+ * likewise, in every list or in none); on one rank S after F(S-1, mb) where that stage is on it, T
+ * after S, F(0, mb) after IF, IB after IF and after B/BW(0, mb) where stage 0 is on it, and
+ * B/BW(S-1, mb) after S (vocab 2) or T (vocab 1). What crosses ranks (the barriers) is rule 5's.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -23,6 +28,8 @@
 #define NONE (-1)
 
 typedef struct {
+  int *posV[4];            /* p x m each: the position of S, T, IF, IB of (rank, mb) */
+  int inputs;              /* the lists have IF/IB passes */
   int *posF, *posB, *posW; /* position in the owning rank's list; posB covers B and BW */
   int *posOff, *posRel;    /* the copies of (stage, mb), when it has them */
   int *isBW;
@@ -33,6 +40,44 @@ typedef struct {
 static void tables_free(tables_t *t) {
   free(t->posF), free(t->posB), free(t->posW), free(t->isBW), free(t->posOff), free(t->posRel);
   free(t->orderF), free(t->orderB), free(t->nF), free(t->nB);
+  for (int k = 0; k < 4; k++) free(t->posV[k]);
+}
+
+/* Rules 1-3 for a vocabulary pass at position k of rank r. */
+static zb_status_t check_vocab(const zb_schedule_t *s, tables_t *t, int r, int k, const zb_op_t *op) {
+  const char *name = zb__op_name(op->type);
+  if (!s->vocab)
+    return ZB_FAIL(ZB_ERR_INVALID_SCHEDULE,
+                   "rank %d, position %d: %s mb %d is a Vocabulary Parallelism pass, but the schedule's vocab is 0 "
+                   "(rule: vocabulary passes only with vocab 1 or 2)", r, k, name, op->mb);
+  if (op->stage != r || op->mb < 0 || op->mb >= s->m)
+    return ZB_FAIL(ZB_ERR_INVALID_SCHEDULE,
+                   "rank %d, position %d: %s with stage %d mb %d; a vocabulary pass names the rank that runs it "
+                   "(%d) and a microbatch in 0..%d (rule: well-formed ops)",
+                   r, k, name, op->stage, op->mb, r, s->m - 1);
+  size_t key = (size_t)r * s->m + op->mb, skey = (size_t)op->mb;
+  int *slot = &t->posV[op->type - ZB_OP_S][key];
+  if (*slot != NONE)
+    return ZB_FAIL(ZB_ERR_INVALID_SCHEDULE,
+                   "rank %d, position %d: a second %s for mb %d (the first is at position %d) (rule: one S and one T, "
+                   "and one IF and one IB where there are any, per rank and microbatch)",
+                   r, k, name, op->mb, *slot);
+  const char *before = NULL;
+  int missing = 0;
+  if (op->type == ZB_OP_S && zb__stage_rank(s, s->S - 1) == r && t->posF[(size_t)(s->S - 1) * s->m + skey] == NONE)
+    before = "F of the last stage (whose hidden state it reads)", missing = 1;
+  else if (op->type == ZB_OP_T && t->posV[0][key] == NONE)
+    before = "S", missing = 1;
+  else if (op->type == ZB_OP_IB && t->posV[2][key] == NONE)
+    before = "IF", missing = 1;
+  else if (op->type == ZB_OP_IB && zb__stage_rank(s, 0) == r && t->posB[skey] == NONE)
+    before = "B/BW of stage 0 (whose input gradient it reads)", missing = 1;
+  if (missing)
+    return ZB_FAIL(ZB_ERR_INVALID_SCHEDULE,
+                   "rank %d, position %d: %s mb %d comes before the %s of mb %d, which must run earlier on this "
+                   "rank (rule: dependencies in order)", r, k, name, op->mb, before, op->mb);
+  *slot = k;
+  return ZB_OK;
 }
 
 static const char *rank_label(int type) { return zb__op_name(type); }
@@ -94,18 +139,32 @@ zb_status_t zb__validate_structure(const zb_schedule_t *s) {
     goto fail;
   }
   for (size_t k = 0; k < n; k++) t.posF[k] = t.posB[k] = t.posW[k] = t.posOff[k] = t.posRel[k] = NONE;
+  size_t nv = (size_t)s->p * (size_t)s->m;
+  for (int v = 0; v < 4 && st == ZB_OK; v++) {
+    t.posV[v] = malloc(nv * sizeof(int));
+    if (!t.posV[v]) st = ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory validating %d ops", s->n_ops);
+    else
+      for (size_t k = 0; k < nv; k++) t.posV[v][k] = NONE;
+  }
+  if (st != ZB_OK) goto fail;
+  for (int k = 0; k < s->n_ops; k++) t.inputs |= s->ops[k].type == ZB_OP_IF || s->ops[k].type == ZB_OP_IB;
 
   /* Rules 1 and 2 (duplicates), and rule 3 as we go: a same-rank dependency must already be seen. */
   for (int r = 0; r < s->p; r++) {
     int base = s->rank_off[r], cnt = s->rank_off[r + 1] - base;
     for (int k = 0; k < cnt; k++) {
       const zb_op_t *op = &s->ops[base + k];
-      if (op->type < ZB_OP_F || op->type > ZB_OP_RELOAD) {
+      if (op->type < ZB_OP_F || op->type > ZB_OP_IB) {
         st = ZB_FAIL(ZB_ERR_INVALID_SCHEDULE,
-                     "rank %d, position %d: op type %d is not F, B, W, BW, OFFLOAD or RELOAD (rule: "
+                     "rank %d, position %d: op type %d is not F, B, W, BW, OFFLOAD, RELOAD, S, T, IF or IB (rule: "
                      "well-formed ops)",
                      r, k, op->type);
         goto fail;
+      }
+      if (zb__op_is_vocab(op->type)) {
+        st = check_vocab(s, &t, r, k, op);
+        if (st != ZB_OK) goto fail;
+        continue;
       }
       if (op->stage < 0 || op->stage >= s->S || op->mb < 0 || op->mb >= s->m) {
         st = ZB_FAIL(ZB_ERR_INVALID_SCHEDULE,
@@ -165,6 +224,14 @@ zb_status_t zb__validate_structure(const zb_schedule_t *s) {
         dep_stage = op->stage, dep_type = ZB_OP_B;
         dep_pos = t.isBW[key] ? NONE : t.posB[key];
       }
+      /* Vocabulary Parallelism on this rank: stage 0's F reads the embedding (IF's barrier), the
+       * last stage's backward the output layer's input gradient (S's barrier, or T's). */
+      if (op->type == ZB_OP_F && op->stage == 0 && t.inputs && t.posV[2][(size_t)r * s->m + op->mb] == NONE) {
+        dep_stage = 0, dep_type = ZB_OP_IF, dep_pos = NONE;
+      } else if ((op->type == ZB_OP_B || op->type == ZB_OP_BW) && op->stage == s->S - 1 && s->vocab &&
+                 t.posV[s->vocab == 2 ? 0 : 1][(size_t)r * s->m + op->mb] == NONE) {
+        dep_stage = 0, dep_type = s->vocab == 2 ? ZB_OP_S : ZB_OP_T, dep_pos = NONE;
+      }
       /* A backward reads what its F saved: offloaded, that must be back first. */
       if ((op->type == ZB_OP_B || op->type == ZB_OP_BW) && t.posOff[key] != NONE && t.posRel[key] == NONE) {
         st = ZB_FAIL(ZB_ERR_INVALID_SCHEDULE,
@@ -180,8 +247,9 @@ zb_status_t zb__validate_structure(const zb_schedule_t *s) {
                      "it depends on, which must run earlier on this rank (rule: dependencies in "
                      "order)",
                      r, k, rank_label(op->type), op->stage, op->mb,
-                     dep_type == ZB_OP_F ? "F" : (op->type == ZB_OP_W ? "B" : "B/BW"), dep_stage,
-                     op->mb);
+                     dep_type == ZB_OP_F ? "F" : zb__op_is_vocab(dep_type) ? zb__op_name(dep_type)
+                                                 : (op->type == ZB_OP_W ? "B" : "B/BW"),
+                     zb__op_is_vocab(dep_type) ? r : dep_stage, op->mb);
         goto fail;
       }
       if (op->type == ZB_OP_F) t.orderF[(size_t)op->stage * s->m + t.nF[op->stage]++] = op->mb;
@@ -215,6 +283,19 @@ zb_status_t zb__validate_structure(const zb_schedule_t *s) {
       }
     }
   }
+
+  /* Rule 2 for the vocabulary passes: S and T for every rank and microbatch, IF and IB too where
+   * there are any. */
+  for (int r = 0; s->vocab && r < s->p; r++)
+    for (int i = 0; i < s->m; i++)
+      for (int v = 0; v < (t.inputs ? 4 : 2); v++)
+        if (t.posV[v][(size_t)r * s->m + i] == NONE) {
+          st = ZB_FAIL(ZB_ERR_INVALID_SCHEDULE,
+                       "rank %d: mb %d has no %s (rule: with vocab %d every rank runs one S and one T per microbatch, "
+                       "and one IF and one IB where any rank has them)",
+                       r, i, zb__op_name(ZB_OP_S + v), s->vocab);
+          goto fail;
+        }
 
   /* Rule 4: FIFO channels between adjacent stages on different ranks. */
   for (int stg = 0; stg + 1 < s->S; stg++) {

@@ -405,7 +405,11 @@ static void test_accessor_errors(void **state) {
   ASSERT_STATUS(zb_schedule_stage_rank(s, 4, &rank), ZB_ERR_INVALID_ARGUMENT);
   double t;
   ASSERT_STATUS(zb_schedule_op_time(s, ZB_OP_F, -1, &t), ZB_ERR_INVALID_ARGUMENT);
-  ASSERT_STATUS(zb_schedule_op_time(s, (zb_op_type_t)7, 0, &t), ZB_ERR_INVALID_ARGUMENT);
+  ASSERT_STATUS(zb_schedule_op_time(s, (zb_op_type_t)10, 0, &t), ZB_ERR_INVALID_ARGUMENT);
+  ASSERT_CONTAINS(zb_last_error(), "ZB_OP_IB");
+  ZB_ASSERT_OK(zb_schedule_op_time(s, ZB_OP_T, 0, &t)); /* a vocabulary pass names a rank, not a stage */
+  ASSERT_STATUS(zb_schedule_op_time(s, ZB_OP_S, 4, &t), ZB_ERR_INVALID_ARGUMENT);
+  ASSERT_CONTAINS(zb_last_error(), "rank 4 is out of range");
   ZB_ASSERT_OK(zb_schedule_destroy(s));
 }
 

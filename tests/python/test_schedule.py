@@ -834,3 +834,29 @@ def test_plan_offload_with_paired_lanes_keeps_a_pairs_copies_apart():
         assert overlaps(own) > 0 and overlaps(paired) == 0
         assert paired.makespan() == base.makespan()
         assert max(paired.rank_memory(r)[0] for r in range(4)) < max(base.rank_memory(r)[0] for r in range(4))
+
+
+def test_vocabulary_passes_from_python():
+    """Vocabulary Parallelism's passes through from_ops (tests/c/test_vocab_schedule.c times them
+    by hand): the same two ranks give the same step, the ops keep their names, and the CSV form,
+    which has no cells for them, says so."""
+    r0 = [("IF", 0, 0), ("F", 0, 0), ("S", 0, 0), ("T", 0, 0), ("BW", 0, 0), ("IB", 0, 0)]
+    r1 = [("IF", 1, 0), ("F", 1, 0), ("S", 1, 0), ("T", 1, 0), ("BW", 1, 0), ("IB", 1, 0)]
+    times = {"f": 1, "b": 1, "w": 1, "bw": 2}
+    vt = {"s": 0.5, "t": 0.5, "if": 0.25, "ib": 0.25, "comm": 0.1}
+    for vocab, end in ((2, 7.7), (1, 7.8)):
+        s = Schedule.from_ops([r0, r1], m=1, times=times, vocab=vocab, vocab_times=vt)
+        s.validate()
+        assert abs(s.makespan() - end) < 1e-12
+        assert [op.type for op in s.rank_ops(1)] == ["IF", "F", "S", "T", "BW", "IB"]
+        assert "S output layer forward" in s.to_text()
+        with pytest.raises(ZbError, match="no CSV cells"):
+            s.to_csv()
+        s.close()
+    with pytest.raises(ValueError, match="vocab must be 0"):
+        Schedule.from_ops([r0, r1], m=1, vocab=3)
+    with pytest.raises(ValueError, match="vocab_times keys"):
+        Schedule.from_ops([r0, r1], m=1, vocab=2, vocab_times={"x": 1})
+    plain = Schedule.from_ops([r0, r1], m=1, times=times)
+    with pytest.raises(ZbError, match="vocab is 0"):
+        plain.validate()

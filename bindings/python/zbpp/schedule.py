@@ -32,12 +32,12 @@ __all__ = ["Op", "Schedule", "SimResult", "kinds", "stack_svgs"]
 
 # ---- constants mirrored from include/zbpp.h ------------------------------------------------------
 
-ZB_SCHEDULE_SPEC_VERSION = 2
+ZB_SCHEDULE_SPEC_VERSION = 3
 ZB_KIND_COUNT = 11
 ZB_KIND_CUSTOM = 9
 
 # zb_op_type_t: the index is the C value.
-_OP_NAMES = ("F", "B", "W", "BW", "OFFLOAD", "RELOAD")
+_OP_NAMES = ("F", "B", "W", "BW", "OFFLOAD", "RELOAD", "S", "T", "IF", "IB")
 _OP_CODES = {name: code for code, name in enumerate(_OP_NAMES)}
 
 # zb_format_t: the one format zb_schedule_import reads.
@@ -87,6 +87,12 @@ class _Spec(ctypes.Structure):
         ("time_reload", ctypes.c_double),
         ("stage_time_offload", _c_double_p),
         ("stage_time_reload", _c_double_p),
+        ("vocab", ctypes.c_int32),  # version 3: Vocabulary Parallelism (0 none, 1 two barriers, 2 one)
+        ("time_s", ctypes.c_double),
+        ("time_t", ctypes.c_double),
+        ("time_if", ctypes.c_double),
+        ("time_ib", ctypes.c_double),
+        ("time_vocab_comm", ctypes.c_double),
     ]
 
     @classmethod
@@ -94,7 +100,8 @@ class _Spec(ctypes.Structure):
         # The same values as ZB_SCHEDULE_SPEC_INIT: kind 1F1B, p = 1, v = 0 (the kind's default),
         # m = 1, times 1/1/1 with bw = b + w, no comm, w_share 0.5, no memory limit, free copies.
         return cls(ctypes.sizeof(cls), ZB_SCHEDULE_SPEC_VERSION, 1, 1, 0, 1,
-                   1.0, 1.0, 1.0, 0.0, None, None, None, None, 0.0, 0.5, 0.0, 0, 0, 0.0, 0.0, None, None)
+                   1.0, 1.0, 1.0, 0.0, None, None, None, None, 0.0, 0.5, 0.0, 0, 0, 0.0, 0.0, None, None,
+                   0, 0.0, 0.0, 0.0, 0.0, 0.0)
 
 
 ZB_OFFLOAD_CONFIG_VERSION = 1
@@ -229,6 +236,22 @@ def _resolve_kind(kind):
     return out_kind.value, factor.value
 
 
+_VOCAB_TIME_KEYS = {"s": "time_s", "t": "time_t", "if": "time_if", "ib": "time_ib", "comm": "time_vocab_comm"}
+
+
+def _vocab_spec(spec, vocab, vocab_times):
+    """Vocabulary Parallelism's part of a spec: vocab (0, 1 or 2) and its pass times."""
+    if vocab not in (0, 1, 2) or isinstance(vocab, bool):
+        raise ValueError(f"vocab must be 0 (none), 1 (two barriers a microbatch) or 2 (one, the backward fused into S), "
+                         f"got {vocab!r}")
+    spec.vocab = vocab
+    unknown = set(vocab_times or {}) - set(_VOCAB_TIME_KEYS)
+    if unknown:
+        raise ValueError(f"vocab_times keys are {sorted(_VOCAB_TIME_KEYS)}, got {sorted(unknown)}")
+    for key, value in (vocab_times or {}).items():
+        setattr(spec, _VOCAB_TIME_KEYS[key], _number(value, f"vocab_times[{key!r}]"))
+
+
 def _op_code(type_, what):
     """zb_op_type_t for 'F', 'B', 'W', 'BW', 'OFFLOAD' or 'RELOAD' (any case)."""
     if isinstance(type_, str):
@@ -296,7 +319,7 @@ class Schedule(_ScheduleExports):
 
     @classmethod
     def generate(cls, kind, p, m, v=None, times=None, comm=0.0, w_share=0.5, mem_limit=None, placement=None,
-                 offload=None):
+                 offload=None, vocab=0, vocab_times=None):
         """Generates a schedule of a kind for p ranks and m microbatches.
 
         kind: any name the library accepts (see kinds()), any case, '-' or '_', torch's class
@@ -318,6 +341,10 @@ class Schedule(_ScheduleExports):
         (zb_schedule_create_offloaded): a fixed order gets plan_offload's copies; zb-auto plans its
         order and the copies together, trying orders planned for more memory than device_limit
         (default: mem_limit, else p) and keeping the shortest step the copies bring within it.
+        vocab: Vocabulary Parallelism's passes (S, T, IF, IB on every rank; 1f1b so far, in the
+        reference's order): 2 for one all-reduce barrier a microbatch (Vocab-2, backward fused
+        into S), 1 for two (Vocab-1); vocab_times: one rank's pass times 's', 't', 'if', 'ib' and
+        a barrier's 'comm' (see from_ops).
 
         Raises TypeError/ValueError for malformed arguments and ZbError for what the library
         rejects (its message says what is allowed, e.g. the smallest m for a kind).
@@ -339,6 +366,7 @@ class Schedule(_ScheduleExports):
         else:
             limit = _mem_limit(mem_limit, p)
         spec, keep = _build_spec(kind_value, p, v_spec, m, parts, comm, w_share, limit)
+        _vocab_spec(spec, vocab, vocab_times)
         if placement is not None:
             if placement not in _PLACEMENT_VALUES:
                 raise ValueError(f"placement is {placement!r}; it is None (the kind's own), 'loop' or 'v'")
@@ -401,11 +429,14 @@ class Schedule(_ScheduleExports):
 
     @classmethod
     def from_ops(cls, rank_ops, m, placement="loop", v=None, times=None, comm=0.0, w_share=0.5,
-                 mem_limit=None):
+                 mem_limit=None, vocab=0, vocab_times=None):
         """Builds a schedule (kind "custom") from explicit op lists.
 
         rank_ops: one list per rank of Op or (type, stage, mb) tuples in execution order, type
-        'F', 'B', 'W', 'BW', or the copies 'OFFLOAD' and 'RELOAD'. m: microbatches. placement: 'loop' (stage s on rank s mod p), 'v'
+        'F', 'B', 'W', 'BW', the copies 'OFFLOAD' and 'RELOAD', or Vocabulary Parallelism's passes
+        'S', 'T', 'IF', 'IB' (their stage is the rank that runs them; vocab=1 for two barriers a
+        microbatch, 2 for one, and vocab_times a dict of one rank's pass times 's', 't', 'if',
+        'ib' and a barrier's all-reduces 'comm'; zbpp.h, ZB_OP_S). m: microbatches. placement: 'loop' (stage s on rank s mod p), 'v'
         (v = 2; stage s on rank s for s < p, else 2p-1-s), or a list giving each stage's rank
         (any map where every rank holds a stage; ranks may hold different numbers of stages; per-
         rank scalar times are split among each rank's stages, per-stage lists have one entry per
@@ -458,6 +489,7 @@ class Schedule(_ScheduleExports):
         S = len(stage_map) if stage_map is not None else p * v
         parts = _parse_times(times, S, f"{S} stages" if stage_map is not None else f"p * v = {p} * {v}")
         spec, keep = _build_spec(ZB_KIND_CUSTOM, p, v, m, parts, comm, w_share, _mem_limit(mem_limit, p))
+        _vocab_spec(spec, vocab, vocab_times)
         ops_ptrs = (ctypes.POINTER(_Op) * p)(*(ctypes.cast(buf, ctypes.POINTER(_Op)) for buf, _ in arrays))
         counts = (ctypes.c_int32 * p)(*(n for _, n in arrays))
         handle = ctypes.c_void_p()

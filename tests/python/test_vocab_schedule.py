@@ -1,0 +1,81 @@
+"""1F1B with Vocabulary Parallelism's passes (Schedule.generate("1f1b", ..., vocab=1 or 2)):
+every rank runs IF, F, S, T, B and IB for every microbatch; rank r runs min(p - r, m) + 1 forwards
+before its first backward with one barrier a microbatch (Vocab-2), + 2 with two (Vocab-1); the
+activation peak is p + 1 and p + 2; the schedule validates. With $ZBPP_VP_REF (a checkout of
+sail-sg/VocabularyParallelism), the reference's own schedule function is run with recording stubs
+(vp_reference.py) and zbpp's order is its order, op for op, on every rank, over p in {4, 8, 16},
+m from p + 2 to 4p, five (f, b, c) cost grids and both variants."""
+
+import os
+import re
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from zbpp import Schedule  # noqa: E402
+
+VT = {"s": 0.5, "t": 0.5, "if": 0.1, "ib": 0.1, "comm": 0.05}
+
+
+def _forwards_before_first_backward(ops):
+    n = 0
+    for op in ops:
+        if op.type == "BW":
+            break
+        n += op.type == "F"
+    return n
+
+
+@pytest.mark.parametrize("p", [2, 4, 8])
+@pytest.mark.parametrize("vocab", [1, 2])
+def test_warm_up_and_memory_are_the_references(p, vocab):
+    for m in (p + 2, 2 * p, 4 * p):
+        s = Schedule.generate("1f1b", p, m, times={"f": 1, "b": 1, "w": 1}, vocab=vocab, vocab_times=VT)
+        s.validate()
+        extra = 1 if vocab == 2 else 2
+        for r in range(p):
+            ops = s.rank_ops(r)
+            for kind in ("IF", "F", "S", "T", "BW", "IB"):
+                assert sorted(o.mb for o in ops if o.type == kind) == list(range(m)), f"rank {r}: {kind}"
+            assert _forwards_before_first_backward(ops) == min(min(p - r, m) + extra, m)
+        assert s.simulate().max_peak_memory == p + extra
+        s.close()
+
+
+def test_other_kinds_say_they_are_to_come():
+    from zbpp import ZbError
+
+    with pytest.raises(ZbError, match="placed in 1f1b so far"):
+        Schedule.generate("zb-v", 4, 8, vocab=2)
+
+
+REF = os.environ.get("ZBPP_VP_REF")
+
+
+@pytest.mark.skipif(not REF, reason="set ZBPP_VP_REF to a sail-sg/VocabularyParallelism checkout")
+def test_1f1b_with_vocabulary_passes_is_the_references_order():
+    import vp_reference as ref
+
+    ref.use_reference(REF)
+    compared = skipped = 0
+    for p in (4, 8, 16):
+        for m in sorted({p + 2, 2 * p, 4 * p}):
+            for f, b, c in ref.GRID_FBC:
+                for fused in (True, False):
+                    entry, _, errs, viol, checks = ref.run_config(p, m, f, b, c, fused)
+                    if errs or viol or checks:  # outside what the reference runs (it needs m >= p + 2 unfused)
+                        skipped += 1
+                        continue
+                    s = Schedule.generate("1f1b", p, m, times={"f": f, "b": b / 2, "w": b / 2}, vocab=2 if fused else 1,
+                                          vocab_times=VT)
+                    for r in range(p):
+                        want = [(g.group(1), int(g.group(2))) for e in entry["ranks"][r]
+                                for g in [re.fullmatch(r"(IF|IB|F|B|S|T)(\d+)", e)] if g]
+                        got = [("B" if o.type == "BW" else o.type, o.mb) for o in s.rank_ops(r)]
+                        assert got == want, f"p={p} m={m} f={f} b={b} fused={fused} rank {r}"
+                    s.validate()
+                    s.close()
+                    compared += 1
+    assert compared >= 80 and skipped <= 10, (compared, skipped)
