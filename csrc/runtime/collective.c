@@ -14,11 +14,17 @@
  * microbatch, not for a model's gradients.
  *
  * Failures: each message waits at most timeout_s; a rank that never joins fails the others at
- * their timeout, naming it (the transport's wait says which peer), and a rank that aborted fails
- * them at once (ZB_ERR_REMOTE). A failed collective leaves no request behind.
+ * their timeout, naming it (the transport's wait says which peer). A rank whose collective fails
+ * aborts its transport, as a failed runner does, so the others fail at once (ZB_ERR_REMOTE) instead
+ * of at their timeout, and no later collective can pair with a message the failed one left on the
+ * channel. A transport that cannot withdraw a posted receive (gloo's) may still write into it after
+ * the failure: rank 0's staging buffer is then left allocated on purpose (once per transport, since
+ * an aborted transport fails everything after), and the caller's buffer must stay alive (the Python
+ * binding keeps it) and holds no defined value.
  *
  * What this is not: a device collective. Buffers are host memory; the NCCL transport, and a
- * transport bound to a device backend, are refused (a group communicator is the NCCL way).
+ * transport bound to a device backend, are refused (a group communicator is the NCCL way). A
+ * staged transport's collectives run on its inner host transport.
  */
 #include <math.h>
 #include <stdio.h>
@@ -51,7 +57,6 @@ static void reduce_into(void *acc, const void *x, size_t count, zb_dtype_t d, zb
 }
 
 static zb_status_t check_transport(zb_transport_t *t, const char *what) {
-  ZB_ARG_NOT_NULL(t);
   if (t->ops->memory == ZB__TRANSPORT_DEVICE_MEMORY || (t->be && t->be->ops->device_memory))
     return ZB_FAIL(ZB_ERR_UNSUPPORTED,
                    "%s: the %s transport of rank %d moves device memory; collectives run on host-memory "
@@ -74,8 +79,18 @@ static void cancel_all(zb_transport_t *t, zb__request_t *reqs, int32_t n) {
   for (int32_t k = 0; k < n; k++) zb__transport_cancel(t, &reqs[k]);
 }
 
+/* A failed collective: the transport aborted with its message (see the file comment). */
+static zb_status_t failed(zb_transport_t *t, zb_status_t st) {
+  char why[1024];
+  snprintf(why, sizeof why, "%s", zb__error_body());
+  t->ops->abort(t, why);
+  return ZB_FAIL(st, "%s", why);
+}
+
 zb_status_t zb_transport_all_reduce(zb_transport_t *t, void *buf, size_t count, zb_dtype_t dtype,
                                     zb_reduce_op_t op, double timeout_s) {
+  ZB_ARG_NOT_NULL(t);
+  if (zb__staged_inner(t)) t = zb__staged_inner(t);
   ZB_CHECK(check_transport(t, "zb_transport_all_reduce"));
   if (count > 0) ZB_ARG_NOT_NULL(buf);
   if (dtype != ZB_DTYPE_F32 && dtype != ZB_DTYPE_F16 && dtype != ZB_DTYPE_BF16)
@@ -97,8 +112,8 @@ zb_status_t zb_transport_all_reduce(zb_transport_t *t, void *buf, size_t count, 
     unsigned char *parts = bytes ? malloc((size_t)(p - 1) * bytes) : NULL;
     if (bytes && !parts) {
       free(reqs);
-      return ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "rank 0: out of memory for an all-reduce of %d x %zu bytes",
-                     (int)p - 1, bytes);
+      return failed(t, ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "rank 0: out of memory for an all-reduce of %d x %zu bytes",
+                               (int)p - 1, bytes));
     }
     int32_t posted = 0;
     for (int32_t r = 1; r < p && st == ZB_OK; r++, posted++)
@@ -107,7 +122,10 @@ zb_status_t zb_transport_all_reduce(zb_transport_t *t, void *buf, size_t count, 
       st = wait_for(t, &reqs[r - 1], timeout_s, what, "waiting for the part of");
       if (st == ZB_OK) reduce_into(buf, parts + (size_t)(r - 1) * bytes, count, dtype, op);
     }
-    if (st != ZB_OK) cancel_all(t, reqs, posted);
+    if (st != ZB_OK) {
+      cancel_all(t, reqs, posted);
+      parts = NULL; /* a receive the transport could not withdraw may still write into it */
+    }
     free(parts);
     posted = 0;
     for (int32_t r = 1; r < p && st == ZB_OK; r++, posted++)
@@ -122,10 +140,12 @@ zb_status_t zb_transport_all_reduce(zb_transport_t *t, void *buf, size_t count, 
     if (st != ZB_OK) cancel_all(t, reqs, 1);
   }
   free(reqs);
-  return st;
+  return st == ZB_OK ? ZB_OK : failed(t, st);
 }
 
 zb_status_t zb_transport_broadcast(zb_transport_t *t, void *buf, size_t bytes, int32_t root, double timeout_s) {
+  ZB_ARG_NOT_NULL(t);
+  if (zb__staged_inner(t)) t = zb__staged_inner(t);
   ZB_CHECK(check_transport(t, "zb_transport_broadcast"));
   if (bytes > 0) ZB_ARG_NOT_NULL(buf);
   if (root < 0 || root >= t->ranks)
@@ -141,10 +161,10 @@ zb_status_t zb_transport_broadcast(zb_transport_t *t, void *buf, size_t bytes, i
     zb_status_t st = zb__transport_irecv(t, &req, root, ZB__TAG_COLLECTIVE, buf, bytes);
     if (st == ZB_OK) st = wait_for(t, &req, timeout_s, what, "waiting for");
     zb__transport_cancel(t, &req);
-    return st;
+    return st == ZB_OK ? ZB_OK : failed(t, st);
   }
   zb__request_t *reqs = calloc((size_t)p, sizeof *reqs);
-  if (!reqs) return ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "rank %d: out of memory for a broadcast", (int)me);
+  if (!reqs) return failed(t, ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "rank %d: out of memory for a broadcast", (int)me));
   zb_status_t st = ZB_OK;
   int32_t posted = 0;
   for (int32_t r = 0; r < p && st == ZB_OK; r++)
@@ -152,5 +172,5 @@ zb_status_t zb_transport_broadcast(zb_transport_t *t, void *buf, size_t bytes, i
   for (int32_t k = 0; k < posted && st == ZB_OK; k++) st = wait_for(t, &reqs[k], timeout_s, what, "sending to");
   if (st != ZB_OK) cancel_all(t, reqs, posted);
   free(reqs);
-  return st;
+  return st == ZB_OK ? ZB_OK : failed(t, st);
 }

@@ -91,6 +91,10 @@ static inline int32_t zb__tag_optim(int32_t stages, int32_t dir) { return 2 * st
  * up to, and apart from the binding's own (shape inference 1 << 20, the unstick receive 2^30 + 7). */
 #define ZB__TAG_COLLECTIVE ((int32_t)((1 << 30) + 16))
 
+/* The host transport under a staged one (transport_staged.c), or NULL when t is not staged: the
+ * collectives move host buffers, which the inner transport carries as they are. */
+zb_transport_t *zb__staged_inner(zb_transport_t *t);
+
 /* Where an op's input comes from and its output goes (bufplan.c): the channel's tag (zb__tag_fwd or
  * zb__tag_bwd of the boundary, so tag / 2 is the boundary) and the rank holding the stage at the
  * other end; tag -1 (and peer -1) where there is none, e.g. stage 0's forward input. The runner

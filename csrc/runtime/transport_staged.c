@@ -166,3 +166,5 @@ zb_status_t zb_transport_create_staged(zb_transport_t **out, zb_transport_t *inn
   *out = t;
   return ZB_OK;
 }
+
+zb_transport_t *zb__staged_inner(zb_transport_t *t) { return t->ops == &staged_ops ? inner_of(t) : NULL; }

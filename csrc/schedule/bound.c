@@ -118,11 +118,13 @@ zb_status_t zb_schedule_cost_bound(const zb_schedule_t *s, double *out) {
   int p = s->p, S = s->S, m = s->m;
   double best = 0;
 
-  /* 1: the busiest rank's work. */
+  /* 1: the busiest rank's work (its Vocabulary Parallelism passes too, where it has them). */
   for (int r = 0; r < p; r++) {
     double work = 0;
     for (int st = 0; st < S; st++)
       if (zb__stage_rank(s, st) == r) work += m * (s->tf[st] + bwmin(s, st));
+    for (int k = s->ops ? s->rank_off[r] : 0; s->ops && k < s->rank_off[r + 1]; k++)
+      if (zb__op_is_vocab(s->ops[k].type)) work += zb__op_cost(s, s->ops[k].type, r);
     best = fmax(best, work);
   }
 

@@ -61,8 +61,10 @@ static void lm_head_step(run_t *x, int k) {
 
 zb_status_t zb__gen_vocab_1f1b(zb_schedule_t *s) {
   const int p = s->p, m = s->m, fused = s->vocab == 2;
-  /* The profiled f and b of the reference: a forward and a (fused) backward of a rank. */
-  const double f = s->tf[0], b = s->tbw[0];
+  /* The profiled f and b of the reference: a rank's forward and (fused) backward, averaged over
+   * the ranks as its timers average them (schedule_timers.py, joint_conclusion). */
+  double f = 0, b = 0;
+  for (int st = 0; st < s->S; st++) f += s->tf[st] / s->S, b += s->tbw[st] / s->S;
   int *is_bsf = malloc((size_t)(p + 1) * sizeof(int)), *warm_s = calloc((size_t)p, sizeof(int));
   double *offsets = malloc((size_t)(p + 1) * sizeof(double));
   zb__oplists_t l;
@@ -106,7 +108,6 @@ zb_status_t zb__gen_vocab_1f1b(zb_schedule_t *s) {
     int first_warm = p < m ? p : m;
     int remaining = m - warm - 1 > 0 ? m - warm - 1 : 0;
     if (!fused) remaining = remaining - 1 > 0 ? remaining - 1 : 0;
-    int pending_ib = -1; /* the IB a pending input_embedding_backward callback runs */
     int next_b = 0;
 
     for (int i = 0; i < first_warm - warm + 1; i++) embed_forward(&x); /* l.906-908 */
@@ -153,11 +154,11 @@ zb_status_t zb__gen_vocab_1f1b(zb_schedule_t *s) {
         if (ib >= 0) push(&x, ZB_OP_IB, r, ib), ib = -1; /* l.1147 */
         x.s_left--;
       }
-      pending_ib = ib; /* a callback not run in this iteration runs in the next one's place */
+      /* One of the two branches above called the helper and one ran its callback: every ib is
+       * pushed within its iteration, as in the reference. */
     }
     for (int i = 0; i < m - remaining; i++) { /* l.1191-1281: cool-down */
-      int ib = pending_ib;
-      pending_ib = -1;
+      int ib = -1;
       if (bsf || o - f > -b) {
         if (m - x.s_left >= warm_s[0] + 2 + off) ib = embed_backward(&x);
       }
@@ -179,7 +180,6 @@ zb_status_t zb__gen_vocab_1f1b(zb_schedule_t *s) {
         }
         if (ib >= 0) push(&x, ZB_OP_IB, r, ib), ib = -1; /* l.1266 */
       }
-      pending_ib = ib;
     }
     while (x.ib_left > 0) push(&x, ZB_OP_IB, r, embed_backward(&x)); /* l.1293-1297 */
     if (fused) lm_head_step(&x, m); /* l.1299-1304: T(m - 1) */

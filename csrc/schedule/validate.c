@@ -18,7 +18,9 @@
  * names, only in a schedule with vocab set, one S and one T per rank and microbatch (and IF and IB
  * likewise, in every list or in none); on one rank S after F(S-1, mb) where that stage is on it, T
  * after S, F(0, mb) after IF, IB after IF and after B/BW(0, mb) where stage 0 is on it, and
- * B/BW(S-1, mb) after S (vocab 2) or T (vocab 1). What crosses ranks (the barriers) is rule 5's.
+ * B/BW(S-1, mb) after S (vocab 2) or T (vocab 1), and each kind of pass in microbatch order (the
+ * collectives behind them pair up in order on every rank). What crosses ranks (the barriers) is
+ * rule 5's.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -76,6 +78,11 @@ static zb_status_t check_vocab(const zb_schedule_t *s, tables_t *t, int r, int k
     return ZB_FAIL(ZB_ERR_INVALID_SCHEDULE,
                    "rank %d, position %d: %s mb %d comes before the %s of mb %d, which must run earlier on this "
                    "rank (rule: dependencies in order)", r, k, name, op->mb, before, op->mb);
+  if (op->mb > 0 && t->posV[op->type - ZB_OP_S][key - 1] == NONE)
+    return ZB_FAIL(ZB_ERR_INVALID_SCHEDULE,
+                   "rank %d, position %d: %s mb %d comes before %s mb %d (rule: every rank runs each kind of "
+                   "vocabulary pass in microbatch order, so that their collectives pair up in order)",
+                   r, k, name, op->mb, name, op->mb - 1);
   *slot = k;
   return ZB_OK;
 }

@@ -138,6 +138,17 @@ def test_bad_arguments_say_what_is_allowed():
     with pytest.raises(ValueError, match=r"whole \[vocab, hidden\] weight"):
         vocab.VocabParallelOutput(torch.zeros(4), 0, 2, None)
     with pytest.raises(ValueError, match=r"label_smoothing must be in \[0, 1\)"):
-        vocab.VocabParallelOutput(torch.zeros(4, 2), 0, 2, None, label_smoothing=1.0)
+        vocab.VocabParallelOutput(torch.zeros(4, 2), 0, 1, None, label_smoothing=1.0)
+    with pytest.raises(ValueError, match="2 ranks need their transport"):
+        vocab.VocabParallelOutput(torch.zeros(4, 2), 0, 2, None)
+    weight, _, h, target, grad_loss = _data(40)
+    alone = vocab.VocabParallelOutput(weight)  # one rank: nothing to combine
+    loss, grad_h = alone.forward_backward(h, target, grad_loss)
+    ref_loss, ref_gh, ref_gw = _reference(weight, h, target, grad_loss, 0.0)
+    torch.testing.assert_close(loss, ref_loss, **TOL)
+    torch.testing.assert_close(grad_h, ref_gh, **TOL)
+    torch.testing.assert_close(alone.weight.grad, ref_gw, **TOL)
+    with pytest.raises(ValueError, match=r"vocabulary ids in 0\.\.39"):
+        alone.s_pass(h, torch.full((T,), -100))
     assert vocab.vocab_shard_range(37, 3, 4) == (30, 40, 40)
     assert vocab.vocab_shard_range(37, 0, 4, pad_multiple=8) == (0, 16, 64)  # Megatron: a multiple of 8 x 4

@@ -79,3 +79,28 @@ def test_1f1b_with_vocabulary_passes_is_the_references_order():
                     s.close()
                     compared += 1
     assert compared >= 80 and skipped <= 10, (compared, skipped)
+
+
+@pytest.mark.parametrize("vocab", [1, 2])
+def test_any_shape_and_costs_give_a_schedule_that_runs(vocab):
+    """Beyond what the reference runs (it needs b >= f >= c and m >= p + 1 or p + 2): p = 1 to 6,
+    m = 1 to 3p, forwards longer or shorter than backwards, zero costs; each validates (one of
+    every pass per rank and microbatch, in order, no deadlock)."""
+    for p in range(1, 7):
+        for m in range(1, 3 * p + 1):
+            for f, b in ((1, 2), (2, 1), (1, 1), (0, 1), (1, 0)):
+                s = Schedule.generate("1f1b", p, m, times={"f": f, "b": b / 2, "w": b / 2}, vocab=vocab,
+                                      vocab_times=VT)
+                s.validate()
+                s.simulate()
+                s.close()
+
+
+def test_a_pass_out_of_microbatch_order_is_refused():
+    from zbpp import ZbError
+
+    r0 = [("IF", 0, 0), ("IF", 0, 1), ("F", 0, 0), ("F", 0, 1), ("S", 0, 1), ("S", 0, 0), ("T", 0, 0), ("T", 0, 1),
+          ("BW", 0, 0), ("BW", 0, 1), ("IB", 0, 0), ("IB", 0, 1)]
+    s = Schedule.from_ops([r0], m=2, vocab=2, vocab_times=VT)
+    with pytest.raises(ZbError, match="S mb 1 comes before S mb 0"):
+        s.validate()

@@ -273,17 +273,30 @@ class Transport(_Handle):
         addr, count, nbytes, name = _host_buffer(x, "all_reduce")
         if name not in _REDUCE_DTYPES:
             raise ValueError(f"all_reduce: dtype {name} is not reduced here; use float32, float16 or bfloat16")
-        _lib.call("zb_transport_all_reduce", [_P, _P, _c.c_size_t, _c.c_int, _c.c_int, _c.c_double], self.handle,
-                  addr, count, _REDUCE_DTYPES[name], _REDUCE_OPS[op], float(timeout))
+        try:
+            _lib.call("zb_transport_all_reduce", [_P, _P, _c.c_size_t, _c.c_int, _c.c_int, _c.c_double], self.handle,
+                      addr, count, _REDUCE_DTYPES[name], _REDUCE_OPS[op], float(timeout))
+        except BaseException:
+            self._park(x)
+            raise
         return x
 
     def broadcast(self, x, root, timeout=300.0):
         """x (a contiguous CPU torch tensor or numpy array, any dtype) becomes root's x on every rank
         (zb_transport_broadcast). Every rank calls it, in the same order. Returns x."""
         addr, _, nbytes, _ = _host_buffer(x, "broadcast")
-        _lib.call("zb_transport_broadcast", [_P, _P, _c.c_size_t, _c.c_int32, _c.c_double], self.handle, addr,
-                  nbytes, int(root), float(timeout))
+        try:
+            _lib.call("zb_transport_broadcast", [_P, _P, _c.c_size_t, _c.c_int32, _c.c_double], self.handle, addr,
+                      nbytes, int(root), float(timeout))
+        except BaseException:
+            self._park(x)
+            raise
         return x
+
+    def _park(self, x):
+        """After a failed collective (the transport is aborted), x stays alive with the transport: a
+        receive gloo cannot withdraw may still write into it (collective.c)."""
+        self.__dict__.setdefault("_parked", []).append(x)
 
 
 _REDUCE_OPS = {"sum": 0, "max": 1}

@@ -404,6 +404,9 @@ class StageCosts:
         if any(op.type in ("OFFLOAD", "RELOAD") for rank in ops for op in rank):
             raise ValueError("StageCosts.expected_bubble: the schedule has OFFLOAD/RELOAD copies, which the "
                              "measured costs do not time; give the schedule without them")
+        if any(op.type in _VOCAB_OPS for rank in ops for op in rank):
+            raise ValueError("StageCosts.expected_bubble: the schedule has Vocabulary Parallelism's passes (S, T, "
+                             "IF, IB), which the measured costs do not time yet; give the schedule without them")
         over = [[self.overheads[op.type.lower()][op.stage] for op in rank] for rank in ops]
         pools = None
         if self.samples is not None and draws > 0 and (schedule.ranks, schedule.stages) == (self.ranks, self.stages):
@@ -611,6 +614,10 @@ def _wait_gaps(ops, times, where, S):
     return gaps
 
 
+_STAGE_OPS = ("F", "B", "W", "BW")
+_VOCAB_OPS = ("S", "T", "IF", "IB")
+
+
 def _ready_gaps(ops, times, where, S, comm=0.0):
     """Per-op overhead samples of one timeline, as (op, gap): for each op (not a rank's first) whose
     inputs from other ranks had all arrived (producer end + comm) by the time the rank's previous
@@ -621,6 +628,8 @@ def _ready_gaps(ops, times, where, S, comm=0.0):
         starts, ends = times[r]
         for k in range(1, len(rank_ops)):
             op = rank_ops[k]
+            if op.type not in _STAGE_OPS or rank_ops[k - 1].type not in _STAGE_OPS:
+                continue  # a copy or a vocabulary pass: not a stage's op, no stage's overhead
             if op.type == "F":
                 deps = [] if op.stage == 0 else [("F", op.stage - 1, op.mb)]
             elif op.type in ("B", "BW"):

@@ -241,13 +241,15 @@ _VOCAB_TIME_KEYS = {"s": "time_s", "t": "time_t", "if": "time_if", "ib": "time_i
 
 def _vocab_spec(spec, vocab, vocab_times):
     """Vocabulary Parallelism's part of a spec: vocab (0, 1 or 2) and its pass times."""
-    if vocab not in (0, 1, 2) or isinstance(vocab, bool):
+    if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab not in (0, 1, 2):
         raise ValueError(f"vocab must be 0 (none), 1 (two barriers a microbatch) or 2 (one, the backward fused into S), "
                          f"got {vocab!r}")
     spec.vocab = vocab
     unknown = set(vocab_times or {}) - set(_VOCAB_TIME_KEYS)
     if unknown:
         raise ValueError(f"vocab_times keys are {sorted(_VOCAB_TIME_KEYS)}, got {sorted(unknown)}")
+    if vocab_times and not vocab:
+        raise ValueError("vocab_times times Vocabulary Parallelism's passes; it goes with vocab=1 or vocab=2")
     for key, value in (vocab_times or {}).items():
         setattr(spec, _VOCAB_TIME_KEYS[key], _number(value, f"vocab_times[{key!r}]"))
 

@@ -64,12 +64,27 @@ def _check_weight(name, weight, rank, ranks):
         raise ValueError(f"zbpp.{name}: rank {rank} is not in 0..{ranks - 1}")
 
 
+class _Alone:
+    """The collectives of a pipeline of one rank: nothing to combine."""
+
+    @staticmethod
+    def all_reduce(x, op="sum", timeout=300.0):
+        return x
+
+    @staticmethod
+    def broadcast(x, root, timeout=300.0):
+        return x
+
+
 class _Shard:
     """This rank's rows of a [V, H] weight, padded: a Parameter of [end - start, H] (padding zeros)."""
 
     def __init__(self, name, weight, rank, ranks, transport, pad_multiple):
         _check_weight(name, weight, rank, ranks)
-        self.rank, self.ranks, self.transport = rank, ranks, transport
+        if transport is None and ranks > 1:
+            raise ValueError(f"zbpp.{name}: {ranks} ranks need their transport (zbpp.runtime.Transport, e.g. "
+                             "zbpp.distributed.TorchTransport(group).transport) for the collectives")
+        self.rank, self.ranks, self.transport = rank, ranks, transport if transport is not None else _Alone()
         self.vocab_size, self.hidden = weight.shape
         self.start, self.end, self.padded = vocab_shard_range(self.vocab_size, rank, ranks, pad_multiple)
         rows = torch.zeros(self.end - self.start, self.hidden, dtype=weight.dtype)
@@ -124,6 +139,9 @@ class VocabParallelOutput(_Shard):
 
     def s_pass(self, h, target):
         """S on one microbatch: h [T, H] (float), target [T] (vocabulary ids). Returns its state."""
+        if target.numel() and (int(target.min()) < 0 or int(target.max()) >= self.vocab_size):
+            raise ValueError(f"zbpp.VocabParallelOutput: targets must be vocabulary ids in 0..{self.vocab_size - 1}, "
+                             f"got {int(target.min())}..{int(target.max())} (an ignore_index is not supported)")
         st = _OutputState()
         w = self.weight.detach()
         st.h = h.detach().float()

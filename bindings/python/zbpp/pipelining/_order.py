@@ -41,7 +41,7 @@ def to_actions(schedule):
         copy = next((op for op in ops if op.type not in _FROM_ZB), None)
         if copy is not None:
             raise ValueError(f"zbpp: rank {r} has {copy}: torch's pipeline_order has no action for zbpp's "
-                             "OFFLOAD/RELOAD copies")
+                             "OFFLOAD/RELOAD copies or Vocabulary Parallelism's S/T/IF/IB passes")
         order[r] = [_s._Action(op.stage, _FROM_ZB[op.type], op.mb) for op in ops]
     return order
 
