@@ -64,6 +64,10 @@ void zb__oplists_free(zb__oplists_t *l);
  * with every op timed, also the times as s's simulation results. */
 zb_status_t zb__schedule_take_ops(zb_schedule_t *s, zb__oplists_t *l);
 
+/* Checks a caller's spec header; a caller built with an older header (version 1 or 2, shorter)
+ * gets *spec pointed at `upgraded`, a current copy without what its header lacked (schedule.c). */
+zb_status_t zb__upgrade_spec(const zb_schedule_spec_t **spec, zb_schedule_spec_t *upgraded);
+
 /* Checks the cost part of a spec with S stages (spec_costs.c): finite times >= 0, w_share in
  * [0, 1], a finite mem_limit. Shared by create, create_from_ops and import. */
 zb_status_t zb__spec_check_costs(const zb_schedule_spec_t *spec, int S);

@@ -467,6 +467,8 @@ zb_status_t zb_schedule_create_offloaded(zb_schedule_t **out, const zb_schedule_
   ZB_ARG_NOT_NULL(out);
   *out = NULL;
   ZB_ARG_NOT_NULL(spec);
+  zb_schedule_spec_t upgraded; /* read no further than an older caller's struct */
+  ZB_CHECK(zb__upgrade_spec(&spec, &upgraded));
   zb_offload_config_t c = ZB_OFFLOAD_CONFIG_INIT;
   if (config) memcpy(&c, config, config->struct_size < sizeof c ? config->struct_size : sizeof c);
   zb_schedule_t *plain = NULL;

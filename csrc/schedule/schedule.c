@@ -228,7 +228,7 @@ void zb__schedule_free(zb_schedule_t *s) {
 /* Checks a caller's spec header and, for a caller built with the version 1 header (which ends
  * before the copy times) or the version 2 one (before Vocabulary Parallelism), points *spec at a
  * current copy without what its header lacked: callers built before those keep working. */
-static zb_status_t upgrade_spec(const zb_schedule_spec_t **spec, zb_schedule_spec_t *upgraded) {
+zb_status_t zb__upgrade_spec(const zb_schedule_spec_t **spec, zb_schedule_spec_t *upgraded) {
   const zb_schedule_spec_t *in = *spec;
   const size_t v1_size = offsetof(zb_schedule_spec_t, time_offload);
   const size_t v2_size = offsetof(zb_schedule_spec_t, vocab);
@@ -526,7 +526,7 @@ zb_status_t zb_schedule_create(zb_schedule_t **out, const zb_schedule_spec_t *sp
   *out = NULL;
   ZB_ARG_NOT_NULL(spec);
   zb_schedule_spec_t upgraded;
-  ZB_CHECK(upgrade_spec(&spec, &upgraded));
+  ZB_CHECK(zb__upgrade_spec(&spec, &upgraded));
   int v = spec->chunks ? spec->chunks : default_chunks(spec->kind);
   ZB_CHECK(check_shape(spec, v));
   zb_placement_t placement = ZB_PLACEMENT_LOOP;
@@ -617,7 +617,7 @@ zb_status_t zb_schedule_create_from_ops(zb_schedule_t **out, const zb_schedule_s
   ZB_ARG_NOT_NULL(rank_ops);
   ZB_ARG_NOT_NULL(rank_counts);
   zb_schedule_spec_t upgraded;
-  ZB_CHECK(upgrade_spec(&spec, &upgraded));
+  ZB_CHECK(zb__upgrade_spec(&spec, &upgraded));
   int p = spec->ranks, v = spec->chunks ? spec->chunks : 1, m = spec->microbatches;
   if (p < 1 || v < 1 || m < 1)
     return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "p=%d, v=%d, m=%d; each must be >= 1", p, v, m);
@@ -664,7 +664,7 @@ zb_status_t zb_schedule_create_from_ops_mapped(zb_schedule_t **out, const zb_sch
   ZB_ARG_NOT_NULL(rank_ops);
   ZB_ARG_NOT_NULL(rank_counts);
   zb_schedule_spec_t upgraded;
-  ZB_CHECK(upgrade_spec(&spec, &upgraded));
+  ZB_CHECK(zb__upgrade_spec(&spec, &upgraded));
   int p = spec->ranks, S = num_stages, m = spec->microbatches;
   if (p < 1 || S < 1 || m < 1)
     return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "p=%d, stages=%d, m=%d; each must be >= 1", p, S, m);
@@ -809,7 +809,7 @@ zb_status_t zb_schedule_import(zb_schedule_t **out, zb_format_t format, const ch
   zb_schedule_spec_t defaults = ZB_SCHEDULE_SPEC_INIT;
   if (!spec) spec = &defaults;
   zb_schedule_spec_t upgraded;
-  ZB_CHECK(upgrade_spec(&spec, &upgraded));
+  ZB_CHECK(zb__upgrade_spec(&spec, &upgraded));
   if (format != ZB_FORMAT_CSV)
     return ZB_FAIL(ZB_ERR_UNSUPPORTED, "import reads CSV only (format %d given)", (int)format);
   return zb__import_csv(out, text ? text : "", len, spec);

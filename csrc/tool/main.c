@@ -76,6 +76,10 @@ static void usage(FILE *out) {
           "  --offload-slowdown X let the step grow by the fraction X for more offload (default 0)\n"
           "  --offload-paired     ranks 2k and 2k+1 share one link to host memory (one PCIe switch):\n"
           "                       their copies take turns\n"
+          "  --vocab N            Vocabulary Parallelism's passes on every rank (1f1b): 2 for one\n"
+          "                       all-reduce barrier a microbatch (the reference's Vocab-2), 1 for two\n"
+          "  --vocab-times S,T,I,E,C  one rank's pass times: S (output layer forward), T (its\n"
+          "                       backward), I and E (the embedding's), C (a barrier's all-reduces)\n"
           "  --mem-limit L        peak activation memory per rank in microbatches, or 'Np' for N*p\n"
           "                       (zb-auto's target; a limit for validation otherwise)\n"
           "  --placement P        loop or v: where zb-auto puts the stages (default: v for v = 2, else\n"
@@ -90,6 +94,7 @@ static void usage(FILE *out) {
           "  zbpp schedule zb-v -p 4 -m 8\n"
           "  zbpp schedule zb-auto -p 8 -m 24 --times 18.5,18.1,9.3 --comm 0.6 --mem-limit 2p\n"
           "  zbpp schedule 1f1b -p 4 -m 8 --copy-times 0.25,0.25 --offload\n"
+          "  zbpp schedule 1f1b -p 4 -m 8 --vocab 2 --vocab-times 0.5,0.5,0.1,0.1,0.05\n"
           "  zbpp schedule zb-auto -p 4 -m 16 -v 2 --stage-times costs.json --format svg -o zbv.svg\n"
           "  zbpp schedule 1f1b -p 4 -m 8 --format csv -o 1f1b.csv && zbpp simulate 1f1b.csv\n");
 }
@@ -103,6 +108,8 @@ typedef struct {
   double copy_times[2]; /* --copy-times: OFFLOAD, RELOAD */
   int offload;          /* --offload or --offload-limit: run the offload pass */
   int has_copy_times;
+  int vocab;             /* --vocab: 0, 1 or 2 */
+  double vocab_times[5]; /* --vocab-times: S, T, IF, IB, barrier */
   double offload_limit, offload_slowdown;
   int offload_paired; /* --offload-paired: ranks 2k and 2k+1 share one link */
   double comm, w_share;
@@ -140,21 +147,21 @@ int zb__tool_parse_double(const char *s, double *out) {
 }
 
 /* Parses up to 4 comma-separated numbers into t; *n gets how many. */
-static int parse_numbers(const char *s, double *t, int *n) {
+static int parse_numbers(const char *s, double *t, int *n, int max) {
   char buf[256];
   if (strlen(s) >= sizeof buf) return 0;
   strcpy(buf, s);
   *n = 0;
   char *save = NULL;
   for (char *tok = strtok_r(buf, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
-    if (*n == 4 || !zb__tool_parse_double(tok, &t[*n])) return 0;
+    if (*n == max || !zb__tool_parse_double(tok, &t[*n])) return 0;
     (*n)++;
   }
   return 1;
 }
 
 /* Parses "F,B,W" or "F,B,W,BW". */
-static int parse_times(const char *s, double *t, int *n) { return parse_numbers(s, t, n) && (*n == 3 || *n == 4); }
+static int parse_times(const char *s, double *t, int *n) { return parse_numbers(s, t, n, 4) && (*n == 3 || *n == 4); }
 
 static int parse_args(int argc, char **argv, args_t *a) {
   memset(a, 0, sizeof *a);
@@ -194,10 +201,23 @@ static int parse_args(int argc, char **argv, args_t *a) {
       NEED_VALUE();
       double t[4];
       int n = 0;
-      if (!parse_numbers(val, t, &n) || n != 2 || !(t[0] >= 0) || !(t[1] >= 0))
+      if (!parse_numbers(val, t, &n, 4) || n != 2 || !(t[0] >= 0) || !(t[1] >= 0))
         return zb__tool_bad_value("--copy-times", "OFFLOAD,RELOAD: two times >= 0 (per rank, like --times)", val);
       a->copy_times[0] = t[0], a->copy_times[1] = t[1];
       a->has_copy_times = 1;
+    } else if (!strcmp(arg, "--vocab")) {
+      NEED_VALUE();
+      if (strcmp(val, "1") && strcmp(val, "2"))
+        return zb__tool_bad_value("--vocab", "1 (two all-reduce barriers a microbatch, Vocab-1) or 2 (one, the backward "
+                                             "fused into S, Vocab-2)", val);
+      a->vocab = val[0] - '0';
+    } else if (!strcmp(arg, "--vocab-times")) {
+      NEED_VALUE();
+      double t[8];
+      int n = 0;
+      if (!parse_numbers(val, t, &n, 8) || n != 5 || !(t[0] >= 0 && t[1] >= 0 && t[2] >= 0 && t[3] >= 0 && t[4] >= 0))
+        return zb__tool_bad_value("--vocab-times", "S,T,IF,IB,C: five times >= 0 (one rank's passes and a barrier)", val);
+      for (int k = 0; k < 5; k++) a->vocab_times[k] = t[k];
     } else if (!strcmp(arg, "--offload")) {
       a->offload = 1;
     } else if (!strcmp(arg, "--offload-paired")) {
@@ -266,6 +286,10 @@ static int fill_costs(const args_t *a, const zb__costs_t *costs, zb_schedule_spe
   spec->w_share = a->w_share;
   spec->time_offload = a->copy_times[0];
   spec->time_reload = a->copy_times[1];
+  spec->vocab = a->vocab;
+  spec->time_s = a->vocab_times[0], spec->time_t = a->vocab_times[1];
+  spec->time_if = a->vocab_times[2], spec->time_ib = a->vocab_times[3];
+  spec->time_vocab_comm = a->vocab_times[4];
   if (costs) {
     spec->stage_time_f = costs->time_f;
     spec->stage_time_b = costs->time_b;

@@ -409,6 +409,17 @@ check_rc "schedule --offload with copies too slow exits 0" 0
 check_grep "--offload with copies too slow says nothing fits" "$T/err" "no copy fits"
 expect_error "--copy-times with one value" 2 "OFFLOAD,RELOAD" schedule 1f1b -p 2 -m 2 --copy-times 1
 expect_error "--offload-limit 0" 2 "--offload-limit" schedule 1f1b -p 2 -m 2 --offload-limit 0
+# Vocabulary Parallelism: every rank runs the passes; the reference's extra warm-up forward gives
+# 1F1B's p plus one (5 at p = 4), or plus two with two barriers.
+run schedule 1f1b -p 4 -m 8 --vocab 2 --vocab-times 0.5,0.5,0.1,0.1,0.05
+check_rc "schedule --vocab 2 exits 0" 0
+check_grep "--vocab draws the passes" "$T/out" "vocabulary passes: S output layer forward"
+check_grep "--vocab 2 holds p + 1" "$T/out" "peak memory 5 "
+run schedule 1f1b -p 4 -m 8 --vocab 1
+check_grep "--vocab 1 holds p + 2" "$T/out" "peak memory 6 "
+expect_error "--vocab 3" 2 "Vocab-2" schedule 1f1b -p 2 -m 4 --vocab 3
+expect_error "--vocab-times with four values" 2 "S,T,IF,IB,C" schedule 1f1b -p 2 -m 4 --vocab 2 --vocab-times 1,1,1,1
+expect_error "--vocab with a kind that has no placement for it yet" 1 "placed in 1f1b so far" schedule zb-v -p 2 -m 4 --vocab 2
 
 run bench --help
 check_rc "bench --help exits 0" 0
