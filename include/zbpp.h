@@ -851,10 +851,15 @@ typedef enum {
   ZB_REDUCE_MAX = 1,
 } zb_reduce_op_t;
 
-ZB_API zb_status_t zb_transport_all_reduce(zb_transport_t *transport, void *buf, size_t count, zb_dtype_t dtype,
-                                           zb_reduce_op_t op, double timeout_s);
-ZB_API zb_status_t zb_transport_broadcast(zb_transport_t *transport, void *buf, size_t bytes, int32_t root,
-                                          double timeout_s);
+/* channel (0 .. 1023): collectives of one channel pair up in the order each rank calls them;
+ * different channels do not wait for each other's order (Vocabulary Parallelism's S, T, IF and IB
+ * passes each use their own, so that each kind only has to run in microbatch order). */
+#define ZB_COLLECTIVE_CHANNELS 1024
+
+ZB_API zb_status_t zb_transport_all_reduce(zb_transport_t *transport, int32_t channel, void *buf, size_t count,
+                                           zb_dtype_t dtype, zb_reduce_op_t op, double timeout_s);
+ZB_API zb_status_t zb_transport_broadcast(zb_transport_t *transport, int32_t channel, void *buf, size_t bytes,
+                                          int32_t root, double timeout_s);
 
 /* ---- the runner ----------------------------------------------------------------------------
  * Executes one rank's op list for one iteration. F and B call back into the caller's model:
@@ -882,6 +887,8 @@ typedef zb_status_t (*zb_backward_cb)(void *user, int32_t stage, int32_t mb,
                                       const void *grad_output, void *grad_input);
 /* PipeOffload's copies (see copy_cb below): type is ZB_OP_OFFLOAD or ZB_OP_RELOAD. */
 typedef zb_status_t (*zb_copy_cb)(void *user, int32_t type, int32_t stage, int32_t mb);
+/* Vocabulary Parallelism's passes (see vocab_cb below): type is ZB_OP_S, ZB_OP_T, ZB_OP_IF or ZB_OP_IB. */
+typedef zb_status_t (*zb_vocab_cb)(void *user, int32_t type, int32_t mb);
 
 #define ZB_RUNNER_CONFIG_VERSION 1
 
@@ -953,12 +960,21 @@ typedef struct {
    * them), the rest just after it. For a caller whose callbacks must not run at the same time as
    * each other (Python's, under its interpreter lock). */
   int32_t copy_inline;
+  /* Vocabulary Parallelism's passes: a schedule with S, T, IF and IB ops (spec `vocab`) calls
+   * vocab_cb(user, type, mb) at each, on the runner's thread, between the ops before and after it
+   * in the list, like forward_cb. The caller does the pass and its collectives (the barriers of the
+   * schedule model: zb_transport_all_reduce / zb_transport_broadcast on the runner's transport, a
+   * channel per kind of pass, so that each kind runs in microbatch order on every rank; zbpp.vocab
+   * in Python), and keeps what the last stage's backward needs (the output layer's input
+   * gradient). A failing pass fails the iteration, named. Callers whose struct_size ends before
+   * this field, or that leave it NULL, cannot run schedules with these passes. */
+  zb_vocab_cb vocab_cb;
 } zb_runner_config_t;
 
 #define ZB_RUNNER_CONFIG_INIT                                                                      \
   {                                                                                                \
     sizeof(zb_runner_config_t), ZB_RUNNER_CONFIG_VERSION, 0, NULL, NULL, NULL, NULL, NULL, 0,      \
-        NULL, NULL, NULL, 0.0, 0, NULL, 0, NULL, NULL, NULL, NULL, NULL, 0.0, 0                    \
+        NULL, NULL, NULL, 0.0, 0, NULL, 0, NULL, NULL, NULL, NULL, NULL, 0.0, 0, NULL              \
   }
 
 typedef struct zb_runner zb_runner_t;

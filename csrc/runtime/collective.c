@@ -3,9 +3,9 @@
  * (zb_transport_all_reduce, zb_transport_broadcast): what Vocabulary Parallelism's passes need
  * between pipeline ranks that otherwise only talk to their neighbours.
  *
- * How: over the transport's own point-to-point messages, on a channel of their own
- * (ZB__TAG_COLLECTIVE; FIFO per peer and channel keeps consecutive collectives apart, since every
- * rank calls them in the same order). An all-reduce gathers every rank's buffer at rank 0, which
+ * How: over the transport's own point-to-point messages, on channels of their own
+ * (ZB__TAG_COLLECTIVE + the caller's channel; FIFO per peer and channel keeps consecutive
+ * collectives of a channel apart, since every rank calls them in the same order). An all-reduce gathers every rank's buffer at rank 0, which
  * reduces them in rank order, ((x0 op x1) op x2) ..., and sends the result back to every rank: the
  * bits are the same on every transport, every run and every rank, which is what bit-for-bit
  * training against a sequential loop needs (a ring or tree all-reduce adds in an order that
@@ -18,9 +18,9 @@
  * aborts its transport, as a failed runner does, so the others fail at once (ZB_ERR_REMOTE) instead
  * of at their timeout, and no later collective can pair with a message the failed one left on the
  * channel. A transport that cannot withdraw a posted receive (gloo's) may still write into it after
- * the failure: rank 0's staging buffer is then left allocated on purpose (once per transport, since
- * an aborted transport fails everything after), and the caller's buffer must stay alive (the Python
- * binding keeps it) and holds no defined value.
+ * the failure: rank 0's staging buffer is then kept until the transport is destroyed
+ * (zb__transport_park), and the caller's buffer must stay alive (the Python binding keeps it) and
+ * holds no defined value.
  *
  * What this is not: a device collective. Buffers are host memory; the NCCL transport, and a
  * transport bound to a device backend, are refused (a group communicator is the NCCL way). A
@@ -87,9 +87,18 @@ static zb_status_t failed(zb_transport_t *t, zb_status_t st) {
   return ZB_FAIL(st, "%s", why);
 }
 
-zb_status_t zb_transport_all_reduce(zb_transport_t *t, void *buf, size_t count, zb_dtype_t dtype,
+static zb_status_t check_channel(int32_t channel, const char *what) {
+  if (channel < 0 || channel >= ZB_COLLECTIVE_CHANNELS)
+    return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "%s: channel %d; channels are 0..%d", what, (int)channel,
+                   ZB_COLLECTIVE_CHANNELS - 1);
+  return ZB_OK;
+}
+
+zb_status_t zb_transport_all_reduce(zb_transport_t *t, int32_t channel, void *buf, size_t count, zb_dtype_t dtype,
                                     zb_reduce_op_t op, double timeout_s) {
   ZB_ARG_NOT_NULL(t);
+  ZB_CHECK(check_channel(channel, "zb_transport_all_reduce"));
+  const int32_t tag = ZB__TAG_COLLECTIVE + channel;
   if (zb__staged_inner(t)) t = zb__staged_inner(t);
   ZB_CHECK(check_transport(t, "zb_transport_all_reduce"));
   if (count > 0) ZB_ARG_NOT_NULL(buf);
@@ -117,25 +126,26 @@ zb_status_t zb_transport_all_reduce(zb_transport_t *t, void *buf, size_t count, 
     }
     int32_t posted = 0;
     for (int32_t r = 1; r < p && st == ZB_OK; r++, posted++)
-      st = zb__transport_irecv(t, &reqs[r - 1], r, ZB__TAG_COLLECTIVE, parts + (size_t)(r - 1) * bytes, bytes);
+      st = zb__transport_irecv(t, &reqs[r - 1], r, tag, parts + (size_t)(r - 1) * bytes, bytes);
     for (int32_t r = 1; r < p && st == ZB_OK; r++) {
       st = wait_for(t, &reqs[r - 1], timeout_s, what, "waiting for the part of");
       if (st == ZB_OK) reduce_into(buf, parts + (size_t)(r - 1) * bytes, count, dtype, op);
     }
     if (st != ZB_OK) {
       cancel_all(t, reqs, posted);
-      parts = NULL; /* a receive the transport could not withdraw may still write into it */
+      zb__transport_park(t, parts); /* a receive the transport could not withdraw may still write into it */
+      parts = NULL;
     }
     free(parts);
     posted = 0;
     for (int32_t r = 1; r < p && st == ZB_OK; r++, posted++)
-      st = zb__transport_isend(t, &reqs[r - 1], r, ZB__TAG_COLLECTIVE, buf, bytes);
+      st = zb__transport_isend(t, &reqs[r - 1], r, tag, buf, bytes);
     for (int32_t r = 1; r < p && st == ZB_OK; r++) st = wait_for(t, &reqs[r - 1], timeout_s, what, "sending the sum to");
     if (st != ZB_OK) cancel_all(t, reqs, posted);
   } else {
-    st = zb__transport_isend(t, &reqs[0], 0, ZB__TAG_COLLECTIVE, buf, bytes);
+    st = zb__transport_isend(t, &reqs[0], 0, tag, buf, bytes);
     if (st == ZB_OK) st = wait_for(t, &reqs[0], timeout_s, what, "sending this rank's part to");
-    if (st == ZB_OK) st = zb__transport_irecv(t, &reqs[0], 0, ZB__TAG_COLLECTIVE, buf, bytes);
+    if (st == ZB_OK) st = zb__transport_irecv(t, &reqs[0], 0, tag, buf, bytes);
     if (st == ZB_OK) st = wait_for(t, &reqs[0], timeout_s, what, "waiting for the result from");
     if (st != ZB_OK) cancel_all(t, reqs, 1);
   }
@@ -143,8 +153,11 @@ zb_status_t zb_transport_all_reduce(zb_transport_t *t, void *buf, size_t count, 
   return st == ZB_OK ? ZB_OK : failed(t, st);
 }
 
-zb_status_t zb_transport_broadcast(zb_transport_t *t, void *buf, size_t bytes, int32_t root, double timeout_s) {
+zb_status_t zb_transport_broadcast(zb_transport_t *t, int32_t channel, void *buf, size_t bytes, int32_t root,
+                                   double timeout_s) {
   ZB_ARG_NOT_NULL(t);
+  ZB_CHECK(check_channel(channel, "zb_transport_broadcast"));
+  const int32_t tag = ZB__TAG_COLLECTIVE + channel;
   if (zb__staged_inner(t)) t = zb__staged_inner(t);
   ZB_CHECK(check_transport(t, "zb_transport_broadcast"));
   if (bytes > 0) ZB_ARG_NOT_NULL(buf);
@@ -158,7 +171,7 @@ zb_status_t zb_transport_broadcast(zb_transport_t *t, void *buf, size_t bytes, i
   snprintf(what, sizeof what, "broadcast from rank %d", (int)root);
   if (me != root) {
     zb__request_t req = {0};
-    zb_status_t st = zb__transport_irecv(t, &req, root, ZB__TAG_COLLECTIVE, buf, bytes);
+    zb_status_t st = zb__transport_irecv(t, &req, root, tag, buf, bytes);
     if (st == ZB_OK) st = wait_for(t, &req, timeout_s, what, "waiting for");
     zb__transport_cancel(t, &req);
     return st == ZB_OK ? ZB_OK : failed(t, st);
@@ -168,7 +181,7 @@ zb_status_t zb_transport_broadcast(zb_transport_t *t, void *buf, size_t bytes, i
   zb_status_t st = ZB_OK;
   int32_t posted = 0;
   for (int32_t r = 0; r < p && st == ZB_OK; r++)
-    if (r != me) st = zb__transport_isend(t, &reqs[posted++], r, ZB__TAG_COLLECTIVE, buf, bytes);
+    if (r != me) st = zb__transport_isend(t, &reqs[posted++], r, tag, buf, bytes);
   for (int32_t k = 0; k < posted && st == ZB_OK; k++) st = wait_for(t, &reqs[k], timeout_s, what, "sending to");
   if (st != ZB_OK) cancel_all(t, reqs, posted);
   free(reqs);

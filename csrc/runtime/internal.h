@@ -61,7 +61,14 @@ struct zb_transport {
   /* Runners and post-validation handles using the transport: zb_transport_destroy is ZB_ERR_BUSY
    * while any exists (they would use freed memory). Objects of one rank live on one thread. */
   int users;
+  /* Buffers a failed collective left behind (collective.c): a receive the transport could not
+   * withdraw may still write into them, so they are freed with the transport. */
+  void **parked;
+  int32_t n_parked;
 };
+
+/* Keeps buf (malloc'd) until the transport is destroyed; frees it at once when the list cannot grow. */
+void zb__transport_park(zb_transport_t *t, void *buf);
 
 static inline void zb__transport_ref(zb_transport_t *t) {
   if (t) t->users++;
@@ -87,8 +94,9 @@ void zb__transport_cancel(zb_transport_t *t, zb__request_t *req);
 static inline int32_t zb__tag_fwd(int32_t boundary) { return 2 * boundary; }
 static inline int32_t zb__tag_bwd(int32_t boundary) { return 2 * boundary + 1; }
 static inline int32_t zb__tag_optim(int32_t stages, int32_t dir) { return 2 * stages + dir; }
-/* The collectives' channel (collective.c): above every channel the runner and the optimizer count
- * up to, and apart from the binding's own (shape inference 1 << 20, the unstick receive 2^30 + 7). */
+/* The collectives' channels start here (collective.c; + 0 .. ZB_COLLECTIVE_CHANNELS - 1): above
+ * every channel the runner and the optimizer count up to, and apart from the binding's own (shape
+ * inference 1 << 20, the unstick receive 2^30 + 7). */
 #define ZB__TAG_COLLECTIVE ((int32_t)((1 << 30) + 16))
 
 /* The host transport under a staged one (transport_staged.c), or NULL when t is not staged: the

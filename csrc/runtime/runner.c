@@ -43,6 +43,10 @@ static const char *op_name(int type) {
     case ZB_OP_W: return "W";
     case ZB_OP_OFFLOAD: return "OFFLOAD";
     case ZB_OP_RELOAD: return "RELOAD";
+    case ZB_OP_S: return "S";
+    case ZB_OP_T: return "T";
+    case ZB_OP_IF: return "IF";
+    case ZB_OP_IB: return "IB";
     default: return "BW";
   }
 }
@@ -167,11 +171,13 @@ zb_status_t zb_runner_create(zb_runner_t **out, const zb_runner_config_t *c) {
   const size_t before_pairs = offsetof(zb_runner_config_t, pair_first);
   const size_t before_release = offsetof(zb_runner_config_t, release_cb);
   const size_t before_copies = offsetof(zb_runner_config_t, copy_cb);
+  const size_t before_vocab = offsetof(zb_runner_config_t, vocab_cb);
   const int has_pairs = c->struct_size >= before_release; /* and the allocator fields */
   const int has_release = c->struct_size >= before_copies;
-  const int has_copies = c->struct_size >= sizeof(zb_runner_config_t);
+  const int has_copies = c->struct_size >= before_vocab;
+  const int has_vocab = c->struct_size >= sizeof(zb_runner_config_t);
   if ((c->struct_size != before_pairs && c->struct_size != before_release && c->struct_size != before_copies &&
-       !has_copies) ||
+       c->struct_size != before_vocab && !has_vocab) ||
       c->version != ZB_RUNNER_CONFIG_VERSION)
     return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
                    "zb_runner_config_t has struct_size %u, version %u; initialise it with "
@@ -214,11 +220,11 @@ zb_status_t zb_runner_create(zb_runner_t **out, const zb_runner_config_t *c) {
     int32_t n = 0;
     ZB_CHECK(zb_schedule_rank_ops(c->schedule, q, &ops, &n));
     for (int32_t k = 0; k < n; k++)
-      if (ops[k].type >= ZB_OP_S && ops[k].type <= ZB_OP_IB)
-        return ZB_FAIL(ZB_ERR_UNSUPPORTED,
-                       "rank %d, position %d: the schedule has Vocabulary Parallelism's passes (S, T, IF, IB); the "
-                       "runner does not run them yet (zbpp.vocab has the passes for a caller to run)",
-                       (int)q, (int)k);
+      if (ops[k].type >= ZB_OP_S && ops[k].type <= ZB_OP_IB && !(has_vocab && c->vocab_cb))
+        return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
+                       "rank %d, position %d: the schedule has Vocabulary Parallelism's passes (S, T, IF, IB), which "
+                       "the runner runs through zb_runner_config_t.vocab_cb; %s",
+                       (int)q, (int)k, has_vocab ? "set it" : "the config passed predates it: build against this zbpp.h");
   }
   if (c->transport && (c->transport->ranks != info.ranks || c->transport->rank != c->rank))
     return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
@@ -275,6 +281,7 @@ zb_status_t zb_runner_create(zb_runner_t **out, const zb_runner_config_t *c) {
   if (st == ZB_OK && has_pairs && c->n_pairs > 0) st = plan_pairs(r, c->pair_first, c->n_pairs);
   if (st == ZB_OK) st = zb__runner_plan_buffers(r, c);
   if (st == ZB_OK && has_copies) st = zb__copies_plan(r, c->copy_cb, c->copy_time_scale, c->copy_inline);
+  if (has_vocab) r->vocab_cb = c->vocab_cb;
   if (st == ZB_OK && r->be->ops->timing_event_create) {
     r->ev_op = calloc(2 * n, sizeof(zb__event_t *));
     if (!r->ev_op) st = ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory for %d timing events", 2 * (int)n);
@@ -339,6 +346,13 @@ static zb_status_t run_compute(zb_runner_t *r, const zb_op_t *op, const void *in
       r->lend_k = k; /* zb_runner_lend_output's window: the callback, nothing else */
       st = r->forward(r->user, op->stage, op->mb, in, out);
       r->lend_k = -1;
+      break;
+    case ZB_OP_S:
+    case ZB_OP_T:
+    case ZB_OP_IF:
+    case ZB_OP_IB:
+      what = "vocabulary pass";
+      st = r->vocab_cb(r->user, op->type, op->mb);
       break;
     case ZB_OP_B:
     case ZB_OP_BW:
@@ -572,7 +586,10 @@ zb_status_t zb_runner_run(zb_runner_t *r) {
   if (st != ZB_OK) {
     const zb_op_t *op = &r->ops[k < r->n ? k : r->n - 1];
     take_error(inner, sizeof inner);
-    if (k < r->n)
+    if (k < r->n && op->type >= ZB_OP_S && op->type <= ZB_OP_IB) /* a vocabulary pass: no stage */
+      st = ZB_FAIL(st, "rank %d, op %d of %d, %s(mb %d): %s", (int)r->rank, (int)k + 1, (int)r->n,
+                   op_name(op->type), (int)op->mb, inner);
+    else if (k < r->n)
       st = ZB_FAIL(st, "rank %d, op %d of %d, %s(stage %d, mb %d): %s", (int)r->rank, (int)k + 1,
                    (int)r->n, op_name(op->type), (int)op->stage, (int)op->mb, inner);
     else

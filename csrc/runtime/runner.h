@@ -94,6 +94,7 @@ struct zb_runner {
   double host_base;
   /* PipeOffload's copies (runner_copies.c): the caller's callback and the lane, NULL without copies. */
   zb_copy_cb copy_cb;
+  zb_vocab_cb vocab_cb; /* Vocabulary Parallelism's passes (NULL: the schedule has none) */
   struct zb__copylane *copies;
 };
 

@@ -7,6 +7,7 @@
  * CUDA backend plugs in through the same zb__transport_ops_t.
  */
 #define _POSIX_C_SOURCE 200809L
+#include <stdlib.h>
 #include <time.h>
 
 #include "internal.h"
@@ -75,6 +76,17 @@ zb_status_t zb__transport_bind(zb_transport_t *t, zb_backend_t *be) {
   return ZB_OK;
 }
 
+void zb__transport_park(zb_transport_t *t, void *buf) {
+  if (!buf) return;
+  void **grown = realloc(t->parked, ((size_t)t->n_parked + 1) * sizeof *grown);
+  if (!grown) {
+    free(buf); /* out of memory: the lesser risk is a late write into freed memory */
+    return;
+  }
+  t->parked = grown;
+  t->parked[t->n_parked++] = buf;
+}
+
 zb_status_t zb_transport_abort(zb_transport_t *t, const char *reason) {
   ZB_ARG_NOT_NULL(t);
   t->ops->abort(t, reason ? reason : "(no reason given)");
@@ -89,7 +101,11 @@ zb_status_t zb_transport_destroy(zb_transport_t *t) {
                    "handle(s); destroy those first",
                    t->ops->name, (int)t->rank, t->users);
   zb_backend_t *be = t->be;
+  void **parked = t->parked;
+  int32_t n_parked = t->n_parked;
   t->ops->destroy(t);
+  for (int32_t k = 0; k < n_parked; k++) free(parked[k]);
+  free(parked);
   if (be) zb__backend_unref(be);
   return ZB_OK;
 }

@@ -50,14 +50,14 @@ static void *rank_main(void *arg) {
     k->max[i] = (k->rank == 1 && i == 5) ? NAN : value(k->rank, i);
     k->bsum[i] = zb__float_to_bf16(value(k->rank, i));
   }
-  note(k, 0, zb_transport_all_reduce(k->t, k->sum, N, ZB_DTYPE_F32, ZB_REDUCE_SUM, k->timeout));
+  note(k, 0, zb_transport_all_reduce(k->t, 0, k->sum, N, ZB_DTYPE_F32, ZB_REDUCE_SUM, k->timeout));
   if (k->st[0] != ZB_OK) return NULL;
-  note(k, 1, zb_transport_all_reduce(k->t, k->max, N, ZB_DTYPE_F32, ZB_REDUCE_MAX, k->timeout));
-  note(k, 2, zb_transport_all_reduce(k->t, k->bsum, N, ZB_DTYPE_BF16, ZB_REDUCE_SUM, k->timeout));
+  note(k, 1, zb_transport_all_reduce(k->t, 0, k->max, N, ZB_DTYPE_F32, ZB_REDUCE_MAX, k->timeout));
+  note(k, 2, zb_transport_all_reduce(k->t, 0, k->bsum, N, ZB_DTYPE_BF16, ZB_REDUCE_SUM, k->timeout));
   zb_status_t st = ZB_OK;
   for (int root = 0; root < k->p && st == ZB_OK; root++) {
     for (int i = 0; i < N; i++) k->bcast[root][i] = k->rank == root ? value(100 + root, i) : -1.0f;
-    st = zb_transport_broadcast(k->t, k->bcast[root], sizeof k->bcast[root], root, k->timeout);
+    st = zb_transport_broadcast(k->t, 1, k->bcast[root], sizeof k->bcast[root], root, k->timeout);
   }
   note(k, 3, st);
   return NULL;
@@ -151,13 +151,16 @@ static void test_bad_arguments_say_what_is_allowed(void **state) {
   ZB_ASSERT_OK(zb_inproc_group_create(&g, 2));
   ZB_ASSERT_OK(zb_transport_create_inproc(&t, g, 0));
   float x = 1;
-  ASSERT_STATUS(zb_transport_all_reduce(t, &x, 1, (zb_dtype_t)7, ZB_REDUCE_SUM, 1), ZB_ERR_INVALID_ARGUMENT);
+  ASSERT_STATUS(zb_transport_all_reduce(t, 0, &x, 1, (zb_dtype_t)7, ZB_REDUCE_SUM, 1), ZB_ERR_INVALID_ARGUMENT);
   ASSERT_CONTAINS(zb_last_error(), "ZB_DTYPE_F32");
-  ASSERT_STATUS(zb_transport_all_reduce(t, &x, 1, ZB_DTYPE_F32, (zb_reduce_op_t)5, 1), ZB_ERR_INVALID_ARGUMENT);
+  ASSERT_STATUS(zb_transport_all_reduce(t, 0, &x, 1, ZB_DTYPE_F32, (zb_reduce_op_t)5, 1), ZB_ERR_INVALID_ARGUMENT);
   ASSERT_CONTAINS(zb_last_error(), "ZB_REDUCE_MAX");
-  ASSERT_STATUS(zb_transport_broadcast(t, &x, 4, 2, 1), ZB_ERR_INVALID_ARGUMENT);
+  ASSERT_STATUS(zb_transport_broadcast(t, 0, &x, 4, 2, 1), ZB_ERR_INVALID_ARGUMENT);
   ASSERT_CONTAINS(zb_last_error(), "root 2 is not a rank of 0..1");
-  ASSERT_STATUS(zb_transport_all_reduce(NULL, &x, 1, ZB_DTYPE_F32, ZB_REDUCE_SUM, 1), ZB_ERR_INVALID_ARGUMENT);
+  ASSERT_STATUS(zb_transport_all_reduce(t, ZB_COLLECTIVE_CHANNELS, &x, 1, ZB_DTYPE_F32, ZB_REDUCE_SUM, 1),
+                ZB_ERR_INVALID_ARGUMENT);
+  ASSERT_CONTAINS(zb_last_error(), "channels are 0..1023");
+  ASSERT_STATUS(zb_transport_all_reduce(NULL, 0, &x, 1, ZB_DTYPE_F32, ZB_REDUCE_SUM, 1), ZB_ERR_INVALID_ARGUMENT);
   ZB_ASSERT_OK(zb_transport_destroy(t));
   ZB_ASSERT_OK(zb_inproc_group_destroy(g));
 }

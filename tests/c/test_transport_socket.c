@@ -365,9 +365,9 @@ static float coll_value(int r, int i) { return urand((uint64_t)r, (uint64_t)i, 3
 
 static void *coll_run(void *arg) {
   coll_t *c = arg;
-  c->st = zb_transport_all_reduce(c->t, c->sum, COLL_N, ZB_DTYPE_F32, ZB_REDUCE_SUM, 20.0);
+  c->st = zb_transport_all_reduce(c->t, 0, c->sum, COLL_N, ZB_DTYPE_F32, ZB_REDUCE_SUM, 20.0);
   for (int root = 0; root < 3 && c->st == ZB_OK; root++)
-    c->st = zb_transport_broadcast(c->t, c->bc + (size_t)root * 1000, 1000 * sizeof(float), root, 20.0);
+    c->st = zb_transport_broadcast(c->t, 0, c->bc + (size_t)root * 1000, 1000 * sizeof(float), root, 20.0);
   return NULL;
 }
 

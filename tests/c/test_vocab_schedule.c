@@ -5,6 +5,7 @@
  * the version 2 spec still served, and the runner refusing what it does not run yet.
  */
 #include <math.h>
+#include <pthread.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -183,6 +184,144 @@ static void test_version_2_callers_still_work(void **state) {
   ASSERT_CONTAINS(zb_last_error(), "vocab is 3");
 }
 
+/* ---- the runner runs the passes ------------------------------------------------------------- */
+
+#define VP 3
+#define VM 6
+
+typedef struct {
+  const zb_schedule_t *s;
+  zb_transport_t *tr;
+  int rank, vocab;
+  int s_done[VM], if_done[VM], bad;
+  int seq_type[64], seq_mb[64], n_seq;
+  char why[256];
+} vrank_t;
+
+static void vbad(vrank_t *v, const char *what, int mb) {
+  if (!v->bad++) snprintf(v->why, sizeof v->why, "rank %d: %s (mb %d)", v->rank, what, mb);
+}
+
+static void note_op(vrank_t *v, int type, int mb) {
+  if (v->n_seq < 64) v->seq_type[v->n_seq] = type, v->seq_mb[v->n_seq++] = mb;
+}
+
+/* Forward: the activation counts the stages it went through; stage 0 needs its IF's all-reduce. */
+static zb_status_t v_forward(void *u, int32_t st, int32_t mb, const void *in, void *out) {
+  vrank_t *v = u;
+  note_op(v, ZB_OP_F, mb);
+  if (st == 0 && !v->if_done[mb]) vbad(v, "F of stage 0 before the embedding's all-reduce", mb);
+  if (out) ((float *)out)[0] = (in ? ((const float *)in)[0] : 0.0f) + 1.0f, ((float *)out)[1] = (float)mb;
+  return ZB_OK;
+}
+
+/* Backward: the last stage's gradient is the output layer's (vocab 2: S's all-reduce made it). */
+static zb_status_t v_backward(void *u, int32_t st, int32_t mb, const void *gout, void *gin) {
+  vrank_t *v = u;
+  note_op(v, ZB_OP_BW, mb);
+  if (!gout && !v->s_done[mb]) vbad(v, "the last stage's backward before the output layer's all-reduce", mb);
+  if (gin) ((float *)gin)[0] = 1.0f, ((float *)gin)[1] = (float)mb;
+  (void)st;
+  return ZB_OK;
+}
+
+/* Each pass does its collectives on its own channel, as zbpp.vocab does, and checks the result. */
+static zb_status_t v_pass(void *u, int32_t type, int32_t mb) {
+  vrank_t *v = u;
+  note_op(v, type, mb);
+  float x[2] = {(float)(v->rank * 10 + mb), (float)mb};
+  zb_status_t st = ZB_OK;
+  if (type == ZB_OP_S || type == ZB_OP_IF || (type == ZB_OP_T && v->vocab == 1)) {
+    int channel = type == ZB_OP_S ? 0 : type == ZB_OP_T ? 1 : 2;
+    st = zb_transport_all_reduce(v->tr, channel, x, 2, ZB_DTYPE_F32, ZB_REDUCE_SUM, 10);
+    if (st == ZB_OK && (x[0] != (float)(10 * VP * (VP - 1) / 2 + VP * mb) || x[1] != (float)(VP * mb)))
+      vbad(v, "a pass's all-reduce paired with another microbatch's", mb);
+    if (type == ZB_OP_S && v->vocab == 2) v->s_done[mb] = 1;
+    if (type == ZB_OP_T) v->s_done[mb] = 1;
+    if (type == ZB_OP_IF) v->if_done[mb] = 1;
+  } else if (type == ZB_OP_IB) {
+    float g = v->rank == 0 ? (float)(7 * mb) : -1.0f;
+    st = zb_transport_broadcast(v->tr, 3, &g, sizeof g, 0, 10);
+    if (st == ZB_OK && g != (float)(7 * mb)) vbad(v, "IB got another microbatch's gradient", mb);
+  }
+  return st;
+}
+
+typedef struct {
+  vrank_t v;
+  zb_inproc_group_t *g;
+  zb_status_t st;
+  char err[1024];
+} vthread_t;
+
+static void *v_main(void *arg) {
+  vthread_t *t = arg;
+  zb_backend_t *be = NULL;
+  zb_wstore_t *ws = NULL;
+  zb_runner_t *run = NULL;
+  zb_backend_create_host(&be);
+  zb_wstore_create(&ws, be, NULL, NULL);
+  t->st = zb_transport_create_inproc(&t->v.tr, t->g, t->v.rank);
+  if (t->st == ZB_OK) {
+    zb_runner_config_t rc = ZB_RUNNER_CONFIG_INIT;
+    rc.rank = t->v.rank, rc.schedule = t->v.s, rc.backend = be, rc.transport = t->v.tr, rc.wstore = ws;
+    rc.boundary_bytes_all = 2 * sizeof(float);
+    rc.forward_cb = v_forward, rc.backward_cb = v_backward, rc.vocab_cb = v_pass, rc.user = &t->v;
+    rc.timeout_s = 10;
+    t->st = zb_runner_create(&run, &rc);
+    for (int it = 0; it < 2 && t->st == ZB_OK; it++) {
+      memset(t->v.s_done, 0, sizeof t->v.s_done), memset(t->v.if_done, 0, sizeof t->v.if_done);
+      t->v.n_seq = 0;
+      t->st = zb_runner_run(run);
+    }
+  }
+  snprintf(t->err, sizeof t->err, "%s", t->st == ZB_OK ? "" : zb_last_error());
+  zb_runner_destroy(run);
+  zb_transport_destroy(t->v.tr);
+  zb_wstore_destroy(ws);
+  zb_backend_destroy(be);
+  return NULL;
+}
+
+/* 1F1B with the passes on 3 ranks, both variants, two iterations: every rank runs them in its
+ * list's order, each pass's collectives pair with the same microbatch's on every rank (a channel
+ * per kind of pass), stage 0's F runs after the embedding's all-reduce and the last stage's
+ * backward after the output layer's. */
+static void test_the_runner_runs_the_passes(void **state) {
+  (void)state;
+  for (int vocab = 1; vocab <= 2; vocab++) {
+    zb_schedule_spec_t spec = zb_test_spec(ZB_KIND_1F1B, VP, VM, 1);
+    spec.vocab = vocab;
+    spec.time_s = spec.time_t = 0.5, spec.time_if = spec.time_ib = 0.1, spec.time_vocab_comm = 0.05;
+    zb_schedule_t *s = NULL;
+    ZB_ASSERT_OK(zb_schedule_create(&s, &spec));
+    zb_inproc_group_t *g = NULL;
+    ZB_ASSERT_OK(zb_inproc_group_create(&g, VP));
+    vthread_t t[VP];
+    pthread_t th[VP];
+    for (int r = 0; r < VP; r++) {
+      memset(&t[r], 0, sizeof t[r]);
+      t[r].v.s = s, t[r].v.rank = r, t[r].v.vocab = vocab, t[r].g = g;
+      assert_int_equal(pthread_create(&th[r], NULL, v_main, &t[r]), 0);
+    }
+    for (int r = 0; r < VP; r++) pthread_join(th[r], NULL);
+    for (int r = 0; r < VP; r++) {
+      if (t[r].st != ZB_OK) fail_msg("vocab %d rank %d: %s", vocab, r, t[r].err);
+      if (t[r].v.bad) fail_msg("vocab %d: %s", vocab, t[r].v.why);
+      const zb_op_t *ops;
+      int32_t n;
+      ZB_ASSERT_OK(zb_schedule_rank_ops(s, r, &ops, &n));
+      assert_int_equal(t[r].v.n_seq, n);
+      for (int k = 0; k < n; k++)
+        if (t[r].v.seq_type[k] != ops[k].type || t[r].v.seq_mb[k] != ops[k].mb)
+          fail_msg("vocab %d rank %d: op %d ran %d/%d, the list has %d/%d", vocab, r, k, t[r].v.seq_type[k],
+                   t[r].v.seq_mb[k], ops[k].type, ops[k].mb);
+    }
+    ZB_ASSERT_OK(zb_inproc_group_destroy(g));
+    zb_schedule_destroy(s);
+  }
+}
+
 static zb_status_t no_forward(void *u, int32_t st, int32_t mb, const void *in, void *out) {
   (void)u, (void)st, (void)mb, (void)in, (void)out;
   return ZB_OK;
@@ -192,7 +331,8 @@ static zb_status_t no_backward(void *u, int32_t st, int32_t mb, const void *g, v
   return ZB_OK;
 }
 
-static void test_the_runner_refuses_what_it_does_not_run_yet(void **state) {
+/* Without vocab_cb the runner refuses the schedule, saying what it needs. */
+static void test_the_runner_needs_vocab_cb(void **state) {
   (void)state;
   const zb_op_t ops[] = {OP(F, 0, 0), OP(S, 0, 0), OP(T, 0, 0), OP(BW, 0, 0)};
   const zb_op_t *lists[] = {ops};
@@ -209,8 +349,12 @@ static void test_the_runner_refuses_what_it_does_not_run_yet(void **state) {
   zb_runner_config_t rc = ZB_RUNNER_CONFIG_INIT;
   rc.schedule = s, rc.backend = be, rc.wstore = ws, rc.forward_cb = no_forward, rc.backward_cb = no_backward;
   zb_runner_t *runner = NULL;
-  ASSERT_STATUS(zb_runner_create(&runner, &rc), ZB_ERR_UNSUPPORTED);
-  ASSERT_CONTAINS(zb_last_error(), "does not run them yet");
+  ASSERT_STATUS(zb_runner_create(&runner, &rc), ZB_ERR_INVALID_ARGUMENT);
+  ASSERT_CONTAINS(zb_last_error(), "vocab_cb; set it");
+  rc.struct_size = (uint32_t)offsetof(zb_runner_config_t, vocab_cb); /* built before vocab_cb */
+  rc.vocab_cb = NULL;
+  ASSERT_STATUS(zb_runner_create(&runner, &rc), ZB_ERR_INVALID_ARGUMENT);
+  ASSERT_CONTAINS(zb_last_error(), "predates it");
   zb_wstore_destroy(ws);
   zb_backend_destroy(be);
   zb_schedule_destroy(s);
@@ -223,7 +367,8 @@ int main(void) {
       cmocka_unit_test(test_the_validator_names_the_rule),
       cmocka_unit_test(test_every_export_draws_the_passes),
       cmocka_unit_test(test_version_2_callers_still_work),
-      cmocka_unit_test(test_the_runner_refuses_what_it_does_not_run_yet),
+      cmocka_unit_test(test_the_runner_runs_the_passes),
+      cmocka_unit_test(test_the_runner_needs_vocab_cb),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -157,3 +157,39 @@ def test_the_staged_transport_carries_a_runner_over_sockets(staged):
     want_b = [("B", 0, mb, bytes([101, mb]) * 8) for mb in range(4)] * 2  # stage 1 -> 0
     assert got[1] == want_f
     assert got[0] == want_b
+
+
+def test_the_runner_calls_vocab_at_every_vocabulary_pass_in_list_order():
+    """A schedule with Vocabulary Parallelism's passes runs them through vocab= (the runner's
+    vocab_cb) between its other ops, in the list's order; without vocab= creation says what it
+    needs; an exception in the pass fails the run with that exception."""
+    schedule = Schedule.generate("1f1b", p=1, m=3, vocab=2, vocab_times={"s": 0.5, "t": 0.5})
+    backend = runtime.Backend("host")
+    store = runtime.WStore(backend, lambda token, ran: None)
+    calls = []
+
+    def forward(stage, mb, inp, out):
+        calls.append(("F", mb))
+
+    def backward(stage, mb, gout, gin):
+        calls.append(("BW", mb))
+
+    def vocab(kind, mb):
+        calls.append((kind, mb))
+
+    with pytest.raises(ZbError, match="vocab_cb; set it"):
+        runtime.Runner(schedule, 0, backend, store, None, [], forward, backward)
+    run = runtime.Runner(schedule, 0, backend, store, None, [], forward, backward, vocab=vocab)
+    run.run()
+    assert calls == [(op.type, op.mb) for op in schedule.rank_ops(0)]
+    assert {kind for kind, _ in calls} == {"IF", "F", "S", "T", "BW", "IB"}
+
+    def broken(kind, mb):
+        if kind == "T":
+            raise RuntimeError("the T pass broke")
+
+    run2 = runtime.Runner(schedule, 0, backend, store, None, [], forward, backward, vocab=broken)
+    with pytest.raises(ZbError, match=r"T\(mb 0\): the vocabulary pass callback") as failed:
+        run2.run()
+    assert "the T pass broke" in str(failed.value.__cause__)
+    run.close(), run2.close()

@@ -263,31 +263,32 @@ class Transport(_Handle):
     def abort(self, reason):
         _lib.call("zb_transport_abort", [_P, _c.c_char_p], self.handle, reason.encode())
 
-    def all_reduce(self, x, op="sum", timeout=300.0):
+    def all_reduce(self, x, op="sum", timeout=300.0, channel=0):
         """x (a contiguous CPU torch tensor or numpy array of float32, float16 or bfloat16) becomes
         the sum (op="sum") or the elementwise max (op="max") of every rank's x, the same bits on
         every rank: rank 0 reduces in rank order, ((x0 + x1) + x2) ... (zb_transport_all_reduce).
-        Every rank calls it, in the same order as its other collectives. Returns x."""
+        Every rank calls it, in the same order as its other collectives on that channel (0 .. 1023;
+        channels do not wait for each other's order). Returns x."""
         if op not in _REDUCE_OPS:
             raise ValueError(f"all_reduce: op must be one of {sorted(_REDUCE_OPS)}, got {op!r}")
         addr, count, nbytes, name = _host_buffer(x, "all_reduce")
         if name not in _REDUCE_DTYPES:
             raise ValueError(f"all_reduce: dtype {name} is not reduced here; use float32, float16 or bfloat16")
         try:
-            _lib.call("zb_transport_all_reduce", [_P, _P, _c.c_size_t, _c.c_int, _c.c_int, _c.c_double], self.handle,
-                      addr, count, _REDUCE_DTYPES[name], _REDUCE_OPS[op], float(timeout))
+            _lib.call("zb_transport_all_reduce", [_P, _c.c_int32, _P, _c.c_size_t, _c.c_int, _c.c_int, _c.c_double],
+                      self.handle, int(channel), addr, count, _REDUCE_DTYPES[name], _REDUCE_OPS[op], float(timeout))
         except BaseException:
             self._park(x)
             raise
         return x
 
-    def broadcast(self, x, root, timeout=300.0):
+    def broadcast(self, x, root, timeout=300.0, channel=0):
         """x (a contiguous CPU torch tensor or numpy array, any dtype) becomes root's x on every rank
-        (zb_transport_broadcast). Every rank calls it, in the same order. Returns x."""
+        (zb_transport_broadcast). Every rank calls it, in the same order on that channel. Returns x."""
         addr, _, nbytes, _ = _host_buffer(x, "broadcast")
         try:
-            _lib.call("zb_transport_broadcast", [_P, _P, _c.c_size_t, _c.c_int32, _c.c_double], self.handle, addr,
-                      nbytes, int(root), float(timeout))
+            _lib.call("zb_transport_broadcast", [_P, _c.c_int32, _P, _c.c_size_t, _c.c_int32, _c.c_double],
+                      self.handle, int(channel), addr, nbytes, int(root), float(timeout))
         except BaseException:
             self._park(x)
             raise

@@ -120,6 +120,7 @@ AllocFn = _c.CFUNCTYPE(_c.c_int, _P, _c.c_size_t, _PP)
 FreeFn = _c.CFUNCTYPE(None, _P, _P)
 LendReleaseFn = _c.CFUNCTYPE(None, _P, _c.c_uint64)
 CopyFn = _c.CFUNCTYPE(_c.c_int, _P, _c.c_int32, _c.c_int32, _c.c_int32)
+VocabFn = _c.CFUNCTYPE(_c.c_int, _P, _c.c_int32, _c.c_int32)
 
 
 class _RunnerConfig(_c.Structure):
@@ -147,6 +148,7 @@ class _RunnerConfig(_c.Structure):
         ("copy_cb", CopyFn),
         ("copy_time_scale", _c.c_double),
         ("copy_inline", _c.c_int32),
+        ("vocab_cb", VocabFn),
     ]
 
 
@@ -250,7 +252,7 @@ class Runner(_Handle):
 
     def __init__(self, schedule, rank, backend, wstore, transport, boundary_bytes, forward, backward,
                  timeout_s=300.0, recv_depth=0, pairs=(), allocator=None, release=None, copy=None,
-                 copy_time_scale=0.0, copy_inline=False):
+                 copy_time_scale=0.0, copy_inline=False, vocab=None):
         """pairs: indices k into this rank's op list where ops k and k+1 run as one unit (both
         inputs first, both callbacks back to back, both outputs after; zb_runner_config_t).
         allocator: (alloc(nbytes) -> address, free(address)) for the runner's message buffers, all
@@ -263,7 +265,9 @@ class Runner(_Handle):
         runs on the runner's copy thread, on CUDA on the runner's thread where the copy is issued
         (it only enqueues). copy_time_scale: seconds per schedule time unit a host copy lasts at
         least (a modelled link; 0: none). copy_inline: on the host too, call copy on the runner's
-        thread after the op before the copy (zb_runner_config_t.copy_inline)."""
+        thread after the op before the copy (zb_runner_config_t.copy_inline). vocab(kind, mb): a
+        schedule's Vocabulary Parallelism passes, kind 'S', 'T', 'IF' or 'IB' (zb_runner_config_t.
+        vocab_cb: the caller runs the pass and its collectives, e.g. with zbpp.vocab)."""
         super().__init__()
         self._keep = (schedule, backend, wstore, transport)
         self._error = None
@@ -330,6 +334,18 @@ class Runner(_Handle):
 
             self._copy_fn = CopyFn(on_copy)
             cfg.copy_cb = self._copy_fn
+        if vocab is not None:
+            def on_vocab(_user, kind, mb):
+                try:
+                    vocab(("S", "T", "IF", "IB")[kind - 6], int(mb))
+                    return ZB_OK
+                except BaseException as exc:  # noqa: BLE001 - must not unwind into C
+                    if self._error is None:
+                        self._error = exc
+                    return ZB_ERR_INVALID_ARGUMENT
+
+            self._vocab_fn = VocabFn(on_vocab)
+            cfg.vocab_cb = self._vocab_fn
         cfg.copy_time_scale = float(copy_time_scale)
         cfg.copy_inline = 1 if copy_inline else 0
         try:

@@ -42,6 +42,11 @@ import torch
 
 __all__ = ["VocabParallelOutput", "VocabParallelEmbedding", "vocab_shard_range"]
 
+# The collectives' channels (zbpp.runtime.Transport.all_reduce's channel=): one per kind of pass, so
+# that each kind only has to run in microbatch order on every rank (as the schedule model's
+# validator requires), whatever the order of the kinds among themselves.
+CHANNEL_S, CHANNEL_T, CHANNEL_IF, CHANNEL_IB, CHANNEL_GATHER = 0, 1, 2, 3, 4
+
 
 def vocab_shard_range(vocab_size, rank, ranks, pad_multiple=1):
     """(start, end, padded vocabulary) of rank's rows: the vocabulary padded up to a multiple of
@@ -68,11 +73,11 @@ class _Alone:
     """The collectives of a pipeline of one rank: nothing to combine."""
 
     @staticmethod
-    def all_reduce(x, op="sum", timeout=300.0):
+    def all_reduce(x, op="sum", timeout=300.0, channel=0):
         return x
 
     @staticmethod
-    def broadcast(x, root, timeout=300.0):
+    def broadcast(x, root, timeout=300.0, channel=0):
         return x
 
 
@@ -102,7 +107,7 @@ class _Shard:
             part = out[r * per:(r + 1) * per]
             if r == self.rank:
                 part.copy_(self.weight.detach())
-            self.transport.broadcast(part, r)
+            self.transport.broadcast(part, r, channel=CHANNEL_GATHER)
         return out[:self.vocab_size].clone()
 
     def _add_grad(self, g):
@@ -171,21 +176,22 @@ class VocabParallelOutput(_Shard):
         """C0: the global max and sum (and, fused, the input gradient per unit of loss gradient);
         fills st.loss [T], the per-token cross entropy, the same on every rank."""
         tr = self.transport
-        st.M = tr.all_reduce(st.m.clone(), "max")
+        ch = dict(channel=CHANNEL_S)
+        st.M = tr.all_reduce(st.m.clone(), "max", **ch)
         scale = torch.where(torch.isfinite(st.m), torch.exp(st.m - st.M), torch.zeros_like(st.m))
-        st.sum = tr.all_reduce((st.s * scale).contiguous(), "sum")
-        target_logit = tr.all_reduce(st.t.clone(), "sum")
+        st.sum = tr.all_reduce((st.s * scale).contiguous(), "sum", **ch)
+        target_logit = tr.all_reduce(st.t.clone(), "sum", **ch)
         log_z = torch.log(st.sum) + st.M
         st.loss = log_z - target_logit
         a, V = self.label_smoothing, self.vocab_size
         if a:
-            total = tr.all_reduce(st.sum_logits.contiguous(), "sum")
+            total = tr.all_reduce(st.sum_logits.contiguous(), "sum", **ch)
             st.loss = (1 - a) * st.loss + a * (log_z - total / V)
         if self.fused:
             part = st.soft_w * (scale / st.sum).unsqueeze(1) - (1 - a) * st.target_w
             if a:
                 part = part - (a / V) * self.weight.detach().float()[:self.real].sum(dim=0)
-            st.grad_unit = tr.all_reduce(part.contiguous(), "sum")
+            st.grad_unit = tr.all_reduce(part.contiguous(), "sum", **ch)
         return st.loss
 
     # ---- T (and C1) -------------------------------------------------------------------------------
@@ -216,7 +222,7 @@ class VocabParallelOutput(_Shard):
         if self.fused:
             raise RuntimeError("zbpp.VocabParallelOutput.reduce_grad is the unfused variant's C1 (fused=False); "
                                "with fused=True t_pass returns the input gradient")
-        return self.transport.all_reduce(st.grad_part.contiguous(), "sum")
+        return self.transport.all_reduce(st.grad_part.contiguous(), "sum", channel=CHANNEL_T)
 
     def forward_backward(self, h, target, grad_loss=None):
         """S, C0, T (and C1) for one microbatch: (per-token loss [T], input gradient [T, H]).
@@ -241,12 +247,12 @@ class VocabParallelEmbedding(_Shard):
         in_shard = (tokens >= self.start) & (tokens < self.start + self.real)
         local = torch.where(in_shard, tokens - self.start, torch.zeros_like(tokens))
         out = torch.where(in_shard.unsqueeze(1), self.weight.detach()[local], torch.zeros((), dtype=self.weight.dtype))
-        return self.transport.all_reduce(out.contiguous(), "sum")
+        return self.transport.all_reduce(out.contiguous(), "sum", channel=CHANNEL_IF)
 
     def embed_backward(self, tokens, grad, root=0):
         """IB: grad [T, H], the embedding output's gradient, from rank `root` (the others pass a
         tensor of that shape to receive it); the shard's rows of weight.grad gain their part."""
-        grad = self.transport.broadcast(grad.detach().contiguous().to(self.weight.dtype), root)
+        grad = self.transport.broadcast(grad.detach().contiguous().to(self.weight.dtype), root, channel=CHANNEL_IB)
         in_shard = (tokens >= self.start) & (tokens < self.start + self.real)
         g = torch.zeros_like(self.weight)
         g.index_add_(0, tokens[in_shard] - self.start, grad[in_shard])
