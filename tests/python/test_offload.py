@@ -143,7 +143,7 @@ def test_host_memory_is_reserved_once_from_the_plan():
     torch.manual_seed(0)
     net = nn_model()
     batches = [(torch.randn(64, 32), torch.randn(64, 32)) for _ in range(2)] + [(torch.randn(128, 32),
-                                                                               torch.randn(128, 32))]
+                                                                               torch.randn(128, 32))] * 2
     grads, reports = {}, []
     for offload in (None, "auto"):
         model = nn_model()
@@ -157,19 +157,21 @@ def test_host_memory_is_reserved_once_from_the_plan():
             grads[offload].append([p.grad.clone() for p in model.parameters()])
             model.zero_grad(set_to_none=True)
             if offload:
-                reports.append(dict(sched.offload_report(), pool=sched._offloader.pool))
+                reports.append(dict(sched.offload_report(), slot=dict(sched._offloader.pool.size)))
         sched.close()
     for a, b in zip(grads[None], grads["auto"]):
         assert all(torch.equal(u, v) for u, v in zip(a, b))
-    first, second, longer = reports
+    first, second, longer, grown = reports
     held = first["planned_host_peak"]
     assert held >= 2, "GPipe holds several microbatches on the host at once; the plan says so"
-    slot = first["pool"].size[0]
+    slot = first["slot"][0]
     assert first["bytes_per_microbatch"] <= slot <= first["bytes_per_microbatch"] + 512 * 8  # aligned copies
     assert first["host_pool_bytes"] == held * slot >= first["host_peak_bytes"] > 0
     assert first["host_pool_misses"] == second["host_pool_misses"] == 0
     assert second["host_pool_bytes"] == first["host_pool_bytes"]  # nothing taken again
     assert longer["host_pool_misses"] > 0 and longer["host_pool_bytes"] == first["host_pool_bytes"]
+    # The next step's slots are the longer microbatches' size: nothing misses any more.
+    assert grown["host_pool_misses"] == 0 and grown["host_pool_bytes"] >= 2 * held * first["bytes_per_microbatch"]
 
 
 def nn_model():

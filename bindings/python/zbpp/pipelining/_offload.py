@@ -30,7 +30,8 @@ size of that first microbatch's saved bytes. An offloaded group takes a slot and
 its RELOAD has read it (on CUDA at once: the next copy into it is queued behind the RELOAD on the
 same copy stream), so a step allocates no host memory after its first, and a CPU copy writes into
 memory that is already mapped instead of asking the kernel for fresh pages. A group larger than its
-stage's slot, or one more than the plan holds, gets memory of its own (`pool_misses` counts them).
+stage's slot, or one more than the plan holds, gets memory of its own (`pool_misses` counts them),
+and the next step's pool has slots of that larger size (longer sequences from then on).
 
 What this is not: a planner (the schedule says what moves and when: Schedule.plan_offload), or a
 general CPU-offload context (torch.autograd.graph.save_on_cpu moves everything at once).
@@ -80,6 +81,7 @@ class _HostPool:
         self.free = {}  # stage -> [free _Slot]
         self.reserved = 0  # bytes reserved
         self.misses = 0  # groups that got memory of their own
+        self.want = {}  # stage -> the largest group that did not fit its slot
 
     def plan(self, counts):
         """The plan's slots per stage; a stage already reserved grows to a larger count."""
@@ -104,8 +106,20 @@ class _HostPool:
         free = self.free.get(s)
         if not free or nbytes > self.size[s]:
             self.misses += 1
+            if s in self.size and nbytes > self.size[s]:
+                self.want[s] = max(self.want.get(s, 0), nbytes)
             return None
         return free.pop()
+
+    def regrow(self):
+        """Between steps: stages whose groups outgrew their slots get slots of the larger size
+        (the old slab goes once no slot of it is in use)."""
+        for s, nbytes in self.want.items():
+            if self.free.get(s) is not None and len(self.free[s]) == self.count.get(s, 0):
+                self.reserved -= self.count[s] * self.size[s]
+                self.free[s], self.size[s] = [], nbytes
+                self._reserve(s, self.count[s])
+        self.want = {}
 
     def give(self, slot):
         self.free[slot.stage].append(slot)
@@ -173,6 +187,7 @@ class Offloader:
             self.device_bytes = self.host_bytes = 0
             self.device_peak = self.host_peak = 0
             self.group_bytes = {}  # (stage, mb) -> bytes captured
+            self.pool.regrow()
             self.pool.misses = 0
 
     def _add(self, device=0, host=0):
