@@ -542,14 +542,10 @@ zb_status_t zb_schedule_create(zb_schedule_t **out, const zb_schedule_spec_t *sp
                      zb_kind_name(spec->kind), placement == ZB_PLACEMENT_V ? "V" : "loop");
     placement = spec->placement;
   }
-  if (spec->vocab && spec->kind != ZB_KIND_1F1B)
-    return ZB_FAIL(ZB_ERR_UNSUPPORTED,
-                   "vocab %d: Vocabulary Parallelism's passes are placed in 1f1b so far (the reference's "
-                   "schedule); %s with them is to come", (int)spec->vocab, zb_kind_name(spec->kind));
   zb_schedule_t *s = NULL;
   ZB_CHECK(zb__schedule_alloc(&s, spec, spec->ranks, v, spec->microbatches, placement));
   zb_status_t st = ZB_OK;
-  if (spec->vocab) {
+  if (spec->vocab && spec->kind == ZB_KIND_1F1B) {
     st = zb__gen_vocab_1f1b(s);
     if (st != ZB_OK) {
       zb__schedule_free(s);
@@ -559,6 +555,8 @@ zb_status_t zb_schedule_create(zb_schedule_t **out, const zb_schedule_spec_t *sp
     *out = s;
     return ZB_OK;
   }
+  const int vocab = s->vocab;
+  s->vocab = 0; /* the kind's order first (its generator may simulate it); the passes go in after */
   switch (spec->kind) {
     case ZB_KIND_GPIPE: st = zb__gen_gpipe(s); break;
     case ZB_KIND_1F1B: st = zb__gen_1f1b(s); break;
@@ -573,6 +571,8 @@ zb_status_t zb_schedule_create(zb_schedule_t **out, const zb_schedule_spec_t *sp
     default: st = ZB_FAIL(ZB_ERR_INTERNAL, "no generator for kind %d", (int)spec->kind);
   }
   if (st == ZB_OK && spec->kind == ZB_KIND_V_MIN) st = best_under_own_memory(s);
+  s->vocab = vocab;
+  if (st == ZB_OK && vocab) st = zb__place_vocab(s);
   if (st != ZB_OK) {
     zb__schedule_free(s);
     return st;

@@ -505,3 +505,110 @@ zb_status_t zb_schedule_rank_memory(const zb_schedule_t *s, int32_t rank, double
   if (host_peak) *host_peak = s->host_peak[rank];
   return ZB_OK;
 }
+
+/* ---- Vocabulary Parallelism's passes placed into any kind's order (zb__place_vocab) -----------
+ *
+ * What zb_schedule_create does for a spec with `vocab` and a kind other than 1F1B (whose placement
+ * is the reference's own, gen_vocab.c). The rule, stated so it can be tested: the kind's order
+ * runs in the simulator above, and each rank runs a pass at its next op boundary as soon as the
+ * pass is due, before its next op of the kind's order when it can start no later than that op:
+ *   IF(i) once F(0, i-1) has started (IF(0) at once): the embedding a step ahead of its F;
+ *   S(i)  once F(S-1, i) has ended (plus T_comm on other ranks: its hidden state travels);
+ *   T(i)  once every rank's S(i) has ended and the barrier, T_VOCAB_COMM, with it;
+ *   IB(i) once B/BW(0, i) has ended (plus T_comm on other ranks).
+ * Each kind runs in microbatch order on every rank. The order the ranks ran is the result: it
+ * cannot deadlock, since every pass becomes due from ops that do not wait for it, and a rank that
+ * waits for its next op still runs the passes that are due. The kind's ops keep their order.
+ *
+ * What this is not: a search; the reference's 1F1B placement (gen_vocab.c) hides the passes
+ * better where it applies. */
+zb_status_t zb__place_vocab(zb_schedule_t *s) {
+  const int p = s->p, m = s->m, S = s->S;
+  const size_t n = (size_t)S * (size_t)m;
+  ends_t e = {0};
+  e.endF = malloc(n * sizeof(double)), e.endB = malloc(n * sizeof(double));
+  e.endBonly = malloc(n * sizeof(double)), e.endOff = malloc(n * sizeof(double));
+  e.endRel = malloc(n * sizeof(double)), e.offloaded = calloc(n, 1);
+  e.nS = calloc((size_t)m, sizeof(int)), e.nT = calloc((size_t)m, sizeof(int)), e.nIF = calloc((size_t)m, sizeof(int));
+  e.lastS = calloc((size_t)m, sizeof(double)), e.lastT = calloc((size_t)m, sizeof(double));
+  e.lastIF = calloc((size_t)m, sizeof(double));
+  e.inputs = 1;
+  int *pos = calloc((size_t)p, sizeof(int)), *next = calloc((size_t)p * 4, sizeof(int));
+  double *free_at = calloc((size_t)p, sizeof(double)), *startF0 = malloc((size_t)m * sizeof(double));
+  zb__oplists_t l;
+  zb_status_t st = zb__oplists_init(&l, p);
+  if (st != ZB_OK) goto done;
+  if (!e.endF || !e.endB || !e.endBonly || !e.endOff || !e.endRel || !e.offloaded || !e.nS || !e.nT || !e.nIF ||
+      !e.lastS || !e.lastT || !e.lastIF || !pos || !next || !free_at || !startF0) {
+    st = ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory placing the vocabulary passes of %d ops", s->n_ops);
+    goto done;
+  }
+  for (size_t k = 0; k < n; k++) e.endF[k] = e.endB[k] = e.endBonly[k] = e.endOff[k] = e.endRel[k] = NAN;
+  for (int i = 0; i < m; i++) startF0[i] = NAN;
+  const int r_first = zb__stage_rank(s, 0), r_last = zb__stage_rank(s, S - 1);
+  static const int kinds[4] = {ZB_OP_IF, ZB_OP_S, ZB_OP_T, ZB_OP_IB};
+  const long long total = (long long)s->n_ops + 4LL * p * m;
+  for (long long done_ops = 0; done_ops < total; done_ops++) {
+    int best_r = -1, best_pass = -1;
+    double best_t = INFINITY;
+    for (int r = 0; r < p; r++) {
+      /* Its next op of the kind's order, if its inputs are there. */
+      double t_op = INFINITY;
+      const int base = s->rank_off[r], cnt = s->rank_off[r + 1] - base;
+      if (pos[r] < cnt) {
+        double ready;
+        zb_op_t dep;
+        if (!pending_dep(s, &s->ops[base + pos[r]], &e, r, &ready, &dep)) t_op = fmax(ready, free_at[r]);
+      }
+      /* Its passes that are due: the earliest first, before the op when it does not start later. */
+      for (int k = 0; k < 4; k++) {
+        const int i = next[(size_t)r * 4 + (size_t)k];
+        if (i >= m) continue;
+        double ready = NAN;
+        if (kinds[k] == ZB_OP_IF) ready = i == 0 ? 0.0 : startF0[i - 1];
+        else if (kinds[k] == ZB_OP_S) ready = e.endF[(size_t)(S - 1) * m + i] + (r != r_last ? s->t_comm : 0);
+        else if (kinds[k] == ZB_OP_T) ready = next[(size_t)r * 4 + 1] > i && e.nS[i] == p ? e.lastS[i] + s->tvc : NAN;
+        else ready = next[(size_t)r * 4] > i ? e.endB[i] + (r != r_first ? s->t_comm : 0) : NAN;
+        if (isnan(ready)) continue;
+        const double t = fmax(ready, free_at[r]);
+        if (t <= t_op && t < best_t) best_t = t, best_r = r, best_pass = k;
+      }
+      if (t_op < best_t) best_t = t_op, best_r = r, best_pass = -1;
+    }
+    if (best_r < 0) {
+      st = ZB_FAIL(ZB_ERR_INTERNAL, "placing the vocabulary passes: no rank can go on (%lld of %lld ops placed)",
+                   done_ops, total);
+      goto done;
+    }
+    const int r = best_r;
+    if (best_pass >= 0) {
+      const int type = kinds[best_pass], i = next[(size_t)r * 4 + (size_t)best_pass]++;
+      const double t1 = best_t + zb__op_cost(s, type, r);
+      free_at[r] = t1;
+      if (type == ZB_OP_S) e.nS[i]++, e.lastS[i] = fmax(e.lastS[i], t1);
+      if (type == ZB_OP_T) e.nT[i]++, e.lastT[i] = fmax(e.lastT[i], t1);
+      if (type == ZB_OP_IF) e.nIF[i]++, e.lastIF[i] = fmax(e.lastIF[i], t1);
+      st = zb__oplists_push(&l, r, type, r, i);
+    } else {
+      const zb_op_t *op = &s->ops[s->rank_off[r] + pos[r]++];
+      const double t1 = best_t + zb__op_cost(s, op->type, op->stage);
+      free_at[r] = t1;
+      const size_t key = (size_t)op->stage * m + op->mb;
+      if (op->type == ZB_OP_F) e.endF[key] = t1;
+      if (op->type == ZB_OP_F && op->stage == 0) startF0[op->mb] = best_t;
+      if (op->type == ZB_OP_B || op->type == ZB_OP_BW) e.endB[key] = t1;
+      if (op->type == ZB_OP_B) e.endBonly[key] = t1;
+      st = zb__oplists_push(&l, r, op->type, op->stage, op->mb);
+    }
+    if (st != ZB_OK) goto done;
+  }
+  st = zb__schedule_take_ops(s, &l);
+  free(s->start), free(s->end); /* sized for the ops before: the next simulation allocates anew */
+  s->start = s->end = NULL;
+done:
+  zb__oplists_free(&l);
+  free(e.endF), free(e.endB), free(e.endBonly), free(e.endOff), free(e.endRel), free(e.offloaded);
+  free(e.nS), free(e.nT), free(e.nIF), free(e.lastS), free(e.lastT), free(e.lastIF);
+  free(pos), free(next), free(free_at), free(startF0);
+  return st;
+}
