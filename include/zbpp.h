@@ -207,7 +207,10 @@ typedef struct {
   /* Version 3: Vocabulary Parallelism (ZB_OP_S and the other vocabulary passes). vocab: 0 none;
    * 1 two barriers a microbatch (the reference's Vocab-1); 2 one barrier, the output layer's input
    * gradient fused into S (Vocab-2). The times are one rank's pass on its shard of the vocabulary
-   * (the same on every rank), and time_vocab_comm one barrier's all-reduces. */
+   * (the same on every rank), and time_vocab_comm one barrier's all-reduces. zb_schedule_create
+   * places the passes: 1F1B in the reference's own order (sail-sg/VocabularyParallelism), every
+   * other kind by simulating its order and running each pass at a rank's next op boundary once it
+   * is due (csrc/schedule/simulate.c, zb__place_vocab). */
   int32_t vocab;
   double time_s, time_t, time_if, time_ib, time_vocab_comm;
 } zb_schedule_spec_t;

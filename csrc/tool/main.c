@@ -76,7 +76,7 @@ static void usage(FILE *out) {
           "  --offload-slowdown X let the step grow by the fraction X for more offload (default 0)\n"
           "  --offload-paired     ranks 2k and 2k+1 share one link to host memory (one PCIe switch):\n"
           "                       their copies take turns\n"
-          "  --vocab N            Vocabulary Parallelism's passes on every rank (1f1b): 2 for one\n"
+          "  --vocab N            Vocabulary Parallelism's passes on every rank: 2 for one\n"
           "                       all-reduce barrier a microbatch (the reference's Vocab-2), 1 for two\n"
           "  --vocab-times S,T,I,E,C  one rank's pass times: S (output layer forward), T (its\n"
           "                       backward), I and E (the embedding's), C (a barrier's all-reduces)\n"

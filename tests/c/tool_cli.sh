@@ -419,7 +419,9 @@ run schedule 1f1b -p 4 -m 8 --vocab 1
 check_grep "--vocab 1 holds p + 2" "$T/out" "peak memory 6 "
 expect_error "--vocab 3" 2 "Vocab-2" schedule 1f1b -p 2 -m 4 --vocab 3
 expect_error "--vocab-times with four values" 2 "S,T,IF,IB,C" schedule 1f1b -p 2 -m 4 --vocab 2 --vocab-times 1,1,1,1
-expect_error "--vocab with a kind that has no placement for it yet" 1 "placed in 1f1b so far" schedule zb-v -p 2 -m 4 --vocab 2
+run schedule zb-v -p 4 -m 8 --vocab 2 --vocab-times 0.5,0.5,0.1,0.1,0.05
+check_rc "schedule zb-v --vocab 2 exits 0 (the passes placed by simulation)" 0
+check_grep "zb-v --vocab draws the passes" "$T/out" "vocabulary passes: S output layer forward"
 
 run bench --help
 check_rc "bench --help exits 0" 0

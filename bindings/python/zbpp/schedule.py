@@ -343,9 +343,9 @@ class Schedule(_ScheduleExports):
         (zb_schedule_create_offloaded): a fixed order gets plan_offload's copies; zb-auto plans its
         order and the copies together, trying orders planned for more memory than device_limit
         (default: mem_limit, else p) and keeping the shortest step the copies bring within it.
-        vocab: Vocabulary Parallelism's passes (S, T, IF, IB on every rank; 1f1b so far, in the
-        reference's order): 2 for one all-reduce barrier a microbatch (Vocab-2, backward fused
-        into S), 1 for two (Vocab-1); vocab_times: one rank's pass times 's', 't', 'if', 'ib' and
+        vocab: Vocabulary Parallelism's passes (S, T, IF, IB on every rank; 1f1b in the reference's
+        order, other kinds placed by simulation): 2 for one all-reduce barrier a microbatch
+        (Vocab-2, backward fused into S), 1 for two (Vocab-1); vocab_times: one rank's pass times 's', 't', 'if', 'ib' and
         a barrier's 'comm' (see from_ops).
 
         Raises TypeError/ValueError for malformed arguments and ZbError for what the library
