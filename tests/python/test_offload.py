@@ -120,11 +120,7 @@ def test_one_rank_runs_its_copies_and_matches_no_offload():
     x, y = torch.randn(64, 32), torch.randn(64, 32)
     grads = []
     for offload in (None, "auto"):
-        model = nn_model()
-        model.load_state_dict(net.state_dict())
-        stage = zbpp.PipelineStage(model, 0, 1, "cpu")
-        sched = zbpp.ScheduleGPipe(stage, 8, loss_fn=lambda out, t: ((out - t) ** 2).mean(), offload=offload,
-                                   times=TIMES if offload else None)
+        model, sched = _one_rank_gpipe(net, offload)
         sched.step(x, target=y)
         if offload:
             assert sum(op.type == "OFFLOAD" for op in sched.schedule.rank_ops(0)) > 0
@@ -146,11 +142,7 @@ def test_host_memory_is_reserved_once_from_the_plan():
                                                                                torch.randn(128, 32))] * 2
     grads, reports = {}, []
     for offload in (None, "auto"):
-        model = nn_model()
-        model.load_state_dict(net.state_dict())
-        stage = zbpp.PipelineStage(model, 0, 1, "cpu")
-        sched = zbpp.ScheduleGPipe(stage, 8, loss_fn=lambda out, t: ((out - t) ** 2).mean(), offload=offload,
-                                   times=TIMES if offload else None)
+        model, sched = _one_rank_gpipe(net, offload)
         grads[offload] = []
         for x, y in batches:
             sched.step(x, target=y)
@@ -172,6 +164,15 @@ def test_host_memory_is_reserved_once_from_the_plan():
     assert longer["host_pool_misses"] > 0 and longer["host_pool_bytes"] == first["host_pool_bytes"]
     # The next step's slots are the longer microbatches' size: nothing misses any more.
     assert grown["host_pool_misses"] == 0 and grown["host_pool_bytes"] >= 2 * held * first["bytes_per_microbatch"]
+
+
+def _one_rank_gpipe(net, offload):
+    """A copy of net as one stage under GPipe (8 microbatches), with or without offload."""
+    model = nn_model()
+    model.load_state_dict(net.state_dict())
+    stage = zbpp.PipelineStage(model, 0, 1, "cpu")
+    return model, zbpp.ScheduleGPipe(stage, 8, loss_fn=lambda out, t: ((out - t) ** 2).mean(), offload=offload,
+                                     times=TIMES if offload else None)
 
 
 def nn_model():

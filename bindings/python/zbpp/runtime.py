@@ -250,6 +250,17 @@ class Runner(_Handle):
 
     _destroy = "zb_runner_destroy"
 
+    def _guarded(self, fn, *args):
+        """fn(*args) from a C callback: ZB_OK, or ZB_ERR_INVALID_ARGUMENT with the exception kept
+        for run() to re-raise (nothing may unwind into C)."""
+        try:
+            fn(*args)
+            return ZB_OK
+        except BaseException as exc:  # noqa: BLE001 - must not unwind into C
+            if self._error is None:
+                self._error = exc
+            return ZB_ERR_INVALID_ARGUMENT
+
     def __init__(self, schedule, rank, backend, wstore, transport, boundary_bytes, forward, backward,
                  timeout_s=300.0, recv_depth=0, pairs=(), allocator=None, release=None, copy=None,
                  copy_time_scale=0.0, copy_inline=False, vocab=None):
@@ -324,25 +335,13 @@ class Runner(_Handle):
             cfg.release_cb = self._release_fn
         if copy is not None:
             def on_copy(_user, kind, stage, mb):
-                try:
-                    copy("OFFLOAD" if kind == 4 else "RELOAD", int(stage), int(mb))
-                    return ZB_OK
-                except BaseException as exc:  # noqa: BLE001 - must not unwind into C
-                    if self._error is None:
-                        self._error = exc
-                    return ZB_ERR_INVALID_ARGUMENT
+                return self._guarded(copy, "OFFLOAD" if kind == 4 else "RELOAD", int(stage), int(mb))
 
             self._copy_fn = CopyFn(on_copy)
             cfg.copy_cb = self._copy_fn
         if vocab is not None:
             def on_vocab(_user, kind, mb):
-                try:
-                    vocab(("S", "T", "IF", "IB")[kind - 6], int(mb))
-                    return ZB_OK
-                except BaseException as exc:  # noqa: BLE001 - must not unwind into C
-                    if self._error is None:
-                        self._error = exc
-                    return ZB_ERR_INVALID_ARGUMENT
+                return self._guarded(vocab, ("S", "T", "IF", "IB")[kind - 6], int(mb))
 
             self._vocab_fn = VocabFn(on_vocab)
             cfg.vocab_cb = self._vocab_fn
