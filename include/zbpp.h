@@ -114,7 +114,7 @@ typedef enum {
    * starts when the last rank's pass ends and lasts T_VOCAB_COMM (the all-reduces, on a stream of
    * their own). vocab = 2 (the reference's Vocab-2, backward fused into S): B/BW(S-1, mb) waits for
    * the S barrier; vocab = 1 (Vocab-1): a second barrier after every rank's T(mb), which B/BW(S-1,
-   * mb) waits for. */
+   * mb) waits for. The collectives run beside the compute, not in the passes (see vocab_cb). */
   ZB_OP_S = 6,
   ZB_OP_T = 7,
   ZB_OP_IF = 8,
@@ -965,12 +965,16 @@ typedef struct {
   int32_t copy_inline;
   /* Vocabulary Parallelism's passes: a schedule with S, T, IF and IB ops (spec `vocab`) calls
    * vocab_cb(user, type, mb) at each, on the runner's thread, between the ops before and after it
-   * in the list, like forward_cb. The caller does the pass and its collectives (the barriers of the
-   * schedule model: zb_transport_all_reduce / zb_transport_broadcast on the runner's transport, a
-   * channel per kind of pass, so that each kind runs in microbatch order on every rank; zbpp.vocab
-   * in Python), and keeps what the last stage's backward needs (the output layer's input
-   * gradient). A failing pass fails the iteration, named. Callers whose struct_size ends before
-   * this field, or that leave it NULL, cannot run schedules with these passes. */
+   * in the list, like forward_cb. The caller does the pass and starts its collectives (the
+   * barriers of the schedule model: zb_transport_all_reduce / zb_transport_broadcast over the
+   * pipeline group, a channel per kind of pass; zbpp.vocab in Python), and whatever needs a result
+   * waits for it: T for S's, stage 0's forward for IF's, the last stage's backward for the output
+   * layer's input gradient. As the model has them, the collectives run beside the compute, each
+   * kind in microbatch order on a lane of its own (a thread or stream and a transport each, as
+   * benchmarks/bench_vocab.py does): the ranks run the kinds of passes in different orders among
+   * themselves, so a pass that blocked on its collective could wait for a rank that waits in
+   * another kind's. A failing pass fails the iteration, named. Callers whose struct_size ends
+   * before this field, or that leave it NULL, cannot run schedules with these passes. */
   zb_vocab_cb vocab_cb;
 } zb_runner_config_t;
 

@@ -79,10 +79,7 @@ zb_status_t zb__transport_bind(zb_transport_t *t, zb_backend_t *be) {
 void zb__transport_park(zb_transport_t *t, void *buf) {
   if (!buf) return;
   void **grown = realloc(t->parked, ((size_t)t->n_parked + 1) * sizeof *grown);
-  if (!grown) {
-    free(buf); /* out of memory: the lesser risk is a late write into freed memory */
-    return;
-  }
+  if (!grown) return; /* out of memory: leaked, which is safer than a late write into freed memory */
   t->parked = grown;
   t->parked[t->n_parked++] = buf;
 }

@@ -20,8 +20,8 @@
  * reference asserts b >= f >= c; here any costs run the automaton, and the reference's
  * out-of-range IF passes at m <= p (its warm-up loops have no bound) are left out.
  *
- * What this is not: a placement for other kinds (interleaved, V), which the reference does not
- * have either; those are to come.
+ * What this is not: the placement for other kinds (interleaved, V), which the reference does not
+ * have either: simulate.c's zb__place_vocab places them.
  */
 #include <stdlib.h>
 

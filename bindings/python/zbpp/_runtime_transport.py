@@ -271,6 +271,7 @@ class Transport(_Handle):
         channels do not wait for each other's order). Returns x."""
         if op not in _REDUCE_OPS:
             raise ValueError(f"all_reduce: op must be one of {sorted(_REDUCE_OPS)}, got {op!r}")
+        _check_channel(channel, "all_reduce")
         addr, count, nbytes, name = _host_buffer(x, "all_reduce")
         if name not in _REDUCE_DTYPES:
             raise ValueError(f"all_reduce: dtype {name} is not reduced here; use float32, float16 or bfloat16")
@@ -285,6 +286,7 @@ class Transport(_Handle):
     def broadcast(self, x, root, timeout=300.0, channel=0):
         """x (a contiguous CPU torch tensor or numpy array, any dtype) becomes root's x on every rank
         (zb_transport_broadcast). Every rank calls it, in the same order on that channel. Returns x."""
+        _check_channel(channel, "broadcast")
         addr, _, nbytes, _ = _host_buffer(x, "broadcast")
         try:
             _lib.call("zb_transport_broadcast", [_P, _c.c_int32, _P, _c.c_size_t, _c.c_int32, _c.c_double],
@@ -297,10 +299,16 @@ class Transport(_Handle):
     def _park(self, x):
         """After a failed collective (the transport is aborted), x stays alive with the transport: a
         receive gloo cannot withdraw may still write into it (collective.c)."""
-        self.__dict__.setdefault("_parked", []).append(x)
+        owner = getattr(self, "_inner", None) or self  # a staged transport's collectives ran on its inner one
+        owner.__dict__.setdefault("_parked", []).append(x)
 
 
 _REDUCE_OPS = {"sum": 0, "max": 1}
+
+
+def _check_channel(channel, what):
+    if not isinstance(channel, int) or isinstance(channel, bool) or not 0 <= channel < 1024:
+        raise ValueError(f"{what}: channel must be an integer in 0..1023, got {channel!r}")
 _REDUCE_DTYPES = {"float32": 0, "float16": 1, "bfloat16": 2}
 
 

@@ -259,7 +259,8 @@ class Runner(_Handle):
         except BaseException as exc:  # noqa: BLE001 - must not unwind into C
             if self._error is None:
                 self._error = exc
-            return ZB_ERR_INVALID_ARGUMENT
+            code = getattr(exc, "code", None) if isinstance(exc, _lib.ZbError) else None
+            return code if isinstance(code, int) and code != ZB_OK else ZB_ERR_INVALID_ARGUMENT
 
     def __init__(self, schedule, rank, backend, wstore, transport, boundary_bytes, forward, backward,
                  timeout_s=300.0, recv_depth=0, pairs=(), allocator=None, release=None, copy=None,
