@@ -99,7 +99,7 @@ zb_status_t zb_transport_all_reduce(zb_transport_t *t, int32_t channel, void *bu
   ZB_ARG_NOT_NULL(t);
   ZB_CHECK(check_channel(channel, "zb_transport_all_reduce"));
   const int32_t tag = ZB__TAG_COLLECTIVE + channel;
-  if (zb__staged_inner(t)) t = zb__staged_inner(t);
+  if (t->ops->host_side) t = t->ops->host_side(t);
   ZB_CHECK(check_transport(t, "zb_transport_all_reduce"));
   if (count > 0) ZB_ARG_NOT_NULL(buf);
   if (dtype != ZB_DTYPE_F32 && dtype != ZB_DTYPE_F16 && dtype != ZB_DTYPE_BF16)
@@ -158,7 +158,7 @@ zb_status_t zb_transport_broadcast(zb_transport_t *t, int32_t channel, void *buf
   ZB_ARG_NOT_NULL(t);
   ZB_CHECK(check_channel(channel, "zb_transport_broadcast"));
   const int32_t tag = ZB__TAG_COLLECTIVE + channel;
-  if (zb__staged_inner(t)) t = zb__staged_inner(t);
+  if (t->ops->host_side) t = t->ops->host_side(t);
   ZB_CHECK(check_transport(t, "zb_transport_broadcast"));
   if (bytes > 0) ZB_ARG_NOT_NULL(buf);
   if (root < 0 || root >= t->ranks)

@@ -46,6 +46,9 @@ typedef struct {
   /* Which memory the transport moves: 0 host memory only, 1 the memory of any backend (the
    * in-process transport copies with the bound backend), 2 device memory only (NCCL). */
   int memory;
+  /* Optional (NULL: the transport itself). The transport that carries the collectives' host
+   * buffers (collective.c): a staged transport's inner one, which moves host memory as it is. */
+  zb_transport_t *(*host_side)(zb_transport_t *t);
 } zb__transport_ops_t;
 
 enum { ZB__TRANSPORT_HOST_MEMORY = 0, ZB__TRANSPORT_ANY_MEMORY = 1, ZB__TRANSPORT_DEVICE_MEMORY = 2 };
@@ -99,9 +102,6 @@ static inline int32_t zb__tag_optim(int32_t stages, int32_t dir) { return 2 * st
  * inference 1 << 20, the unstick receive 2^30 + 7). */
 #define ZB__TAG_COLLECTIVE ((int32_t)((1 << 30) + 16))
 
-/* The host transport under a staged one (transport_staged.c), or NULL when t is not staged: the
- * collectives move host buffers, which the inner transport carries as they are. */
-zb_transport_t *zb__staged_inner(zb_transport_t *t);
 
 /* Where an op's input comes from and its output goes (bufplan.c): the channel's tag (zb__tag_fwd or
  * zb__tag_bwd of the boundary, so tag / 2 is the boundary) and the rank holding the stage at the

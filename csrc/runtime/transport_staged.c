@@ -140,6 +140,7 @@ static const zb__transport_ops_t staged_ops = {
     .destroy = staged_destroy,
     .check = staged_check,
     .memory = ZB__TRANSPORT_ANY_MEMORY,
+    .host_side = inner_of,
 };
 
 zb_status_t zb_transport_create_staged(zb_transport_t **out, zb_transport_t *inner) {
@@ -166,5 +167,3 @@ zb_status_t zb_transport_create_staged(zb_transport_t **out, zb_transport_t *inn
   *out = t;
   return ZB_OK;
 }
-
-zb_transport_t *zb__staged_inner(zb_transport_t *t) { return t->ops == &staged_ops ? inner_of(t) : NULL; }

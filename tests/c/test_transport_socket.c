@@ -373,12 +373,15 @@ static void *coll_run(void *arg) {
 
 static void test_collectives_over_sockets(void **state) {
   (void)state;
+  for (int staged = 0; staged <= 1; staged++) { /* a staged transport's run on its inner one */
   mesh_t m;
   mesh_make(&m, 3, NULL);
+  zb_transport_t *st[3] = {NULL, NULL, NULL};
+  for (int r = 0; staged && r < 3; r++) ZB_ASSERT_OK(zb_transport_create_staged(&st[r], m.t[r]));
   coll_t c[3];
   pthread_t th[3];
   for (int r = 0; r < 3; r++) {
-    c[r] = (coll_t){m.t[r], r, malloc(COLL_N * sizeof(float)), malloc(3000 * sizeof(float)), ZB_OK};
+    c[r] = (coll_t){staged ? st[r] : m.t[r], r, malloc(COLL_N * sizeof(float)), malloc(3000 * sizeof(float)), ZB_OK};
     for (int i = 0; i < COLL_N; i++) c[r].sum[i] = coll_value(r, i);
     for (int i = 0; i < 3000; i++) c[r].bc[i] = i / 1000 == r ? coll_value(10 + r, i) : 0.0f;
   }
@@ -395,7 +398,9 @@ static void test_collectives_over_sockets(void **state) {
       if (c[r].bc[i] != coll_value(10 + i / 1000, i)) fail_msg("rank %d: broadcast element %d is wrong", r, i);
     free(c[r].sum), free(c[r].bc);
   }
+  for (int r = 0; r < 3; r++) ZB_ASSERT_OK(zb_transport_destroy(st[r]));
   mesh_free(&m);
+  }
 }
 
 static void test_bad_configs(void **state) {
