@@ -101,6 +101,7 @@ _TORCH_EXPORTS = {
     "PlanInfo": "pipelining",
     "get_schedule_class": "pipelining",
     "PostValidatedOptimizer": "optim",
+    "VocabParallel": "vocab",
 }
 __all__ += list(_TORCH_EXPORTS)
 

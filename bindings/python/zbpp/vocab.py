@@ -34,18 +34,27 @@ multiple of pad_multiple x ranks); padded rows take no part in the softmax (thei
 uses the embedding's shard, and both passes' gradients add into it. gather() gives the whole
 weight back, in the unsharded layout, for a checkpoint.
 
+VocabParallel is what a user hands a schedule class (vocab_parallel=): the whole output layer and
+input embedding; the schedule shards them over its ranks and runs the passes at the ops its plan
+places (zbpp/pipelining/_vocab.py).
+
 What this is not: the schedule's placement of these passes (the schedule model's S/T/IF/IB ops),
 or device collectives (the host transports carry them; NCCL's group communicator is to come).
 """
 
+import threading
+
 import torch
 
-__all__ = ["VocabParallelOutput", "VocabParallelEmbedding", "vocab_shard_range"]
+__all__ = ["VocabParallel", "VocabParallelOutput", "VocabParallelEmbedding", "vocab_shard_range"]
 
 # The collectives' channels (zbpp.runtime.Transport.all_reduce's channel=): one per kind of pass, so
 # that each kind only has to run in microbatch order on every rank (as the schedule model's
 # validator requires), whatever the order of the kinds among themselves.
 CHANNEL_S, CHANNEL_T, CHANNEL_IF, CHANNEL_IB, CHANNEL_GATHER = 0, 1, 2, 3, 4
+# A schedule's own messages: the batch's tokens and targets to every rank, the last stage's hidden
+# state to every rank (zbpp/pipelining/_vocab.py).
+CHANNEL_DATA, CHANNEL_HIDDEN = 5, 6
 
 
 def vocab_shard_range(vocab_size, rank, ranks, pad_multiple=1):
@@ -81,11 +90,25 @@ class _Alone:
         return x
 
 
+class _Unbound:
+    """The collectives of shards a schedule made and has not run yet (VocabParallel)."""
+
+    @staticmethod
+    def _refuse(*_args, **_kwargs):
+        raise RuntimeError("zbpp.VocabParallel: its collectives run over its schedule's ranks; call this after "
+                           "the schedule's first step, on every rank")
+
+    all_reduce = broadcast = _refuse
+
+
 class _Shard:
     """This rank's rows of a [V, H] weight, padded: a Parameter of [end - start, H] (padding zeros)."""
 
     def __init__(self, name, weight, rank, ranks, transport, pad_multiple):
         _check_weight(name, weight, rank, ranks)
+        # The output layer's T (the runner's thread) and the embedding's IB (its own lane) may add
+        # into one tied weight's gradient at once.
+        self._lock = threading.Lock()
         if transport is None and ranks > 1:
             raise ValueError(f"zbpp.{name}: {ranks} ranks need their transport (zbpp.runtime.Transport, e.g. "
                              "zbpp.distributed.TorchTransport(group).transport) for the collectives")
@@ -111,10 +134,22 @@ class _Shard:
         return out[:self.vocab_size].clone()
 
     def _add_grad(self, g):
-        if self.weight.grad is None:
-            self.weight.grad = g
-        else:
-            self.weight.grad += g
+        with self._lock:
+            if self.weight.grad is None:
+                self.weight.grad = g
+            else:
+                self.weight.grad += g
+
+    def load(self, weight):
+        """Takes this rank's rows of the whole [V, H] weight (a checkpoint in the unsharded
+        layout), in place: the Parameter an optimizer holds stays the same object."""
+        if not isinstance(weight, torch.Tensor) or tuple(weight.shape) != (self.vocab_size, self.hidden):
+            raise ValueError(f"zbpp: the weight to load must be [{self.vocab_size}, {self.hidden}] (the whole "
+                             f"vocabulary), got {tuple(getattr(weight, 'shape', ()))}")
+        with torch.no_grad():
+            self.weight.zero_()
+            if self.real:
+                self.weight[:self.real].copy_(weight.detach()[self.start:self.start + self.real])
 
 
 class _OutputState:
@@ -133,7 +168,8 @@ class VocabParallelOutput(_Shard):
                  label_smoothing=0.0, tied=None):
         if tied is not None:
             self.__dict__.update({k: getattr(tied, k) for k in ("rank", "ranks", "transport", "vocab_size", "hidden",
-                                                              "start", "end", "padded", "real", "weight")})
+                                                              "start", "end", "padded", "real", "weight",
+                                                              "_lock")})
         else:
             super().__init__("VocabParallelOutput", weight, rank, ranks, transport, pad_multiple)
         if not 0.0 <= label_smoothing < 1.0:
@@ -172,10 +208,11 @@ class VocabParallelOutput(_Shard):
 
     # ---- C0 ---------------------------------------------------------------------------------------
 
-    def reduce(self, st):
+    def reduce(self, st, transport=None):
         """C0: the global max and sum (and, fused, the input gradient per unit of loss gradient);
-        fills st.loss [T], the per-token cross entropy, the same on every rank."""
-        tr = self.transport
+        fills st.loss [T], the per-token cross entropy, the same on every rank. transport: where
+        the collectives go (default the layer's; a schedule gives each kind of pass its own)."""
+        tr = transport or self.transport
         ch = dict(channel=CHANNEL_S)
         st.M = tr.all_reduce(st.m.clone(), "max", **ch)
         scale = torch.where(torch.isfinite(st.m), torch.exp(st.m - st.M), torch.zeros_like(st.m))
@@ -217,12 +254,12 @@ class VocabParallelOutput(_Shard):
         st.grad_part = grad_logits @ self.weight.detach().float()
         return None
 
-    def reduce_grad(self, st):
+    def reduce_grad(self, st, transport=None):
         """C1 (unfused only): the input gradient [T, H], summed over the shards."""
         if self.fused:
             raise RuntimeError("zbpp.VocabParallelOutput.reduce_grad is the unfused variant's C1 (fused=False); "
                                "with fused=True t_pass returns the input gradient")
-        return self.transport.all_reduce(st.grad_part.contiguous(), "sum", channel=CHANNEL_T)
+        return (transport or self.transport).all_reduce(st.grad_part.contiguous(), "sum", channel=CHANNEL_T)
 
     def forward_backward(self, h, target, grad_loss=None):
         """S, C0, T (and C1) for one microbatch: (per-token loss [T], input gradient [T, H]).
@@ -242,18 +279,157 @@ class VocabParallelEmbedding(_Shard):
     def __init__(self, weight, rank, ranks, transport, pad_multiple=1):
         super().__init__("VocabParallelEmbedding", weight, rank, ranks, transport, pad_multiple)
 
-    def embed(self, tokens):
-        """IF and its SUM: the embedding of tokens [T] ([T, H]) on every rank."""
+    def embed_local(self, tokens):
+        """IF on this shard: the rows of tokens [T] that fall in it, zeros elsewhere ([T, H])."""
+        if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.vocab_size):
+            raise ValueError(f"zbpp.VocabParallelEmbedding: tokens must be vocabulary ids in 0..{self.vocab_size - 1}, "
+                             f"got {int(tokens.min())}..{int(tokens.max())}")
         in_shard = (tokens >= self.start) & (tokens < self.start + self.real)
         local = torch.where(in_shard, tokens - self.start, torch.zeros_like(tokens))
-        out = torch.where(in_shard.unsqueeze(1), self.weight.detach()[local], torch.zeros((), dtype=self.weight.dtype))
-        return self.transport.all_reduce(out.contiguous(), "sum", channel=CHANNEL_IF)
+        return torch.where(in_shard.unsqueeze(1), self.weight.detach()[local], torch.zeros((), dtype=self.weight.dtype))
 
-    def embed_backward(self, tokens, grad, root=0):
+    def embed(self, tokens, transport=None):
+        """IF and its SUM: the embedding of tokens [T] ([T, H]) on every rank."""
+        return (transport or self.transport).all_reduce(self.embed_local(tokens).contiguous(), "sum",
+                                                        channel=CHANNEL_IF)
+
+    def embed_backward(self, tokens, grad, root=0, transport=None):
         """IB: grad [T, H], the embedding output's gradient, from rank `root` (the others pass a
         tensor of that shape to receive it); the shard's rows of weight.grad gain their part."""
-        grad = self.transport.broadcast(grad.detach().contiguous().to(self.weight.dtype), root, channel=CHANNEL_IB)
+        grad = (transport or self.transport).broadcast(grad.detach().contiguous().to(self.weight.dtype), root,
+                                                       channel=CHANNEL_IB)
         in_shard = (tokens >= self.start) & (tokens < self.start + self.real)
         g = torch.zeros_like(self.weight)
         g.index_add_(0, tokens[in_shard] - self.start, grad[in_shard])
         self._add_grad(g)
+
+
+# One rank's pass times, in the unit of the schedule's times (a stage's F is 1 by default): the
+# placement of the passes in kinds other than 1F1B, and the plan's figures, use them.
+DEFAULT_TIMES = {"s": 1.0, "t": 1.0, "if": 0.1, "ib": 0.1, "comm": 0.0}
+
+
+def _whole_weight(what, layer, kind):
+    """The [V, H] weight of the layer a user hands VocabParallel (the module, or its weight)."""
+    if isinstance(layer, torch.Tensor):
+        weight = layer
+    elif isinstance(layer, kind):
+        if getattr(layer, "bias", None) is not None:
+            raise ValueError(f"zbpp.VocabParallel: the {what} layer has a bias; the output layer over the vocabulary is "
+                             "split without one (nn.Linear(hidden, vocab, bias=False), as GPT-style models have it)")
+        weight = layer.weight
+    else:
+        raise TypeError(f"zbpp.VocabParallel: {what} must be a torch.nn.{kind.__name__} or its [vocab, hidden] weight, "
+                        f"got {type(layer).__name__}")
+    if weight.dim() != 2 or weight.shape[0] < 1 or weight.shape[1] < 1:
+        raise ValueError(f"zbpp.VocabParallel: the {what} weight must be [vocab, hidden], got {tuple(weight.shape)}")
+    if weight.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"zbpp.VocabParallel: the {what} weight is {weight.dtype}; its collectives reduce float32, "
+                         "float16 or bfloat16")
+    return weight
+
+
+class VocabParallel:
+    """Vocabulary Parallelism for a pipeline schedule: the output layer (with its cross entropy)
+    and the input embedding split over the vocabulary across every rank of the pipeline. Hand it
+    to a schedule class or PipelineSchedule as vocab_parallel=...; the schedule shards the layers
+    over its ranks and places their passes in its plan (S and T for the output layer, IF and IB
+    for the embedding, on every rank for every microbatch).
+
+    output: the output layer, a torch.nn.Linear(hidden, vocab, bias=False) or its [vocab, hidden]
+    weight; embedding: the input embedding, a torch.nn.Embedding(vocab, hidden) or its weight.
+    Every rank passes the same layers (built from one seed, or loaded from one checkpoint). When
+    both are one Parameter (tied), the shard is shared and gets both gradients.
+    fused: True (the reference's Vocab-2, its default) computes the output layer's input gradient
+    in S, one barrier a microbatch and p+1 microbatches of activation memory in 1F1B; False
+    (Vocab-1, Megatron's --disable-backward-fusion) in T, two barriers, p+2. label_smoothing: as
+    torch's F.cross_entropy. pad_multiple: the vocabulary is padded to a multiple of pad_multiple x
+    ranks (Megatron's make_vocab_size_divisible_by); padded rows take no part. times: one rank's
+    pass times {'s', 't', 'if', 'ib', 'comm'} in the unit of the schedule's times (defaults in
+    DEFAULT_TIMES), which place the passes in kinds other than 1F1B.
+
+    What the model changes: stage 0's module takes the embedding's output (hidden states) as its
+    first argument where it took the tokens; the last stage's module returns the hidden states
+    the output layer reads ([..., hidden], one row per target); the loss is the cross entropy of
+    the output layer, mean over each microbatch's tokens (no loss_fn). The schedule takes the
+    batch and the target where torch's does (stage 0's rank, the last stage's rank) and sends
+    them to every rank. After the schedule is made: parameters() are this rank's shards (give
+    them to the optimizer), gather() the whole weights for a checkpoint, load() takes them back.
+    """
+
+    def __init__(self, output, embedding, *, fused=True, label_smoothing=0.0, pad_multiple=1, times=None):
+        self._whole = (_whole_weight("output", output, torch.nn.Linear),
+                       _whole_weight("embedding", embedding, torch.nn.Embedding))
+        if self._whole[0].shape != self._whole[1].shape:
+            raise ValueError(f"zbpp.VocabParallel: the output weight is {tuple(self._whole[0].shape)} and the "
+                             f"embedding's {tuple(self._whole[1].shape)}; both are [vocab, hidden]")
+        self.tied = self._whole[0] is self._whole[1]
+        if not 0.0 <= float(label_smoothing) < 1.0:
+            raise ValueError(f"zbpp.VocabParallel: label_smoothing must be in [0, 1), got {label_smoothing}")
+        if not isinstance(pad_multiple, int) or pad_multiple < 1:
+            raise ValueError(f"zbpp.VocabParallel: pad_multiple must be an int >= 1, got {pad_multiple!r}")
+        unknown = set(times or {}) - set(DEFAULT_TIMES)
+        if unknown:
+            raise ValueError(f"zbpp.VocabParallel: times keys are {sorted(DEFAULT_TIMES)}, got {sorted(unknown)}")
+        self.times = dict(DEFAULT_TIMES, **{k: float(v) for k, v in (times or {}).items()})
+        if any(v < 0 for v in self.times.values()):
+            raise ValueError(f"zbpp.VocabParallel: times must be >= 0, got {self.times}")
+        self.fused, self.label_smoothing, self.pad_multiple = bool(fused), float(label_smoothing), pad_multiple
+        self.vocab_size, self.hidden = self._whole[0].shape
+        self.output = self.embedding = None  # this rank's shards, once a schedule made them
+        self.rank = self.ranks = None
+
+    def describe(self):
+        """What every rank of a pipeline must agree on (the schedule's handshake compares it)."""
+        return (f"vocab {self.vocab_size} x {self.hidden}, {'fused' if self.fused else 'unfused'}, label_smoothing "
+                f"{self.label_smoothing:g}, pad_multiple {self.pad_multiple}, {'tied' if self.tied else 'untied'}")
+
+    def _bind(self, rank, ranks):
+        """Shards the layers for `rank` of `ranks` (the schedule does, once)."""
+        if self.ranks is not None:
+            if (self.rank, self.ranks) != (rank, ranks):
+                raise ValueError(f"zbpp.VocabParallel: already sharded for rank {self.rank} of {self.ranks}; make one "
+                                 "per schedule")
+            return
+        out_w, emb_w = self._whole
+        tr = _Alone() if ranks == 1 else _Unbound  # the schedule gives its transport at its first step
+        self.embedding = VocabParallelEmbedding(emb_w, rank, ranks, tr, self.pad_multiple)
+        if self.tied:
+            self.output = VocabParallelOutput(tied=self.embedding, fused=self.fused,
+                                              label_smoothing=self.label_smoothing)
+        else:
+            self.output = VocabParallelOutput(out_w, rank, ranks, tr, self.pad_multiple, self.fused,
+                                              self.label_smoothing)
+        self.rank, self.ranks = rank, ranks
+        self._whole = None  # the user's whole layers are not used again: delete them to free their memory
+
+    def _shards(self):
+        if self.output is None:
+            raise RuntimeError("zbpp.VocabParallel: it is sharded when a schedule is made with it "
+                               "(vocab_parallel=...); make the schedule first")
+        return [("embedding.weight", self.embedding)] + ([] if self.tied else [("output.weight", self.output)])
+
+    def named_parameters(self):
+        """This rank's shards as (name, Parameter): 'embedding.weight' and, untied, 'output.weight'."""
+        return [(name, shard.weight) for name, shard in self._shards()]
+
+    def parameters(self):
+        """This rank's shards (Parameters of [padded vocab / ranks, hidden]): give them to the optimizer."""
+        return [w for _, w in self.named_parameters()]
+
+    def gather(self):
+        """{'embedding.weight': [V, H], 'output.weight': [V, H]} (one tensor twice when tied), the
+        whole weights in the unsharded layout for a checkpoint. A collective: every rank calls it,
+        between steps; every rank gets them."""
+        got = {name: shard.gather() for name, shard in self._shards()}
+        if self.tied:
+            got["output.weight"] = got["embedding.weight"]
+        return got
+
+    def load(self, state):
+        """Takes the whole weights back (gather()'s dict, or a model's 'embedding.weight' and
+        'output.weight' in the unsharded layout): each rank keeps its rows, in place."""
+        for name, shard in self._shards():
+            if name not in state:
+                raise KeyError(f"zbpp.VocabParallel.load: {name!r} is missing (has {sorted(state)})")
+            shard.load(state[name])

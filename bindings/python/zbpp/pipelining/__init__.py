@@ -71,6 +71,7 @@ from ._ir import _TorchIR
 from ._offload import OFFLOAD_SLOWDOWN, _copy_times_in, _has_copies, _offload_choice
 from ._setup import _SetUp
 from ._stage import PipelineStage, _adopt
+from ._reports import _Reports
 from ._step import _Stepping
 from ._wsplit import _marked as _wsplit_marked, _Splitting, measured_w_share
 from ._plan import DEFAULT_PROFILE_STEPS, PLANNED_KINDS, REPLAN_MIN_GAIN, PlanInfo, _Planning, _profile_window  # noqa: F401
@@ -125,7 +126,8 @@ def _stage_times(schedule):
 
 # ---- the schedules ---------------------------------------------------------------------------------
 
-class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning, _Splitting, _BoundaryBuffers, _Stepping):
+class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning, _Splitting, _BoundaryBuffers, _Stepping,
+                       _Reports):
     """Base class: a zbpp schedule kind run by the C runner over this rank's stages.
 
     Subclasses fix `kind`. Extra keyword arguments beyond torch's: mem_limit (zb-auto's memory limit,
@@ -147,6 +149,10 @@ class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning, _Splitting, _Bou
     2k+1 share one link to host memory, one PCIe switch for two GPUs: their copies take turns). offload_report() gives the
     measured peaks beside the plan's.
 
+    Vocabulary Parallelism (_vocab.py): vocab_parallel (a zbpp.VocabParallel holding the output
+    layer and the input embedding, split over the vocabulary across every rank; the plan gets
+    their passes; the loss is their cross entropy, so no loss_fn).
+
     Plans from measured costs (the module docstring): plan_from_measured (None: on for the kinds in
     PLANNED_KINDS unless times= or costs= is given, or ZBPP_PLAN_FROM_MEASURED=0; False: off; True:
     on, an error for a fixed kind), profile_steps (the steps timed, counted from 1: (first, last),
@@ -164,7 +170,7 @@ class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning, _Splitting, _Bou
                  plan_from_measured=None, profile_steps=None, costs=None, save_plan_dir=None,
                  use_full_backward=None, backward_requires_autograd=True, defer_pp_recv=False,
                  stages=None, stage=None, split_backward=None, offload=None, offload_modelled=False,
-                 offload_paired=False):
+                 offload_paired=False, vocab_parallel=None):
         name = type(self).__name__
         # torch's keyword names: stages= (PipelineScheduleMulti and its subclasses), stage= (Single)
         given = [x for x in (stage_or_stages, stages, stage) if x is not None]
@@ -264,6 +270,16 @@ class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning, _Splitting, _Bou
         if self._plan_kind not in PLANNED_KINDS:
             self._plan_kind = None
         self._offload_arg = _offload_choice(name, offload, S)
+        self._vp = None  # _vocab.VocabRun with vocab_parallel=
+        self._vocab_args = {}  # Schedule.generate's vocab arguments
+        if vocab_parallel is not None:
+            from ._vocab import VocabRun, check_config
+
+            check_config(name, vocab_parallel, loss_fn, csv, _kind_name(kind) if kind is not None else None, offload,
+                         costs, plan_from_measured, self._cuda, _PY_KINDS)
+            plan_from_measured = False
+            self._vp = VocabRun(self, vocab_parallel)
+            self._vocab_args = self._vp.spec()
         if offload_modelled and (self._cuda or self._offload_arg is None):
             raise ValueError(f"zbpp.{name}: offload_modelled=True models a PCIe link for offload= on CPU stages; "
                              f"this pipeline has {'CUDA stages' if self._cuda else 'no offload'}")
@@ -414,8 +430,10 @@ class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning, _Splitting, _Bou
     def _generate(self, kind, p, m, v, times, limit):
         """The schedule of a kind for this pipeline (a subclass with its own order overrides it);
         the memory-tight V kinds refined (_plan.refined)."""
-        return refined(Schedule.generate(kind, p=p, m=m, v=v, times=times, mem_limit=limit,
-                                         placement=self._placement_arg))
+        plan = Schedule.generate(kind, p=p, m=m, v=v, times=times, mem_limit=limit, placement=self._placement_arg,
+                                 **self._vocab_args)
+        # The local search does not move Vocabulary Parallelism's passes (zb_schedule_refine).
+        return plan if self._vocab_args else refined(plan)
 
     def _check_stages(self):
         """Checks that this rank was given the stages the schedule puts on it, and notes which of
@@ -449,6 +467,8 @@ class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning, _Splitting, _Bou
     # stage runs, and how the loss is computed and differentiated.
 
     def _first_inputs(self, i):
+        if self._vp is not None:  # the embedding, split over the ranks, in place of the tokens
+            return (self._vp.embedding_of(i),) + tuple(self._mb_args[i][1:]), self._mb_kwargs[i]
         return self._mb_args[i], self._mb_kwargs[i]
 
     def _run_stage(self, s, i, inputs, kwargs):
@@ -493,6 +513,13 @@ class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning, _Splitting, _Bou
         offload = self._offloader.capture(s, i, inputs) if self._offloader is not None else contextlib.nullcontext()
         with torch.enable_grad(), fused, (meter or contextlib.nullcontext()), offload:
             out = self._run_stage(s, i, inputs, kwargs)
+            if s == self.loss_stage and self._vp is not None:
+                # The output layer is split over the ranks: its input goes to every rank; the
+                # backward pairs this output with the gradient its passes send back (hidden_grad).
+                self._vp.hidden(i, out)
+                self._outputs[i] = out.detach()
+                self._ctx[(s, i)] = (inputs, (out,), None)
+                return out
             if s == self.loss_stage:
                 loss = self._compute_loss(i, out)
                 if self._lending and s > 0 and isinstance(self._outputs[i], torch.Tensor) and \
@@ -545,8 +572,9 @@ class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning, _Splitting, _Bou
                 else:
                     self._loss_backward(loss)
             else:
-                pairs = [(o, g) for o, g in zip(outs, self._in_views(gout_addr, s))
-                         if o.requires_grad]
+                gouts = ([self._vp.hidden_grad(i, outs[0])] if self._vp is not None and s == self.loss_stage
+                         else self._in_views(gout_addr, s))
+                pairs = [(o, g) for o, g in zip(outs, gouts) if o.requires_grad]
                 if pairs:
                     # Lending: the gradients stay valid until this microbatch's W (the W store reads
                     # them there). They are held in `pairs` meanwhile, so autograd cannot take one
@@ -568,6 +596,8 @@ class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning, _Splitting, _Bou
             self._w_work[s] = True
             if (s, i) == self._split_for[2]:
                 self._check_w_work()
+        if s == 0 and self._vp is not None:
+            self._vp.input_grad(i, inputs[0].grad)  # for IB
         if s > 0 and self._lending:
             self._lend(s - 1, [x.grad if x.grad is not None else torch.zeros_like(x) for x in inputs],
                        [g for _, g in pairs] if loss is None else ())
@@ -634,7 +664,22 @@ class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning, _Splitting, _Bou
                                       release=self._release_lent if self._lending else None,
                                       copy=self._offloader.copy if self._offloader is not None else None,
                                       copy_inline=not self._offload_modelled,
-                                      copy_time_scale=1e-3 if self._offload_modelled else 0.0)
+                                      copy_time_scale=1e-3 if self._offload_modelled else 0.0,
+                                      vocab=self._vocab_callback() if self._vp is not None else None)
+
+    def _vocab_callback(self):
+        """The runner's vocab callback: a pass that raises is published as the pipeline's first
+        failure, naming it, and the lanes' peers are told (as _stage_callback does for stages)."""
+        def call(kind, mb):
+            try:
+                self._vp.on_pass(kind, mb)
+            except Exception as exc:
+                exc._zbpp_in_stage = True
+                self._note_failure(exc, f"{kind}(mb {mb})")
+                self._vp.abort(f"rank {self.rank}: {kind}(mb {mb}) failed")
+                raise
+
+        return call
 
     def _make_nccl(self):
         """The NCCL transport: rank 0 makes the unique id and sends it to every rank (with a flag,
@@ -680,75 +725,12 @@ class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning, _Splitting, _Bou
                                       timeout=self.timeout, abort_store=store,
                                       abort_key=distributed._ABORT_PREFIX + name if name else None)
 
-    # ---- measured timeline -----------------------------------------------------------------------
-
-    def timeline(self):
-        """The last step's measured op times of every rank as a zbpp.Schedule (set_times applied),
-        for .to_svg(), .to_chrome() and .simulate()-style figures; a collective: every rank calls
-        it, every rank gets the same result. Clocks are CLOCK_MONOTONIC, so the ranks must share a
-        host (as with CPU runs over gloo)."""
-        if self._last_times is None:
-            raise RuntimeError("zbpp: timeline() needs a finished step()")
-        self._check_open()
-        with self._failing():
-            gathered = self._exchange(self._last_times, "timeline()")
-        copy = Schedule.from_csv(self._last_schedule.to_csv())
-        # .measured: span, busy and bubble rate of the measured times (the paper's definitions);
-        # .measured_w_share: the share of the backward's time spent in W ops
-        copy.measured = copy.set_times([g[0] for g in gathered], [g[1] for g in gathered])
-        copy.measured_w_share = measured_w_share(copy)
-        return copy
-
-    def offload_report(self):
-        """This rank's saved activations in the last step with PipeOffload's copies (offload=), as
-        measured beside the plan's figures: {'device_peak_bytes', 'host_peak_bytes' (measured, counted
-        as the schedule model counts them: _offload.py), 'planned_device_peak', 'planned_host_peak'
-        (the plan's, in microbatches through all of this rank's layers), 'bytes_per_microbatch'
-        (measured: the mean of one microbatch's saved bytes per stage, summed over the rank's
-        stages), 'planned_device_peak_bytes', 'planned_host_peak_bytes', 'host_pool_bytes' (the host
-        memory reserved for copies: pinned on CUDA, as many slots per stage as the plan holds at
-        once), 'host_pool_misses' (groups in the last step that found no slot and got memory of
-        their own: larger than the stage's first microbatch)}, and on the CPU
-        'sync_device_peak_bytes', 'sync_host_peak_bytes': the plan's figures for copies that take no
-        time of their own, as the CPU's synchronous copies (copy_inline) run. The plan's memory model
-        counts every stage alike (F adds 1/v; a split backward frees 1 - w_share of it at B): the
-        figures agree where that holds (equal stages, fused backwards), not for the first stage
-        of a split schedule, whose whole backward runs at W. None without copies."""
-        off = self._offloader
-        if off is None or self._last_schedule is None:
-            return None
-        dev, host = off.peaks()
-        per_stage = {}
-        for (s, _i), n in off.group_bytes.items():
-            per_stage.setdefault(s, []).append(n)
-        unit = sum(sum(v) / len(v) for v in per_stage.values())
-        sched = self._last_schedule
-        sched.simulate()
-        pdev, phost = sched.rank_memory(self.rank)
-        report = {"device_peak_bytes": dev, "host_peak_bytes": host, "planned_device_peak": pdev,
-                  "planned_host_peak": phost, "bytes_per_microbatch": unit,
-                  "planned_device_peak_bytes": pdev * unit, "planned_host_peak_bytes": phost * unit,
-                  "host_pool_bytes": off.pool.reserved, "host_pool_misses": off.pool.misses}
-        if not self._cuda:
-            # Synchronous copies take no time of their own on the copy lane: the same op lists with
-            # copy times 0. A rank's memory then moves only at its own compute ops' boundaries, in
-            # list order, so this is what the run holds whatever its timing.
-            S = sched.stages
-            times = _stage_times(sched)
-            # (A copy lasts a millionth of the shortest op, so that copies at one instant keep their
-            # list order, as the synchronous ones do.)
-            tiny = 1e-6 * min(x for v in times.values() for x in v if x > 0)
-            times.update(offload=[tiny] * S, reload=[tiny] * S)
-            sync = Schedule.from_csv(sched.to_csv(), times=times, w_share=sched.w_share)
-            sdev, shost = sync.rank_memory(self.rank)
-            sync.close()
-            report.update(sync_device_peak_bytes=sdev * unit, sync_host_peak_bytes=shost * unit)
-        return report
-
     def close(self):
         if self._runner is not None:
             self._runner.close()
             self._runner = None
+        if self._vp is not None:
+            self._vp.close()
         if self._dviews is not None:
             self._dviews.clear()  # views of the runner's buffers, which are gone now
         if self._nccl is not None:

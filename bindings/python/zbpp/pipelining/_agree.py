@@ -103,6 +103,8 @@ class _Agreement:
             yield
         except BaseException as exc:
             self._note_failure(exc)
+            if self._vp is not None:  # the vocabulary lanes' peers learn it at once too
+                self._vp.abort(f"rank {self.rank}: {type(exc).__name__}: {exc}")
             raise
 
     def _note_failure(self, exc, where=None):
@@ -238,7 +240,7 @@ class _Agreement:
         if self._agreed and self._agreed_on is self.schedule:
             return
         if self.ranks == 1:
-            self._loss_anywhere = self._loss_fn is not None
+            self._loss_anywhere = self._loss_fn is not None or self._vp is not None
             self._agreed, self._agreed_on = True, self.schedule
             return
         what = "the handshake of the first step" if not self._agreed else "the handshake of a new plan"
@@ -257,7 +259,9 @@ class _Agreement:
 
         plan = None
         if self.schedule is not None:
-            plan = hashlib.sha256(self.schedule.to_csv().encode()).hexdigest()[:16]
+            # (Vocabulary Parallelism's passes have no CSV cells; its JSON holds them)
+            text = self.schedule.to_json() if self._vp is not None else self.schedule.to_csv()
+            plan = hashlib.sha256(text.encode()).hexdigest()[:16]
         known = self._meta if (self._meta_given or self._shapes_known) else {}
         return {
             "zbpp": __version__,
@@ -267,14 +271,16 @@ class _Agreement:
             "post_validation": self._post_validation or "not wrapped",
             "plan": plan,
             "stages": [s.stage_index for s in self.stages],
-            "loss_fn": self._loss_fn is not None,
+            "loss_fn": self._loss_fn is not None or self._vp is not None,
+            "vocab_parallel": self._vp.vp.describe() if self._vp is not None else "off",
             "boundaries": {b: [(str(d), tuple(sh)) for d, sh in meta] for b, meta in known.items()},
         }
 
 
 # The fields every rank must have equal, in the order a message names them, with their names.
 _EQUAL = (("zbpp", "the zbpp version"), ("kind", "the schedule"), ("num_stages", "num_stages"),
-          ("n_microbatches", "n_microbatches"), ("post_validation", "post-validation (PostValidatedOptimizer)"))
+          ("n_microbatches", "n_microbatches"), ("post_validation", "post-validation (PostValidatedOptimizer)"),
+          ("vocab_parallel", "vocab_parallel"))
 
 
 def _by_value(values):

@@ -142,7 +142,7 @@ class _Stepping:
         self._mb_kwargs = [dict(k) for k in kwarg_mbs] if kwarg_mbs is not None else [{}] * m
         self._mb_target = target_mbs
         if self.holds_loss and trains:
-            if self._loss_fn is None:
+            if self._loss_fn is None and self._vp is None:
                 raise ValueError(f"zbpp: rank {self.rank} holds the loss stage ({self.loss_stage}) but the "
                                  "schedule has no loss_fn; pass loss_fn=... when constructing it")
             if target_mbs is None:
@@ -151,12 +151,18 @@ class _Stepping:
         if self._custom:
             self._custom_step(losses)
         try:
+            if self._vp is not None:
+                self._vp.begin_step(arg_mbs, target_mbs, trains)  # every rank gets the tokens and targets
             if trains:
                 self._run_iteration()
             else:
                 with self._device_scope():
                     self._infer_for(False)
                     self._forward_only()
+                    if self._vp is not None:
+                        got = self._vp.forward_only_losses(self._outputs)
+                        if got is not None and self.holds_loss:
+                            self._losses = got
         finally:
             self._mb_args = self._mb_kwargs = self._mb_target = None
             self._loss_kwargs = {}
@@ -264,6 +270,10 @@ class _Stepping:
             finally:
                 self._ctx = {}
                 self._profiling = False
+            if self._vp is not None:
+                got = self._vp.end_step()  # every lane's collectives done, before the gradients are scaled
+                if self.holds_loss:
+                    self._losses = got
             self._last_times = self._runner.times()
             old, self._last_schedule = self._last_schedule, self.schedule
             if old is not None and old is not self.schedule and old is not self._held_plan:
@@ -285,6 +295,8 @@ class _Stepping:
         of a V, both on rank 0) holds one gradient, summed over its uses, and is divided once, as
         a sequential loop divides it. Sharing across ranks is the user's to reduce, as in torch."""
         done = set()
+        if self._vp is not None:
+            self._vp.scale_grads(divisor)
         for st in self.stages:
             if st.stage_index in self._scaled:  # a custom function scaled it (stage.scale_grads)
                 done.update(id(prm) for prm in st.submod.parameters())

@@ -1,0 +1,403 @@
+"""Vocabulary Parallelism in a schedule's steps (vocab_parallel=zbpp.VocabParallel(...)).
+
+What this is: VocabRun, which a PipelineSchedule holds when it was given vocab_parallel: it shards
+the user's output layer and embedding over the pipeline's ranks (zbpp.vocab), adds the passes to
+the plan (the spec's `vocab` and pass times: S, T, IF, IB on every rank for every microbatch,
+placed by the C library), and runs them at the runner's vocab callback. Per step:
+
+  at the start, on every rank: the tokens (stage 0's first argument) from stage 0's rank and the
+      target from the last stage's rank, to every rank (CHANNEL_DATA, on the schedule's transport);
+  IF(mb): this rank's rows of the embedding; their SUM over the ranks (lane IF) is stage 0's input;
+  the last stage's forward: its output, the hidden states, to every rank (lane H, from its rank);
+  S(mb): logits, max, sum and target logit on this rank's rows (fused: the input gradient's
+      parts); C0, the all-reduces joining the ranks (lane S), gives the loss and (fused) the
+      last stage's output gradient;
+  T(mb): after C0, the softmax's gradient into this rank's rows of the weight gradient (unfused:
+      its part of the output gradient, SUMmed on lane T);
+  the last stage's backward: waits for that gradient, then runs as any stage's;
+  stage 0's backward: keeps its input gradient for IB;
+  IB(mb): that gradient from stage 0's rank to every rank (lane IB), each adding its rows of the
+      embedding's weight gradient;
+  at the end: every lane drained, the per-microbatch losses (mean cross entropy over its tokens).
+
+Why lanes: the collectives run beside the compute, each kind in microbatch order on a thread with
+a transport of its own (as the reference runs them on a stream of their own): the ranks run the
+kinds of passes in different orders among themselves (the plan interleaves them with each rank's
+own stages), so a pass that blocked on its own collective could wait for a rank that waits in
+another kind's (include/zbpp.h, vocab_cb). What needs a result waits for it, bounded by the
+schedule's timeout and watching the pipeline's failure key.
+
+Forward-only steps (eval()) run no passes: the batch's embedding is one all-reduce before the
+forwards, and, with a target, the loss one broadcast of the last stage's outputs and one S over
+the whole batch after them.
+
+What this is not: the numerics (zbpp/vocab.py) or the placement (csrc/schedule/gen_vocab.c and
+simulate.c's zb__place_vocab).
+"""
+
+import queue
+import threading
+import time
+
+import torch
+
+from .. import distributed
+from ..vocab import CHANNEL_DATA, CHANNEL_HIDDEN, CHANNEL_IF, VocabParallel, _Alone
+
+_LANES = ("H", "S", "T", "IF", "IB")
+
+
+def plan_copy(schedule, vocab_args):
+    """A copy of a plan with Vocabulary Parallelism's passes (kind "custom", unit times), for
+    timeline(): from its op lists, since the CSV grammar has no cells for the passes."""
+    from ..schedule import Schedule
+
+    p = schedule.ranks
+    placement = schedule.placement
+    if placement not in ("loop", "v"):
+        placement = [schedule.stage_rank(s) for s in range(schedule.stages)]
+    return Schedule.from_ops([schedule.rank_ops(r) for r in range(p)], schedule.microbatches, placement=placement,
+                             v=schedule.chunks if isinstance(placement, str) else None, **vocab_args)
+_MAX_DIMS = 8  # of a microbatch's tokens
+_WHY_BYTES = 512  # of the reason a rank's batch cannot be sent, which every rank raises
+
+
+class _Lane:
+    """One kind of pass's collectives, in microbatch order, on a thread and a transport of their
+    own: start(mb, fn) queues fn(transport); wait(mb) gives its result."""
+
+    def __init__(self, name, transport, timeout, peer_failure):
+        self.name, self.transport, self.timeout, self._peer_failure = name, transport, timeout, peer_failure
+        self.jobs, self.cv = queue.Queue(), threading.Condition()
+        self.results, self.started, self.failed = {}, set(), None
+        self._thread = threading.Thread(target=self._run, name=f"zbpp-vocab-{name}", daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            mb, fn = job
+            try:
+                result, err = fn(self.transport), None
+            except BaseException as exc:  # noqa: BLE001 - the waiting side raises it
+                result, err = None, exc
+            with self.cv:
+                if err is not None and self.failed is None:
+                    self.failed = (mb, err)
+                self.results[mb] = result
+                self.cv.notify_all()
+
+    def start(self, mb, fn):
+        with self.cv:
+            self.started.add(mb)
+        self.jobs.put((mb, fn))
+
+    def _raise_failed(self):
+        mb, err = self.failed
+        raise RuntimeError(f"zbpp vocab_parallel: the {self.name} collective of microbatch {mb} failed: "
+                           f"{type(err).__name__}: {err}") from err
+
+    def wait(self, mb, what):
+        """The result of microbatch mb's job; raises when a job of this lane failed, when the
+        pipeline failed elsewhere (its failure key), or after the schedule's timeout."""
+        deadline = time.monotonic() + self.timeout
+        while True:
+            with self.cv:
+                if self.failed is not None:
+                    self._raise_failed()
+                if mb in self.results:
+                    return self.results[mb]
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"zbpp vocab_parallel: {what} did not come within {self.timeout:g} s (the "
+                                       f"schedule's timeout=); its collective (lane {self.name}) waits for a rank")
+                self.cv.wait(min(left, 0.2))
+                if mb in self.results or self.failed is not None:
+                    continue
+            failed = self._peer_failure()
+            if failed is not None:
+                raise RuntimeError(f"zbpp vocab_parallel: {what}: the pipeline failed: {failed}")
+
+    def drain(self, what):
+        for mb in sorted(self.started):
+            self.wait(mb, what)
+
+    def reset(self):
+        with self.cv:
+            self.results, self.started = {}, set()
+
+    def close(self):
+        self.jobs.put(None)
+
+
+def check_config(name, vocab_parallel, loss_fn, csv, kind, offload, costs, plan_from_measured, cuda, py_kinds):
+    """Refuses what vocab_parallel= does not go with, saying what is allowed."""
+    if not isinstance(vocab_parallel, VocabParallel):
+        raise TypeError(f"zbpp.{name}: vocab_parallel must be a zbpp.VocabParallel(output=..., embedding=...), got "
+                        f"{type(vocab_parallel).__name__}")
+    why = None
+    if loss_fn is not None:
+        why = ("computes the loss itself (the output layer's cross entropy, mean over each microbatch's tokens); "
+               "drop loss_fn")
+    elif csv is not None or kind is None or kind in py_kinds:
+        why = "places its passes in the plans of zbpp's kinds (1f1b, interleaved-1f1b, zb-h1, zb-h2, zb-v, " \
+              "v-half, v-min, zb-auto and their torch names); not in a CSV, a user's order or " + str(kind)
+    elif offload is not None:
+        why = "does not go with offload= yet"
+    elif costs is not None or plan_from_measured:
+        why = "plans from the pass times of VocabParallel(times=...), not from measured costs (yet): drop costs= " \
+              "and plan_from_measured"
+    elif cuda:
+        why = "runs its collectives over host transports (CPU stages) until NCCL's group collectives exist"
+    if why:
+        raise ValueError(f"zbpp.{name}: vocab_parallel {why}")
+
+
+def _int_batch(mbs, what, m):
+    """None, or why the microbatches of tokens or targets cannot be sent."""
+    if mbs is None:
+        return None
+    if len(mbs) != m:
+        return f"{what} has {len(mbs)} microbatches, the schedule {m}"
+    shape = None
+    for t in mbs:
+        if not isinstance(t, torch.Tensor) or t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+            return f"{what} must be integer tensors of vocabulary ids, got {getattr(t, 'dtype', type(t).__name__)}"
+        if shape is not None and t.shape != shape:
+            return f"{what}'s microbatches differ in shape ({tuple(shape)} and {tuple(t.shape)})"
+        shape = t.shape
+    if not 1 <= len(shape) <= _MAX_DIMS:
+        return f"{what} must have 1 to {_MAX_DIMS} dimensions a microbatch, got {tuple(shape)}"
+    return None
+
+
+class VocabRun:
+    """A schedule's Vocabulary Parallelism (see the module docstring)."""
+
+    def __init__(self, sched, config):
+        config._bind(sched.rank, sched.ranks)
+        self.sched, self.vp = sched, config
+        self.lanes = None
+        self._tts = []
+        self._main = _Alone()
+        self._reset(None, None, False)
+
+    def spec(self):
+        """Schedule.generate's vocab arguments."""
+        return dict(vocab=2 if self.vp.fused else 1, vocab_times=dict(self.vp.times))
+
+    def _reset(self, tokens, targets, trains):
+        self.tokens, self.targets, self.trains = tokens, targets, trains
+        self.states, self.grads_in, self.losses = {}, {}, []
+        self.emb_first = self.emb_all = None
+
+    # ---- the step ---------------------------------------------------------------------------------
+
+    def _connect(self):
+        """The lanes' transports, at the first step (connecting is a collective)."""
+        if self.lanes is not None:
+            return
+        sc = self.sched
+        if sc.ranks == 1:
+            transports = {k: _Alone() for k in _LANES}
+        else:
+            self._tts = [distributed.TorchTransport(sc.group, sc.timeout, name=f"{sc._key}-vocab-{k}" if sc._key
+                                                    else None) for k in _LANES]
+            transports = {k: tt.transport for k, tt in zip(_LANES, self._tts)}
+            self._main = sc.transport.transport
+            self.vp.embedding.transport = self.vp.output.transport = self._main  # gather() between steps
+        self.lanes = {k: _Lane(k, transports[k], sc.timeout, sc._peer_failure) for k in _LANES}
+
+    def _roots(self):
+        sched = self.sched.schedule
+        return sched.stage_rank(0), sched.stage_rank(sched.stages - 1)
+
+    def begin_step(self, arg_mbs, target_mbs, trains):
+        """Every rank, before the step's ops: the tokens and the target to every rank."""
+        self._connect()
+        for lane in self.lanes.values():
+            lane.reset()
+        first, last = self._roots()
+        mine = [a[0] if a else None for a in arg_mbs] if arg_mbs is not None else None
+        tokens = self._share(mine, first, "the tokens (stage 0's first argument)")
+        if tokens is None:
+            raise ValueError(f"zbpp vocab_parallel: rank {first} (stage 0) has no tokens to embed: pass the batch of "
+                             "token ids to step() there")
+        targets = self._share(target_mbs, last, "the target")
+        self._reset([t.reshape(-1) for t in tokens], [t.reshape(-1) for t in targets] if targets else None, trains)
+        self.shape = tuple(tokens[0].shape)
+        if targets is not None and self.targets[0].numel() != self.tokens[0].numel():
+            raise ValueError(f"zbpp vocab_parallel: a microbatch has {self.tokens[0].numel()} tokens and "
+                             f"{self.targets[0].numel()} targets; the output layer reads one row a target")
+        if not trains:
+            # Forward-only: the whole batch's embedding in one collective, before any forward.
+            whole = torch.cat(self.tokens)
+            emb = self.vp.embedding.embed(whole, self._main)
+            self.emb_all = list(emb.reshape(len(self.tokens), *self.shape, self.vp.hidden).unbind(0))
+        elif self.sched._inferred_for is not True and not self.sched._meta_given:
+            # The step's shape inference runs microbatch 0 forward first (_setup._infer_for).
+            self.emb_first = self.vp.embedding.embed(self.tokens[0], self._main).reshape(*self.shape,
+                                                                                          self.vp.hidden)
+
+    def _share(self, mbs, root, what):
+        """root's microbatches of integer ids on every rank (None where root has none): a header,
+        then the ids. A root whose ids cannot be sent says why in the header, so every rank fails."""
+        sc, m = self.sched, self.sched.n_microbatches
+        header = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64)
+        why = None
+        if sc.rank == root:
+            why = _int_batch(mbs, what, m)
+            if why is not None:
+                header[0] = -1
+            elif mbs is not None:
+                header[0], header[1] = 1, mbs[0].dim()
+                header[2:2 + mbs[0].dim()] = torch.tensor(mbs[0].shape, dtype=torch.int64)
+        self._main.broadcast(header, root, channel=CHANNEL_DATA)
+        if header[0] == -1:  # every rank says why
+            text = torch.zeros(_WHY_BYTES, dtype=torch.uint8)
+            if why is not None:
+                raw = why.encode()[:_WHY_BYTES]
+                text[:len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+            self._main.broadcast(text, root, channel=CHANNEL_DATA)
+            said = bytes(text.tolist()).rstrip(b"\0").decode(errors="replace")
+            raise ValueError(f"zbpp vocab_parallel: rank {root}'s step() arguments: {said}")
+        if header[0] == 0:
+            return None
+        shape = tuple(int(x) for x in header[2:2 + int(header[1])])
+        if sc.rank == root:
+            data = torch.stack([t.detach().to("cpu", torch.int64) for t in mbs]).contiguous()
+        else:
+            data = torch.empty((m,) + shape, dtype=torch.int64)
+        self._main.broadcast(data, root, channel=CHANNEL_DATA)
+        return list(data.unbind(0))
+
+    def end_step(self):
+        """Every rank, after the runner: every lane's collectives done; the losses."""
+        try:
+            for name, lane in self.lanes.items():
+                lane.drain(f"the step's {name} collectives")
+        finally:
+            got = dict(self.losses)
+            self._reset(None, None, False)
+        return [got.get(i) for i in range(self.sched.n_microbatches)]
+
+    # ---- the passes (the runner's vocab callback) -------------------------------------------------
+
+    def on_pass(self, kind, mb):
+        getattr(self, "_pass_" + kind)(mb)
+
+    def _pass_IF(self, mb):
+        local = self.vp.embedding.embed_local(self.tokens[mb]).contiguous()
+        self.lanes["IF"].start(mb, lambda tr: tr.all_reduce(local, "sum", channel=CHANNEL_IF))
+
+    def _pass_S(self, mb):
+        out, last = self.vp.output, self._roots()[1]
+        if self.sched.rank != last:  # the last stage's rank started its side at its forward (hidden)
+            buf = torch.empty(self.tokens[mb].numel(), self.vp.hidden)
+            self.lanes["H"].start(mb, lambda tr: tr.broadcast(buf, last, channel=CHANNEL_HIDDEN))
+        h = self.lanes["H"].wait(mb, f"the last stage's output of microbatch {mb}")
+        st = out.s_pass(h, self.targets[mb])
+        self.states[mb] = st
+        n = st.h.shape[0]
+
+        def c0(tr):
+            loss = out.reduce(st, tr)
+            self.losses.append((mb, loss.mean()))
+            # Fused: the last stage's output gradient, d(mean loss)/dh (grad_loss = 1/n a token).
+            return st.grad_unit / n if out.fused else None
+
+        self.lanes["S"].start(mb, c0)
+
+    def _pass_T(self, mb):
+        out = self.vp.output
+        st = self.states.pop(mb)
+        self.lanes["S"].wait(mb, f"the output layer's all-reduces of microbatch {mb}")
+        out.t_pass(st, torch.full((st.h.shape[0],), 1.0 / st.h.shape[0]))
+        if not out.fused:
+            self.lanes["T"].start(mb, lambda tr: out.reduce_grad(st, tr))
+
+    def _pass_IB(self, mb):
+        emb, first = self.vp.embedding, self._roots()[0]
+        if self.sched.rank == first:
+            grad = self.grads_in.pop(mb)
+        else:
+            grad = torch.empty(self.tokens[mb].numel(), self.vp.hidden, dtype=emb.weight.dtype)
+        tokens = self.tokens[mb]
+        self.lanes["IB"].start(mb, lambda tr: emb.embed_backward(tokens, grad, first, tr))
+
+    # ---- the stages' side -------------------------------------------------------------------------
+
+    def embedding_of(self, mb):
+        """Stage 0's input of microbatch mb: the embedding's SUM over the ranks."""
+        if self.sched._infer_running and self.emb_first is not None:
+            return self.emb_first
+        if self.emb_all is not None:
+            return self.emb_all[mb]
+        e = self.lanes["IF"].wait(mb, f"stage 0's input (the embedding of microbatch {mb})")
+        return e.reshape(*self.shape, self.vp.hidden).detach().requires_grad_(True)
+
+    def _rows(self, out, mb):
+        """The last stage's output as the output layer's input: [tokens, hidden] float32."""
+        n, H = self.tokens[mb].numel(), self.vp.hidden
+        if not isinstance(out, torch.Tensor) or out.dim() < 1 or out.shape[-1] != H or out.numel() != n * H:
+            got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+            raise ValueError(f"zbpp vocab_parallel: the last stage must return the hidden states the output layer "
+                             f"reads, [..., {H}] with one row per target ({n} a microbatch), got {got}")
+        return out.detach().reshape(n, H).float().contiguous()
+
+    def hidden(self, mb, out):
+        """The last stage's forward, on its rank: its output to every rank (lane H)."""
+        h = self._rows(out, mb)
+        self.lanes["H"].start(mb, lambda tr: tr.broadcast(h, self._roots()[1], channel=CHANNEL_HIDDEN))
+
+    def hidden_grad(self, mb, out):
+        """The last stage's backward: the gradient of its output (fused: from C0; else from C1)."""
+        g = self.lanes["S" if self.vp.fused else "T"].wait(mb, f"the output layer's input gradient of microbatch {mb}")
+        return g.reshape(out.shape).to(out.dtype)
+
+    def input_grad(self, mb, grad):
+        """Stage 0's backward, on its rank: the embedding output's gradient, for IB."""
+        H = self.vp.hidden
+        dtype = self.vp.embedding.weight.dtype
+        self.grads_in[mb] = (grad.detach().reshape(-1, H).to(dtype).contiguous() if grad is not None else
+                             torch.zeros(self.tokens[mb].numel(), H, dtype=dtype))
+
+    def forward_only_losses(self, outputs):
+        """Forward-only, every rank, after the forwards: each microbatch's loss, or None without a
+        target. outputs: the last stage's, on its rank."""
+        if self.targets is None:
+            self._reset(None, None, False)
+            return None
+        m, n, last = len(self.tokens), self.tokens[0].numel(), self._roots()[1]
+        if self.sched.rank == last:
+            h = torch.cat([self._rows(o, i) for i, o in enumerate(outputs)])
+        else:
+            h = torch.empty(m * n, self.vp.hidden)
+        self._main.broadcast(h, last, channel=CHANNEL_HIDDEN)
+        out = self.vp.output
+        loss = out.reduce(out.s_pass(h, torch.cat(self.targets)), self._main)
+        self._reset(None, None, False)
+        return [x.mean() for x in loss.reshape(m, n)]
+
+    def scale_grads(self, divisor):
+        for w in self.vp.parameters():
+            if w.grad is not None:
+                w.grad.div_(divisor)
+
+    def close(self):
+        for lane in (self.lanes or {}).values():
+            lane.close()
+        self.lanes = None
+        for tt in self._tts:
+            tt.close()
+        self._tts = []
+
+    def abort(self, reason):
+        """The pipeline failed on this rank: the lanes' peers learn it at once."""
+        for tt in self._tts:
+            try:
+                tt.abort(reason)
+            except Exception:  # noqa: BLE001 - a best effort on the failure path
+                pass

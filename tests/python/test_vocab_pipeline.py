@@ -1,0 +1,134 @@
+"""Vocabulary Parallelism through the schedule classes (vocab_parallel=zbpp.VocabParallel(...)), on
+CPU over gloo with 2 and 4 ranks as processes, and on one rank in this process: the losses, the
+blocks' weights and the whole embedding and output weights (gather()) after two SGD steps, and the
+eval() losses after them, equal a single process running the unsharded model within float32
+rounding (the softmax's sum merged from the shards' sums), for 1F1B, interleaved 1F1B, ZB-V,
+V-Half, ZB-H1 and zb-auto, fused and unfused, tied, label smoothing and a padded vocabulary; every
+rank runs S, T, IF and IB; bad input fails on every rank, saying what is wrong, and a stage that
+fails fails every rank within seconds, not at the timeout."""
+
+import os
+import sys
+import tempfile
+
+import pytest
+
+torch = pytest.importorskip("torch")
+mp = pytest.importorskip("torch.multiprocessing")
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import pipeline_worker  # noqa: E402
+import vocab_worker  # noqa: E402
+import zbpp  # noqa: E402
+
+# float32 rounding after two SGD steps at lr 0.5; the bug this guards against (a gradient off by a
+# factor, a microbatch's loss missing) is orders of magnitude larger.
+TOL = dict(rtol=1e-4, atol=1e-5)
+
+
+def _spawn(fn, world, *args):
+    with tempfile.TemporaryDirectory() as out:
+        mp.spawn(fn, args=(world, pipeline_worker.fresh_key("vp"), *args, out), nprocs=world, join=True)
+        return [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(world)]
+
+
+def _case(kind, chunks=1, **extra):
+    case = dict(kind=kind, chunks=chunks, V=37, m=4, layers=8, steps=2)
+    case.update(extra)
+    return case
+
+
+def _check(case, ranks):
+    """Every rank's results of one case against the single process's."""
+    for r in ranks:
+        assert "error" not in r, r["error"]
+    ref = vocab_worker.reference(case)
+    losses = [r["losses"] for r in ranks if r["losses"]]
+    assert len(losses) == 1, "exactly one rank (the last stage's) gets the losses"
+    torch.testing.assert_close(torch.tensor(losses[0]), torch.tensor(ref["losses"]), **TOL)
+    evals = [r["eval"] for r in ranks if r["eval"]]
+    torch.testing.assert_close(torch.tensor(evals[0]), torch.tensor(ref["eval"]), **TOL)
+    for r in ranks:
+        for s, w in r["blocks"].items():
+            torch.testing.assert_close(w, ref["blocks"][s], **TOL)
+        torch.testing.assert_close(r["embedding"], ref["embedding"], **TOL)
+        torch.testing.assert_close(r["output"], ref["output"], **TOL)
+        assert {"S", "T", "IF", "IB"} <= set(r["op_types"]), r["op_types"]
+    held = [s for r in ranks for s in r["blocks"]]
+    assert sorted(held) == list(range(case["layers"]))
+
+
+TWO = [
+    _case("1f1b"),
+    _case("1f1b", fused=False, label_smoothing=0.1, pad_multiple=4),  # 37 rows padded to 40
+    _case("interleaved-1f1b", chunks=2),
+    _case("zb-v", chunks=2, tied=True),
+    _case("v-half", chunks=2, fused=False),
+    _case("zb-h1", label_smoothing=0.1),
+    _case("zb-auto"),
+]
+FOUR = [
+    _case("1f1b", m=8),
+    _case("interleaved-1f1b", chunks=2, m=8, fused=False),
+    _case("zb-v", chunks=2, m=8),
+    _case("v-half", chunks=2, m=8, tied=True),
+]
+
+
+@pytest.mark.parametrize("world,cases", [(2, TWO), (4, FOUR)], ids=["2-ranks", "4-ranks"])
+def test_training_equals_the_unsharded_model(world, cases):
+    got = _spawn(vocab_worker.run_cases, world, cases)
+    for k, case in enumerate(cases):
+        ranks = [g[k] if k < len(g) else g[-1] for g in got]
+        _check(case, ranks)
+    # Each rank keeps its rows only: the padded vocabulary over the ranks.
+    first = [g[0] for g in got]
+    assert all(r["shard_rows"] == -(-37 // world) for r in first)
+
+
+def test_one_rank_runs_the_passes_in_process():
+    """One rank (no process group): the same flow with nothing to reduce, ZB-V's two stages."""
+    case = _case("zb-v", chunks=2, tied=True, label_smoothing=0.1)
+    _check(case, [vocab_worker.train(0, 1, case)])
+
+
+def test_bad_arguments_say_what_is_allowed():
+    emb, out, blocks = vocab_worker.build(16, 2)
+    stage = zbpp.PipelineStage(blocks[0], 0, 1, "cpu")
+    vp = zbpp.VocabParallel(out, emb)
+    with pytest.raises(ValueError, match="computes the loss itself .* drop loss_fn"):
+        zbpp.Schedule1F1B(stage, 2, loss_fn=lambda y, t: y.sum(), vocab_parallel=vp)
+    with pytest.raises(ValueError, match="does not go with offload="):
+        zbpp.Schedule1F1B(stage, 2, vocab_parallel=vp, offload="auto", times={"offload": 1, "reload": 1})
+    with pytest.raises(ValueError, match="not in a CSV"):
+        zbpp.ScheduleFromCSV(stage, 2, csv=zbpp.Schedule.generate("1f1b", p=1, m=2).to_csv(), vocab_parallel=vp)
+    with pytest.raises(TypeError, match="vocab_parallel must be a zbpp.VocabParallel"):
+        zbpp.Schedule1F1B(stage, 2, vocab_parallel=(out, emb))
+    with pytest.raises(ValueError, match="has a bias"):
+        zbpp.VocabParallel(torch.nn.Linear(8, 16), emb)
+    with pytest.raises(ValueError, match="both are \\[vocab, hidden\\]"):
+        zbpp.VocabParallel(torch.nn.Linear(8, 15, bias=False), emb)
+    with pytest.raises(ValueError, match="times keys are"):
+        zbpp.VocabParallel(out, emb, times={"x": 1})
+    sched = zbpp.Schedule1F1B(stage, 2, vocab_parallel=vp)
+    x, y = vocab_worker.batches(16, 2, 1)[0]
+    with pytest.raises(ValueError, match="integer tensors of vocabulary ids"):
+        sched.step(x.float(), target=y)
+    sched.close()
+    wide = zbpp.PipelineStage(torch.nn.Linear(8, 5), 0, 1, "cpu")
+    sched = zbpp.Schedule1F1B(wide, 2, vocab_parallel=zbpp.VocabParallel(*vocab_worker.build(16, 1)[1::-1]))
+    with pytest.raises(ValueError, match=r"the last stage must return the hidden states .* \[\.\.\., 8\]"):
+        sched.step(x, target=y)
+    sched.close()
+
+
+@pytest.mark.parametrize("mode", ["stage", "pass", "tokens"])
+def test_a_failure_reaches_every_rank_at_once(mode):
+    got = _spawn(vocab_worker.run_failure, 2, mode)
+    want = {"stage": "a stage failed on purpose", "pass": "a pass failed on purpose",
+            "tokens": "integer tensors of vocabulary ids"}[mode]
+    for r, res in enumerate(got):
+        assert res["error"] is not None, f"rank {r} did not fail"
+        assert res["seconds"] < 30, f"rank {r} waited {res['seconds']:.0f} s (the timeout is 60)"
+        # The rank that failed says what; the others say so too, or that a peer failed.
+        assert want in res["error"] or (r == 0 and mode != "tokens" and "failed" in res["error"]), res["error"]

@@ -1,0 +1,174 @@
+"""The model and process bodies of test_vocab_pipeline.py (torch.multiprocessing.spawn needs them in
+an importable module). Nothing here asserts: each rank saves what it got, the test compares.
+
+The model: a token embedding [V, H], `layers` blocks (Linear + Tanh), an output layer [V, H]
+without bias and the cross entropy, built from one seed on every rank and in the reference. With
+vocab_parallel the stages hold the blocks only; the schedule holds the embedding and output layer
+split over the ranks. The reference runs the same microbatches one after the other in one
+process: loss = mean cross entropy over a microbatch's tokens, gradients summed over the
+microbatches and divided by their number (what scale_grads does), SGD on every parameter.
+"""
+
+import os
+import traceback
+
+import torch
+import torch.distributed as dist
+
+import pipeline_worker
+
+H = 8
+
+
+def build(V, layers, tied=False, seed=0):
+    """(embedding, output layer, blocks): the whole model, the same bits wherever it is built."""
+    g = torch.Generator().manual_seed(seed)
+    emb, out = torch.nn.Embedding(V, H), torch.nn.Linear(H, V, bias=False)
+    blocks = [torch.nn.Sequential(torch.nn.Linear(H, H), torch.nn.Tanh()) for _ in range(layers)]
+    with torch.no_grad():
+        for prm in [emb.weight, out.weight] + [q for b in blocks for q in b.parameters()]:
+            prm.copy_(torch.randn(prm.shape, generator=g) * 0.5)
+    if tied:
+        out.weight = emb.weight
+    return emb, out, blocks
+
+
+def batches(V, m, steps, rows=2, seq=3, seed=1):
+    """steps x (tokens, targets), each [m * rows, seq]."""
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, V, (m * rows, seq), generator=g), torch.randint(0, V, (m * rows, seq), generator=g))
+            for _ in range(steps)]
+
+
+def reference(case):
+    """What one process gets: per step the microbatches' losses; at the end every parameter, and
+    the eval step's losses."""
+    V, m, layers = case["V"], case["m"], case["layers"]
+    emb, out, blocks = build(V, layers, case.get("tied", False))
+    params = list({id(q): q for q in [emb.weight, out.weight] + [q for b in blocks for q in b.parameters()]}.values())
+    opt = torch.optim.SGD(params, lr=case.get("lr", 0.5))
+    smoothing = case.get("label_smoothing", 0.0)
+
+    def run(x, y):
+        h = emb(x)
+        for b in blocks:
+            h = b(h)
+        return torch.nn.functional.cross_entropy(out(h).reshape(-1, V), y.reshape(-1), label_smoothing=smoothing)
+
+    steps = []
+    data = batches(V, m, case["steps"] + 1)
+    for x, y in data[:-1]:
+        losses = []
+        for xi, yi in zip(x.tensor_split(m), y.tensor_split(m)):
+            loss = run(xi, yi)
+            loss.backward()
+            losses.append(float(loss.detach()))
+        for q in params:
+            q.grad.div_(m)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        steps.append(losses)
+    with torch.no_grad():
+        x, y = data[-1]
+        evals = [float(run(xi, yi)) for xi, yi in zip(x.tensor_split(m), y.tensor_split(m))]
+    return {"losses": steps, "eval": evals, "embedding": emb.weight.detach().clone(),
+            "output": out.weight.detach().clone(), "blocks": [b[0].weight.detach().clone() for b in blocks]}
+
+
+def train(rank, world, case):
+    import zbpp
+
+    V, m, layers, kind, chunks = case["V"], case["m"], case["layers"], case["kind"], case["chunks"]
+    emb, out, blocks = build(V, layers, case.get("tied", False))
+    probe = zbpp.Schedule.generate(kind, p=world, m=m, v=chunks)
+    S, mine = probe.stages, probe.rank_stages(rank)
+    probe.close()
+    per = layers // S
+    stages = [zbpp.PipelineStage(torch.nn.Sequential(*blocks[s * per:(s + 1) * per]), s, S, "cpu") for s in mine]
+    vp = zbpp.VocabParallel(out, emb, fused=case.get("fused", True), label_smoothing=case.get("label_smoothing", 0.0),
+                            pad_multiple=case.get("pad_multiple", 1))
+    sched = zbpp.get_schedule_class(kind)(stages, m, vocab_parallel=vp, timeout=60.0)
+    params = [q for st in stages for q in st.submod.parameters()] + vp.parameters()
+    opt = torch.optim.SGD(params, lr=case.get("lr", 0.5))
+    data = batches(V, m, case["steps"] + 1)
+    steps, outputs = [], None
+    for x, y in data[:-1]:
+        got = []
+        args = (x,) if sched.holds_first else ()
+        kw = {"target": y, "losses": got} if sched.holds_loss else {}
+        outputs = sched.step(*args, **kw)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        steps.append([float(v) for v in got])
+    x, y = data[-1]
+    evals = []
+    sched.eval(*((x,) if sched.holds_first else ()), **({"target": y, "losses": evals} if sched.holds_loss else {}))
+    whole = vp.gather()
+    bubble = sched.timeline().measured.bubble_rate
+    kinds = sorted({op.type for op in sched.schedule.rank_ops(rank)})
+    sched.close()
+    return {"losses": [s for s in steps if s], "eval": [float(v) for v in evals], "stages": mine,
+            "blocks": {s * per + i: blocks[s * per + i][0].weight.detach().clone() for s in mine for i in range(per)},
+            "embedding": whole["embedding.weight"], "output": whole["output.weight"],
+            "outputs_shape": tuple(outputs.shape) if isinstance(outputs, torch.Tensor) else None,
+            "op_types": kinds, "bubble": bubble, "shard_rows": vp.parameters()[0].shape[0]}
+
+
+def run_cases(rank, world, key, cases, out_dir):
+    pipeline_worker._init(rank, world, key)
+    results = []
+    try:
+        for case in cases:
+            results.append(train(rank, world, case))
+    except BaseException:  # noqa: BLE001 - the test reads the traceback
+        results.append({"error": traceback.format_exc()})
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+class _Fails(torch.nn.Module):
+    def forward(self, x):
+        raise RuntimeError("a stage failed on purpose")
+
+
+def run_failure(rank, world, key, mode, out_dir):
+    """The last rank's stage raises ("stage"), or its first T pass ("pass": the other ranks then
+    wait in a collective of the passes, not in a transfer), or stage 0's rank passes float tokens
+    ("tokens"): every rank records the error it got and how long it took."""
+    import time
+
+    import zbpp
+
+    pipeline_worker._init(rank, world, key)
+    emb, out, blocks = build(16, world)
+    S = world
+    mod = _Fails() if (rank == world - 1 and mode == "stage") else blocks[rank]
+    stage = zbpp.PipelineStage(mod, rank, S, "cpu")
+    sched = zbpp.Schedule1F1B(stage, 4, vocab_parallel=zbpp.VocabParallel(out, emb), timeout=60.0)
+    if mode == "pass" and rank == world - 1:
+        def fail(mb):
+            raise RuntimeError("a pass failed on purpose")
+
+        sched._vp._pass_T = fail
+    x, y = batches(16, 4, 1)[0]
+    if mode == "tokens":
+        x = x.float()
+    t0 = time.monotonic()
+    try:
+        sched.step(*((x,) if sched.holds_first else ()), **({"target": y} if sched.holds_loss else {}))
+        err = None
+    except BaseException as exc:  # noqa: BLE001 - the test reads it
+        err = f"{type(exc).__name__}: {exc}"
+    torch.save({"error": err, "seconds": time.monotonic() - t0}, os.path.join(out_dir, f"rank{rank}.pt"))
+    # Alive, its transports open, until every rank has its error: a rank that failed and stays
+    # (a notebook, a loop that catches) must not leave its peers waiting on its sockets.
+    deadline = time.monotonic() + 45
+    while time.monotonic() < deadline and not all(os.path.exists(os.path.join(out_dir, f"rank{r}.pt"))
+                                                  for r in range(world)):
+        time.sleep(0.1)
+    try:
+        sched.close()
+    except Exception:  # noqa: BLE001 - a failed pipeline's close may refuse
+        pass
+    os._exit(0)  # a failed gloo pipeline cannot be torn down cleanly (a posted receive stays posted)
