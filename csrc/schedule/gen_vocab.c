@@ -23,6 +23,7 @@
  * What this is not: the placement for other kinds (interleaved, V), which the reference does not
  * have either: simulate.c's zb__place_vocab places them.
  */
+#include <math.h>
 #include <stdlib.h>
 
 #include "internal.h"
@@ -188,5 +189,50 @@ zb_status_t zb__gen_vocab_1f1b(zb_schedule_t *s) {
   free(is_bsf), free(warm_s), free(offsets);
   if (st == ZB_OK) st = zb__schedule_take_ops(s, &l);
   zb__oplists_free(&l);
+  return st;
+}
+
+/* V-Half with the passes: the reference (branch v-half-vocab of sail-sg/zero-bubble-pipeline-
+ * parallelism, zbv_greedy.py's stable_pattern_v_half) widens V-Half's pattern by 6 slots, 12
+ * unfused, so that the last stage's B runs one or two forwards after its S (and T) barriers
+ * instead of waiting for them: one more microbatch of activations (Vocab-2), two more (Vocab-1).
+ * Here V-Half's own order with the passes placed competes with V orders that hold up to that much
+ * more (the rule-based V orders and zb-auto's at each extra microbatch), and the one that steps
+ * shortest with its passes placed is kept: never longer than V-Half's order, never more memory
+ * than the reference's. Measured against the branch: tests/python/test_vocab_vhalf_reference.py. */
+zb_status_t zb__vocab_wider_v(zb_schedule_t *s) {
+  zb_sim_result_t r;
+  ZB_CHECK(zb_schedule_simulate(s, &r));
+  const double peak = r.max_peak_memory;
+  double best = zb__makespan_of(s, s->start, s->end);
+  const int vocab = s->vocab, widest = vocab == 1 ? 2 : 1;
+  zb_status_t st = ZB_OK;
+  for (int extra = 1; extra <= widest && st == ZB_OK; extra++) {
+    for (int how = 0; how < 2 && st == ZB_OK; how++) {
+      zb_schedule_t *c = NULL;
+      ZB_CHECK(zb__schedule_clone_empty(s, &c));
+      c->vocab = 0;
+      st = how == 0 ? zb__gen_rules_best(c, peak + extra) : zb__gen_auto(c, peak + extra);
+      c->vocab = vocab;
+      if (st == ZB_OK) st = zb__place_vocab(c);
+      if (st == ZB_OK) st = zb_schedule_simulate(c, &r);
+      if (st == ZB_OK && r.max_peak_memory <= peak + extra + ZB_EPS) {
+        const double span = zb__makespan_of(c, c->start, c->end);
+        if (span < best - ZB_EPS * fmax(1.0, best)) {
+          best = span;
+          zb__schedule_take(s, c);
+        }
+      }
+      zb__schedule_free(c);
+      if (st == ZB_ERR_INFEASIBLE) { /* no order at this limit: the others still compete */
+        zb__clear_error();
+        st = ZB_OK;
+      }
+    }
+  }
+  /* Then swaps of neighbours, passes and compute alike, within the same memory (search.c): they
+   * move a last stage's B behind forwards while its barrier is not ready, as the reference's
+   * wider pattern does. */
+  if (st == ZB_OK) st = zb__local_search(s, peak + widest, 4 * ZB_REFINE_WORK);
   return st;
 }

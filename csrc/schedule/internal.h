@@ -195,6 +195,9 @@ zb_status_t zb__gen_1f1b(zb_schedule_t *s);
 zb_status_t zb__gen_vocab_1f1b(zb_schedule_t *s);
 /* Vocabulary Parallelism's passes placed into s's order (s->vocab 1 or 2; simulate.c). */
 zb_status_t zb__place_vocab(zb_schedule_t *s);
+/* V-Half with the passes placed (s): V orders holding up to the reference's extra microbatches
+ * compete with its own; the shortest is kept (gen_vocab.c). */
+zb_status_t zb__vocab_wider_v(zb_schedule_t *s);
 zb_status_t zb__gen_interleaved(zb_schedule_t *s);
 /* Interleaved 1F1B with B and W split, rank r's W's held back r backwards; warm-up factor 1 or 2. */
 zb_status_t zb__gen_interleaved_zb1(zb_schedule_t *s);

@@ -573,6 +573,7 @@ zb_status_t zb_schedule_create(zb_schedule_t **out, const zb_schedule_spec_t *sp
   if (st == ZB_OK && spec->kind == ZB_KIND_V_MIN) st = best_under_own_memory(s);
   s->vocab = vocab;
   if (st == ZB_OK && vocab) st = zb__place_vocab(s);
+  if (st == ZB_OK && vocab && spec->kind == ZB_KIND_V_HALF) st = zb__vocab_wider_v(s);
   if (st != ZB_OK) {
     zb__schedule_free(s);
     return st;
@@ -827,10 +828,6 @@ zb_status_t zb_schedule_refine(zb_schedule_t **out, const zb_schedule_t *schedul
       return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "zb_schedule_refine: the schedule has copies (%s stage %d mb %d); "
                      "refine it before the offload pass", zb__op_name(schedule->ops[k].type), schedule->ops[k].stage,
                      schedule->ops[k].mb);
-    if (zb__op_is_vocab(schedule->ops[k].type))
-      return ZB_FAIL(ZB_ERR_UNSUPPORTED, "zb_schedule_refine: the schedule has Vocabulary Parallelism's passes (%s "
-                     "mb %d on rank %d), which the local search does not move yet", zb__op_name(schedule->ops[k].type),
-                     schedule->ops[k].mb, schedule->ops[k].stage);
   }
   ZB_CHECK(zb__validate_structure(schedule));
   zb_schedule_t *t = NULL;

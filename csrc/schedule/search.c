@@ -5,7 +5,7 @@
  *
  * What it is for: the memory-tight V kinds (v-half, v-min), whose rule-built orders a CP-SAT solver
  * found up to 12% above the optimum on small cases; the search takes them closer where a few swaps
- * do it. A swap never breaks a rule of the model: two ops that share a channel (a FIFO) or belong to
+ * do it. With Vocabulary Parallelism's passes it moves them and the compute ops around each other. A swap never breaks a rule of the model: two ops that share a channel (a FIFO) or belong to
  * one (stage, microbatch) keep their order, and an order that deadlocks is refused by the simulator.
  *
  * Deterministic: a fixed pseudo-random sequence seeded from the schedule's shape and a work budget
@@ -44,10 +44,13 @@ static void channels(const zb_schedule_t *s, const zb_op_t *op, int ch[2]) {
   }
 }
 
-/* Whether neighbours a (first) and b may change places: both compute ops, not of one (stage,
- * microbatch), no channel in common. */
+/* Whether neighbours a (first) and b may change places: no copies, not of one (stage,
+ * microbatch), no channel in common, and not two of Vocabulary Parallelism's passes of one kind
+ * (each kind runs in microbatch order on every rank, so every rank enters its barriers in the same
+ * order). A pass may pass a compute op: its dependencies are the simulator's to check. */
 static int may_swap(const zb_schedule_t *s, const zb_op_t *a, const zb_op_t *b) {
   if (zb__op_is_copy(a->type) || zb__op_is_copy(b->type)) return 0;
+  if (zb__op_is_vocab(a->type) || zb__op_is_vocab(b->type)) return a->type != b->type;
   if (a->stage == b->stage && a->mb == b->mb) return 0;
   int ca[2], cb[2];
   channels(s, a, ca);

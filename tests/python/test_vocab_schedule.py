@@ -44,8 +44,28 @@ def test_warm_up_and_memory_are_the_references(p, vocab):
         s.close()
 
 
-KINDS = [("gpipe", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zb-h2", 1), ("zb-v", 2), ("v-half", 2), ("v-min", 2),
+KINDS = [("gpipe", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zb-h2", 1), ("zb-v", 2), ("v-min", 2),
          ("zb-auto", 1), ("group-interleaved-1f1b", 2)]
+
+
+def test_v_half_holds_at_most_the_references_extra_microbatches():
+    """V-Half with the passes (gen_vocab.c, zb__vocab_wider_v): V orders holding up to one more
+    microbatch (fused) or two (unfused), as the reference's wider pattern holds, compete with its
+    own, then swaps within that memory. It validates, runs each kind of pass in microbatch order
+    on every rank and holds at most that much. How long it steps, against the reference branch:
+    test_vocab_vhalf_reference.py."""
+    for vocab, extra in ((2, 1), (1, 2)):
+        for p, m in ((2, 4), (4, 8), (6, 12)):
+            for f, b in ((1, 1), (1, 2), (2, 1)):
+                times = {"f": f, "b": b, "w": b}
+                s = Schedule.generate("v-half", p, m, v=2, times=times, vocab=vocab, vocab_times=VT)
+                base = Schedule.generate("v-half", p, m, v=2, times=times)
+                s.validate()
+                for r in range(p):
+                    for kind_ in ("S", "T", "IF", "IB"):
+                        assert [o.mb for o in s.rank_ops(r) if o.type == kind_] == list(range(m))
+                assert s.simulate().max_peak_memory <= base.simulate().max_peak_memory + extra + 1e-9
+                s.close(), base.close()
 
 
 @pytest.mark.parametrize("kind,v", KINDS)
