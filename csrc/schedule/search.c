@@ -44,14 +44,19 @@ static void channels(const zb_schedule_t *s, const zb_op_t *op, int ch[2]) {
   }
 }
 
+static int is_backward(int type) { return type == ZB_OP_B || type == ZB_OP_W || type == ZB_OP_BW; }
+
 /* Whether neighbours a (first) and b may change places: no copies, not of one (stage,
- * microbatch), no channel in common, and not two of Vocabulary Parallelism's passes of one kind
+ * microbatch), not two backwards of one stage, no channel in common, and not two of Vocabulary Parallelism's passes of one kind
  * (each kind runs in microbatch order on every rank, so every rank enters its barriers in the same
  * order). A pass may pass a compute op: its dependencies are the simulator's to check. */
 static int may_swap(const zb_schedule_t *s, const zb_op_t *a, const zb_op_t *b) {
   if (zb__op_is_copy(a->type) || zb__op_is_copy(b->type)) return 0;
   if (zb__op_is_vocab(a->type) || zb__op_is_vocab(b->type)) return a->type != b->type;
   if (a->stage == b->stage && a->mb == b->mb) return 0;
+  /* A stage's backwards keep their microbatch order: its W ops add into the weight gradients in
+   * that order, which is what makes the gradients a sequential loop's, bit for bit. */
+  if (a->stage == b->stage && is_backward(a->type) && is_backward(b->type)) return 0;
   int ca[2], cb[2];
   channels(s, a, ca);
   channels(s, b, cb);

@@ -354,9 +354,10 @@ def test_linear_wgrad_failing_at_w_fails_the_w_op_with_torchs_message(ops):
     if st.kernel != "torch":
         pytest.skip("the CPU store does not run the torch kernel")
     p = _param(torch.zeros(4, 5))
+    x = torch.randn(6, 5)
     with capture(7, 2):
-        st.push_linear(torch.randn(6, 5), torch.randn(6, 4), p, None)
-    p.grad.resize_(2, 2)  # the target changed under the pending W
+        st.push_linear(x, torch.randn(6, 4), p, None)
+    x.resize_(2, 2)  # the input changed under the pending W
     with pytest.raises(RuntimeError, match=r"the weight gradient \(W\) failed in torch: .*") as info:
         st.store.pop_run(7)
     assert isinstance(info.value.__cause__, zbpp.ZbError)

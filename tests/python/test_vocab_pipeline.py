@@ -1,6 +1,7 @@
 """Vocabulary Parallelism through the schedule classes (vocab_parallel=zbpp.VocabParallel(...)), on
 CPU over gloo with 2 and 4 ranks as processes, and on one rank in this process: the losses, the
-blocks' weights and the whole embedding and output weights (gather()) after two SGD steps, and the
+blocks' weights and the whole embedding and output weights (gather()) after three SGD steps (the
+third on the plan made again from the second's measured times), and the
 eval() losses after them, equal a single process running the unsharded model within float32
 rounding (the softmax's sum merged from the shards' sums), for 1F1B, interleaved 1F1B, ZB-V,
 V-Half, ZB-H1 and zb-auto, fused and unfused, tied, label smoothing and a padded vocabulary; every
@@ -21,7 +22,7 @@ import pipeline_worker  # noqa: E402
 import vocab_worker  # noqa: E402
 import zbpp  # noqa: E402
 
-# float32 rounding after two SGD steps at lr 0.5; the bug this guards against (a gradient off by a
+# float32 rounding after three SGD steps at lr 0.5; the bug this guards against (a gradient off by a
 # factor, a microbatch's loss missing) is orders of magnitude larger.
 TOL = dict(rtol=1e-4, atol=1e-5)
 
@@ -33,7 +34,7 @@ def _spawn(fn, world, *args):
 
 
 def _case(kind, chunks=1, **extra):
-    case = dict(kind=kind, chunks=chunks, V=37, m=4, layers=8, steps=2)
+    case = dict(kind=kind, chunks=chunks, V=37, m=4, layers=8, steps=3)
     case.update(extra)
     return case
 
@@ -56,6 +57,16 @@ def _check(case, ranks):
         assert {"S", "T", "IF", "IB"} <= set(r["op_types"]), r["op_types"]
     held = [s for r in ranks for s in r["blocks"]]
     assert sorted(held) == list(range(case["layers"]))
+    # Without given times, step 2 measured every op and pass and planned again on them, the same
+    # on every rank; step 3 ran the plan it chose.
+    got = [r["replanned"] for r in ranks]
+    if case.get("vocab_times"):
+        assert all(g is None for g in got)
+    else:
+        assert all(g is not None and g["step"] == 2 for g in got), got
+        assert all(g == got[0] for g in got)
+        assert got[0]["vocab_times"]["s"] > 0 and got[0]["vocab_times"]["t"] > 0
+        assert all(x > 0 for x in got[0]["stage_times"]["f"])
 
 
 TWO = [
@@ -65,7 +76,7 @@ TWO = [
     _case("zb-v", chunks=2, tied=True),
     _case("v-half", chunks=2, fused=False),
     _case("zb-h1", label_smoothing=0.1),
-    _case("zb-auto"),
+    _case("zb-auto", vocab_times={"s": 0.5, "t": 0.5}),  # given times: no replan
 ]
 FOUR = [
     _case("1f1b", m=8),

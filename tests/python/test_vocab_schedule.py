@@ -64,6 +64,12 @@ def test_v_half_holds_at_most_the_references_extra_microbatches():
                 for r in range(p):
                     for kind_ in ("S", "T", "IF", "IB"):
                         assert [o.mb for o in s.rank_ops(r) if o.type == kind_] == list(range(m))
+                    # A stage's backwards (its W accumulations) stay in microbatch order: the
+                    # gradients are then a sequential loop's, bit for bit.
+                    for stage in s.rank_stages(r):
+                        for kinds in (("B", "BW"), ("W", "BW")):
+                            mbs = [o.mb for o in s.rank_ops(r) if o.type in kinds and o.stage == stage]
+                            assert mbs == sorted(mbs), (vocab, p, m, f, b, r, stage, kinds, mbs)
                 assert s.simulate().max_peak_memory <= base.simulate().max_peak_memory + extra + 1e-9
                 s.close(), base.close()
 

@@ -86,7 +86,7 @@ def train(rank, world, case):
     per = layers // S
     stages = [zbpp.PipelineStage(torch.nn.Sequential(*blocks[s * per:(s + 1) * per]), s, S, "cpu") for s in mine]
     vp = zbpp.VocabParallel(out, emb, fused=case.get("fused", True), label_smoothing=case.get("label_smoothing", 0.0),
-                            pad_multiple=case.get("pad_multiple", 1))
+                            pad_multiple=case.get("pad_multiple", 1), times=case.get("vocab_times"))
     sched = zbpp.get_schedule_class(kind)(stages, m, vocab_parallel=vp, timeout=60.0)
     params = [q for st in stages for q in st.submod.parameters()] + vp.parameters()
     opt = torch.optim.SGD(params, lr=case.get("lr", 0.5))
@@ -111,7 +111,8 @@ def train(rank, world, case):
             "blocks": {s * per + i: blocks[s * per + i][0].weight.detach().clone() for s in mine for i in range(per)},
             "embedding": whole["embedding.weight"], "output": whole["output.weight"],
             "outputs_shape": tuple(outputs.shape) if isinstance(outputs, torch.Tensor) else None,
-            "op_types": kinds, "bubble": bubble, "shard_rows": vp.parameters()[0].shape[0]}
+            "op_types": kinds, "bubble": bubble, "shard_rows": vp.parameters()[0].shape[0],
+            "replanned": sched._vp.replanned}
 
 
 def run_cases(rank, world, key, cases, out_dir):
@@ -172,3 +173,29 @@ def run_failure(rank, world, key, mode, out_dir):
     except Exception:  # noqa: BLE001 - a failed pipeline's close may refuse
         pass
     os._exit(0)  # a failed gloo pipeline cannot be torn down cleanly (a posted receive stays posted)
+
+
+def run_csv_grads(rank, world, key, csv, out_dir):
+    """One step of the model with its embedding and output layer on the end stages (no vocabulary
+    parallelism), under a schedule from CSV: each rank saves its blocks' weight gradients."""
+    import zbpp
+
+    pipeline_worker._init(rank, world, key)
+    V, m, layers = 37, 4, 8
+    emb, out, blocks = build(V, layers)
+    plan = zbpp.Schedule.from_csv(csv)
+    S, mine = plan.stages, plan.rank_stages(rank)
+    plan.close()
+    per = layers // S
+    mods = {s: torch.nn.Sequential(*([emb] if s == 0 else []), *blocks[s * per:(s + 1) * per],
+                                   *([out] if s == S - 1 else [])) for s in mine}
+    stages = [zbpp.PipelineStage(mods[s], s, S, "cpu") for s in mine]
+    sched = zbpp.ScheduleFromCSV(stages, m, csv=csv, timeout=60.0,
+                                 loss_fn=lambda o, t: torch.nn.functional.cross_entropy(o.reshape(-1, V), t.reshape(-1)))
+    x, y = batches(V, m, 1)[0]
+    sched.step(*((x,) if sched.holds_first else ()), **({"target": y} if sched.holds_loss else {}))
+    sched.close()
+    torch.save({s * per + i: blocks[s * per + i][0].weight.grad.clone() for s in mine for i in range(per)},
+               os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()

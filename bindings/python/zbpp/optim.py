@@ -308,6 +308,13 @@ class PostValidatedOptimizer:
         for st in sorted(schedule.stages, key=lambda st: st.stage_index):
             stage_params[st.stage_index] = [p for p in st.submod.parameters() if id(p) not in seen]
             seen.update(id(p) for p in stage_params[st.stage_index])
+        vp = getattr(schedule, "_vp", None)
+        if vp is not None:
+            # Vocabulary Parallelism's shards (vocab_parallel=): this rank's rows of the output
+            # layer and embedding, validated with the rank's first stage (the shards of the ranks
+            # are disjoint, so the global norm and the inf check see every row once).
+            first = min(stage_params)
+            stage_params[first] = stage_params[first] + [p for p in vp.vp.parameters() if id(p) not in seen]
         wrapped = cls(optimizer, stage_params, schedule.stages[0].num_stages, rank=schedule.rank,
                       ranks=schedule.ranks, placement=schedule.schedule.placement,
                       transport=schedule.transport, timeout=schedule.timeout, **kwargs)

@@ -12,9 +12,10 @@ every rank gets the same bits):
     S   s_pass(h, target): this shard's logits, their max m_r, sum of exp(l - m_r), the target's
         logit where it falls in the shard; with fused=True (the reference's Vocab-2, its default,
         "backward fusion") also exp(l - m_r) @ W_r and W_r[target], the input gradient's parts.
-    C0  reduce(state): all-reduce MAX of the maxima M, then SUM of the sums rescaled by
-        exp(m_r - M) and of the target logits: the per-token loss log(sum) + M - target logit on
-        every rank; fused, one more SUM gives the input gradient per unit of loss gradient.
+    C0  reduce(state): all-reduce MAX of the maxima M, then one SUM of the sums rescaled by
+        exp(m_r - M), the target logits and, fused, the input gradient's parts: the per-token
+        loss log(sum) + M - target logit on every rank, and (fused) the input gradient per unit
+        of loss gradient.
     T   t_pass(state, grad_loss): the softmax from the global max and sum, its gradient times the
         per-token loss gradient, the shard's weight gradient (into weight.grad); unfused (Vocab-1)
         also this shard's part of the input gradient,
@@ -214,21 +215,36 @@ class VocabParallelOutput(_Shard):
         the collectives go (default the layer's; a schedule gives each kind of pass its own)."""
         tr = transport or self.transport
         ch = dict(channel=CHANNEL_S)
+        # Two all-reduces: the maxima, then every sum at once in one buffer (each collective on a
+        # lane beside the compute waits for its thread's turn at Python's interpreter lock, so
+        # fewer is faster). The input gradient's parts are summed rescaled and divided by the
+        # global sum after, which is the same sum over the shards.
         st.M = tr.all_reduce(st.m.clone(), "max", **ch)
         scale = torch.where(torch.isfinite(st.m), torch.exp(st.m - st.M), torch.zeros_like(st.m))
-        st.sum = tr.all_reduce((st.s * scale).contiguous(), "sum", **ch)
-        target_logit = tr.all_reduce(st.t.clone(), "sum", **ch)
+        a, V = self.label_smoothing, self.vocab_size
+        parts = [st.s * scale, st.t]
+        if a:
+            parts.append(st.sum_logits)
+        if self.fused:
+            parts += [st.soft_w * scale.unsqueeze(1), st.target_w]
+            if a:
+                parts.append(self.weight.detach().float()[:self.real].sum(dim=0))
+        packed = tr.all_reduce(torch.cat([x.reshape(-1) for x in parts]), "sum", **ch)
+        n, H = st.m.shape[0], self.hidden
+        st.sum, target_logit = packed[:n], packed[n:2 * n]
+        at = 2 * n
+        if a:
+            total, at = packed[at:at + n], at + n
         log_z = torch.log(st.sum) + st.M
         st.loss = log_z - target_logit
-        a, V = self.label_smoothing, self.vocab_size
         if a:
-            total = tr.all_reduce(st.sum_logits.contiguous(), "sum", **ch)
             st.loss = (1 - a) * st.loss + a * (log_z - total / V)
         if self.fused:
-            part = st.soft_w * (scale / st.sum).unsqueeze(1) - (1 - a) * st.target_w
+            soft = packed[at:at + n * H].view(n, H)
+            target_w = packed[at + n * H:at + 2 * n * H].view(n, H)
+            st.grad_unit = soft / st.sum.unsqueeze(1) - (1 - a) * target_w
             if a:
-                part = part - (a / V) * self.weight.detach().float()[:self.real].sum(dim=0)
-            st.grad_unit = tr.all_reduce(part.contiguous(), "sum", **ch)
+                st.grad_unit -= (a / V) * packed[at + 2 * n * H:]
         return st.loss
 
     # ---- T (and C1) -------------------------------------------------------------------------------
@@ -346,7 +362,9 @@ class VocabParallel:
     torch's F.cross_entropy. pad_multiple: the vocabulary is padded to a multiple of pad_multiple x
     ranks (Megatron's make_vocab_size_divisible_by); padded rows take no part. times: one rank's
     pass times {'s', 't', 'if', 'ib', 'comm'} in the unit of the schedule's times (defaults in
-    DEFAULT_TIMES), which place the passes in kinds other than 1F1B.
+    DEFAULT_TIMES), which place the passes; without them (and without the schedule's times= or
+    plan_from_measured=False) the schedule measures them, with its stages', in its second step
+    and plans again on them (zbpp/pipelining/_vocab.py).
 
     What the model changes: stage 0's module takes the embedding's output (hidden states) as its
     first argument where it took the tokens; the last stage's module returns the hidden states
@@ -372,6 +390,7 @@ class VocabParallel:
         if unknown:
             raise ValueError(f"zbpp.VocabParallel: times keys are {sorted(DEFAULT_TIMES)}, got {sorted(unknown)}")
         self.times = dict(DEFAULT_TIMES, **{k: float(v) for k, v in (times or {}).items()})
+        self.times_given = bool(times)  # else the schedule plans again on the times it measures
         if any(v < 0 for v in self.times.values()):
             raise ValueError(f"zbpp.VocabParallel: times must be >= 0, got {self.times}")
         self.fused, self.label_smoothing, self.pad_multiple = bool(fused), float(label_smoothing), pad_multiple

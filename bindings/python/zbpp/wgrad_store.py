@@ -494,10 +494,13 @@ def _target(param, keep, after, fresh=False, apart=False):
 
 
 def _torch_target(param, fresh):
-    """Where zbpp::linear_wgrad puts `param`'s gradient, and whether it adds (else writes): what
-    autograd's AccumulateGrad does (the first gradient becomes .grad, later ones are added in
-    place; here .grad is made at push, zeros until W writes it), or main_grad += it (Megatron's DDP hook adds
-    .grad to main_grad so), or a new tensor for a fresh backward to return to autograd."""
+    """Where zbpp::linear_wgrad puts `param`'s gradient, and whether it adds (else writes): .grad,
+    made as zeros at the first push of a step, and every W adds into it, or main_grad += it
+    (Megatron's DDP hook adds .grad to main_grad so), or a new tensor for a fresh backward to
+    return to autograd. Every W adds (none writes): a stage's W ops may run in another order than
+    its B ops pushed them (a schedule from CSV, or one the local search reordered), and the first
+    to push need not be the first to run; a write would then drop what ran before it. Adding to
+    zeros gives what autograd's first gradient gives (x + 0 == x)."""
     if param is None:
         return None, False
     main = getattr(param, "main_grad", None)
@@ -511,7 +514,6 @@ def _torch_target(param, fresh):
         return torch.empty(param.shape, dtype=param.dtype, device=param.device), False
     if param.grad is None:
         param.grad = torch.zeros_like(param)
-        return param.grad, False
     return param.grad, True
 
 

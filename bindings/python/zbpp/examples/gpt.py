@@ -15,7 +15,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["GPTConfig", "Embed", "Block", "Head", "build_stages", "generate_text", "Batches", "loss_fn"]
+__all__ = ["GPTConfig", "Embed", "Block", "Head", "build_stages", "build_vocab_parallel_stages", "generate_text",
+           "Batches", "loss_fn"]
 
 
 class GPTConfig:
@@ -32,8 +33,23 @@ class Embed(nn.Module):
         self.pos = nn.Embedding(c.seq, c.d_model)
 
     def forward(self, idx):
-        pos = torch.arange(idx.shape[1], device=idx.device)
-        return self.tok(idx) + self.pos(pos)
+        return _add_positions(self.pos, self.tok(idx))
+
+
+def _add_positions(pos, x):
+    return x + pos(torch.arange(x.shape[1], device=x.device))
+
+
+class Positions(nn.Module):
+    """Stage 0's part of Embed under Vocabulary Parallelism: the token embedding is split over the
+    ranks (zbpp.VocabParallel) and arrives as this module's input; the positions are added here."""
+
+    def __init__(self, embed):
+        super().__init__()
+        self.pos = embed.pos
+
+    def forward(self, x):
+        return _add_positions(self.pos, x)
 
 
 class Block(nn.Module):
@@ -93,6 +109,18 @@ def build_stages(config, num_stages, seed=0):
         k += n
         stages.append(nn.Sequential(*mods))
     return stages
+
+
+def build_vocab_parallel_stages(config, num_stages, seed=0):
+    """The model of build_stages (the same parameters, bit for bit), cut for Vocabulary
+    Parallelism: (stages, token embedding, output layer). Stage 0 starts with Positions (it takes
+    the token embedding's output), the last ends with the final layer norm (it returns hidden
+    states); the token embedding and the output layer go to zbpp.VocabParallel."""
+    stages = build_stages(config, num_stages, seed)
+    embed, head = stages[0][0], stages[-1][-1]
+    stages[0][0] = Positions(embed)
+    stages[-1][-1] = head.ln
+    return stages, embed.tok, head.out
 
 
 def loss_fn(logits, target):

@@ -67,6 +67,15 @@ def parse_args(argv=None):
     ap.add_argument("--offload", action="store_true",
                     help="PipeOffload: activations to host memory where the copies hide (offload='auto'); the "
                          "copies are timed in the profiled steps, so use a planned kind (zb-auto, the default)")
+    ap.add_argument("--vocab-size", type=int, default=32,
+                    help="the vocabulary (default 32, the text's characters; larger adds ids the text never uses, "
+                         "as a large tokenizer's vocabulary costs: the output layer and embedding grow)")
+    ap.add_argument("--vocab-parallel", "--enable-vocab-parallel", dest="vocab_parallel", action="store_true",
+                    help="Vocabulary Parallelism: the output layer and token embedding split over every rank "
+                         "(zbpp.VocabParallel), their passes placed in the schedule")
+    ap.add_argument("--disable-backward-fusion", dest="backward_fusion", action="store_false",
+                    help="with --vocab-parallel: the output layer's input gradient in its T pass (two barriers a "
+                         "microbatch) instead of fused into S (one)")
     ap.add_argument("--no-post-validation", dest="post_validation", action="store_false",
                     help="step the optimizer after a global sync instead of with post-validation "
                          "(the default: speculative step, exact rollback)")
@@ -80,6 +89,12 @@ def parse_args(argv=None):
     for name in ("ranks", "microbatches", "batch", "steps", "seq", "d_model", "layers", "heads"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.vocab_size < 32:
+        ap.error(f"--vocab-size {args.vocab_size}: the text has 32 characters, so at least 32")
+    if not args.backward_fusion and not args.vocab_parallel:
+        ap.error("--disable-backward-fusion goes with --vocab-parallel")
+    if args.vocab_parallel and args.offload:
+        ap.error("--vocab-parallel does not go with --offload yet")
     if args.batch % args.microbatches:
         ap.error(f"--batch {args.batch} must be a multiple of --microbatches {args.microbatches}")
     first, _, last = args.profile_steps.partition("-")
@@ -116,8 +131,15 @@ def train(rank, ranks, args, group=None, report=print):
     cls, chunks = stage_layout(args.schedule, args.chunks)
     S = ranks * chunks
     device = _rank_device(args.device, rank)
-    config = gpt.GPTConfig(seq=args.seq, d_model=args.d_model, n_head=args.heads, n_layer=args.layers)
-    modules = gpt.build_stages(config, S, seed=args.seed)
+    config = gpt.GPTConfig(vocab=args.vocab_size, seq=args.seq, d_model=args.d_model, n_head=args.heads,
+                           n_layer=args.layers)
+    vp = None
+    if args.vocab_parallel:
+        modules, tok, head = gpt.build_vocab_parallel_stages(config, S, seed=args.seed)
+        vp = zbpp.VocabParallel(head, tok, fused=args.backward_fusion)
+        del tok, head  # each rank keeps its rows only (the schedule shards them)
+    else:
+        modules = gpt.build_stages(config, S, seed=args.seed)
     probe = zbpp.Schedule.generate(cls.kind, p=ranks, m=args.microbatches, v=chunks)
     mine = probe.rank_stages(rank)
     probe.close()
@@ -128,9 +150,13 @@ def train(rank, ranks, args, group=None, report=print):
         kwargs["plan_from_measured"] = False
     if args.offload:
         kwargs["offload"] = "auto"
-    sched = cls(stages, args.microbatches, loss_fn=gpt.loss_fn, timeout=args.timeout,
-                profile_steps=args.profile_steps, **kwargs)
-    params = [p for st in stages for p in st.submod.parameters()]
+    if vp is not None:
+        kwargs.pop("plan_from_measured", None)  # the passes are planned from their given times
+        kwargs.update(vocab_parallel=vp)
+    else:
+        kwargs.update(loss_fn=gpt.loss_fn, profile_steps=args.profile_steps)
+    sched = cls(stages, args.microbatches, timeout=args.timeout, **kwargs)
+    params = [p for st in stages for p in st.submod.parameters()] + (vp.parameters() if vp is not None else [])
     opt = torch.optim.AdamW(params, lr=args.lr, foreach=False)
     # The optimizer steps through the post-validation protocol either way (it also does the global
     # clipping); --no-post-validation makes it synchronise first, the reference path.
@@ -209,9 +235,20 @@ def train(rank, ranks, args, group=None, report=print):
     final.close()
     out["params"] = {f"{st.stage_index}.{n}": p.detach().clone() for st in stages
                      for n, p in st.submod.named_parameters()}
+    if vp is not None:
+        out["params"].update({f"vocab.{n}": w.detach().clone() for n, w in vp.named_parameters()})
+    out["peak_rss_mib"] = _peak_rss_mib()
     out["kind"] = sched.schedule.kind
     sched.close()
     return out
+
+
+def _peak_rss_mib():
+    """This process's peak resident memory (MiB): what the rank held at its fullest, model,
+    optimizer and activations together, as `top` would have shown it."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
 def _rank_device(kind, rank):
@@ -344,6 +381,8 @@ def main(argv=None):
             print(f"    rank {q}: saved activations at once {rep['device_peak_bytes'] / 2**10:,.0f} KiB on the device "
                   f"(plan: {rep['planned_device_peak']:g} microbatches, {rep['planned_device_peak_bytes'] / 2**10:,.0f} KiB), "
                   f"{rep['host_peak_bytes'] / 2**10:,.0f} KiB in host memory")
+    print("  peak resident memory per rank: " + ", ".join(
+        f"rank {q} {r['peak_rss_mib']:,.0f} MiB" for q, r in sorted(results.items())), flush=True)
     for f in results[0].get("files", []):
         print(f"  wrote {f}")
     return 0

@@ -277,8 +277,10 @@ class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning, _Splitting, _Bou
 
             check_config(name, vocab_parallel, loss_fn, csv, _kind_name(kind) if kind is not None else None, offload,
                          costs, plan_from_measured, self._cuda, _PY_KINDS)
+            # Its own replan (from the passes' times too): not the stages' profile below.
+            measure = plan_from_measured is not False and times is None and not vocab_parallel.times_given
             plan_from_measured = False
-            self._vp = VocabRun(self, vocab_parallel)
+            self._vp = VocabRun(self, vocab_parallel, measure=measure)
             self._vocab_args = self._vp.spec()
         if offload_modelled and (self._cuda or self._offload_arg is None):
             raise ValueError(f"zbpp.{name}: offload_modelled=True models a PCIe link for offload= on CPU stages; "

@@ -279,6 +279,8 @@ class _Stepping:
             if old is not None and old is not self.schedule and old is not self._held_plan:
                 old.close()  # the plan before a replan: its last step's timeline was drawn, if wanted
             self.steps += 1
+            if self._vp is not None:
+                self._vp.replan()  # after its measured step: planned again on every rank's times
             if profiling:
                 self._profile_runs.append((self.schedule.to_csv(), *self._last_times, fused))
                 if fused:  # the plan in force again from the next step

@@ -27,6 +27,15 @@ own stages), so a pass that blocked on its own collective could wait for a rank 
 another kind's (include/zbpp.h, vocab_cb). What needs a result waits for it, bounded by the
 schedule's timeout and watching the pipeline's failure key.
 
+Planned from measured times: the plan places the passes by their times and the stages' (1F1B's
+reference order by f, b and the pass cost; the other kinds by simulation), so a plan made for
+VocabParallel's default times can wait where the real passes are longer or shorter. Unless
+plan_from_measured=False or times were given (the schedule's times= or VocabParallel's), step
+MEASURE_STEP (the first has warm-up effects) times every stage op without the waits for the
+passes in it, and every pass's compute; the ranks exchange them, the kind is planned again on
+them, and the new plan runs from the next step when its simulated step is shorter than the one
+in force on the same times by REPLAN_MIN_GAIN. `replanned` says what it found.
+
 Forward-only steps (eval()) run no passes: the batch's embedding is one all-reduce before the
 forwards, and, with a target, the loss one broadcast of the last stage's outputs and one S over
 the whole batch after them.
@@ -35,16 +44,20 @@ What this is not: the numerics (zbpp/vocab.py) or the placement (csrc/schedule/g
 simulate.c's zb__place_vocab).
 """
 
+import logging
 import queue
+import statistics
 import threading
 import time
 
 import torch
 
 from .. import distributed
-from ..vocab import CHANNEL_DATA, CHANNEL_HIDDEN, CHANNEL_IF, VocabParallel, _Alone
+from ..vocab import CHANNEL_DATA, CHANNEL_HIDDEN, CHANNEL_IF, CHANNEL_S, VocabParallel, _Alone
 
 _LANES = ("H", "S", "T", "IF", "IB")
+MEASURE_STEP = 2  # the step whose times the plan is made again from
+_log = logging.getLogger("zbpp")
 
 
 def plan_copy(schedule, vocab_args):
@@ -146,9 +159,8 @@ def check_config(name, vocab_parallel, loss_fn, csv, kind, offload, costs, plan_
               "v-half, v-min, zb-auto and their torch names); not in a CSV, a user's order or " + str(kind)
     elif offload is not None:
         why = "does not go with offload= yet"
-    elif costs is not None or plan_from_measured:
-        why = "plans from the pass times of VocabParallel(times=...), not from measured costs (yet): drop costs= " \
-              "and plan_from_measured"
+    elif costs is not None:
+        why = "plans from the times it measures (or VocabParallel(times=...) and times=), not from costs= (yet)"
     elif cuda:
         why = "runs its collectives over host transports (CPU stages) until NCCL's group collectives exist"
     if why:
@@ -176,9 +188,13 @@ def _int_batch(mbs, what, m):
 class VocabRun:
     """A schedule's Vocabulary Parallelism (see the module docstring)."""
 
-    def __init__(self, sched, config):
+    def __init__(self, sched, config, measure=True):
         config._bind(sched.rank, sched.ranks)
         self.sched, self.vp = sched, config
+        self.measure_at = MEASURE_STEP if measure else None
+        self.measuring = False
+        self.replanned = None  # what the replan from measured times found (replan)
+        self._timed, self._waits = {}, {}
         self.lanes = None
         self._tts = []
         self._main = _Alone()
@@ -227,6 +243,10 @@ class VocabRun:
                              "token ids to step() there")
         targets = self._share(target_mbs, last, "the target")
         self._reset([t.reshape(-1) for t in tokens], [t.reshape(-1) for t in targets] if targets else None, trains)
+        self.measuring = trains and self.measure_at == self.sched.steps + 1
+        self._timed, self._waits = {}, {}
+        if self.measuring:
+            self._time_barrier()
         self.shape = tuple(tokens[0].shape)
         if targets is not None and self.targets[0].numel() != self.tokens[0].numel():
             raise ValueError(f"zbpp vocab_parallel: a microbatch has {self.tokens[0].numel()} tokens and "
@@ -273,6 +293,21 @@ class VocabRun:
         self._main.broadcast(data, root, channel=CHANNEL_DATA)
         return list(data.unbind(0))
 
+    def _time_barrier(self):
+        """A barrier's all-reduces timed with every rank there at once (all are in begin_step):
+        the quickest of a few, of the size of one microbatch's C0. In the step itself a barrier
+        also waits for the last rank's pass, which the plan's simulation adds by itself."""
+        n, H = self.tokens[0].numel(), self.vp.hidden
+        buf = torch.zeros(2 * n + (2 * n * H if self.vp.fused else 0))
+        tr = self.lanes["S"].transport
+        took = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            tr.all_reduce(buf[:n], "max", channel=CHANNEL_S)
+            tr.all_reduce(buf, "sum", channel=CHANNEL_S)
+            took.append(time.perf_counter() - t0)
+        self._timed["comm"] = [min(took[1:])]
+
     def end_step(self):
         """Every rank, after the runner: every lane's collectives done; the losses."""
         try:
@@ -288,8 +323,14 @@ class VocabRun:
     def on_pass(self, kind, mb):
         getattr(self, "_pass_" + kind)(mb)
 
+    def _time(self, kind, t0):
+        if self.measuring:
+            self._timed.setdefault(kind, []).append(time.perf_counter() - t0)
+
     def _pass_IF(self, mb):
+        t0 = time.perf_counter()
         local = self.vp.embedding.embed_local(self.tokens[mb]).contiguous()
+        self._time("IF", t0)
         self.lanes["IF"].start(mb, lambda tr: tr.all_reduce(local, "sum", channel=CHANNEL_IF))
 
     def _pass_S(self, mb):
@@ -298,7 +339,9 @@ class VocabRun:
             buf = torch.empty(self.tokens[mb].numel(), self.vp.hidden)
             self.lanes["H"].start(mb, lambda tr: tr.broadcast(buf, last, channel=CHANNEL_HIDDEN))
         h = self.lanes["H"].wait(mb, f"the last stage's output of microbatch {mb}")
+        t0 = time.perf_counter()
         st = out.s_pass(h, self.targets[mb])
+        self._time("S", t0)
         self.states[mb] = st
         n = st.h.shape[0]
 
@@ -314,7 +357,9 @@ class VocabRun:
         out = self.vp.output
         st = self.states.pop(mb)
         self.lanes["S"].wait(mb, f"the output layer's all-reduces of microbatch {mb}")
+        t0 = time.perf_counter()
         out.t_pass(st, torch.full((st.h.shape[0],), 1.0 / st.h.shape[0]))
+        self._time("T", t0)
         if not out.fused:
             self.lanes["T"].start(mb, lambda tr: out.reduce_grad(st, tr))
 
@@ -335,7 +380,10 @@ class VocabRun:
             return self.emb_first
         if self.emb_all is not None:
             return self.emb_all[mb]
+        t0 = time.perf_counter()
         e = self.lanes["IF"].wait(mb, f"stage 0's input (the embedding of microbatch {mb})")
+        if self.measuring:
+            self._waits[("F", mb)] = time.perf_counter() - t0
         return e.reshape(*self.shape, self.vp.hidden).detach().requires_grad_(True)
 
     def _rows(self, out, mb):
@@ -354,7 +402,10 @@ class VocabRun:
 
     def hidden_grad(self, mb, out):
         """The last stage's backward: the gradient of its output (fused: from C0; else from C1)."""
+        t0 = time.perf_counter()
         g = self.lanes["S" if self.vp.fused else "T"].wait(mb, f"the output layer's input gradient of microbatch {mb}")
+        if self.measuring:
+            self._waits[("B", mb)] = time.perf_counter() - t0
         return g.reshape(out.shape).to(out.dtype)
 
     def input_grad(self, mb, grad):
@@ -380,6 +431,78 @@ class VocabRun:
         loss = out.reduce(out.s_pass(h, torch.cat(self.targets)), self._main)
         self._reset(None, None, False)
         return [x.mean() for x in loss.reshape(m, n)]
+
+    # ---- the plan from measured times ------------------------------------------------------------
+
+    def _my_times(self):
+        """This rank's measured times (ms) of the step just run: the median of each stage op
+        (type, stage), less the waits for the passes inside it, and of each pass's compute."""
+        sc = self.sched
+        starts, ends = sc._last_times
+        last = sc._last_schedule.stages - 1
+        ops = {}
+        for op, a, b in zip(sc._last_schedule.rank_ops(sc.rank), starts, ends):
+            if op.type not in ("F", "B", "W", "BW"):
+                continue
+            d = b - a
+            if op.type == "F" and op.stage == 0:
+                d -= self._waits.get(("F", op.mb), 0.0)
+            elif op.type in ("B", "BW") and op.stage == last:
+                d -= self._waits.get(("B", op.mb), 0.0)
+            ops.setdefault(f"{op.type}{op.stage}", []).append(max(d, 0.0) * 1e3)
+        med = {k: statistics.median(v) for k, v in ops.items()}
+        passes = {k: statistics.median(v) * 1e3 for k, v in self._timed.items()}
+        return {"ops": med, "passes": passes}
+
+    def replan(self):
+        """After MEASURE_STEP, on every rank: the kind planned again on every rank's measured
+        times, taken when it steps shorter (see the module docstring)."""
+        if not self.measuring:
+            return
+        self.measuring = False
+        from ..schedule import Schedule
+        from ._plan import REPLAN_MIN_GAIN
+
+        sc = self.sched
+        everyone = sc._exchange(self._my_times(), "Vocabulary Parallelism's measured times")
+        ops, passes = {}, {}
+        for g in everyone:
+            ops.update(g["ops"])
+            for k, v in g["passes"].items():
+                passes.setdefault(k, []).append(v)
+        S, p = sc._num_stages, sc.ranks
+        f = [ops.get(f"F{s}", 0.0) for s in range(S)]
+        b = [ops.get(f"B{s}", ops.get(f"BW{s}", 0.0) / 2) for s in range(S)]
+        w = [ops.get(f"W{s}", ops.get(f"BW{s}", 0.0) / 2) for s in range(S)]
+        vt = {k: statistics.median(passes.get(key, [0.0])) for k, key in
+              (("s", "S"), ("t", "T"), ("if", "IF"), ("ib", "IF"), ("comm", "comm"))}
+        times = {"f": f, "b": b, "w": w}
+        old = sc.schedule
+        args = dict(vocab=sc._vocab_args["vocab"], vocab_times=vt)
+        placement = old.placement if old.placement in ("loop", "v") else [old.stage_rank(s) for s in range(S)]
+        before = Schedule.from_ops([old.rank_ops(r) for r in range(p)], old.microbatches, placement=placement,
+                                   v=old.chunks if isinstance(placement, str) else None, times=times, **args)
+        saved = sc._vocab_args
+        sc._vocab_args = args
+        try:
+            new = sc._generate(sc._kind_arg, p, sc.n_microbatches, S // p, times, sc._cost_args.get("mem_limit"))
+        finally:
+            sc._vocab_args = saved
+        was, now = before.makespan(), new.makespan()
+        before.close()
+        switched = now < was * (1.0 - REPLAN_MIN_GAIN)
+        self.replanned = {"step": sc.steps, "stage_times": times, "vocab_times": vt, "switched": switched,
+                          "before_ms": was, "after_ms": now}
+        _log.info("zbpp vocab_parallel: planned %s again on the times step %d measured (passes %s ms): %.1f ms "
+                  "simulated against %.1f ms for the plan in force; %s", old.kind, sc.steps,
+                  {k: round(v, 2) for k, v in vt.items()}, now, was, "switched" if switched else "kept")
+        if not switched:
+            new.close()
+            return
+        sc._vocab_args = args
+        sc._drop_runner()
+        sc.schedule = new  # the old plan stays as _last_schedule (timeline() draws it) until the next step
+        sc._check_stages()
 
     def scale_grads(self, divisor):
         for w in self.vp.parameters():
