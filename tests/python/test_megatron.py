@@ -140,6 +140,8 @@ def test_fork_flags_are_accepted_or_refused_by_name(fresh_config):
     assert zm.schedule_for(1, 4, zm.options()) == ("zb-auto", 4)
     for argv, flag in ((["--enable-1f1b-v"], "--enable-1f1b-v"), (["--num-seq-splits", "2"], "--num-seq-splits"),
                        (["--interleave-group-size", "2"], "--interleave-group-size"),
+                       (["--enable-vocab-parallel"], "--enable-vocab-parallel"),
+                       (["--disable-backward-fusion"], "--disable-backward-fusion"),
                        (["--offload-chunk-num", "-1"], "--offload-chunk-num"), (["--offload-time", "0"], "--offload-time")):
         with pytest.raises(ValueError, match=flag):
             zm.configure(_parse(argv))

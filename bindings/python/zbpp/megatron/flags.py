@@ -125,6 +125,16 @@ _UNSUPPORTED = (
      "use more microbatches instead"),
     ("--interleave-group-size", "interleave_group_size", 0, "grouped interleaving is not scheduled; zbpp's "
      "interleaved 1F1B groups p microbatches"),
+    # Vocabulary Parallelism (sail-sg/VocabularyParallelism's flags) runs in zbpp's torch schedule
+    # classes (vocab_parallel=zbpp.VocabParallel(...)), not yet behind Megatron's function: there the
+    # loss is the caller's loss_func (its loss mask, its per-token gradient) on the last stage, which
+    # the reference sends to every rank with the next microbatch's hidden state for T; zbpp's passes
+    # take the mean over tokens.
+    ("--enable-vocab-parallel", "enable_vocab_parallel", False,
+     "Vocabulary Parallelism runs with zbpp's torch schedule classes (vocab_parallel=zbpp.VocabParallel(...)), "
+     "not yet through zbpp.megatron (Megatron's loss_func and loss mask on the last stage)"),
+    ("--disable-backward-fusion", "disable_backward_fusion", False,
+     "it goes with --enable-vocab-parallel (zbpp.VocabParallel(fused=False) in the torch schedule classes)"),
 )
 
 
