@@ -34,7 +34,7 @@ def run_once(args, vocab, vp):
     """One train_gpt run: (loss line, tokens/s, [peak MiB per rank])."""
     cmd = [sys.executable, "-m", "zbpp.examples.train_gpt", "--schedule", args.schedule, "--ranks", str(args.ranks),
            "--steps", str(args.steps), "--layers", str(args.layers), "--d-model", str(args.d_model),
-           "--vocab-size", str(vocab), "--no-plan-from-measured", "--quiet", "--out", ""]
+           "--vocab-size", str(vocab), "--quiet", "--out", ""]
     if vp:
         cmd.append("--vocab-parallel")
     env = dict(os.environ)

@@ -158,18 +158,10 @@ static void test_every_export_draws_the_passes(void **state) {
   zb_free(out);
   ASSERT_STATUS(zb_schedule_export(s, ZB_FORMAT_CSV, &out, &len), ZB_ERR_INVALID_SCHEDULE);
   ASSERT_CONTAINS(zb_last_error(), "Vocabulary Parallelism's passes have no CSV cells");
-  /* The local search moves passes and compute ops around each other: what it gives validates,
-   * runs each kind of pass in microbatch order on every rank, and is no longer. */
+  /* (zb_schedule_refine takes these passes: tests/python/test_vocab_schedule.py, at native speed;
+   * its fixed work budget would take half a minute under valgrind here.)
+   * The offload pass does not know the passes yet: refused, not ignored. */
   zb_schedule_t *t = NULL;
-  ZB_ASSERT_OK(zb_schedule_refine(&t, s, 0));
-  ZB_ASSERT_OK(zb_schedule_validate(t));
-  zb_sim_result_t before, after;
-  ZB_ASSERT_OK(zb_schedule_simulate(s, &before));
-  ZB_ASSERT_OK(zb_schedule_simulate(t, &after));
-  assert_true(after.cost <= before.cost + 1e-9);
-  zb_schedule_destroy(t);
-  t = NULL;
-  /* The offload pass does not know the passes yet: refused, not ignored. */
   ASSERT_STATUS(zb_schedule_plan_offload(&t, s, NULL), ZB_ERR_UNSUPPORTED);
   ASSERT_CONTAINS(zb_last_error(), "Vocabulary Parallelism");
   zb_schedule_destroy(s);

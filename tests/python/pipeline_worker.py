@@ -110,17 +110,23 @@ def train_kind(rank, world, kind, chunks, m, batch, steps, seed, csv=None, lr=1e
     }
 
 
-def run_kinds(rank, world, port, cases, out_dir):
+def run_each(rank, world, port, cases, out_dir, train):
+    """train(case) for every case in one process group; the results (or the first failure's
+    traceback, last) saved as rank<r>.pt in out_dir."""
     _init(rank, world, port)
     results = []
     try:
         for case in cases:
-            results.append(train_kind(rank, world, **case))
+            results.append(train(case))
     except BaseException:  # noqa: BLE001 - the test reads the traceback
         results.append({"error": traceback.format_exc()})
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def run_kinds(rank, world, port, cases, out_dir):
+    run_each(rank, world, port, cases, out_dir, lambda case: train_kind(rank, world, **case))
 
 
 class _Saboteur(torch.nn.Module):

@@ -98,9 +98,12 @@ def test_training_equals_the_unsharded_model(world, cases):
 
 
 def test_one_rank_runs_the_passes_in_process():
-    """One rank (no process group): the same flow with nothing to reduce, ZB-V's two stages."""
+    """One rank (no process group): the same flow with nothing to reduce, ZB-V's two stages; after
+    a step the lanes hold nothing of it (their results would be microbatches of hidden states)."""
     case = _case("zb-v", chunks=2, tied=True, label_smoothing=0.1)
-    _check(case, [vocab_worker.train(0, 1, case)])
+    got = vocab_worker.train(0, 1, case)
+    _check(case, [got])
+    assert got["lanes_empty"]
 
 
 def test_bad_arguments_say_what_is_allowed():
@@ -121,7 +124,16 @@ def test_bad_arguments_say_what_is_allowed():
         zbpp.VocabParallel(torch.nn.Linear(8, 15, bias=False), emb)
     with pytest.raises(ValueError, match="times keys are"):
         zbpp.VocabParallel(out, emb, times={"x": 1})
+    with pytest.raises(ValueError, match="padding_idx=0"):
+        zbpp.VocabParallel(out, torch.nn.Embedding(16, 8, padding_idx=0))
     sched = zbpp.Schedule1F1B(stage, 2, vocab_parallel=vp)
+    with pytest.raises(ValueError, match="loss_scale must be 1 with vocab_parallel"):
+        zbpp.PostValidatedOptimizer.for_schedule(torch.optim.SGD(list(blocks[0].parameters()) + vp.parameters(),
+                                                                 lr=0.1), sched, loss_scale=1024.0)
+    with pytest.raises(ValueError, match="replan\\(\\) plans without"):
+        sched.replan()
+    with pytest.raises(ValueError, match="torch's order has no actions for"):
+        sched.pipeline_order = {0: []}
     x, y = vocab_worker.batches(16, 2, 1)[0]
     with pytest.raises(ValueError, match="integer tensors of vocabulary ids"):
         sched.step(x.float(), target=y)
@@ -133,13 +145,17 @@ def test_bad_arguments_say_what_is_allowed():
     sched.close()
 
 
-@pytest.mark.parametrize("mode", ["stage", "pass", "tokens"])
+@pytest.mark.parametrize("mode", ["stage", "pass", "tokens", "no-target", "disagree"])
 def test_a_failure_reaches_every_rank_at_once(mode):
+    """A stage or a pass failing, bad tokens, the last rank's step() without a target (before the
+    lanes connect), or ranks that disagree about the replan: every rank fails within seconds."""
     got = _spawn(vocab_worker.run_failure, 2, mode)
     want = {"stage": "a stage failed on purpose", "pass": "a pass failed on purpose",
-            "tokens": "integer tensors of vocabulary ids"}[mode]
+            "tokens": "integer tensors of vocabulary ids", "no-target": "pass target=",
+            "disagree": "vocab_parallel is"}[mode]
     for r, res in enumerate(got):
         assert res["error"] is not None, f"rank {r} did not fail"
         assert res["seconds"] < 30, f"rank {r} waited {res['seconds']:.0f} s (the timeout is 60)"
         # The rank that failed says what; the others say so too, or that a peer failed.
-        assert want in res["error"] or (r == 0 and mode != "tokens" and "failed" in res["error"]), res["error"]
+        assert want in res["error"] or (r == 0 and mode in ("stage", "pass", "no-target") and "failed" in res["error"]), \
+            res["error"]

@@ -309,6 +309,10 @@ class PostValidatedOptimizer:
             stage_params[st.stage_index] = [p for p in st.submod.parameters() if id(p) not in seen]
             seen.update(id(p) for p in stage_params[st.stage_index])
         vp = getattr(schedule, "_vp", None)
+        if vp is not None and kwargs.get("loss_scale", 1.0) != 1.0:
+            raise ValueError("zbpp.PostValidatedOptimizer: loss_scale must be 1 with vocab_parallel=: the schedule "
+                             "backpropagates Vocabulary Parallelism's loss itself, unscaled (train in float32 or "
+                             "bfloat16, which need no loss scale)")
         if vp is not None:
             # Vocabulary Parallelism's shards (vocab_parallel=): this rank's rows of the output
             # layer and embedding, validated with the rank's first stage (the shards of the ranks

@@ -110,6 +110,8 @@ class _Shard:
         # The output layer's T (the runner's thread) and the embedding's IB (its own lane) may add
         # into one tied weight's gradient at once.
         self._lock = threading.Lock()
+        self.timeout = 300.0  # seconds each collective may take (a schedule sets its own timeout=)
+        self._ib_grad = None  # IB's gradient of a tied shard, added to .grad in a fixed order (flush_ib)
         if transport is None and ranks > 1:
             raise ValueError(f"zbpp.{name}: {ranks} ranks need their transport (zbpp.runtime.Transport, e.g. "
                              "zbpp.distributed.TorchTransport(group).transport) for the collectives")
@@ -131,7 +133,7 @@ class _Shard:
             part = out[r * per:(r + 1) * per]
             if r == self.rank:
                 part.copy_(self.weight.detach())
-            self.transport.broadcast(part, r, channel=CHANNEL_GATHER)
+            self.transport.broadcast(part, r, timeout=self.timeout, channel=CHANNEL_GATHER)
         return out[:self.vocab_size].clone()
 
     def _add_grad(self, g):
@@ -140,6 +142,16 @@ class _Shard:
                 self.weight.grad = g
             else:
                 self.weight.grad += g
+
+    def _add_product(self, a, b):
+        """weight.grad += a^T b, into the gradient itself where it is float32 (no shard-sized
+        temporary)."""
+        with self._lock:
+            grad = self.weight.grad
+            if grad is not None and grad.dtype == torch.float32:
+                grad.addmm_(a.t(), b)
+                return
+        self._add_grad((a.t() @ b).to(self.weight.dtype))
 
     def load(self, weight):
         """Takes this rank's rows of the whole [V, H] weight (a checkpoint in the unsharded
@@ -170,7 +182,7 @@ class VocabParallelOutput(_Shard):
         if tied is not None:
             self.__dict__.update({k: getattr(tied, k) for k in ("rank", "ranks", "transport", "vocab_size", "hidden",
                                                               "start", "end", "padded", "real", "weight",
-                                                              "_lock")})
+                                                              "_lock", "timeout", "_ib_grad")})
         else:
             super().__init__("VocabParallelOutput", weight, rank, ranks, transport, pad_multiple)
         if not 0.0 <= label_smoothing < 1.0:
@@ -179,8 +191,9 @@ class VocabParallelOutput(_Shard):
 
     # ---- S ----------------------------------------------------------------------------------------
 
-    def s_pass(self, h, target):
-        """S on one microbatch: h [T, H] (float), target [T] (vocabulary ids). Returns its state."""
+    def s_pass(self, h, target, need_grad=True):
+        """S on one microbatch: h [T, H] (float), target [T] (vocabulary ids). Returns its state.
+        need_grad=False (forward only): without the fused input gradient's parts."""
         if target.numel() and (int(target.min()) < 0 or int(target.max()) >= self.vocab_size):
             raise ValueError(f"zbpp.VocabParallelOutput: targets must be vocabulary ids in 0..{self.vocab_size - 1}, "
                              f"got {int(target.min())}..{int(target.max())} (an ignore_index is not supported)")
@@ -202,7 +215,8 @@ class VocabParallelOutput(_Shard):
         st.t = torch.where(st.in_shard, picked, torch.zeros_like(picked))
         if self.label_smoothing:
             st.sum_logits = logits[:, :self.real].sum(dim=1)
-        if self.fused:
+        st.soft_w = st.target_w = None
+        if self.fused and need_grad:
             st.soft_w = e @ w.float()
             st.target_w = torch.where(st.in_shard.unsqueeze(1), w.float()[st.local_target], torch.zeros(1))
         return st
@@ -214,7 +228,8 @@ class VocabParallelOutput(_Shard):
         fills st.loss [T], the per-token cross entropy, the same on every rank. transport: where
         the collectives go (default the layer's; a schedule gives each kind of pass its own)."""
         tr = transport or self.transport
-        ch = dict(channel=CHANNEL_S)
+        ch = dict(channel=CHANNEL_S, timeout=self.timeout)
+        fused = st.soft_w is not None  # (not in a forward-only S)
         # Two all-reduces: the maxima, then every sum at once in one buffer (each collective on a
         # lane beside the compute waits for its thread's turn at Python's interpreter lock, so
         # fewer is faster). The input gradient's parts are summed rescaled and divided by the
@@ -225,7 +240,7 @@ class VocabParallelOutput(_Shard):
         parts = [st.s * scale, st.t]
         if a:
             parts.append(st.sum_logits)
-        if self.fused:
+        if fused:
             parts += [st.soft_w * scale.unsqueeze(1), st.target_w]
             if a:
                 parts.append(self.weight.detach().float()[:self.real].sum(dim=0))
@@ -239,7 +254,7 @@ class VocabParallelOutput(_Shard):
         st.loss = log_z - target_logit
         if a:
             st.loss = (1 - a) * st.loss + a * (log_z - total / V)
-        if self.fused:
+        if fused:
             soft = packed[at:at + n * H].view(n, H)
             target_w = packed[at + n * H:at + 2 * n * H].view(n, H)
             st.grad_unit = soft / st.sum.unsqueeze(1) - (1 - a) * target_w
@@ -264,7 +279,7 @@ class VocabParallelOutput(_Shard):
             grad_logits[:, :self.real] -= a / self.vocab_size
         grad_logits[:, self.real:] = 0.0
         grad_logits *= g.unsqueeze(1)
-        self._add_grad((grad_logits.t() @ st.h).to(self.weight.dtype))
+        self._add_product(grad_logits, st.h)
         if self.fused:
             return st.grad_unit * g.unsqueeze(1)
         st.grad_part = grad_logits @ self.weight.detach().float()
@@ -275,7 +290,8 @@ class VocabParallelOutput(_Shard):
         if self.fused:
             raise RuntimeError("zbpp.VocabParallelOutput.reduce_grad is the unfused variant's C1 (fused=False); "
                                "with fused=True t_pass returns the input gradient")
-        return (transport or self.transport).all_reduce(st.grad_part.contiguous(), "sum", channel=CHANNEL_T)
+        return (transport or self.transport).all_reduce(st.grad_part.contiguous(), "sum", timeout=self.timeout,
+                                                        channel=CHANNEL_T)
 
     def forward_backward(self, h, target, grad_loss=None):
         """S, C0, T (and C1) for one microbatch: (per-token loss [T], input gradient [T, H]).
@@ -307,17 +323,32 @@ class VocabParallelEmbedding(_Shard):
     def embed(self, tokens, transport=None):
         """IF and its SUM: the embedding of tokens [T] ([T, H]) on every rank."""
         return (transport or self.transport).all_reduce(self.embed_local(tokens).contiguous(), "sum",
-                                                        channel=CHANNEL_IF)
+                                                        timeout=self.timeout, channel=CHANNEL_IF)
 
-    def embed_backward(self, tokens, grad, root=0, transport=None):
+    def embed_backward(self, tokens, grad, root=0, transport=None, tied=False):
         """IB: grad [T, H], the embedding output's gradient, from rank `root` (the others pass a
-        tensor of that shape to receive it); the shard's rows of weight.grad gain their part."""
+        tensor of that shape to receive it); the shard's rows of weight.grad gain their part.
+        tied=True (a weight the output layer's T adds into too, from another thread): into a
+        buffer of IB's own, which flush_ib adds to .grad, so the sum's order is the same each run."""
         grad = (transport or self.transport).broadcast(grad.detach().contiguous().to(self.weight.dtype), root,
-                                                       channel=CHANNEL_IB)
+                                                       timeout=self.timeout, channel=CHANNEL_IB)
         in_shard = (tokens >= self.start) & (tokens < self.start + self.real)
-        g = torch.zeros_like(self.weight)
-        g.index_add_(0, tokens[in_shard] - self.start, grad[in_shard])
-        self._add_grad(g)
+        rows, values = tokens[in_shard] - self.start, grad[in_shard]
+        if tied:
+            if self._ib_grad is None:
+                self._ib_grad = torch.zeros_like(self.weight)
+            self._ib_grad.index_add_(0, rows, values)
+            return
+        with self._lock:
+            if self.weight.grad is None:
+                self.weight.grad = torch.zeros_like(self.weight)
+            self.weight.grad.index_add_(0, rows, values)
+
+    def flush_ib(self):
+        """Adds what tied IB passes gathered (embed_backward(tied=True)) to .grad."""
+        if self._ib_grad is not None:
+            self._add_grad(self._ib_grad)
+            self._ib_grad = None
 
 
 # One rank's pass times, in the unit of the schedule's times (a stage's F is 1 by default): the
@@ -330,6 +361,13 @@ def _whole_weight(what, layer, kind):
     if isinstance(layer, torch.Tensor):
         weight = layer
     elif isinstance(layer, kind):
+        if kind is torch.nn.Embedding:
+            odd = [f"{k}={getattr(layer, k)!r}" for k, off in (("padding_idx", None), ("max_norm", None),
+                                                                ("scale_grad_by_freq", False), ("sparse", False))
+                   if getattr(layer, k, off) != off]
+            if odd:
+                raise ValueError(f"zbpp.VocabParallel: the embedding has {', '.join(odd)}; the split embedding is a plain "
+                                 "lookup (no padding_idx, max_norm, scale_grad_by_freq or sparse gradients)")
         if getattr(layer, "bias", None) is not None:
             raise ValueError(f"zbpp.VocabParallel: the {what} layer has a bias; the output layer over the vocabulary is "
                              "split without one (nn.Linear(hidden, vocab, bias=False), as GPT-style models have it)")

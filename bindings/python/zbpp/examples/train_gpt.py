@@ -151,7 +151,8 @@ def train(rank, ranks, args, group=None, report=print):
     if args.offload:
         kwargs["offload"] = "auto"
     if vp is not None:
-        kwargs.pop("plan_from_measured", None)  # the passes are planned from their given times
+        # The passes are placed from the times the schedule measures in step 2 (its own replan,
+        # which --no-plan-from-measured turns off as it does the stages' profile).
         kwargs.update(vocab_parallel=vp)
     else:
         kwargs.update(loss_fn=gpt.loss_fn, profile_steps=args.profile_steps)

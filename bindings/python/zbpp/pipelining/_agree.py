@@ -272,7 +272,7 @@ class _Agreement:
             "plan": plan,
             "stages": [s.stage_index for s in self.stages],
             "loss_fn": self._loss_fn is not None or self._vp is not None,
-            "vocab_parallel": self._vp.vp.describe() if self._vp is not None else "off",
+            "vocab_parallel": self._vp.agreement() if self._vp is not None else "off",
             "boundaries": {b: [(str(d), tuple(sh)) for d, sh in meta] for b, meta in known.items()},
         }
 

@@ -27,6 +27,9 @@ class _TorchIR:
 
     @pipeline_order.setter
     def pipeline_order(self, order):
+        if getattr(self, "_vp", None) is not None:
+            raise ValueError(f"zbpp.{type(self).__name__}: its plan has Vocabulary Parallelism's passes "
+                             "(vocab_parallel=), which torch's order has no actions for; it runs its kind's plan")
         self._order = order
         self._order_user = True
         self._order_seen = None

@@ -172,6 +172,10 @@ class _Planning:
         plans on its own and the ranks compare digests of the op lists; a difference raises
         RuntimeError on every rank, and, as any failure after the arguments were checked, closes
         the pipeline (_agree.py). Returns plan_info."""
+        if self._vp is not None:
+            raise ValueError(f"zbpp.{type(self).__name__}: replan() plans without Vocabulary Parallelism's passes; "
+                             "a schedule with vocab_parallel= plans again from its own measured times (step 2), "
+                             "or from VocabParallel(times=...) and times= given when it is made")
         self._check_open()
         # Arguments every rank gets wrong alike fail before anything is exchanged, and leave the
         # pipeline as it was; what fails after is a failure of the pipeline (_agree.py).

@@ -71,18 +71,21 @@ def plan_copy(schedule, vocab_args):
         placement = [schedule.stage_rank(s) for s in range(schedule.stages)]
     return Schedule.from_ops([schedule.rank_ops(r) for r in range(p)], schedule.microbatches, placement=placement,
                              v=schedule.chunks if isinstance(placement, str) else None, **vocab_args)
+
+
 _MAX_DIMS = 8  # of a microbatch's tokens
 _WHY_BYTES = 512  # of the reason a rank's batch cannot be sent, which every rank raises
 
 
 class _Lane:
     """One kind of pass's collectives, in microbatch order, on a thread and a transport of their
-    own: start(mb, fn) queues fn(transport); wait(mb) gives its result."""
+    own: start(mb, fn) queues fn(transport); wait(mb) gives its result. Each step is an epoch: a
+    job left from a step that failed records nothing in the next."""
 
     def __init__(self, name, transport, timeout, peer_failure):
         self.name, self.transport, self.timeout, self._peer_failure = name, transport, timeout, peer_failure
         self.jobs, self.cv = queue.Queue(), threading.Condition()
-        self.results, self.started, self.failed = {}, set(), None
+        self.results, self.started, self.failed, self.epoch = {}, set(), None, 0
         self._thread = threading.Thread(target=self._run, name=f"zbpp-vocab-{name}", daemon=True)
         self._thread.start()
 
@@ -91,21 +94,31 @@ class _Lane:
             job = self.jobs.get()
             if job is None:
                 return
-            mb, fn = job
+            epoch, mb, fn = job
             try:
                 result, err = fn(self.transport), None
             except BaseException as exc:  # noqa: BLE001 - the waiting side raises it
                 result, err = None, exc
             with self.cv:
-                if err is not None and self.failed is None:
-                    self.failed = (mb, err)
-                self.results[mb] = result
-                self.cv.notify_all()
+                if epoch == self.epoch:
+                    if err is not None and self.failed is None:
+                        self.failed = (mb, err)
+                    self.results[mb] = result
+                    self.cv.notify_all()
+            del job, fn, result, err  # nothing of a microbatch outlives its job here
 
     def start(self, mb, fn):
         with self.cv:
             self.started.add(mb)
-        self.jobs.put((mb, fn))
+            epoch = self.epoch
+        self.jobs.put((epoch, mb, fn))
+
+    def take(self, mb, what):
+        """wait(mb), and the result is let go here (its last reader)."""
+        got = self.wait(mb, what)
+        with self.cv:
+            self.results[mb] = None
+        return got
 
     def _raise_failed(self):
         mb, err = self.failed
@@ -139,10 +152,12 @@ class _Lane:
 
     def reset(self):
         with self.cv:
-            self.results, self.started = {}, set()
+            self.results, self.started, self.failed = {}, set(), None
+            self.epoch += 1
 
     def close(self):
         self.jobs.put(None)
+        self._thread.join(timeout=2.0)  # one in a collective ends with its aborted transport
 
 
 def check_config(name, vocab_parallel, loss_fn, csv, kind, offload, costs, plan_from_measured, cuda, py_kinds):
@@ -155,8 +170,8 @@ def check_config(name, vocab_parallel, loss_fn, csv, kind, offload, costs, plan_
         why = ("computes the loss itself (the output layer's cross entropy, mean over each microbatch's tokens); "
                "drop loss_fn")
     elif csv is not None or kind is None or kind in py_kinds:
-        why = "places its passes in the plans of zbpp's kinds (1f1b, interleaved-1f1b, zb-h1, zb-h2, zb-v, " \
-              "v-half, v-min, zb-auto and their torch names); not in a CSV, a user's order or " + str(kind)
+        why = "places its passes in the plans of zbpp's kinds (gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-h2, " \
+              "zb-v, v-half, v-min, zb-auto and their torch names); not in a CSV, a user's order or " + str(kind)
     elif offload is not None:
         why = "does not go with offload= yet"
     elif costs is not None:
@@ -190,6 +205,7 @@ class VocabRun:
 
     def __init__(self, sched, config, measure=True):
         config._bind(sched.rank, sched.ranks)
+        config.embedding.timeout = config.output.timeout = sched.timeout
         self.sched, self.vp = sched, config
         self.measure_at = MEASURE_STEP if measure else None
         self.measuring = False
@@ -199,6 +215,12 @@ class VocabRun:
         self._tts = []
         self._main = _Alone()
         self._reset(None, None, False)
+
+    def agreement(self):
+        """What every rank must have alike (the handshake): the layers, and whether (when) the
+        plan is made again from measured times, which runs collectives of its own."""
+        when = f"replanned after step {self.measure_at}" if self.measure_at else "not replanned"
+        return f"{self.vp.describe()}, {when}"
 
     def spec(self):
         """Schedule.generate's vocab arguments."""
@@ -254,7 +276,8 @@ class VocabRun:
         if not trains:
             # Forward-only: the whole batch's embedding in one collective, before any forward.
             whole = torch.cat(self.tokens)
-            emb = self.vp.embedding.embed(whole, self._main)
+            with torch.autocast("cpu", enabled=False):
+                emb = self.vp.embedding.embed(whole, self._main)
             self.emb_all = list(emb.reshape(len(self.tokens), *self.shape, self.vp.hidden).unbind(0))
         elif self.sched._inferred_for is not True and not self.sched._meta_given:
             # The step's shape inference runs microbatch 0 forward first (_setup._infer_for).
@@ -274,13 +297,14 @@ class VocabRun:
             elif mbs is not None:
                 header[0], header[1] = 1, mbs[0].dim()
                 header[2:2 + mbs[0].dim()] = torch.tensor(mbs[0].shape, dtype=torch.int64)
-        self._main.broadcast(header, root, channel=CHANNEL_DATA)
+        to = self.sched.timeout
+        self._main.broadcast(header, root, timeout=to, channel=CHANNEL_DATA)
         if header[0] == -1:  # every rank says why
             text = torch.zeros(_WHY_BYTES, dtype=torch.uint8)
             if why is not None:
                 raw = why.encode()[:_WHY_BYTES]
                 text[:len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
-            self._main.broadcast(text, root, channel=CHANNEL_DATA)
+            self._main.broadcast(text, root, timeout=to, channel=CHANNEL_DATA)
             said = bytes(text.tolist()).rstrip(b"\0").decode(errors="replace")
             raise ValueError(f"zbpp vocab_parallel: rank {root}'s step() arguments: {said}")
         if header[0] == 0:
@@ -290,7 +314,7 @@ class VocabRun:
             data = torch.stack([t.detach().to("cpu", torch.int64) for t in mbs]).contiguous()
         else:
             data = torch.empty((m,) + shape, dtype=torch.int64)
-        self._main.broadcast(data, root, channel=CHANNEL_DATA)
+        self._main.broadcast(data, root, timeout=to, channel=CHANNEL_DATA)
         return list(data.unbind(0))
 
     def _time_barrier(self):
@@ -303,25 +327,33 @@ class VocabRun:
         took = []
         for _ in range(5):
             t0 = time.perf_counter()
-            tr.all_reduce(buf[:n], "max", channel=CHANNEL_S)
-            tr.all_reduce(buf, "sum", channel=CHANNEL_S)
+            tr.all_reduce(buf[:n], "max", timeout=self.sched.timeout, channel=CHANNEL_S)
+            tr.all_reduce(buf, "sum", timeout=self.sched.timeout, channel=CHANNEL_S)
             took.append(time.perf_counter() - t0)
         self._timed["comm"] = [min(took[1:])]
 
     def end_step(self):
-        """Every rank, after the runner: every lane's collectives done; the losses."""
+        """Every rank, after the runner: every lane's collectives done (then nothing of the step
+        is held), a tied shard's IB gradient added; the losses."""
         try:
             for name, lane in self.lanes.items():
                 lane.drain(f"the step's {name} collectives")
+            if self.vp.tied:
+                self.vp.embedding.flush_ib()
         finally:
             got = dict(self.losses)
             self._reset(None, None, False)
+            for lane in self.lanes.values():
+                lane.reset()
         return [got.get(i) for i in range(self.sched.n_microbatches)]
 
     # ---- the passes (the runner's vocab callback) -------------------------------------------------
 
     def on_pass(self, kind, mb):
-        getattr(self, "_pass_" + kind)(mb)
+        # In float32 whatever autocast the caller's step runs under: the lanes' threads have none,
+        # and one pass's parts must not mix precisions.
+        with torch.autocast("cpu", enabled=False):
+            getattr(self, "_pass_" + kind)(mb)
 
     def _time(self, kind, t0):
         if self.measuring:
@@ -331,25 +363,35 @@ class VocabRun:
         t0 = time.perf_counter()
         local = self.vp.embedding.embed_local(self.tokens[mb]).contiguous()
         self._time("IF", t0)
-        self.lanes["IF"].start(mb, lambda tr: tr.all_reduce(local, "sum", channel=CHANNEL_IF))
+        keep = self.sched.rank == self._roots()[0]  # only stage 0 reads the sum
+        to = self.sched.timeout
+
+        def reduce_if(tr):
+            got = tr.all_reduce(local, "sum", timeout=to, channel=CHANNEL_IF)
+            return got if keep else None
+
+        self.lanes["IF"].start(mb, reduce_if)
 
     def _pass_S(self, mb):
         out, last = self.vp.output, self._roots()[1]
+        to = self.sched.timeout
         if self.sched.rank != last:  # the last stage's rank started its side at its forward (hidden)
             buf = torch.empty(self.tokens[mb].numel(), self.vp.hidden)
-            self.lanes["H"].start(mb, lambda tr: tr.broadcast(buf, last, channel=CHANNEL_HIDDEN))
-        h = self.lanes["H"].wait(mb, f"the last stage's output of microbatch {mb}")
+            self.lanes["H"].start(mb, lambda tr: tr.broadcast(buf, last, timeout=to, channel=CHANNEL_HIDDEN))
+        h = self.lanes["H"].take(mb, f"the last stage's output of microbatch {mb}")
         t0 = time.perf_counter()
         st = out.s_pass(h, self.targets[mb])
         self._time("S", t0)
         self.states[mb] = st
         n = st.h.shape[0]
 
+        keep = self.sched.rank == last  # only the last stage reads the gradient
+
         def c0(tr):
             loss = out.reduce(st, tr)
             self.losses.append((mb, loss.mean()))
             # Fused: the last stage's output gradient, d(mean loss)/dh (grad_loss = 1/n a token).
-            return st.grad_unit / n if out.fused else None
+            return st.grad_unit / n if out.fused and keep else None
 
         self.lanes["S"].start(mb, c0)
 
@@ -361,7 +403,13 @@ class VocabRun:
         out.t_pass(st, torch.full((st.h.shape[0],), 1.0 / st.h.shape[0]))
         self._time("T", t0)
         if not out.fused:
-            self.lanes["T"].start(mb, lambda tr: out.reduce_grad(st, tr))
+            keep = self.sched.rank == self._roots()[1]
+
+            def c1(tr):
+                got = out.reduce_grad(st, tr)
+                return got if keep else None
+
+            self.lanes["T"].start(mb, c1)
 
     def _pass_IB(self, mb):
         emb, first = self.vp.embedding, self._roots()[0]
@@ -369,8 +417,8 @@ class VocabRun:
             grad = self.grads_in.pop(mb)
         else:
             grad = torch.empty(self.tokens[mb].numel(), self.vp.hidden, dtype=emb.weight.dtype)
-        tokens = self.tokens[mb]
-        self.lanes["IB"].start(mb, lambda tr: emb.embed_backward(tokens, grad, first, tr))
+        tokens, tied = self.tokens[mb], self.vp.tied
+        self.lanes["IB"].start(mb, lambda tr: emb.embed_backward(tokens, grad, first, tr, tied=tied))
 
     # ---- the stages' side -------------------------------------------------------------------------
 
@@ -381,7 +429,7 @@ class VocabRun:
         if self.emb_all is not None:
             return self.emb_all[mb]
         t0 = time.perf_counter()
-        e = self.lanes["IF"].wait(mb, f"stage 0's input (the embedding of microbatch {mb})")
+        e = self.lanes["IF"].take(mb, f"stage 0's input (the embedding of microbatch {mb})")
         if self.measuring:
             self._waits[("F", mb)] = time.perf_counter() - t0
         return e.reshape(*self.shape, self.vp.hidden).detach().requires_grad_(True)
@@ -398,12 +446,13 @@ class VocabRun:
     def hidden(self, mb, out):
         """The last stage's forward, on its rank: its output to every rank (lane H)."""
         h = self._rows(out, mb)
-        self.lanes["H"].start(mb, lambda tr: tr.broadcast(h, self._roots()[1], channel=CHANNEL_HIDDEN))
+        last, to = self._roots()[1], self.sched.timeout
+        self.lanes["H"].start(mb, lambda tr: tr.broadcast(h, last, timeout=to, channel=CHANNEL_HIDDEN))
 
     def hidden_grad(self, mb, out):
         """The last stage's backward: the gradient of its output (fused: from C0; else from C1)."""
         t0 = time.perf_counter()
-        g = self.lanes["S" if self.vp.fused else "T"].wait(mb, f"the output layer's input gradient of microbatch {mb}")
+        g = self.lanes["S" if self.vp.fused else "T"].take(mb, f"the output layer's input gradient of microbatch {mb}")
         if self.measuring:
             self._waits[("B", mb)] = time.perf_counter() - t0
         return g.reshape(out.shape).to(out.dtype)
@@ -426,11 +475,14 @@ class VocabRun:
             h = torch.cat([self._rows(o, i) for i, o in enumerate(outputs)])
         else:
             h = torch.empty(m * n, self.vp.hidden)
-        self._main.broadcast(h, last, channel=CHANNEL_HIDDEN)
+        self._main.broadcast(h, last, timeout=self.sched.timeout, channel=CHANNEL_HIDDEN)
         out = self.vp.output
-        loss = out.reduce(out.s_pass(h, torch.cat(self.targets)), self._main)
+        # A microbatch at a time (its logits only), without the input gradient's parts.
+        with torch.autocast("cpu", enabled=False):
+            losses = [out.reduce(out.s_pass(h[i * n:(i + 1) * n], self.targets[i], need_grad=False),
+                                 self._main).mean() for i in range(m)]
         self._reset(None, None, False)
-        return [x.mean() for x in loss.reshape(m, n)]
+        return losses
 
     # ---- the plan from measured times ------------------------------------------------------------
 
@@ -491,8 +543,8 @@ class VocabRun:
         was, now = before.makespan(), new.makespan()
         before.close()
         switched = now < was * (1.0 - REPLAN_MIN_GAIN)
-        self.replanned = {"step": sc.steps, "stage_times": times, "vocab_times": vt, "switched": switched,
-                          "before_ms": was, "after_ms": now}
+        self.replanned = self.vp.replanned = {"step": sc.steps, "stage_times": times, "vocab_times": vt,
+                                              "switched": switched, "before_ms": was, "after_ms": now}
         _log.info("zbpp vocab_parallel: planned %s again on the times step %d measured (passes %s ms): %.1f ms "
                   "simulated against %.1f ms for the plan in force; %s", old.kind, sc.steps,
                   {k: round(v, 2) for k, v in vt.items()}, now, was, "switched" if switched else "kept")
@@ -518,9 +570,20 @@ class VocabRun:
         self._tts = []
 
     def abort(self, reason):
-        """The pipeline failed on this rank: the lanes' peers learn it at once."""
+        """The pipeline failed on this rank: the lanes' peers learn it at once, through their
+        transports, or, before those are made (a rank that fails before its first step's
+        connect), through the lanes' failure keys, which a peer setting them up watches."""
         for tt in self._tts:
             try:
                 tt.abort(reason)
             except Exception:  # noqa: BLE001 - a best effort on the failure path
                 pass
+        sc = self.sched
+        store = sc._job_store() if not self._tts and sc.ranks > 1 else None
+        if store is not None:
+            text = f"rank {distributed.global_rank(sc.group, sc.rank)} failed first: {reason}"
+            for k in _LANES:
+                try:
+                    distributed.publish_failure(store, distributed._ABORT_PREFIX + f"{sc._key}-vocab-{k}", text)
+                except Exception:  # noqa: BLE001 - a best effort on the failure path
+                    pass
