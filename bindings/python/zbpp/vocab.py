@@ -435,6 +435,9 @@ class VocabParallel:
         self.vocab_size, self.hidden = self._whole[0].shape
         self.output = self.embedding = None  # this rank's shards, once a schedule made them
         self.rank = self.ranks = None
+        # What the schedule's plan from measured times found (zbpp/pipelining/_vocab.py): the
+        # measured stage and pass times, the simulated step before and after, whether it switched.
+        self.replanned = None
 
     def describe(self):
         """What every rank of a pipeline must agree on (the schedule's handshake compares it)."""
