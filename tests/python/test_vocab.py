@@ -130,6 +130,24 @@ def test_vocab_parallel_output_and_embedding_equal_the_unsharded_layers(world, V
             torch.testing.assert_close(grad_w, m_gw, **TOL)
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_ignored_targets_count_for_nothing(fused):
+    """Targets equal to ignore_index (-100, F.cross_entropy's): no loss, no gradient from them,
+    whatever gradient the caller gives their rows; the mean is over the others (one rank)."""
+    from zbpp.vocab import VocabParallelOutput
+
+    weight, _, h, target, grad_loss = _data(37)
+    target = torch.where(torch.arange(T) % 4 == 0, torch.full_like(target, -100), target)
+    out = VocabParallelOutput(weight, 0, 1, fused=fused, label_smoothing=0.1)
+    loss, grad_h = out.forward_backward(h, target, grad_loss)
+    ref_loss, ref_h, ref_w = _reference(weight, h, target, grad_loss, 0.1)
+    torch.testing.assert_close(loss, ref_loss, **TOL)
+    torch.testing.assert_close(grad_h, ref_h, **TOL)
+    torch.testing.assert_close(out.weight.grad, ref_w, **TOL)
+    torch.testing.assert_close(out.mean(loss, target), torch.nn.functional.cross_entropy(
+        h @ weight.t(), target, label_smoothing=0.1), **TOL)
+
+
 def test_bad_arguments_say_what_is_allowed():
     from zbpp import vocab
 
@@ -148,7 +166,7 @@ def test_bad_arguments_say_what_is_allowed():
     torch.testing.assert_close(loss, ref_loss, **TOL)
     torch.testing.assert_close(grad_h, ref_gh, **TOL)
     torch.testing.assert_close(alone.weight.grad, ref_gw, **TOL)
-    with pytest.raises(ValueError, match=r"vocabulary ids in 0\.\.39"):
-        alone.s_pass(h, torch.full((T,), -100))
+    with pytest.raises(ValueError, match=r"vocabulary ids in 0\.\.39 or ignore_index \(-100\)"):
+        alone.s_pass(h, torch.full((T,), -1))
     assert vocab.vocab_shard_range(37, 3, 4) == (30, 40, 40)
     assert vocab.vocab_shard_range(37, 0, 4, pad_multiple=8) == (0, 16, 64)  # Megatron: a multiple of 8 x 4

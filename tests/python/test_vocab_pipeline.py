@@ -4,7 +4,8 @@ blocks' weights and the whole embedding and output weights (gather()) after thre
 third on the plan made again from the second's measured times), and the
 eval() losses after them, equal a single process running the unsharded model within float32
 rounding (the softmax's sum merged from the shards' sums), for 1F1B, interleaved 1F1B, ZB-V,
-V-Half, ZB-H1 and zb-auto, fused and unfused, tied, label smoothing and a padded vocabulary; every
+V-Half, ZB-H1 and zb-auto, fused and unfused, tied, label smoothing, ignored targets (-100) and a
+padded vocabulary; every
 rank runs S, T, IF and IB; bad input fails on every rank, saying what is wrong, and a stage that
 fails fails every rank within seconds, not at the timeout."""
 
@@ -75,14 +76,14 @@ TWO = [
     _case("interleaved-1f1b", chunks=2),
     _case("zb-v", chunks=2, tied=True),
     _case("v-half", chunks=2, fused=False),
-    _case("zb-h1", label_smoothing=0.1),
+    _case("zb-h1", label_smoothing=0.1, ignore=True),  # some targets -100: skipped, as F.cross_entropy does
     _case("zb-auto", vocab_times={"s": 0.5, "t": 0.5}),  # given times: no replan
 ]
 FOUR = [
     _case("1f1b", m=8),
     _case("interleaved-1f1b", chunks=2, m=8, fused=False),
     _case("zb-v", chunks=2, m=8),
-    _case("v-half", chunks=2, m=8, tied=True),
+    _case("v-half", chunks=2, m=8, tied=True, ignore=True),
 ]
 
 

@@ -32,11 +32,17 @@ def build(V, layers, tied=False, seed=0):
     return emb, out, blocks
 
 
-def batches(V, m, steps, rows=2, seq=3, seed=1):
-    """steps x (tokens, targets), each [m * rows, seq]."""
+def batches(V, m, steps, rows=2, seq=3, seed=1, ignore=False):
+    """steps x (tokens, targets), each [m * rows, seq]; ignore: about a fifth of the targets are
+    -100 (F.cross_entropy's ignore_index: padding a loss skips)."""
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randint(0, V, (m * rows, seq), generator=g), torch.randint(0, V, (m * rows, seq), generator=g))
-            for _ in range(steps)]
+    out = []
+    for _ in range(steps):
+        x, y = torch.randint(0, V, (m * rows, seq), generator=g), torch.randint(0, V, (m * rows, seq), generator=g)
+        if ignore:
+            y = torch.where(y % 5 == 0, torch.full_like(y, -100), y)
+        out.append((x, y))
+    return out
 
 
 def reference(case):
@@ -55,7 +61,7 @@ def reference(case):
         return torch.nn.functional.cross_entropy(out(h).reshape(-1, V), y.reshape(-1), label_smoothing=smoothing)
 
     steps = []
-    data = batches(V, m, case["steps"] + 1)
+    data = batches(V, m, case["steps"] + 1, ignore=case.get("ignore", False))
     for x, y in data[:-1]:
         losses = []
         for xi, yi in zip(x.tensor_split(m), y.tensor_split(m)):
@@ -89,7 +95,7 @@ def train(rank, world, case):
     sched = zbpp.get_schedule_class(kind)(stages, m, vocab_parallel=vp, timeout=60.0)
     params = [q for st in stages for q in st.submod.parameters()] + vp.parameters()
     opt = torch.optim.SGD(params, lr=case.get("lr", 0.5))
-    data = batches(V, m, case["steps"] + 1)
+    data = batches(V, m, case["steps"] + 1, ignore=case.get("ignore", False))
     steps, outputs = [], None
     for x, y in data[:-1]:
         got = []

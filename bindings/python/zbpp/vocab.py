@@ -168,8 +168,8 @@ class _Shard:
 class _OutputState:
     """One microbatch's S pass results and what C0 adds to them."""
 
-    __slots__ = ("h", "logits", "in_shard", "local_target", "m", "s", "t", "sum_logits", "soft_w", "target_w",
-                 "M", "sum", "loss", "grad_unit", "grad_part")
+    __slots__ = ("h", "logits", "in_shard", "valid", "local_target", "m", "s", "t", "sum_logits", "soft_w",
+                 "target_w", "M", "sum", "loss", "grad_unit", "grad_part")
 
 
 class VocabParallelOutput(_Shard):
@@ -178,7 +178,7 @@ class VocabParallelOutput(_Shard):
     passes the same), or tied=a VocabParallelEmbedding whose shard this layer shares."""
 
     def __init__(self, weight=None, rank=0, ranks=1, transport=None, pad_multiple=1, fused=True,
-                 label_smoothing=0.0, tied=None):
+                 label_smoothing=0.0, tied=None, ignore_index=-100):
         if tied is not None:
             self.__dict__.update({k: getattr(tied, k) for k in ("rank", "ranks", "transport", "vocab_size", "hidden",
                                                               "start", "end", "padded", "real", "weight",
@@ -188,15 +188,33 @@ class VocabParallelOutput(_Shard):
         if not 0.0 <= label_smoothing < 1.0:
             raise ValueError(f"zbpp.VocabParallelOutput: label_smoothing must be in [0, 1), got {label_smoothing}")
         self.fused, self.label_smoothing = bool(fused), float(label_smoothing)
+        self.ignore_index = ignore_index  # targets equal to it count for nothing, as F.cross_entropy's
+
+    def valid(self, target):
+        """Which targets count (not ignore_index)."""
+        return target != self.ignore_index if self.ignore_index is not None else torch.ones_like(target, dtype=torch.bool)
+
+    def grad_of_mean(self, target):
+        """d(mean loss)/d(per-token loss) of a microbatch: 1 / (targets that count) each, 0 for
+        the ignored (all ignored: 0, as torch's gradient; the mean is then NaN, as torch's)."""
+        valid = self.valid(target).float()
+        return valid / valid.sum().clamp(min=1.0)
+
+    def mean(self, loss, target):
+        """The microbatch's loss: the mean over the targets that count (F.cross_entropy's)."""
+        valid = self.valid(target)
+        return (loss * valid).sum() / valid.sum()
 
     # ---- S ----------------------------------------------------------------------------------------
 
     def s_pass(self, h, target, need_grad=True):
-        """S on one microbatch: h [T, H] (float), target [T] (vocabulary ids). Returns its state.
-        need_grad=False (forward only): without the fused input gradient's parts."""
-        if target.numel() and (int(target.min()) < 0 or int(target.max()) >= self.vocab_size):
-            raise ValueError(f"zbpp.VocabParallelOutput: targets must be vocabulary ids in 0..{self.vocab_size - 1}, "
-                             f"got {int(target.min())}..{int(target.max())} (an ignore_index is not supported)")
+        """S on one microbatch: h [T, H] (float), target [T] (vocabulary ids, or ignore_index).
+        Returns its state. need_grad=False (forward only): without the fused input gradient's parts."""
+        valid = self.valid(target)
+        counted = target[valid]
+        if counted.numel() and (int(counted.min()) < 0 or int(counted.max()) >= self.vocab_size):
+            raise ValueError(f"zbpp.VocabParallelOutput: targets must be vocabulary ids in 0..{self.vocab_size - 1} "
+                             f"or ignore_index ({self.ignore_index}), got {int(counted.min())}..{int(counted.max())}")
         st = _OutputState()
         w = self.weight.detach()
         st.h = h.detach().float()
@@ -204,7 +222,8 @@ class VocabParallelOutput(_Shard):
         if self.real < logits.shape[1]:
             logits[:, self.real:] = float("-inf")  # padding takes no part in the softmax
         st.logits = logits
-        st.in_shard = (target >= self.start) & (target < self.start + self.real)
+        st.in_shard = valid & (target >= self.start) & (target < self.start + self.real)
+        st.valid = valid
         st.local_target = torch.where(st.in_shard, target - self.start, torch.zeros_like(target))
         st.m = logits.max(dim=1).values if self.real else torch.full((logits.shape[0],), float("-inf"))
         finite = torch.isfinite(st.m)
@@ -254,6 +273,7 @@ class VocabParallelOutput(_Shard):
         st.loss = log_z - target_logit
         if a:
             st.loss = (1 - a) * st.loss + a * (log_z - total / V)
+        st.loss = torch.where(st.valid, st.loss, torch.zeros_like(st.loss))  # ignored targets: 0, as torch
         if fused:
             soft = packed[at:at + n * H].view(n, H)
             target_w = packed[at + n * H:at + 2 * n * H].view(n, H)
@@ -268,7 +288,7 @@ class VocabParallelOutput(_Shard):
         """T: grad_loss [T] is d(loss)/d(per-token loss); the shard's weight gradient goes into
         weight.grad. Fused: returns the input gradient [T, H] (C0 made it); unfused: returns None
         and reduce_grad gives it."""
-        g = grad_loss.detach().float()
+        g = torch.where(st.valid, grad_loss.detach().float(), torch.zeros(()))  # ignored targets: no gradient
         soft = torch.exp(st.logits - st.M.unsqueeze(1)) / st.sum.unsqueeze(1)
         a = self.label_smoothing
         grad_logits = soft
@@ -299,7 +319,7 @@ class VocabParallelOutput(_Shard):
         st = self.s_pass(h, target)
         loss = self.reduce(st)
         if grad_loss is None:
-            grad_loss = torch.full_like(loss, 1.0 / loss.numel())
+            grad_loss = self.grad_of_mean(target)
         grad = self.t_pass(st, grad_loss)
         return loss, grad if grad is not None else self.reduce_grad(st)
 
@@ -397,7 +417,8 @@ class VocabParallel:
     fused: True (the reference's Vocab-2, its default) computes the output layer's input gradient
     in S, one barrier a microbatch and p+1 microbatches of activation memory in 1F1B; False
     (Vocab-1, Megatron's --disable-backward-fusion) in T, two barriers, p+2. label_smoothing: as
-    torch's F.cross_entropy. pad_multiple: the vocabulary is padded to a multiple of pad_multiple x
+    torch's F.cross_entropy; ignore_index (-100, as F.cross_entropy's): targets equal to it count
+    for nothing (no loss, no gradient; the mean is over the others). pad_multiple: the vocabulary is padded to a multiple of pad_multiple x
     ranks (Megatron's make_vocab_size_divisible_by); padded rows take no part. times: one rank's
     pass times {'s', 't', 'if', 'ib', 'comm'} in the unit of the schedule's times (defaults in
     DEFAULT_TIMES), which place the passes; without them (and without the schedule's times= or
@@ -413,7 +434,8 @@ class VocabParallel:
     them to the optimizer), gather() the whole weights for a checkpoint, load() takes them back.
     """
 
-    def __init__(self, output, embedding, *, fused=True, label_smoothing=0.0, pad_multiple=1, times=None):
+    def __init__(self, output, embedding, *, fused=True, label_smoothing=0.0, pad_multiple=1, times=None,
+                 ignore_index=-100):
         self._whole = (_whole_weight("output", output, torch.nn.Linear),
                        _whole_weight("embedding", embedding, torch.nn.Embedding))
         if self._whole[0].shape != self._whole[1].shape:
@@ -432,6 +454,7 @@ class VocabParallel:
         if any(v < 0 for v in self.times.values()):
             raise ValueError(f"zbpp.VocabParallel: times must be >= 0, got {self.times}")
         self.fused, self.label_smoothing, self.pad_multiple = bool(fused), float(label_smoothing), pad_multiple
+        self.ignore_index = ignore_index
         self.vocab_size, self.hidden = self._whole[0].shape
         self.output = self.embedding = None  # this rank's shards, once a schedule made them
         self.rank = self.ranks = None
@@ -442,7 +465,8 @@ class VocabParallel:
     def describe(self):
         """What every rank of a pipeline must agree on (the schedule's handshake compares it)."""
         return (f"vocab {self.vocab_size} x {self.hidden}, {'fused' if self.fused else 'unfused'}, label_smoothing "
-                f"{self.label_smoothing:g}, pad_multiple {self.pad_multiple}, {'tied' if self.tied else 'untied'}")
+                f"{self.label_smoothing:g}, pad_multiple {self.pad_multiple}, {'tied' if self.tied else 'untied'}, "
+                f"ignore_index {self.ignore_index}")
 
     def _bind(self, rank, ranks):
         """Shards the layers for `rank` of `ranks` (the schedule does, once)."""
@@ -456,10 +480,10 @@ class VocabParallel:
         self.embedding = VocabParallelEmbedding(emb_w, rank, ranks, tr, self.pad_multiple)
         if self.tied:
             self.output = VocabParallelOutput(tied=self.embedding, fused=self.fused,
-                                              label_smoothing=self.label_smoothing)
+                                              label_smoothing=self.label_smoothing, ignore_index=self.ignore_index)
         else:
             self.output = VocabParallelOutput(out_w, rank, ranks, tr, self.pad_multiple, self.fused,
-                                              self.label_smoothing)
+                                              self.label_smoothing, ignore_index=self.ignore_index)
         self.rank, self.ranks = rank, ranks
         self._whole = None  # the user's whole layers are not used again: delete them to free their memory
 

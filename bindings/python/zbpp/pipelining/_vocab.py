@@ -380,18 +380,18 @@ class VocabRun:
             self.lanes["H"].start(mb, lambda tr: tr.broadcast(buf, last, timeout=to, channel=CHANNEL_HIDDEN))
         h = self.lanes["H"].take(mb, f"the last stage's output of microbatch {mb}")
         t0 = time.perf_counter()
-        st = out.s_pass(h, self.targets[mb])
+        target = self.targets[mb]
+        st = out.s_pass(h, target)
         self._time("S", t0)
         self.states[mb] = st
-        n = st.h.shape[0]
-
         keep = self.sched.rank == last  # only the last stage reads the gradient
 
         def c0(tr):
             loss = out.reduce(st, tr)
-            self.losses.append((mb, loss.mean()))
-            # Fused: the last stage's output gradient, d(mean loss)/dh (grad_loss = 1/n a token).
-            return st.grad_unit / n if out.fused and keep else None
+            self.losses.append((mb, out.mean(loss, target)))
+            # Fused: the last stage's output gradient, d(mean loss)/dh (1 / the targets that count,
+            # each; 0 for ignore_index).
+            return st.grad_unit * out.grad_of_mean(target).unsqueeze(1) if out.fused and keep else None
 
         self.lanes["S"].start(mb, c0)
 
@@ -400,7 +400,7 @@ class VocabRun:
         st = self.states.pop(mb)
         self.lanes["S"].wait(mb, f"the output layer's all-reduces of microbatch {mb}")
         t0 = time.perf_counter()
-        out.t_pass(st, torch.full((st.h.shape[0],), 1.0 / st.h.shape[0]))
+        out.t_pass(st, out.grad_of_mean(self.targets[mb]))
         self._time("T", t0)
         if not out.fused:
             keep = self.sched.rank == self._roots()[1]
@@ -479,8 +479,8 @@ class VocabRun:
         out = self.vp.output
         # A microbatch at a time (its logits only), without the input gradient's parts.
         with torch.autocast("cpu", enabled=False):
-            losses = [out.reduce(out.s_pass(h[i * n:(i + 1) * n], self.targets[i], need_grad=False),
-                                 self._main).mean() for i in range(m)]
+            losses = [out.mean(out.reduce(out.s_pass(h[i * n:(i + 1) * n], self.targets[i], need_grad=False),
+                                          self._main), self.targets[i]) for i in range(m)]
         self._reset(None, None, False)
         return losses
 
