@@ -198,6 +198,8 @@ zb_status_t zb__place_vocab(zb_schedule_t *s);
 /* V-Half with the passes placed (s): V orders holding up to the reference's extra microbatches
  * compete with its own; the shortest is kept (gen_vocab.c). */
 zb_status_t zb__vocab_wider_v(zb_schedule_t *s);
+/* Any other kind with the passes placed (s): the local search within its own largest peak. */
+zb_status_t zb__vocab_search(zb_schedule_t *s);
 zb_status_t zb__gen_interleaved(zb_schedule_t *s);
 /* Interleaved 1F1B with B and W split, rank r's W's held back r backwards; warm-up factor 1 or 2. */
 zb_status_t zb__gen_interleaved_zb1(zb_schedule_t *s);

@@ -573,7 +573,7 @@ zb_status_t zb_schedule_create(zb_schedule_t **out, const zb_schedule_spec_t *sp
   if (st == ZB_OK && spec->kind == ZB_KIND_V_MIN) st = best_under_own_memory(s);
   s->vocab = vocab;
   if (st == ZB_OK && vocab) st = zb__place_vocab(s);
-  if (st == ZB_OK && vocab && spec->kind == ZB_KIND_V_HALF) st = zb__vocab_wider_v(s);
+  if (st == ZB_OK && vocab) st = spec->kind == ZB_KIND_V_HALF ? zb__vocab_wider_v(s) : zb__vocab_search(s);
   if (st != ZB_OK) {
     zb__schedule_free(s);
     return st;
