@@ -65,53 +65,6 @@ def plan(p, m, layers, vocab, embed, mode):
     return Schedule.generate("1f1b", p, m, times=times), f, bw
 
 
-class _Lane:
-    """One kind of pass's collectives, run in order on a thread of their own over their own
-    transport (as on a stream of their own): start(mb, fn) queues fn(transport), wait(mb) blocks
-    until that microbatch's has run."""
-
-    def __init__(self, transport):
-        import queue
-        import threading
-
-        self.transport, self.jobs, self.cv = transport, queue.Queue(), threading.Condition()
-        self.done, self.started, self.failed = set(), set(), None
-        threading.Thread(target=self._run, daemon=True).start()
-
-    def _run(self):
-        while True:
-            mb, fn = self.jobs.get()
-            try:
-                fn(self.transport)
-            except BaseException as exc:  # noqa: BLE001 - the waiting side raises it
-                self.failed = exc
-            with self.cv:
-                self.done.add(mb)
-                self.cv.notify_all()
-
-    def reset(self):
-        with self.cv:
-            self.done, self.started = set(), set()
-
-    def start(self, mb, fn):
-        self.started.add(mb)
-        self.jobs.put((mb, fn))
-
-    def _check(self, ok, what):
-        if self.failed is not None:
-            raise RuntimeError(f"a collective failed: {self.failed}") from self.failed
-        if not ok:
-            raise TimeoutError(f"{what} did not come within 60 s")
-
-    def wait(self, mb):
-        with self.cv:
-            self._check(self.cv.wait_for(lambda: mb in self.done, timeout=60), f"microbatch {mb}'s collective")
-
-    def drain(self):
-        with self.cv:
-            self._check(self.cv.wait_for(lambda: self.started <= self.done, timeout=60), "the step's collectives")
-
-
 def worker(rank, p, key, args, cells, out_dir):
     from zbpp import distributed, runtime
     from zbpp.vocab import CHANNEL_IB, CHANNEL_IF, CHANNEL_S
@@ -124,7 +77,10 @@ def worker(rank, p, key, args, cells, out_dir):
     # their own: one thread per kind of pass, each with a transport of its own, in microbatch order;
     # what needs a result waits for it (T for S's barrier, stage 0's F for IF's, the last stage's
     # backward for S's input gradient).
-    lanes = {name: _Lane(distributed.TorchTransport(None, timeout=60.0, name=f"vocab-{name}-{key}").transport)
+    from zbpp.pipelining._vocab import _Lane  # the schedule classes' lanes (vocab_parallel=)
+
+    lanes = {name: _Lane(name, distributed.TorchTransport(None, timeout=60.0, name=f"vocab-{name}-{key}").transport,
+                         60.0, lambda: None)
              for name in ("S", "IF", "IB")}
     unit = args.unit_ms / 1e3
     built = {}
@@ -141,12 +97,12 @@ def worker(rank, p, key, args, cells, out_dir):
 
         def forward(stage, mb, inp, out, f=f, vp=lanes_on):
             if vp and stage == 0:
-                lanes["IF"].wait(mb)  # the embedding's all-reduce
+                lanes["IF"].wait(mb, "the embedding's all-reduce")
             wait_until(time.perf_counter() + f[stage] * unit)
 
         def backward(stage, mb, gout, gin, bw=bw, vp=lanes_on):
             if vp and stage == p - 1:
-                lanes["S"].wait(mb)  # the output layer's input gradient (Vocab-2: S's all-reduce)
+                lanes["S"].wait(mb, "the output layer's input gradient (Vocab-2: S's all-reduce)")
             wait_until(time.perf_counter() + bw[stage] * unit)
 
         def vocab_pass(kind, mb, pass_s=pass_s):
@@ -158,7 +114,7 @@ def worker(rank, p, key, args, cells, out_dir):
                     tr.all_reduce(torch.zeros(4), "sum", channel=CHANNEL_S if kind == "S" else CHANNEL_IF)
                 return
             if kind == "T":
-                lanes["S"].wait(mb)  # the global max and sum
+                lanes["S"].wait(mb, "the global max and sum")
             wait_until(time.perf_counter() + pass_s[kind] * unit)
             ch = {"S": CHANNEL_S, "IF": CHANNEL_IF, "IB": CHANNEL_IB}
             if kind == "IB":
@@ -181,7 +137,7 @@ def worker(rank, p, key, args, cells, out_dir):
                 t0 = time.perf_counter()
                 run.run()
                 for lane in lanes.values():
-                    lane.drain()  # the step ends when its last collective has
+                    lane.drain("the step's collectives")  # the step ends when its last collective has
                 t1 = time.perf_counter()
                 spans = [None] * p
                 dist.all_gather_object(spans, t1 - t0)

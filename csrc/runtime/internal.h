@@ -94,6 +94,9 @@ void zb__transport_cancel(zb_transport_t *t, zb__request_t *req);
 
 /* Channel tags. The runner's boundary b (between stage b and b+1) has a forward tag (activations)
  * and a backward tag (gradients); the optimizer's exchange uses two tags after all of them. */
+/* Vocabulary Parallelism's passes (S, T, IF, IB): ops of a rank, not of a stage. */
+static inline int zb__runner_op_is_vocab(int32_t type) { return type >= ZB_OP_S && type <= ZB_OP_IB; }
+
 static inline int32_t zb__tag_fwd(int32_t boundary) { return 2 * boundary; }
 static inline int32_t zb__tag_bwd(int32_t boundary) { return 2 * boundary + 1; }
 static inline int32_t zb__tag_optim(int32_t stages, int32_t dir) { return 2 * stages + dir; }
@@ -101,7 +104,6 @@ static inline int32_t zb__tag_optim(int32_t stages, int32_t dir) { return 2 * st
  * every channel the runner and the optimizer count up to, and apart from the binding's own (shape
  * inference 1 << 20, the unstick receive 2^30 + 7). */
 #define ZB__TAG_COLLECTIVE ((int32_t)((1 << 30) + 16))
-
 
 /* Where an op's input comes from and its output goes (bufplan.c): the channel's tag (zb__tag_fwd or
  * zb__tag_bwd of the boundary, so tag / 2 is the boundary) and the rank holding the stage at the

@@ -220,11 +220,12 @@ zb_status_t zb_runner_create(zb_runner_t **out, const zb_runner_config_t *c) {
     int32_t n = 0;
     ZB_CHECK(zb_schedule_rank_ops(c->schedule, q, &ops, &n));
     for (int32_t k = 0; k < n; k++)
-      if (ops[k].type >= ZB_OP_S && ops[k].type <= ZB_OP_IB && !(has_vocab && c->vocab_cb))
+      if (zb__runner_op_is_vocab(ops[k].type) && !(has_vocab && c->vocab_cb))
         return ZB_FAIL(has_vocab ? ZB_ERR_INVALID_ARGUMENT : ZB_ERR_UNSUPPORTED,
                        "rank %d, position %d: the schedule has Vocabulary Parallelism's passes (S, T, IF, IB), which "
                        "the runner runs through zb_runner_config_t.vocab_cb; %s",
                        (int)q, (int)k, has_vocab ? "set it" : "the config passed predates it: build against this zbpp.h");
+  }
   if (has_pairs && c->pair_first && c->n_pairs > 0) {
     const zb_op_t *mine;
     int32_t nm = 0;
@@ -232,11 +233,10 @@ zb_status_t zb_runner_create(zb_runner_t **out, const zb_runner_config_t *c) {
     for (int32_t j = 0; j < c->n_pairs; j++) {
       const int32_t k = c->pair_first[j];
       for (int32_t d = 0; d < 2 && k >= 0 && k + d < nm; d++)
-        if (mine[k + d].type >= ZB_OP_S && mine[k + d].type <= ZB_OP_IB)
+        if (zb__runner_op_is_vocab(mine[k + d].type))
           return ZB_FAIL(ZB_ERR_UNSUPPORTED, "zb_runner_config_t: pair %d (ops %d and %d) holds a Vocabulary "
                          "Parallelism pass; pairs run two ops of stages, not passes", (int)j, (int)k, (int)k + 1);
     }
-  }
   }
   if (c->transport && (c->transport->ranks != info.ranks || c->transport->rank != c->rank))
     return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT,
@@ -598,7 +598,7 @@ zb_status_t zb_runner_run(zb_runner_t *r) {
   if (st != ZB_OK) {
     const zb_op_t *op = &r->ops[k < r->n ? k : r->n - 1];
     take_error(inner, sizeof inner);
-    if (k < r->n && op->type >= ZB_OP_S && op->type <= ZB_OP_IB) /* a vocabulary pass: no stage */
+    if (k < r->n && zb__runner_op_is_vocab(op->type)) /* a vocabulary pass: no stage */
       st = ZB_FAIL(st, "rank %d, op %d of %d, %s(mb %d): %s", (int)r->rank, (int)k + 1, (int)r->n,
                    op_name(op->type), (int)op->mb, inner);
     else if (k < r->n)

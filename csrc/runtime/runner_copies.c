@@ -277,7 +277,7 @@ static zb_status_t lane_wait(zb_runner_t *r, int32_t upto, const char *what) {
 zb_status_t zb__copies_wait(zb_runner_t *r, int32_t k) {
   zb__copylane_t *l = r->copies;
   const zb_op_t *op = &r->ops[k];
-  if (!l || l->device || op->type == ZB_OP_F || is_copy(op->type) || (op->type >= ZB_OP_S && op->type <= ZB_OP_IB))
+  if (!l || l->device || op->type == ZB_OP_F || is_copy(op->type) || zb__runner_op_is_vocab(op->type))
     return ZB_OK; /* a vocabulary pass reads no stage's saved activations */
   const int32_t j = l->reload[(size_t)op->stage * (size_t)r->m + (size_t)op->mb];
   if (j < 0) return ZB_OK;

@@ -195,9 +195,10 @@ zb_status_t zb__gen_vocab_1f1b(zb_schedule_t *s) {
 /* Every kind but 1F1B (the reference's order) and V-Half (below) with the passes placed: neighbour
  * swaps, passes and compute alike, within the kind's own largest peak (search.c). Placing each
  * pass at the next op boundary leaves a rank idle where a barrier or a pass's input is late; the
- * swaps move the ops around them. Measured on p = 4 and 8, m = 2p, equal and B = 2F costs, fused
- * and not (zb-v, interleaved-1f1b, zb-h1, zb-h2, v-min, zb-auto): 1 to 25% shorter steps, about
- * 80 ms a plan. */
+ * swaps move the ops around them. Measured when this was added (a5512d9, Schedule.refine() of the
+ * placed plans at p = 4 and 8, m = 2p, equal and B = 2F costs, fused and not; zb-v,
+ * interleaved-1f1b, zb-h1, zb-h2, v-min, zb-auto): simulated steps 1 to 25% shorter, about 80 ms a
+ * plan. */
 zb_status_t zb__vocab_search(zb_schedule_t *s) {
   zb_sim_result_t r;
   ZB_CHECK(zb_schedule_simulate(s, &r));

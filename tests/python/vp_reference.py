@@ -204,6 +204,16 @@ class _Module:
     pass
 
 
+def _pair_event(label, op):
+    """A reduction the reference issues as a pair, MAX then SUM: the MAX is the event (the
+    barrier's start), the SUM its second half. Returns the label recorded."""
+    if op == "MAX":
+        ev(label)
+        return label
+    ev(label + ".sum", main=False)
+    return label + ".sum"
+
+
 def _empty(shape, *a, **k):
     fr = sys._getframe(1)
     name = fr.f_code.co_name
@@ -264,31 +274,16 @@ def _all_reduce(tensor, op="SUM", group=None, async_op=False):
             ev(label)
         else:
             check(tag(tensor) == ("S", k), f"RED_S{k}: tensor {tag(tensor)}")
-            if op == "MAX":
-                label = f"RED_S{k}"
-                ev(label)
-            else:
-                label = f"RED_S{k}.sum"
-                ev(label, main=False)
+            label = _pair_event(f"RED_S{k}", op)
     elif name == "reduce_lm_head_res_alg2":
         k = tag(loc["logits_max"])[1]
         check(tag(tensor) == ("S", k), f"RED_S{k} (alg2): tensor {tag(tensor)}")
-        if op == "MAX":
-            label = f"RED_S{k}"
-            ev(label)
-        else:
-            label = f"RED_S{k}.sum"
-            ev(label, main=False)
+        label = _pair_event(f"RED_S{k}", op)
     elif name == "callback" and "input_embedding_forward_step_helper" in qual:
         t = tag(loc["reduced_output_tensor"])
         check(t is not None and t[0] == "IF", f"RED_IF reduces {t}")
-        k = t[1]
-        if op == "MAX":          # comm_wait_tensor all-reduce, first op of the pair
-            label = f"RED_IF{k}"
-            ev(label)
-        else:
-            label = f"RED_IF{k}.sum"
-            ev(label, main=False)
+        # comm_wait_tensor's all-reduce (MAX) is the first op of the pair
+        label = _pair_event(f"RED_IF{t[1]}", op)
     elif name == "input_embedding_backward_step_helper":
         k = loc["microbatch_id"]
         label = f"BC_IB{k}"       # comm_wait_tensor all-reduce, first op of the pair

@@ -164,6 +164,12 @@ _ABORT_POLL_S = 0.2
 _ABORT_PREFIX = "zbpp/abort/"
 
 
+def abort_key(name):
+    """The key in the job's store under which a failure of the transport (or pipeline) `name` is
+    published and watched for (TorchTransport, connect_sockets, the schedule's handshake)."""
+    return _ABORT_PREFIX + name
+
+
 def first_line(exc):
     """The first line of an exception's text (torch's gloo errors run to several), or its type."""
     text = str(exc).strip().splitlines()
@@ -444,7 +450,7 @@ def connect_sockets(group, name, timeout, kind="socket"):
     rank, ranks = dist.get_rank(group), dist.get_world_size(group)
     gen = _generations[name] = _generations.get(name, 0) + 1
     prefix = f"{_SOCK_PREFIX}{name}/{gen}/"
-    failure_key = _ABORT_PREFIX + name
+    failure_key = abort_key(name)
     deadline = time.monotonic() + timeout
     others = [r for r in range(ranks) if r != rank]
     # Round 1: hosts, so that every rank picks the same family.
@@ -533,7 +539,7 @@ class TorchTransport:
         _register_exit_grace()
         self.last_error = None
         self._store = _default_store() if name is not None else None
-        self._abort_key = _ABORT_PREFIX + name if self._store is not None else None
+        self._abort_key = abort_key(name) if self._store is not None else None
         self._failed = None  # the first failure's text, once this rank has seen or published it
         self._waiter = None
         self.kind, self.fallback_reason = "gloo", None

@@ -725,7 +725,7 @@ class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning, _Splitting, _Bou
         name = self._key if store is not None else None
         return runtime.Transport.nccl(self.rank, self.ranks, got[1:], self._store.backend, self.schedule,
                                       timeout=self.timeout, abort_store=store,
-                                      abort_key=distributed._ABORT_PREFIX + name if name else None)
+                                      abort_key=distributed.abort_key(name) if name else None)
 
     def close(self):
         if self._runner is not None:

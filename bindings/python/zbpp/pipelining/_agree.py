@@ -72,7 +72,7 @@ class _Agreement:
         return self._store_c10d or None
 
     def _failure_key(self):
-        return distributed._ABORT_PREFIX + self._key
+        return distributed.abort_key(self._key)
 
     def _peer_failure(self):
         """The first failure some rank of this pipeline published, or None."""

@@ -241,12 +241,15 @@ class VocabRun:
         if sc.ranks == 1:
             transports = {k: _Alone() for k in _LANES}
         else:
-            self._tts = [distributed.TorchTransport(sc.group, sc.timeout, name=f"{sc._key}-vocab-{k}" if sc._key
-                                                    else None) for k in _LANES]
+            self._tts = [distributed.TorchTransport(sc.group, sc.timeout, name=self._lane_name(k)) for k in _LANES]
             transports = {k: tt.transport for k, tt in zip(_LANES, self._tts)}
             self._main = sc.transport.transport
             self.vp.embedding.transport = self.vp.output.transport = self._main  # gather() between steps
         self.lanes = {k: _Lane(k, transports[k], sc.timeout, sc._peer_failure) for k in _LANES}
+
+    def _lane_name(self, kind):
+        """The lane transport's name (its keys in the job's store), None without a pipeline key."""
+        return f"{self.sched._key}-vocab-{kind}" if self.sched._key else None
 
     def _roots(self):
         sched = self.sched.schedule
@@ -584,6 +587,6 @@ class VocabRun:
             text = f"rank {distributed.global_rank(sc.group, sc.rank)} failed first: {reason}"
             for k in _LANES:
                 try:
-                    distributed.publish_failure(store, distributed._ABORT_PREFIX + f"{sc._key}-vocab-{k}", text)
+                    distributed.publish_failure(store, distributed.abort_key(self._lane_name(k)), text)
                 except Exception:  # noqa: BLE001 - a best effort on the failure path
                     pass
