@@ -110,6 +110,10 @@ DEFAULTS = dict(
                              # schedule each W runs at once, inside its B, through the same GEMM)
     v_order=False,           # with vp=2: chunks built in V order by zbpp.megatron.v_model_provider,
                              # the embedding group from zbpp.megatron.v_embedding_ranks
+    vocab_parallel=False,    # chunks built by zbpp.megatron.vocab_model_provider (with
+                             # zbpp_argv=["--enable-vocab-parallel", ...]: the word embedding and
+                             # output layer split over the pipeline ranks, zbpp_vocab.* of each rank's
+                             # first chunk, set and reported whole under their global names)
     layers_per_stage=1,      # decoder layers per pipeline stage (model chunk)
     loss_form="tokens",      # "tokens": loss_func returns (loss, num_tokens, dict), as
                              # pretrain_gpt does now; "mean": (loss, dict), the older form
@@ -307,8 +311,23 @@ def _weight_for(name, param, tp, tp_rank):
     return values.to(param.dtype)
 
 
+# zbpp.megatron.vocab_model_provider's shards (each rank's rows of the split layers) and the global
+# names of the whole weights they are rows of.
+_VOCAB_PREFIX = "zbpp_vocab."
+_VOCAB_NAMES = {"embedding.weight": "embedding.word_embeddings.weight", "output.weight": "output_layer.weight"}
+
+
+def _vocab_parallel(model):
+    for chunk in model:
+        shards = getattr(_unwrap(chunk), "zbpp_vocab", None)
+        if shards is not None:
+            return shards.ctx.vp
+    return None
+
+
 def set_weights(model, tp, tp_rank):
-    """Overwrites every parameter of this rank's chunks from its global name."""
+    """Overwrites every parameter of this rank's chunks from its global name (the rows of a split
+    layer from its whole weight's)."""
     import torch
 
     with torch.no_grad():
@@ -316,7 +335,12 @@ def set_weights(model, tp, tp_rank):
             gpt = _unwrap(chunk)
             names = global_names(gpt)
             for local, param in gpt.named_parameters():
-                param.copy_(_weight_for(names[local], param, tp, tp_rank))
+                if not local.startswith(_VOCAB_PREFIX):
+                    param.copy_(_weight_for(names[local], param, tp, tp_rank))
+        vp = _vocab_parallel(model)
+        for name, shard in (vp._shards() if vp is not None else ()):
+            whole = _weight_for(_VOCAB_NAMES[name], torch.empty(vp.vocab_size, vp.hidden), 1, 0)
+            shard.weight[:shard.real].copy_(whole[shard.start:shard.start + shard.real])
 
 
 def _key(name, param, tp, tp_rank):
@@ -345,6 +369,28 @@ def named_tensors(model, what, tp=1, tp_rank=0):
                 if tensor is None:
                     continue
             out[key] = tensor.detach().clone()
+    vp = _vocab_parallel(model)
+    return _gather_vocab(out, vp, what) if vp is not None else out
+
+
+def _gather_vocab(out, vp, what):
+    """The split layers whole (a collective of the pipeline), under their global names on pipeline
+    rank 0 (both names when tied, as Megatron's two copies); their rows left out."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    out = {k: v for k, v in out.items() if not k.startswith(_VOCAB_PREFIX)}
+    for name, w in vp.named_parameters():
+        t = w.detach() if what == "param" else getattr(w, "main_grad", None)
+        if t is None:
+            t = w.grad if w.grad is not None else torch.zeros_like(w)
+        parts = [torch.empty_like(t) for _ in range(vp.ranks)]
+        dist.all_gather(parts, t.contiguous(), group=ps.get_pipeline_model_parallel_group())
+        if ps.get_pipeline_model_parallel_rank() == 0:
+            whole = torch.cat(parts)[:vp.vocab_size]
+            for n in (_VOCAB_NAMES.values() if vp.tied else [_VOCAB_NAMES[name]]):
+                out[n] = whole.clone()
     return out
 
 
@@ -558,6 +604,8 @@ def build_model(case):
     chunks = []
     if case["v_order"]:
         provider = _zbpp_module().v_model_provider(provider)
+    if case["vocab_parallel"]:
+        provider = _zbpp_module().vocab_model_provider(provider)
     if pp > 1 and vp is not None:
         for i in range(vp):
             if takes_vp_stage:
@@ -766,6 +814,7 @@ def _run_case(case, timeout, progress):
             "chunks": [getattr(_unwrap(c), "vp_stage", None) for c in model],
             "split": split,
             "init_params": named_tensors(model, "param", tp, tp_rank),
+            "local_names": sorted(n for c in model for n, _ in _unwrap(c).named_parameters()),
             "losses": [], "eval_losses": [], "grads": [], "params": [], "reads": [], "ran": set(),
             "collected": [] if case["collect"] else None, "eval_touched": [], "optimizer_calls": [],
             "misuse": {}, "holds_loss": None,

@@ -101,6 +101,9 @@ CASE_DEFAULTS = dict(
     clip_grad=1.0,        # Megatron's default
     lr=0.01,
     plan_from_measured=None,  # zbpp.megatron.configure(plan_from_measured=...); None: zbpp's default
+    vocab=False,          # the model built by zbpp.megatron.vocab_model_provider (give --enable-vocab-parallel
+                          # in flags): the word embedding and output layer split over the pipeline ranks
+                          # (megatron_real.set_weights / named_tensors set and report them whole)
 )
 
 
@@ -346,6 +349,8 @@ def _run_case(case, timeout, progress):
         provider = partial(model_provider, gpt_builder)
         if case["v_order"]:
             provider = zb.v_model_provider(provider)
+        if case["vocab"]:
+            provider = zb.vocab_model_provider(provider)
         model, optimizer, scheduler = mt.setup_model_and_optimizer(provider, ModelType.encoder_or_decoder)
         # Placement-independent weights, in place (the fp32 optimizer steps these very tensors).
         mr.set_weights(model, args.tensor_model_parallel_size, tp_rank)
@@ -379,6 +384,7 @@ def _run_case(case, timeout, progress):
             "chunks": [getattr(mr._unwrap(c), "vp_stage", None) for c in model],
             "split": split,
             "init_params": mr.named_tensors(model, "param"),
+            "init_params_local": sorted(n for c in model for n, _ in mr._unwrap(c).named_parameters()),
             "losses": [], "eval_losses": [], "skipped": [], "grad_norm": [], "lr": [],
             "params": [], "grads": [], "reads": [], "ran": set(),
             "optimizer": type(optimizer).__name__,

@@ -140,13 +140,35 @@ def test_fork_flags_are_accepted_or_refused_by_name(fresh_config):
     assert zm.schedule_for(1, 4, zm.options()) == ("zb-auto", 4)
     for argv, flag in ((["--enable-1f1b-v"], "--enable-1f1b-v"), (["--num-seq-splits", "2"], "--num-seq-splits"),
                        (["--interleave-group-size", "2"], "--interleave-group-size"),
-                       (["--enable-vocab-parallel"], "--enable-vocab-parallel"),
-                       (["--disable-backward-fusion"], "--disable-backward-fusion"),
                        (["--offload-chunk-num", "-1"], "--offload-chunk-num"), (["--offload-time", "0"], "--offload-time")):
         with pytest.raises(ValueError, match=flag):
             zm.configure(_parse(argv))
     with pytest.raises(ValueError, match="percentile"):
         zm.configure(_parse(["--zero-bubble-adaptive-memory-limit-percentile", "0"]))
+
+
+def test_vocab_parallel_flags_parse_and_what_they_do_not_go_with_is_refused(fresh_config):
+    """sail-sg/VocabularyParallelism's flags are options (vocab_model_provider reads them); a call
+    whose settings differ from the model's, or that asks for what the split layers do not run,
+    fails naming what and why (on every rank alike: the checks read only the flags and config)."""
+    import types
+
+    from zbpp.megatron.vocab import check_call
+
+    zm.configure(_parse(["--enable-vocab-parallel", "--disable-backward-fusion"]))
+    opts = zm.options()
+    assert opts.enable_vocab_parallel and opts.disable_backward_fusion
+    unfused = types.SimpleNamespace(vp=types.SimpleNamespace(fused=False))
+    fp32 = types.SimpleNamespace(fp16=False, bf16=False)
+    check_call(unfused, fp32, opts, False, False)  # what the model was built for: fine
+    for ctx, config, o, fwd, collect, text in (
+            (unfused, fp32, opts._replace(enable_vocab_parallel=False), False, False, "flag is off"),
+            (unfused, fp32, opts._replace(disable_backward_fusion=False), False, False, "--disable-backward-fusion"),
+            (unfused, fp32, opts._replace(cpu_offload=True), False, False, "--cpu-offload"),
+            (unfused, fp32, opts, True, True, "collect_non_loss_data"),
+            (unfused, types.SimpleNamespace(fp16=False, bf16=True), opts, False, False, "bf16")):
+        with pytest.raises(ValueError, match=text):
+            check_call(ctx, config, o, fwd, collect)
 
 
 def test_fork_offload_flags_choose_what_moves(fresh_config):

@@ -91,6 +91,14 @@ CASES = {
     # learn of it), then training as usual.
     "megatron-pp1": dict(PP1),
     "zbpp-pp1": dict(PP1, use_zbpp=True, zbpp_argv=[], misuse=["no-loss-func"]),
+    # --enable-vocab-parallel (vocabulary_model_provider): the word embedding and output layer
+    # split over both ranks, untied (1F1B, fused) and tied with the per-token loss (ZB-V,
+    # --disable-backward-fusion), against Megatron with its own layers.
+    "zbpp-vocab-1f1b": dict(PLAIN, use_zbpp=True, vocab_parallel=True, zbpp_argv=["--enable-vocab-parallel"]),
+    "megatron-tied-per-token": dict(PLAIN, tied=True, per_token=True),
+    "zbpp-vocab-zb-v-tied-per-token-unfused": dict(
+        V_LAYOUT, tied=True, per_token=True, use_zbpp=True, vocab_parallel=True,
+        zbpp_argv=["--enable-vocab-parallel", "--disable-backward-fusion", "--zero-bubble-v-schedule"]),
     # Last (it ends the workers): rank 1 exits before the first step; rank 0's call must fail with
     # ZbError naming it, at once (the zbpp timeout bounds a hang).
     "dead-peer": dict(PLAIN, steps=1, use_zbpp=True, zbpp_kind="1f1b", zbpp_timeout=20,
@@ -483,3 +491,39 @@ def test_worker_error_comes_back_with_its_traceback(results4):
     text = str(err)
     assert "failure injected on rank 1" in text
     assert "in forward_step" in text and "Traceback" in text
+
+
+@pytest.mark.parametrize("name, ref", [("zbpp-vocab-1f1b", "megatron"),
+                                       ("zbpp-vocab-zb-v-tied-per-token-unfused", "megatron-tied-per-token")])
+def test_vocab_parallel_matches_megatron(results, name, ref):
+    """--enable-vocab-parallel through zbpp.megatron on megatron-core's GPTModel: each rank holds
+    rows of the word embedding and the output layer (none holds them whole), the passes run in
+    the schedule, the case's loss_func (loss mask, num_tokens; per-token: the count to
+    finalize_model_grads) on the per-token losses. The training and evaluation losses, the
+    gradients and the parameters (the split layers gathered whole) are Megatron's own layers'
+    within float32 rounding: the softmax's sum is merged from the shards' (the reference's
+    algorithm), so not bit for bit."""
+    import torch
+
+    a, b = _get(results, ref), _get(results, name)
+    _sane(b, kind="zb-v" if b["case"]["v_order"] else "1f1b")
+    for field in ("losses", "eval_losses"):
+        for step, (da, db) in enumerate(zip(a[field], b[field])):
+            assert len(da) == len(db) == 4, (field, step)
+            for x, y in zip(da, db):
+                for k in x:
+                    torch.testing.assert_close(y[k].float(), x[k].float(), rtol=1e-5, atol=1e-6,
+                                               msg=lambda m: f"{field}[{step}][{k}]: {m}")
+    for field in ("init_params", "grads", "params"):
+        xs, ys = (a[field], b[field]) if field != "init_params" else ([a[field]], [b[field]])
+        for step, (dx, dy) in enumerate(zip(xs, ys)):
+            assert set(dx) == set(dy), (field, sorted(set(dx) ^ set(dy)))
+            for key in dx:
+                torch.testing.assert_close(dy[key], dx[key], rtol=1e-5, atol=1e-6,
+                                           msg=lambda m: f"{field}[{step}][{key}]: {m}")
+    tied = b["case"]["tied"]
+    for rank in b["ranks"]:
+        local = rank["local_names"]
+        assert sum(n.startswith("zbpp_vocab.") for n in local) == (1 if tied else 2), local
+        assert not any(n.startswith(("embedding.word_embeddings", "output_layer")) for n in local), local
+

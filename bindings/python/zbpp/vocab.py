@@ -136,18 +136,31 @@ class _Shard:
             self.transport.broadcast(part, r, timeout=self.timeout, channel=CHANNEL_GATHER)
         return out[:self.vocab_size].clone()
 
+    def _grad_sink(self, make=False):
+        """The tensor the passes add the weight's gradient into, or None (make: zeros made).
+        Megatron's DDP gives each parameter a main_grad (fp32) that its optimizer reads and its
+        backward hooks add autograd's gradient into; these passes bypass autograd, so they add
+        there themselves (as Megatron's fused weight-gradient accumulation does). Under the lock."""
+        main = getattr(self.weight, "main_grad", None)
+        if main is not None:
+            return main
+        if self.weight.grad is None and make:
+            self.weight.grad = torch.zeros_like(self.weight)
+        return self.weight.grad
+
     def _add_grad(self, g):
         with self._lock:
-            if self.weight.grad is None:
+            sink = self._grad_sink()
+            if sink is None:
                 self.weight.grad = g
             else:
-                self.weight.grad += g
+                sink += g.to(sink.dtype)
 
     def _add_product(self, a, b):
         """weight.grad += a^T b, into the gradient itself where it is float32 (no shard-sized
         temporary)."""
         with self._lock:
-            grad = self.weight.grad
+            grad = self._grad_sink()
             if grad is not None and grad.dtype == torch.float32:
                 grad.addmm_(a.t(), b)
                 return
@@ -360,9 +373,8 @@ class VocabParallelEmbedding(_Shard):
             self._ib_grad.index_add_(0, rows, values)
             return
         with self._lock:
-            if self.weight.grad is None:
-                self.weight.grad = torch.zeros_like(self.weight)
-            self.weight.grad.index_add_(0, rows, values)
+            sink = self._grad_sink(make=True)
+            sink.index_add_(0, rows, values.to(sink.dtype))
 
     def flush_ib(self):
         """Adds what tied IB passes gathered (embed_backward(tied=True)) to .grad."""

@@ -56,6 +56,12 @@ something zbpp does not run (1F1B-V, seq1F1B, grouped interleaving). PipeOffload
 (--cpu-offload, --offload-chunk-num, --offload-time, --auto-offload-time, --offload-overlap-sr) turn
 on zbpp's offload under any schedule (flags.offload says how each maps).
 
+Vocabulary Parallelism (--enable-vocab-parallel, --disable-backward-fusion; vocab.py): build the
+model with `vocab_model_provider(model_provider)` (outside v_model_provider for V); the word
+embedding and output layer are then split over every pipeline rank, their passes placed in the
+schedule, and the caller's loss_func runs on the per-token losses. `vocab_parallel_of(model)`
+gives the split layers (gather() for the whole weights).
+
 The reference fork's train_step calls `forward_backward_func(..., optimizer=optimizer)` after the
 pass with --enable-optimizer-post-validation: zbpp finishes the fork's post-validation protocol
 with the fork's optimizer, or steps a stock optimizer, and returns (update_successful, grad_norm,
@@ -76,14 +82,15 @@ pipeline state, stage placement, the gloo side group), vmodel (V chunks on stock
 (Megatron's loss rules for one call), hooks (grad/param sync, finalize, loss dicts, optimizer=),
 memory (the measured memory limit), run (the forward-backward function and its schedule), evaluate
 (forward-only passes), layers (split backward for Megatron's linears), patching (installing it in
-Megatron).
+Megatron), vocab (Vocabulary Parallelism: the model's split layers and the hooks into them).
 """
 
 from .flags import Options, add_arguments, configure, options, schedule_for
 from .patching import patch, unpatch
 from .run import current_schedule, forward_backward_func, get_forward_backward_func, reset
 from .vmodel import v_embedding_ranks, v_model_provider
+from .vocab import vocab_model_provider, vocab_parallel_of
 
 __all__ = ["Options", "add_arguments", "configure", "current_schedule", "forward_backward_func",
            "get_forward_backward_func", "options", "patch", "reset", "schedule_for", "unpatch",
-           "v_embedding_ranks", "v_model_provider"]
+           "v_embedding_ranks", "v_model_provider", "vocab_model_provider", "vocab_parallel_of"]

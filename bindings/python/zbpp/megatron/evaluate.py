@@ -34,11 +34,33 @@ def _single_tensor(out, stage):
     return out
 
 
-def _forward_only(call, kind, v, p, rank, group, stage_of, S, meta, timeout):
+def _forward_only(call, kind, v, p, rank, group, stage_of, S, meta, timeout, vocab=None):
     """Every microbatch forward through the pipeline, stage by stage, no backward (see the module
     docstring). Sends are non-blocking and each rank walks its stages in increasing order, so a
-    receive only waits for a stage that its holder runs before any later one: no deadlock."""
+    receive only waits for a stage that its holder runs before any later one: no deadlock.
+
+    vocab (--enable-vocab-parallel, vocab.py): stage 0's forwards embed with every rank, which
+    join those m collectives before their own stages (so no rank waits for another's stage
+    first); after every rank's forwards, the losses are m S passes of every rank."""
     (dtype, shape), = meta
+    m = call.m
+    if vocab is not None:
+        from .vocab import _Eval
+
+        vocab.eval = _Eval(vocab, call, group, rank, _holder(kind, v, p, 0), _holder(kind, v, p, S - 1),
+                           shape[0], shape[1])
+        try:
+            if 0 not in stage_of:
+                vocab.eval.join_embeddings(m)
+            _forward_stages(call, kind, v, p, rank, group, stage_of, S, dtype, shape, timeout, vocab.eval)
+            vocab.eval.losses(m)
+        finally:
+            vocab.eval = None
+        return
+    _forward_stages(call, kind, v, p, rank, group, stage_of, S, dtype, shape, timeout, None)
+
+
+def _forward_stages(call, kind, v, p, rank, group, stage_of, S, dtype, shape, timeout, vocab_eval):
     m = call.m
     device = _device_of(call.chunks)
     sends, carry = [], {}
@@ -56,7 +78,10 @@ def _forward_only(call, kind, v, p, rank, group, stage_of, S, meta, timeout):
                     _wait(work, prev, "receive from", timeout)
             out, loss_func = call.forward(c, i, x)
             if s == S - 1:
-                call.finish_forward_only(i, out, loss_func)
+                if vocab_eval is not None:
+                    vocab_eval.keep(i, out, loss_func)
+                else:
+                    call.finish_forward_only(i, out, loss_func)
                 continue
             out = _single_tensor(out, s)
             if out.dtype != dtype or tuple(out.shape) != shape:

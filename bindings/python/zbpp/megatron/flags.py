@@ -25,6 +25,7 @@ class Options(NamedTuple):
     configure()'s switch for plans from measured costs (None: on for the zero-bubble kinds unless
     ZBPP_PLAN_FROM_MEASURED=0). timeout: seconds one transfer may take. cpu_offload,
     offload_chunk_num, offload_time: the reference fork's PipeOffload flags (offload()).
+    enable_vocab_parallel, disable_backward_fusion: sail-sg/VocabularyParallelism's flags (vocab.py).
     """
 
     enable_zero_bubble: bool = False
@@ -42,6 +43,8 @@ class Options(NamedTuple):
     cpu_offload: bool = False
     offload_chunk_num: int = 0
     offload_time: float = 1.0
+    enable_vocab_parallel: bool = False
+    disable_backward_fusion: bool = False
 
 
 _config = {}
@@ -125,16 +128,6 @@ _UNSUPPORTED = (
      "use more microbatches instead"),
     ("--interleave-group-size", "interleave_group_size", 0, "grouped interleaving is not scheduled; zbpp's "
      "interleaved 1F1B groups p microbatches"),
-    # Vocabulary Parallelism (sail-sg/VocabularyParallelism's flags) runs in zbpp's torch schedule
-    # classes (vocab_parallel=zbpp.VocabParallel(...)), not yet behind Megatron's function: there the
-    # loss is the caller's loss_func (its loss mask, its per-token gradient) on the last stage, which
-    # the reference sends to every rank with the next microbatch's hidden state for T; zbpp's passes
-    # take the mean over tokens.
-    ("--enable-vocab-parallel", "enable_vocab_parallel", False,
-     "Vocabulary Parallelism runs with zbpp's torch schedule classes (vocab_parallel=zbpp.VocabParallel(...)), "
-     "not yet through zbpp.megatron (Megatron's loss_func and loss mask on the last stage)"),
-    ("--disable-backward-fusion", "disable_backward_fusion", False,
-     "it goes with --enable-vocab-parallel (zbpp.VocabParallel(fused=False) in the torch schedule classes)"),
 )
 
 
@@ -171,6 +164,8 @@ def _read_args(args):
         zero_bubble_v_schedule_mem_setup=setup,
         zero_bubble_max_pending_backward=_pending("auto" if pending is None else pending),
         enable_optimizer_post_validation=bool(getattr(args, "enable_optimizer_post_validation", False)),
+        enable_vocab_parallel=bool(getattr(args, "enable_vocab_parallel", False)),
+        disable_backward_fusion=bool(getattr(args, "disable_backward_fusion", False)),
         **_offload_args(args),
     )
 
@@ -373,6 +368,13 @@ def add_arguments(parser):
         else:
             add(flag, type=int, default=unset, dest=dest,
                 help=f"The reference fork's flag; zbpp accepts only {unset}: {why}.")
+    add("--enable-vocab-parallel", action="store_true", dest="enable_vocab_parallel",
+        help="Vocabulary Parallelism: the output layer (with its cross entropy) and the word embedding split "
+             "over the vocabulary across every pipeline rank, their passes placed in the schedule. Build the "
+             "model with zbpp.megatron.vocab_model_provider(model_provider). CPU (gloo) pipelines for now.")
+    add("--disable-backward-fusion", action="store_true", dest="disable_backward_fusion",
+        help="With --enable-vocab-parallel: the output layer's input gradient in its T pass (two barriers a "
+             "microbatch, p+2 microbatches of activations in 1F1B) instead of fused into S (one barrier, p+1).")
     add("--enable-optimizer-post-validation", action="store_true", dest="enable_optimizer_post_validation",
         help="Step the optimizer with post-validation (no global synchronisation before the step; a "
              "step that turns out invalid is rolled back). Read by the optimizer wrapper.")

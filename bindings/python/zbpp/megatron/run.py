@@ -13,6 +13,7 @@ from .flags import offload, options, profile_steps, schedule_for
 from .hooks import GradSync, finalize, forward_losses, optimizer_step, param_sync
 from .loss import _Call
 from .memory import Meter
+from .vocab import Feed, check_call, context_of
 from .placement import (_device_of, _holder, _is_v, _loop_rank, _parallel_size, _parallel_state, _stage_of, _topology,
                         _wrapped_attr, pipeline_cpu_group)
 
@@ -27,10 +28,17 @@ class _MegatronSchedule(PipelineSchedule):
     """A zbpp schedule whose stages run Megatron's forward_step_func (the pipelining hooks)."""
 
     def __init__(self, stages, m, kind, mem_limit, timeout, meta, chunk_of, cpu_group=None, plan_from_measured=None,
-                 profile_steps=None, offload=None, times=None):
+                 profile_steps=None, offload=None, times=None, vocab=None):
         super().__init__(stages, m, kind=kind, mem_limit=mem_limit, timeout=timeout, cpu_group=cpu_group,
                          plan_from_measured=plan_from_measured, profile_steps=profile_steps, offload=offload,
-                         times=times)
+                         times=times, vocab_parallel=vocab.vp if vocab is not None else None)
+        # --enable-vocab-parallel (vocab.py): the passes run in fed mode, the hooks in the model
+        # reach this schedule's VocabRun through the context.
+        self._vocab_ctx, self._call_meta = vocab, meta
+        if vocab is not None:
+            (_dtype, (seq, micro_batch, _hidden)), = meta
+            self._vp.set_feed(Feed(self, seq, micro_batch))
+            vocab.run = self._vp
         S = stages[0].num_stages
         # Megatron's activations are (seq, micro batch, hidden) everywhere; no inference pass, which
         # would read from the data iterators.
@@ -42,10 +50,20 @@ class _MegatronSchedule(PipelineSchedule):
         self.meter = None  # a memory.Meter while a call measures for --zero-bubble-max-pending-backward auto
 
     def _first_inputs(self, i):
+        if self._vocab_ctx is not None:
+            # Stage 0's word embedding comes from every rank (vocab.py's hook); this zero input is
+            # added to it, so zbpp's B computes the embedding output's gradient (for IB) as an
+            # input gradient. [micro batch, seq, hidden]: the word embedding's layout.
+            (dtype, (seq, micro_batch, hidden)), = self._call_meta
+            anchor = torch.zeros(micro_batch, seq, hidden, dtype=dtype, device=self.device, requires_grad=True)
+            return (anchor,), {}
         return (), {}
 
     def _run_stage(self, s, i, inputs, kwargs):
         c = self._chunk_of[s]
+        if self._vocab_ctx is not None:
+            self._vocab_ctx.mb = i
+            self._vocab_ctx.anchor = inputs[0] if s == 0 else None
         run = lambda: self.call.forward(c, i, inputs[0] if s > 0 else None)  # noqa: E731
         out, loss_func = self.meter.forward(run) if self.meter is not None else run()
         if s == self.loss_stage:
@@ -84,6 +102,8 @@ class _MegatronSchedule(PipelineSchedule):
                 return
 
     def _maybe_sync(self, s):
+        if self._vocab_ctx is not None and self._chunk_of[s] == 0:
+            return  # the vocabulary shards' gradients come from the lanes until the step ends (GradSync's exit)
         if s in self._done_b and not self._pending.get(s) and self.grad_sync is not None:
             self.grad_sync.start(self._chunk_of[s])
 
@@ -91,6 +111,8 @@ class _MegatronSchedule(PipelineSchedule):
         self._pending, self._done_b = {}, set()
         self._store.release_hooks.append(self._on_release)
         try:
+            if self._vp is not None:
+                self._vp.begin_step(None, None, True)  # fed: the lanes ready, nothing to send yet
             super()._run_iteration()
         finally:
             self._store.release_hooks.remove(self._on_release)
@@ -219,6 +241,9 @@ def forward_backward_func(*, forward_step_func, data_iterator, model, num_microb
         return optimizer_step(kwargs["optimizer"], rank, p)
     _check_config(config, kwargs)
     opts = options()
+    vocab = context_of(chunks)  # --enable-vocab-parallel: built by vocab_model_provider (vocab.py)
+    if vocab is not None:
+        check_call(vocab, config, opts, forward_only, collect_non_loss_data)
     v = len(chunks)
     kind, mem_limit = schedule_for(v, p, opts)
     group_size_vp = getattr(config, "microbatch_group_size_per_vp_stage", None)
@@ -247,7 +272,7 @@ def forward_backward_func(*, forward_step_func, data_iterator, model, num_microb
         problem = _v_order_problem(chunks, stage_of, S, kind) if _is_v(kind, v) and p > 1 else None
         if problem is not None:  # (training publishes it; an evaluation-only run fails where it sees it)
             raise ValueError(problem)
-        _forward_only(call, kind, v, p, rank, group, stage_of, S, meta, opts.timeout)
+        _forward_only(call, kind, v, p, rank, group, stage_of, S, meta, opts.timeout, vocab)
         return forward_losses(call.store, layout)
 
     def build():
@@ -263,7 +288,7 @@ def forward_backward_func(*, forward_step_func, data_iterator, model, num_microb
         return _MegatronSchedule(stages, m, kind, mem_limit, opts.timeout, meta,
                                  {s: c for c, s in enumerate(stage_of)}, cpu_group=cpu,
                                  plan_from_measured=measured, profile_steps=profile_steps(opts),
-                                 offload=chosen, times=times)
+                                 offload=chosen, times=times, vocab=vocab)
 
     device = _device_of(chunks)
     auto = (opts.kind is None and kind == "zb-auto" and opts.zero_bubble_max_pending_backward == "auto"

@@ -160,6 +160,48 @@ class _Lane:
         self._thread.join(timeout=2.0)  # one in a collective ends with its aborted transport
 
 
+class _Box:
+    """Values the runner's thread hands to a lane's job of the same step (fed mode: the tokens
+    stage 0's forward read, which the IF lane sends): put(mb, value); get(mb) waits for it,
+    bounded by the timeout and watching the pipeline's failure key; reset() (each step) wakes a
+    job still waiting from a step that failed, which then gives up."""
+
+    def __init__(self, timeout, peer_failure):
+        self.timeout, self._peer_failure = timeout, peer_failure
+        self.cv, self.items, self.epoch = threading.Condition(), {}, 0
+
+    def put(self, mb, value):
+        with self.cv:
+            self.items[mb] = value
+            self.cv.notify_all()
+
+    def get(self, mb, what):
+        deadline = time.monotonic() + self.timeout
+        with self.cv:
+            epoch = self.epoch
+        while True:
+            with self.cv:
+                if self.epoch != epoch:
+                    raise RuntimeError(f"zbpp vocab_parallel: {what}: the step ended before it came")
+                if mb in self.items:
+                    return self.items.pop(mb)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"zbpp vocab_parallel: {what} did not come within {self.timeout:g} s")
+                self.cv.wait(min(left, 0.2))
+                if mb in self.items or self.epoch != epoch:
+                    continue
+            failed = self._peer_failure()
+            if failed is not None:
+                raise RuntimeError(f"zbpp vocab_parallel: {what}: the pipeline failed: {failed}")
+
+    def reset(self):
+        with self.cv:
+            self.items = {}
+            self.epoch += 1
+            self.cv.notify_all()
+
+
 def check_config(name, vocab_parallel, loss_fn, csv, kind, offload, costs, plan_from_measured, cuda, py_kinds):
     """Refuses what vocab_parallel= does not go with, saying what is allowed."""
     if not isinstance(vocab_parallel, VocabParallel):
@@ -200,6 +242,14 @@ def _int_batch(mbs, what, m):
     return None
 
 
+def _send_hidden(tr, h, targets, root, timeout):
+    """Lane H's job: the last stage's output rows (and, fed, their targets) from root to every rank."""
+    h = tr.broadcast(h, root, timeout=timeout, channel=CHANNEL_HIDDEN)
+    if targets is not None:
+        targets = tr.broadcast(targets, root, timeout=timeout, channel=CHANNEL_HIDDEN)
+    return h, targets
+
+
 class VocabRun:
     """A schedule's Vocabulary Parallelism (see the module docstring)."""
 
@@ -214,6 +264,12 @@ class VocabRun:
         self.lanes = None
         self._tts = []
         self._main = _Alone()
+        # Fed mode (the Megatron adapter, zbpp/megatron/vocab.py): the tokens come from stage 0's
+        # forward and the targets from the last stage's, a microbatch at a time, not from step()'s
+        # batch; the loss is the caller's, whose gradient per token feed.loss_grad gives (see set_feed).
+        self.feed = None
+        self._box = _Box(sched.timeout, sched._peer_failure)
+        self._labels = {}
         self._reset(None, None, False)
 
     def agreement(self):
@@ -226,9 +282,20 @@ class VocabRun:
         """Schedule.generate's vocab arguments."""
         return dict(vocab=2 if self.vp.fused else 1, vocab_times=dict(self.vp.times))
 
+    def set_feed(self, feed):
+        """Fed mode: feed.n is the tokens a microbatch has (fixed by the call's shape);
+        feed.loss_grad(mb, loss) on the loss stage's rank gives d(loss)/d(per-token loss) [n] from
+        the per-token cross entropy [n] (rows in the order of the last stage's output rows).
+        Stage 0's forward hands its token ids over with embed_for_stage; the last stage's forward
+        its targets with give_targets, before it returns its output."""
+        self.feed = feed
+
+    def _n(self, mb):
+        return self.feed.n if self.feed is not None else self.tokens[mb].numel()
+
     def _reset(self, tokens, targets, trains):
         self.tokens, self.targets, self.trains = tokens, targets, trains
-        self.states, self.grads_in, self.losses = {}, {}, []
+        self.states, self.grads_in, self.losses, self._g = {}, {}, [], {}
         self.emb_first = self.emb_all = None
 
     # ---- the step ---------------------------------------------------------------------------------
@@ -260,6 +327,17 @@ class VocabRun:
         self._connect()
         for lane in self.lanes.values():
             lane.reset()
+        self._box.reset()
+        self._labels = {}
+        if self.feed is not None:
+            if not trains:
+                raise ValueError("zbpp vocab_parallel: a fed schedule runs forward-only passes outside its steps")
+            self._reset({}, {}, trains)
+            self.measuring = self.measure_at == self.sched.steps + 1
+            self._timed, self._waits = {}, {}
+            if self.measuring:
+                self._time_barrier()
+            return
         first, last = self._roots()
         mine = [a[0] if a else None for a in arg_mbs] if arg_mbs is not None else None
         tokens = self._share(mine, first, "the tokens (stage 0's first argument)")
@@ -324,7 +402,7 @@ class VocabRun:
         """A barrier's all-reduces timed with every rank there at once (all are in begin_step):
         the quickest of a few, of the size of one microbatch's C0. In the step itself a barrier
         also waits for the last rank's pass, which the plan's simulation adds by itself."""
-        n, H = self.tokens[0].numel(), self.vp.hidden
+        n, H = self._n(0), self.vp.hidden
         buf = torch.zeros(2 * n + (2 * n * H if self.vp.fused else 0))
         tr = self.lanes["S"].transport
         took = []
@@ -348,6 +426,7 @@ class VocabRun:
             self._reset(None, None, False)
             for lane in self.lanes.values():
                 lane.reset()
+            self._box.reset()
         return [got.get(i) for i in range(self.sched.n_microbatches)]
 
     # ---- the passes (the runner's vocab callback) -------------------------------------------------
@@ -363,6 +442,9 @@ class VocabRun:
             self._timed.setdefault(kind, []).append(time.perf_counter() - t0)
 
     def _pass_IF(self, mb):
+        if self.feed is not None:
+            self._pass_IF_fed(mb)
+            return
         t0 = time.perf_counter()
         local = self.vp.embedding.embed_local(self.tokens[mb]).contiguous()
         self._time("IF", t0)
@@ -375,13 +457,36 @@ class VocabRun:
 
         self.lanes["IF"].start(mb, reduce_if)
 
+    def _pass_IF_fed(self, mb):
+        """IF when stage 0's forward reads the tokens: its rank sends them first, on the lane."""
+        first, me = self._roots()[0], self.sched.rank
+        emb, n, to = self.vp.embedding, self.feed.n, self.sched.timeout
+
+        def reduce_if(tr):
+            if me == first:
+                tokens = self._box.get(mb, f"the tokens of microbatch {mb} (stage 0's forward)")
+            else:
+                tokens = torch.empty(n, dtype=torch.int64)
+            tr.broadcast(tokens, first, timeout=to, channel=CHANNEL_IF)
+            self.tokens[mb] = tokens
+            t0 = time.perf_counter()
+            local = emb.embed_local(tokens).contiguous()
+            self._time("IF", t0)
+            got = tr.all_reduce(local, "sum", timeout=to, channel=CHANNEL_IF)
+            return got if me == first else None
+
+        self.lanes["IF"].start(mb, reduce_if)
+
     def _pass_S(self, mb):
         out, last = self.vp.output, self._roots()[1]
         to = self.sched.timeout
         if self.sched.rank != last:  # the last stage's rank started its side at its forward (hidden)
-            buf = torch.empty(self.tokens[mb].numel(), self.vp.hidden)
-            self.lanes["H"].start(mb, lambda tr: tr.broadcast(buf, last, timeout=to, channel=CHANNEL_HIDDEN))
-        h = self.lanes["H"].take(mb, f"the last stage's output of microbatch {mb}")
+            buf = torch.empty(self._n(mb), self.vp.hidden)
+            fed = torch.empty(self._n(mb), dtype=torch.int64) if self.feed is not None else None
+            self.lanes["H"].start(mb, lambda tr: _send_hidden(tr, buf, fed, last, to))
+        h, fed = self.lanes["H"].take(mb, f"the last stage's output of microbatch {mb}")
+        if fed is not None:
+            self.targets[mb] = fed
         t0 = time.perf_counter()
         target = self.targets[mb]
         st = out.s_pass(h, target)
@@ -391,10 +496,16 @@ class VocabRun:
 
         def c0(tr):
             loss = out.reduce(st, tr)
-            self.losses.append((mb, out.mean(loss, target)))
-            # Fused: the last stage's output gradient, d(mean loss)/dh (1 / the targets that count,
-            # each; 0 for ignore_index).
-            return st.grad_unit * out.grad_of_mean(target).unsqueeze(1) if out.fused and keep else None
+            if self.feed is None:
+                self.losses.append((mb, out.mean(loss, target)))
+                g = out.grad_of_mean(target)  # 1 / the targets that count, each; 0 for ignore_index
+            else:
+                # The caller's loss on the per-token losses, on its rank; its gradient to every rank.
+                g = self.feed.loss_grad(mb, loss) if keep else torch.empty(loss.shape)
+                g = tr.broadcast(g.detach().float().contiguous(), last, timeout=to, channel=CHANNEL_S)
+            self._g[mb] = g
+            # Fused: the last stage's output gradient, d(loss)/dh.
+            return st.grad_unit * g.unsqueeze(1) if out.fused and keep else None
 
         self.lanes["S"].start(mb, c0)
 
@@ -403,7 +514,7 @@ class VocabRun:
         st = self.states.pop(mb)
         self.lanes["S"].wait(mb, f"the output layer's all-reduces of microbatch {mb}")
         t0 = time.perf_counter()
-        out.t_pass(st, out.grad_of_mean(self.targets[mb]))
+        out.t_pass(st, self._g.pop(mb))
         self._time("T", t0)
         if not out.fused:
             keep = self.sched.rank == self._roots()[1]
@@ -419,9 +530,18 @@ class VocabRun:
         if self.sched.rank == first:
             grad = self.grads_in.pop(mb)
         else:
-            grad = torch.empty(self.tokens[mb].numel(), self.vp.hidden, dtype=emb.weight.dtype)
-        tokens, tied = self.tokens[mb], self.vp.tied
-        self.lanes["IB"].start(mb, lambda tr: emb.embed_backward(tokens, grad, first, tr, tied=tied))
+            grad = torch.empty(self._n(mb), self.vp.hidden, dtype=emb.weight.dtype)
+        tied = self.vp.tied
+        if self.feed is None:
+            tokens = self.tokens[mb]
+            self.lanes["IB"].start(mb, lambda tr: emb.embed_backward(tokens, grad, first, tr, tied=tied))
+            return
+
+        def fed_ib(tr):
+            self.lanes["IF"].wait(mb, f"the tokens of microbatch {mb}")  # the IF lane received them
+            return emb.embed_backward(self.tokens.pop(mb), grad, first, tr, tied=tied)
+
+        self.lanes["IB"].start(mb, fed_ib)
 
     # ---- the stages' side -------------------------------------------------------------------------
 
@@ -437,9 +557,28 @@ class VocabRun:
             self._waits[("F", mb)] = time.perf_counter() - t0
         return e.reshape(*self.shape, self.vp.hidden).detach().requires_grad_(True)
 
+    def embed_for_stage(self, mb, tokens):
+        """Fed mode, stage 0's forward on its rank: its token ids to the IF lane, which sends them
+        to every rank; the embedding's SUM over the ranks comes back ([tokens, hidden] float32,
+        in the order of tokens.reshape(-1))."""
+        ids = tokens.detach().reshape(-1).to("cpu", torch.int64)
+        if ids.numel() != self.feed.n:
+            raise ValueError(f"zbpp vocab_parallel: stage 0 embeds {ids.numel()} tokens in microbatch {mb}, the call's "
+                             f"shape {self.feed.n}")
+        self._box.put(mb, ids)
+        t0 = time.perf_counter()
+        e = self.lanes["IF"].take(mb, f"stage 0's input (the embedding of microbatch {mb})")
+        if self.measuring:
+            self._waits[("F", mb)] = time.perf_counter() - t0
+        return e
+
+    def give_targets(self, mb, targets):
+        """Fed mode, the last stage's forward on its rank: the targets of its output's rows."""
+        self._labels[mb] = targets.detach().reshape(-1).to("cpu", torch.int64).contiguous()
+
     def _rows(self, out, mb):
         """The last stage's output as the output layer's input: [tokens, hidden] float32."""
-        n, H = self.tokens[mb].numel(), self.vp.hidden
+        n, H = self._n(mb), self.vp.hidden
         if not isinstance(out, torch.Tensor) or out.dim() < 1 or out.shape[-1] != H or out.numel() != n * H:
             got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
             raise ValueError(f"zbpp vocab_parallel: the last stage must return the hidden states the output layer "
@@ -450,7 +589,13 @@ class VocabRun:
         """The last stage's forward, on its rank: its output to every rank (lane H)."""
         h = self._rows(out, mb)
         last, to = self._roots()[1], self.sched.timeout
-        self.lanes["H"].start(mb, lambda tr: tr.broadcast(h, last, timeout=to, channel=CHANNEL_HIDDEN))
+        fed = None
+        if self.feed is not None:
+            fed = self._labels.pop(mb, None)
+            if fed is None or fed.numel() != h.shape[0]:
+                raise ValueError(f"zbpp vocab_parallel: the last stage gave {'no' if fed is None else fed.numel()} "
+                                 f"targets for the {h.shape[0]} rows of microbatch {mb}")
+        self.lanes["H"].start(mb, lambda tr: _send_hidden(tr, h, fed, last, to))
 
     def hidden_grad(self, mb, out):
         """The last stage's backward: the gradient of its output (fused: from C0; else from C1)."""
@@ -465,7 +610,7 @@ class VocabRun:
         H = self.vp.hidden
         dtype = self.vp.embedding.weight.dtype
         self.grads_in[mb] = (grad.detach().reshape(-1, H).to(dtype).contiguous() if grad is not None else
-                             torch.zeros(self.tokens[mb].numel(), H, dtype=dtype))
+                             torch.zeros(self._n(mb), H, dtype=dtype))
 
     def forward_only_losses(self, outputs):
         """Forward-only, every rank, after the forwards: each microbatch's loss, or None without a
