@@ -99,6 +99,9 @@ CASES = {
     "zbpp-vocab-zb-v-tied-per-token-unfused": dict(
         V_LAYOUT, tied=True, per_token=True, use_zbpp=True, vocab_parallel=True,
         zbpp_argv=["--enable-vocab-parallel", "--disable-backward-fusion", "--zero-bubble-v-schedule"]),
+    # A forward_step_func without loss_func: the last stage's rank finds out on its S lane's thread.
+    "zbpp-vocab-misuse": dict(PLAIN, steps=1, use_zbpp=True, vocab_parallel=True,
+                              zbpp_argv=["--enable-vocab-parallel"], misuse=["no-loss-func"]),
     # Last (it ends the workers): rank 1 exits before the first step; rank 0's call must fail with
     # ZbError naming it, at once (the zbpp timeout bounds a hang).
     "dead-peer": dict(PLAIN, steps=1, use_zbpp=True, zbpp_kind="1f1b", zbpp_timeout=20,
@@ -526,4 +529,18 @@ def test_vocab_parallel_matches_megatron(results, name, ref):
         local = rank["local_names"]
         assert sum(n.startswith("zbpp_vocab.") for n in local) == (1 if tied else 2), local
         assert not any(n.startswith(("embedding.word_embeddings", "output_layer")) for n in local), local
+
+
+def test_vocab_parallel_missing_loss_func_fails_on_every_rank_and_training_goes_on(results):
+    """Under --enable-vocab-parallel Megatron's loss_func runs on the last stage's rank after the
+    output layer's all-reduces (its S lane): without one, that rank and its peer both fail with the
+    reason, and the next call trains (the lanes and the pipeline are made again)."""
+    import torch
+
+    res = _get(results, "zbpp-vocab-misuse")
+    for r, rank in enumerate(res["ranks"]):
+        got = rank["misuse"]["no-loss-func"]
+        assert "returned no loss_func for microbatch 0 on the last stage" in got["message"], f"rank {r}: {got}"
+    assert len(res["losses"]) == 1 and len(res["losses"][0]) == 4
+    assert all(torch.isfinite(d["lm loss"]).all() for d in res["losses"][0])
 
