@@ -75,7 +75,9 @@ typedef enum {
 ZB_API const char *zb_status_string(zb_status_t status);
 
 /* The message left by the last failing zbpp call on this thread ("" if none yet). The pointer
- * stays valid until the next zbpp call on this thread; copy it if you need it longer. */
+ * stays valid until the next zbpp call on this thread; copy it if you need it longer. With the
+ * environment variable ZBPP_DEBUG set (not "" or "0") when the library first fails, messages start
+ * with the library's source position ("runner.c:602: "), for debugging zbpp itself. */
 ZB_API const char *zb_last_error(void);
 
 /* The library's version string, e.g. "0.1.0", and code (ZB_VERSION_CODE of the built library). */

@@ -1,7 +1,8 @@
 /*
  * error.c - status strings, the per-thread last-error buffer, version and zb_free.
  *
- * The only mutable global state in the library is the thread-local buffer here.
+ * The only mutable global state in the library is the thread-local buffer here (and the cached
+ * ZBPP_DEBUG switch, written once).
  */
 #include "error.h"
 
@@ -25,12 +26,28 @@ const char *zb_status_string(zb_status_t status) {
 
 const char *zb_last_error(void) { return last_error; }
 
+/* Whether messages start with the library's source position ("runner.c:602: "): only when the
+ * environment sets ZBPP_DEBUG (to anything but "" or "0"), for whoever debugs the library. A user
+ * reads what failed and why; the position means nothing to them, and it repeats in every rank's
+ * message a failure quotes. Read once: a race between two first reads writes the same value. */
+static int debug_positions(void) {
+  static int cached = -1;
+  if (cached < 0) {
+    const char *v = getenv("ZBPP_DEBUG");
+    cached = v && v[0] && strcmp(v, "0") != 0;
+  }
+  return cached;
+}
+
 zb_status_t zb__set_error(zb_status_t status, const char *file, int line, const char *fmt, ...) {
-  /* Keep only the file's base name: full build paths make messages long and leak the build tree. */
-  const char *base = strrchr(file, '/');
-  base = base ? base + 1 : file;
-  int n = snprintf(last_error, sizeof last_error, "%s:%d: ", base, line);
-  if (n < 0 || (size_t)n >= sizeof last_error) n = 0;
+  int n = 0;
+  if (debug_positions()) {
+    /* Only the file's base name: full build paths make messages long and leak the build tree. */
+    const char *base = strrchr(file, '/');
+    base = base ? base + 1 : file;
+    n = snprintf(last_error, sizeof last_error, "%s:%d: ", base, line);
+    if (n < 0 || (size_t)n >= sizeof last_error) n = 0;
+  }
   va_list ap;
   va_start(ap, fmt);
   vsnprintf(last_error + n, sizeof last_error - (size_t)n, fmt, ap);

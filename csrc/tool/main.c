@@ -29,6 +29,19 @@
 #include "tool.h"
 #include "zbpp.h"
 
+/* The kinds, one line each (zbpp --help and zbpp schedule --help). */
+static void kinds(FILE *out) {
+  fprintf(out, "Kinds:\n");
+  for (int k = 0; k < ZB_KIND_COUNT; k++) {
+    if (k == ZB_KIND_CUSTOM) continue;
+    fprintf(out, "  %-17s %s\n", zb_kind_name((zb_kind_t)k), zb_kind_help((zb_kind_t)k));
+  }
+  fprintf(out,
+          "  (aliases: zb-1p and zb-2p are zb-auto at limit p and 2p; torch's names 1F1B,\n"
+          "   Interleaved1F1B, GPipe, ZBVZeroBubble and InterleavedZeroBubble work too)\n");
+}
+
+/* zbpp --help: the commands, the kinds, where each command's options are. */
 static void usage(FILE *out) {
   fprintf(out,
           "zbpp %s - zero-bubble pipeline-parallel schedules\n"
@@ -39,23 +52,45 @@ static void usage(FILE *out) {
           "  zbpp verify KIND -p P -m M [options]            train the reference model with the schedule\n"
           "                                                  and sequentially; compare bit for bit\n"
           "  zbpp bench [options]                            every schedule on real threads: it/s, bubble\n"
-          "  (zbpp verify --help and zbpp bench --help list their options)\n"
+          "  zbpp COMMAND --help                             the command's options\n"
           "  zbpp --help | --version\n"
-          "\n"
-          "Kinds:\n",
+          "\n",
           zb_version());
-  for (int k = 0; k < ZB_KIND_COUNT; k++) {
-    if (k == ZB_KIND_CUSTOM) continue;
-    fprintf(out, "  %-17s %s\n", zb_kind_name((zb_kind_t)k), zb_kind_help((zb_kind_t)k));
-  }
+  kinds(out);
   fprintf(out,
-          "  (aliases: zb-1p and zb-2p are zb-auto at limit p and 2p; torch's names 1F1B,\n"
-          "   Interleaved1F1B, GPipe, ZBVZeroBubble and InterleavedZeroBubble work too)\n"
           "\n"
-          "Options:\n"
-          "  -p, --ranks P        pipeline ranks (>= 1)\n"
-          "  -m, --microbatches M microbatches per iteration (>= 1; some kinds need more)\n"
-          "  -v, --chunks V       model chunks per rank (default: 2 for V kinds and interleaved, else 1)\n"
+          "Examples:\n"
+          "  zbpp schedule zb-v -p 4 -m 8\n"
+          "  zbpp schedule zb-v -p 4 -m 8 --format svg -o zbv.svg\n"
+          "  zbpp schedule zb-auto -p 8 -m 24 --times 18.5,18.1,9.3 --comm 0.6 --mem-limit 2p\n");
+}
+
+/* zbpp schedule --help and zbpp simulate --help: the options they share (simulate takes p, v, m
+ * and the placement from its file). */
+static void schedule_usage(FILE *out, int simulate) {
+  if (simulate)
+    fprintf(out,
+            "Usage: zbpp simulate FILE.csv [options]\n"
+            "\n"
+            "Validates and simulates a schedule file (zbpp schedule --format csv writes one; the ranks,\n"
+            "chunks, microbatches and placement come from it) and prints it as zbpp schedule does.\n"
+            "\n");
+  else {
+    fprintf(out,
+            "Usage: zbpp schedule KIND -p P -m M [-v V] [options]\n"
+            "\n"
+            "Generates a schedule, validates and simulates it, and prints it (a text grid by default).\n"
+            "\n");
+    kinds(out);
+    fprintf(out, "\n");
+  }
+  fprintf(out, "Options:\n");
+  if (!simulate)
+    fprintf(out,
+            "  -p, --ranks P        pipeline ranks (>= 1)\n"
+            "  -m, --microbatches M microbatches per iteration (>= 1; some kinds need more)\n"
+            "  -v, --chunks V       model chunks per rank (default: 2 for V kinds and interleaved, else 1)\n");
+  fprintf(out,
           "  --times F,B,W[,BW]   time of one microbatch through all of a rank's layers for the\n"
           "                       forward, input backward, weight backward (and fused backward;\n"
           "                       default B+W); each op of a v-chunk schedule takes 1/v. Default 1,1,1\n"
@@ -75,28 +110,40 @@ static void usage(FILE *out) {
           "  --offload-limit L    stop offloading once every rank's device peak is at most L\n"
           "  --offload-slowdown X let the step grow by the fraction X for more offload (default 0)\n"
           "  --offload-paired     ranks 2k and 2k+1 share one link to host memory (one PCIe switch):\n"
-          "                       their copies take turns\n"
-          "  --vocab N            Vocabulary Parallelism's passes on every rank: 2 for one\n"
-          "                       all-reduce barrier a microbatch (the reference's Vocab-2), 1 for two\n"
-          "  --vocab-times S,T,I,E,C  one rank's pass times: S (output layer forward), T (its\n"
-          "                       backward), I and E (the embedding's), C (a barrier's all-reduces)\n"
+          "                       their copies take turns\n");
+  if (!simulate)
+    fprintf(out,
+            "  --vocab N            Vocabulary Parallelism's passes on every rank: 2 for one\n"
+            "                       all-reduce barrier a microbatch (the reference's Vocab-2), 1 for two\n"
+            "  --vocab-times S,T,I,E,C  one rank's pass times: S (output layer forward), T (its\n"
+            "                       backward), I and E (the embedding's), C (a barrier's all-reduces)\n");
+  fprintf(out,
           "  --mem-limit L        peak activation memory per rank in microbatches, or 'Np' for N*p\n"
-          "                       (zb-auto's target; a limit for validation otherwise)\n"
-          "  --placement P        loop or v: where zb-auto puts the stages (default: v for v = 2, else\n"
-          "                       loop; loop with any v is torch's interleaved placement). With\n"
-          "                       --stage-times, zb-auto takes the file's placement unless this is given\n"
+          "                       (zb-auto's target; a limit for validation otherwise)\n");
+  if (!simulate)
+    fprintf(out,
+            "  --placement P        loop or v: where zb-auto puts the stages (default: v for v = 2, else\n"
+            "                       loop; loop with any v is torch's interleaved placement). With\n"
+            "                       --stage-times, zb-auto takes the file's placement unless this is given\n");
+  fprintf(out,
           "  --format F           text (default), csv, json, chrome, svg, or csv-comms (torch's\n"
           "                       compute_comms CSV: the transfers added, for torch's runtime)\n"
           "  -o, --output FILE    write there instead of standard output: the whole file or, if\n"
           "                       writing fails, FILE left as it was\n"
+          "  -h, --help           this text\n"
           "\n"
-          "Examples:\n"
-          "  zbpp schedule zb-v -p 4 -m 8\n"
-          "  zbpp schedule zb-auto -p 8 -m 24 --times 18.5,18.1,9.3 --comm 0.6 --mem-limit 2p\n"
-          "  zbpp schedule 1f1b -p 4 -m 8 --copy-times 0.25,0.25 --offload\n"
-          "  zbpp schedule 1f1b -p 4 -m 8 --vocab 2 --vocab-times 0.5,0.5,0.1,0.1,0.05\n"
-          "  zbpp schedule zb-auto -p 4 -m 16 -v 2 --stage-times costs.json --format svg -o zbv.svg\n"
-          "  zbpp schedule 1f1b -p 4 -m 8 --format csv -o 1f1b.csv && zbpp simulate 1f1b.csv\n");
+          "Examples:\n");
+  if (simulate)
+    fprintf(out,
+            "  zbpp schedule 1f1b -p 4 -m 8 --format csv -o 1f1b.csv && zbpp simulate 1f1b.csv\n"
+            "  zbpp simulate 1f1b.csv --times 1,2,1 --comm 0.1 --format svg -o 1f1b.svg\n");
+  else
+    fprintf(out,
+            "  zbpp schedule zb-v -p 4 -m 8\n"
+            "  zbpp schedule zb-auto -p 8 -m 24 --times 18.5,18.1,9.3 --comm 0.6 --mem-limit 2p\n"
+            "  zbpp schedule 1f1b -p 4 -m 8 --copy-times 0.25,0.25 --offload\n"
+            "  zbpp schedule 1f1b -p 4 -m 8 --vocab 2 --vocab-times 0.5,0.5,0.1,0.1,0.05\n"
+            "  zbpp schedule zb-auto -p 4 -m 16 -v 2 --stage-times costs.json --format svg -o zbv.svg\n");
 }
 
 typedef struct {
@@ -116,15 +163,25 @@ typedef struct {
   int has_comm, has_w_share; /* given on the command line: they win over a cost file's values */
 } args_t;
 
+/* The command being run (argv[1] when it is one), for "Run 'zbpp schedule --help'". */
+static const char *tool_command = NULL;
+
+static void see_help(void) {
+  if (tool_command) fprintf(stderr, "Run 'zbpp %s --help' for its options.\n", tool_command);
+  else fprintf(stderr, "Run 'zbpp --help' for usage.\n");
+}
+
 int zb__tool_bad_usage(const char *fmt, const char *what) {
   fprintf(stderr, "zbpp: ");
   fprintf(stderr, fmt, what);
-  fprintf(stderr, "\nRun 'zbpp --help' for usage.\n");
+  fprintf(stderr, "\n");
+  see_help();
   return 2;
 }
 
 int zb__tool_bad_value(const char *option, const char *want, const char *value) {
-  fprintf(stderr, "zbpp: %s wants %s, got '%s'\nRun 'zbpp --help' for usage.\n", option, want, value);
+  fprintf(stderr, "zbpp: %s wants %s, got '%s'\n", option, want, value);
+  see_help();
   return 2;
 }
 
@@ -383,6 +440,7 @@ static int emit(zb_schedule_t *s, const args_t *a) {
     ok = (fflush(stdout) == 0) && ok;
     zb_free(text);
     if (!ok) {
+      if (errno == EPIPE) return 0; /* the reader closed the pipe: see main() */
       fprintf(stderr, "zbpp: writing standard output failed: %s\n",
               errno ? strerror(errno) : "short write");
       return 1;
@@ -598,6 +656,12 @@ int main(int argc, char **argv) {
   /* A file-size limit (ulimit -f) would otherwise kill the tool by SIGXFSZ in the middle of a
    * write, with no message; ignored, the write fails with EFBIG, which the tool reports. */
   signal(SIGXFSZ, SIG_IGN);
+  /* A reader that stops early (zbpp schedule ... | head) closes the pipe: the write then fails
+   * with EPIPE, and the tool stops quietly with status 0 (the reader had what it wanted) instead of
+   * dying of SIGPIPE, which `set -o pipefail` would count as the pipeline's failure. Ignored
+   * explicitly, so the tool behaves alike from a shell and from `python3 -m zbpp` (Python ignores
+   * it and its exec'd children inherit that). */
+  signal(SIGPIPE, SIG_IGN);
   if (argc < 2) {
     usage(stderr);
     return 2;
@@ -610,13 +674,16 @@ int main(int argc, char **argv) {
     printf("zbpp %s\n", zb_version());
     return 0;
   }
+  static const char *const commands[] = {"schedule", "simulate", "verify", "bench"};
+  for (size_t i = 0; i < sizeof commands / sizeof commands[0]; i++)
+    if (!strcmp(argv[1], commands[i])) tool_command = commands[i];
   if (!strcmp(argv[1], "verify")) return zb__tool_verify(argc, argv);
   if (!strcmp(argv[1], "bench")) return zb__tool_bench(argc, argv);
   if (strcmp(argv[1], "schedule") != 0 && strcmp(argv[1], "simulate") != 0)
     return zb__tool_bad_usage("unknown command '%s'; use schedule, simulate, verify or bench", argv[1]);
   for (int i = 2; i < argc; i++)
     if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
-      usage(stdout);
+      schedule_usage(stdout, !strcmp(argv[1], "simulate"));
       return 0;
     }
   args_t a;

@@ -108,6 +108,31 @@ if grep -q -E "^ +custom( |\$)" "$T/out"; then
   bad "--help does not offer 'custom' (it cannot be generated)" "no 'custom' line" "$(show "$T/out")"
 else ok; fi
 
+check_grep "--help says where each command's options are" "$T/out" "zbpp COMMAND --help"
+
+# Each command's --help is its own: its usage line and options, not the global text.
+run schedule --help
+check_rc "schedule --help" 0
+check_grep "schedule --help starts with its usage" "$T/out" "Usage: zbpp schedule KIND"
+check_grep "schedule --help lists its options" "$T/out" "--stage-times FILE"
+check_grep "schedule --help lists the kinds" "$T/out" "zb-auto"
+if grep -q -F "zbpp bench [options]" "$T/out"; then
+  bad "schedule --help is not the global help" "no other commands' usage" "$(show "$T/out")"
+else ok; fi
+run simulate --help
+check_rc "simulate --help" 0
+check_grep "simulate --help starts with its usage" "$T/out" "Usage: zbpp simulate FILE.csv"
+if grep -q -E "^ +-p, --ranks" "$T/out"; then
+  bad "simulate --help does not offer -p (the file has the ranks)" "no -p line" "$(show "$T/out")"
+else ok; fi
+expect_error "schedule with a bad option points at schedule --help" 2 "zbpp schedule --help" \
+  schedule zb-v -p 4 -m 8 --bogus
+
+# A reader that closes the pipe early: a quiet exit, status 0 (pipefail-safe), nothing on stderr.
+{ timeout 20 "$ZBPP" schedule zb-auto -p 8 -m 400 2>"$T/err"; echo $? >"$T/rc"; } | head -c 1 >/dev/null
+check_eq "a closed pipe ends the tool with status 0" 0 "$(cat "$T/rc")"
+check_empty "a closed pipe: nothing on stderr" "$T/err"
+
 MAJOR=$(sed -n 's/^#define ZB_VERSION_MAJOR \([0-9][0-9]*\).*/\1/p' "$REPO/include/zbpp.h")
 MINOR=$(sed -n 's/^#define ZB_VERSION_MINOR \([0-9][0-9]*\).*/\1/p' "$REPO/include/zbpp.h")
 PATCH=$(sed -n 's/^#define ZB_VERSION_PATCH \([0-9][0-9]*\).*/\1/p' "$REPO/include/zbpp.h")

@@ -149,6 +149,20 @@ def test_library_rejections_carry_the_library_message():
     assert "w_share" in str(info.value), str(info.value)
 
 
+def test_messages_have_no_source_positions_unless_zbpp_debug():
+    """A user reads what failed and why; the library's "gen_auto.c:336: " only with ZBPP_DEBUG set
+    (read once per process, so each case runs in a fresh one)."""
+    code = ("import zbpp\ntry:\n    zbpp.Schedule.generate('zb-auto', 4, 8, mem_limit=0.5)\n"
+            "except zbpp.ZbError as e:\n    print(e)\n")
+    import re
+
+    for debug, want in (("", False), ("0", False), ("1", True)):
+        env = dict(os.environ, PYTHONPATH=str(PYTHON_SRC), ZBPP_DEBUG=debug)
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+        assert "below what any schedule needs" in out.stdout, out.stdout + out.stderr
+        assert bool(re.search(r"[a-z_]+\.c:\d+: ", out.stdout)) == want, (debug, out.stdout)
+
+
 def test_mem_limit_spellings_agree():
     with Schedule.generate("zb-auto", P, 8, mem_limit="2p") as a, \
             Schedule.generate("zb-auto", P, 8, mem_limit=2 * P) as b, \
