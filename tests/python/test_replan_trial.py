@@ -130,3 +130,56 @@ def test_a_plan_with_the_shorter_rank_span_but_the_longer_step_is_not_swapped_in
         assert new.makespan() > 1.01 * old.makespan()  # longer end to end
         assert _plan._keeps_in_force(old, new)
         assert not _plan._keeps_in_force(new, old)
+
+
+def _replanning_schedule(monkeypatch):
+    """A zb-v pipeline on one rank planned again from its measured costs after step 3 (the
+    default window), whose replan is made to report a switch (on one rank no order is faster, so
+    a real one keeps the plan; the announcement is what is tested here)."""
+    torch.manual_seed(0)
+    mods = [torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)]
+    stages = [zbpp.PipelineStage(m, s, 2, "cpu") for s, m in enumerate(mods)]
+    sched = zbpp.ScheduleZBVZeroBubble(stages, 4, loss_fn=lambda out, y: (out - y).square().mean())
+    real = sched.replan
+
+    def switching(*args, **kwargs):
+        info = real(*args, **kwargs)
+        sched.plan_info = info._replace(switched=True)
+        return sched.plan_info
+
+    monkeypatch.setattr(sched, "replan", switching)
+    return sched
+
+
+def test_a_replan_from_measured_costs_says_so_once_on_stderr(monkeypatch, capsys):
+    """Plans from measured costs change a user's schedule after step 3: the first time, one line on
+    standard error says what was planned, from what, and how to keep the first plan or silence it;
+    not again in that process, and not with zbpp.quiet()."""
+    from zbpp import _notice
+
+    monkeypatch.setattr(_notice, "_said", set())
+    monkeypatch.setattr(_notice, "_quiet", False)
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    for round_ in range(2):
+        sched = _replanning_schedule(monkeypatch)
+        for _ in range(3):
+            sched.step(x, target=y)
+        sched.close()
+        err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("zbpp:")]
+        if round_ == 0:
+            assert len(err) == 1, err
+            assert "ScheduleZBVZeroBubble planned zb-v again after step 3 from the costs measured in steps 2-3" \
+                in err[0], err
+            assert "plan_from_measured=False" in err[0] and "zbpp.quiet()" in err[0], err
+        else:
+            assert err == [], "a second replan in the process said it again"
+    monkeypatch.setattr(_notice, "_said", set())
+    zbpp.quiet()
+    try:
+        sched = _replanning_schedule(monkeypatch)
+        for _ in range(3):
+            sched.step(x, target=y)
+        sched.close()
+    finally:
+        zbpp.quiet(False)
+    assert not [line for line in capsys.readouterr().err.splitlines() if line.startswith("zbpp:")]

@@ -11,6 +11,7 @@ happen on first use, so schedule-only code runs without torch installed.
 import os
 
 from ._lib import ZbError, lib, library_path
+from ._notice import quiet
 from .costs import StageCosts
 from .schedule import Op, Schedule, SimResult, kinds, stack_svgs
 
@@ -23,6 +24,7 @@ __all__ = [
     "ZbError",
     "kinds",
     "library_path",
+    "quiet",
     "stack_svgs",
     "tool_path",
     "version",

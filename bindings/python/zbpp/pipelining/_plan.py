@@ -131,6 +131,8 @@ class _Planning:
                 fused_steps=tuple(self._profile[0] + k for k in range(len(runs)) if k not in own))
         if info.switched and before:
             self._trial = (old_csv, statistics.median(before), [])
+        if info.switched and self.rank == 0:
+            _announce(info, type(self).__name__, trial=bool(before))
 
     def _trial_step(self):
         """After each step: while a replan is on trial, every rank's span of this step goes to
@@ -285,6 +287,26 @@ class _Planning:
             files.append(path)
         return files
 
+
+
+def _announce(info, name, trial):
+    """The first plan from measured costs this process switches to, in one line on stderr
+    (_notice.py): what was planned, why, and the gain the simulation expects on those costs."""
+    from .._notice import notice
+
+    why = "its measured costs"
+    if info.profile_steps:
+        a, b = info.profile_steps
+        why = f"the costs measured in steps {a}-{b}" if a != b else f"step {a}'s measured costs"
+    gain = ""
+    if info.before is not None and info.before.cost > 0:
+        gain = (f": the simulated step goes from {info.before.cost:.4g} to {info.simulated.cost:.4g} "
+                f"({100 * (1 - info.simulated.cost / info.before.cost):.1f}% shorter)")
+    then = (f"; it runs from the next step, and the old plan comes back if the next {TRIAL_STEPS} steps measure "
+            f"more than {100 * REVERT_MARGIN:g}% slower" if trial else "; it runs from the next step")
+    notice("replan", f"zbpp: {name} planned {info.kind} again after step {info.step} from {why}{gain}{then} "
+                     "(plan_from_measured=False keeps the first plan; plan_info has the details; zbpp.quiet() or "
+                     "ZBPP_QUIET=1 silences this line)")
 
 
 class PlanInfo(NamedTuple):

@@ -699,6 +699,14 @@ class VocabRun:
         if not switched:
             new.close()
             return
+        if sc.rank == 0:
+            from .._notice import notice
+
+            notice("replan", f"zbpp: {type(sc).__name__} with vocab_parallel planned {old.kind} again after step "
+                             f"{sc.steps} from the stage and pass times it measured: the simulated step goes from "
+                             f"{was:.4g} to {now:.4g} ms ({100 * (1 - now / was):.1f}% shorter); it runs from the next "
+                             "step (plan_from_measured=False keeps the first plan; vocab_parallel.replanned has the "
+                             "details; zbpp.quiet() or ZBPP_QUIET=1 silences this line)")
         sc._vocab_args = args
         sc._drop_runner()
         sc.schedule = new  # the old plan stays as _last_schedule (timeline() draws it) until the next step
