@@ -297,6 +297,24 @@ typedef struct {
  * read them. */
 ZB_API zb_status_t zb_schedule_simulate(zb_schedule_t *schedule, zb_sim_result_t *out);
 
+/* The step's figures beside the bubble rate, from the current times (simulated or set_times):
+ * *makespan (may be NULL) the step from the first compute op's start on any rank to the last one's
+ * end on any rank; *idle_rate (may be NULL) the share of all ranks' time over the makespan that no
+ * compute op fills, 1 - (sum of the ranks' busy time) / (ranks x makespan). zb_sim_result_t's
+ * bubble_rate is the paper's: the busiest rank's idle share of its own span, which is 0 for a
+ * schedule whose busiest rank never waits however long the others wait at the step's ends (the
+ * fill and drain a picture shows); idle_rate counts those waits. ZB_ERR_INVALID_ARGUMENT before the
+ * schedule has times. */
+ZB_API zb_status_t zb_schedule_step_idle(const zb_schedule_t *schedule, double *makespan, double *idle_rate);
+
+/* What the exports call the schedule and its time. name: the title of the svg, chrome and text
+ * exports (NULL or "": the kind's name; e.g. "zb-v, measured step 3"); time_unit: the unit of its
+ * times ("ms" for measured ones; NULL or "": none named, the unit of the costs given); time_span:
+ * > 0 draws the svg's time axis over this much time from the step's start (0: its own makespan),
+ * at a fixed width, so pictures given the same span share one scale. Copied into the handle. */
+ZB_API zb_status_t zb_schedule_set_display(zb_schedule_t *schedule, const char *name, const char *time_unit,
+                                           double time_span);
+
 /* A cost (largest rank span) that no schedule with this one's ranks, stages, placement, microbatches,
  * costs and memory limit can go below, whatever its op order: the busiest rank's work, one
  * microbatch's round trip and, for loop placement with one stage per rank, each rank's warm-up and

@@ -5,14 +5,17 @@
  * The JSON shape is a contract other tools read (the Python binding, plotting scripts):
  *   {"kind", "ranks", "chunks", "stages", "microbatches", "placement", "w_share", "mem_limit",
  *    "schedule": [[{"op", "stage", "mb", "start", "end"}, ...] per rank], "cost", "bubble_rate",
- *    "peak_memory": [per rank]}
- * Keys keep this order and names; add new keys at the end rather than change these.
+ *    "peak_memory": [per rank], ("host_peak_memory": [per rank] with copies,) "makespan", "idle_rate",
+ *    "name", "time_unit"}
+ * Keys keep this order and names; add new keys at the end rather than change these. makespan and
+ * idle_rate are zb_schedule_step_idle's; name and time_unit zb_schedule_set_display's (null: unset).
  *
  * What this is not: a JSON library or a reader. Numbers are written with %.17g so they read back
  * to the same double; a value that is not finite is written as null, since JSON has no NaN or inf.
  */
 #include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
 
 #include "internal.h"
 
@@ -98,21 +101,139 @@ zb_status_t zb__export_json(const zb_schedule_t *s, char **out, size_t *len) {
     }
     zb__sbuf_putc(&b, ']');
   }
+  double makespan, idle;
+  zb__step_idle(s, &makespan, &idle);
+  zb__sbuf_printf(&b, ", \"makespan\": ");
+  put_num(&b, makespan);
+  zb__sbuf_printf(&b, ", \"idle_rate\": ");
+  put_num(&b, idle);
+  zb__sbuf_printf(&b, ", \"name\": ");
+  if (s->disp_name) put_str(&b, s->disp_name);
+  else zb__sbuf_printf(&b, "null");
+  zb__sbuf_printf(&b, ", \"time_unit\": ");
+  if (s->disp_unit) put_str(&b, s->disp_unit);
+  else zb__sbuf_printf(&b, "null");
   zb__sbuf_printf(&b, "}\n");
   return zb__sbuf_finish(&b, out, len);
 }
 
+/* One change of a rank's activation memory, for the Chrome trace's counter (zb__rank_memory's
+ * model: an F holds its share from its start, B, W and BW free theirs at their end, an OFFLOAD
+ * moves it to the host and a RELOAD back). */
+typedef struct {
+  double t, dev, host;
+  int order;
+} mem_step_t;
+
+static int mem_step_cmp(const void *a, const void *b) {
+  const mem_step_t *x = a, *y = b;
+  if (x->t != y->t) return x->t < y->t ? -1 : 1;
+  if ((x->dev + x->host < 0) != (y->dev + y->host < 0)) return x->dev + x->host < 0 ? -1 : 1; /* frees first */
+  return x->order - y->order;
+}
+
+/* Counter events ("C"): each rank's device-resident activations (and, with copies, its host
+ * memory) in microbatches, at every change. */
+static zb_status_t put_memory(zb__sbuf_t *b, const zb_schedule_t *s) {
+  for (int r = 0; r < s->p; r++) {
+    int a = s->rank_off[r], n = 0, copies = rank_has_copies(s, r);
+    mem_step_t *ev = malloc((size_t)(2 * (s->rank_off[r + 1] - a) + 1) * sizeof *ev);
+    if (!ev) return ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory for rank %d's memory counter", r);
+    for (int k = a; k < s->rank_off[r + 1]; k++) {
+      const zb_op_t *op = &s->ops[k];
+      double u = zb__op_mem_at(s, ZB_OP_F, op->stage);
+      switch (op->type) {
+        case ZB_OP_F: ev[n++] = (mem_step_t){s->start[k], u, 0, k}; break;
+        case ZB_OP_OFFLOAD:
+          ev[n++] = (mem_step_t){s->start[k], 0, u, k};
+          ev[n++] = (mem_step_t){s->end[k], -u, 0, k};
+          break;
+        case ZB_OP_RELOAD:
+          ev[n++] = (mem_step_t){s->start[k], u, 0, k};
+          ev[n++] = (mem_step_t){s->end[k], 0, -u, k};
+          break;
+        default: ev[n++] = (mem_step_t){s->end[k], zb__op_mem_at(s, op->type, op->stage), 0, k};
+      }
+    }
+    qsort(ev, (size_t)n, sizeof *ev, mem_step_cmp);
+    double dev = 0, host = 0;
+    for (int k = 0; k <= n; k++) {
+      double t = k < n ? ev[k].t : 0;
+      if (k < n) dev += ev[k].dev, host += ev[k].host;
+      if (k < n && k + 1 < n && ev[k + 1].t == t) continue; /* one value per instant */
+      if (k == n) break;
+      if (fabs(dev) < 1e-12) dev = 0; /* sums of shares round to 0 */
+      if (fabs(host) < 1e-12) host = 0;
+      zb__sbuf_printf(b, ",\n{\"name\": \"rank %d activations (microbatches)\", \"ph\": \"C\", \"pid\": 0, \"ts\": ", r);
+      put_num(b, t * 1000);
+      zb__sbuf_printf(b, ", \"args\": {\"device\": ");
+      put_num(b, dev);
+      if (copies) {
+        zb__sbuf_printf(b, ", \"host\": ");
+        put_num(b, host);
+      }
+      zb__sbuf_printf(b, "}}");
+    }
+    free(ev);
+  }
+  return ZB_OK;
+}
+
+/* Flow events ("s" then "f", drawn as arrows): every activation and input gradient that crosses
+ * ranks, from the end of the op that makes it to the start of the op that reads it. */
+static zb_status_t put_transfers(zb__sbuf_t *b, const zb_schedule_t *s) {
+  size_t cells = (size_t)s->S * (size_t)s->m;
+  int *fwd = malloc(cells * sizeof *fwd), *bwd = malloc(cells * sizeof *bwd);
+  int *rank = malloc((size_t)(s->n_ops > 0 ? s->n_ops : 1) * sizeof *rank);
+  if (!fwd || !bwd || !rank) {
+    free(fwd), free(bwd), free(rank);
+    return ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory drawing the transfers");
+  }
+  for (size_t c = 0; c < cells; c++) fwd[c] = bwd[c] = -1;
+  for (int r = 0; r < s->p; r++)
+    for (int k = s->rank_off[r]; k < s->rank_off[r + 1]; k++) {
+      const zb_op_t *op = &s->ops[k];
+      rank[k] = r;
+      if (op->stage < 0 || op->stage >= s->S || op->mb < 0 || op->mb >= s->m) continue;
+      size_t c = (size_t)op->stage * (size_t)s->m + (size_t)op->mb;
+      if (op->type == ZB_OP_F) fwd[c] = k;
+      else if (op->type == ZB_OP_B || op->type == ZB_OP_BW) bwd[c] = k;
+    }
+  int id = 0;
+  for (int st = 0; st + 1 < s->S; st++)
+    for (int mb = 0; mb < s->m; mb++)
+      for (int dir = 0; dir < 2; dir++) {
+        size_t lo = (size_t)st * (size_t)s->m + (size_t)mb, hi = lo + (size_t)s->m;
+        int from = dir ? bwd[hi] : fwd[lo], to = dir ? bwd[lo] : fwd[hi];
+        if (from < 0 || to < 0 || rank[from] == rank[to]) continue;
+        /* Inside each slice, so the viewer binds the arrow to it. */
+        double d0 = (s->end[from] - s->start[from]) * 1000, d1 = (s->end[to] - s->start[to]) * 1000;
+        double t0 = s->end[from] * 1000 - fmin(d0 / 2, 0.001), t1 = s->start[to] * 1000 + fmin(d1 / 2, 0.001);
+        const char *what = dir ? "gradient" : "activation";
+        zb__sbuf_printf(b, ",\n{\"name\": \"%s\", \"cat\": \"transfer\", \"ph\": \"s\", \"id\": %d, \"pid\": 0, "
+                           "\"tid\": %d, \"ts\": ", what, id, rank[from]);
+        put_num(b, t0);
+        zb__sbuf_printf(b, "},\n{\"name\": \"%s\", \"cat\": \"transfer\", \"ph\": \"f\", \"bp\": \"e\", \"id\": %d, "
+                           "\"pid\": 0, \"tid\": %d, \"ts\": ", what, id, rank[to]);
+        put_num(b, t1);
+        zb__sbuf_printf(b, ", \"args\": {\"stage\": %d, \"mb\": %d}}", dir ? st + 1 : st, mb);
+        id++;
+      }
+  free(fwd), free(bwd), free(rank);
+  return ZB_OK;
+}
+
 /* Chrome's trace event format: complete ("X") events with times in microseconds, and metadata
  * ("M") events that name the process and one thread per rank, plus one per rank with copies (its
- * copy lane, tid p + r, drawn under the rank). Simulated times are in ms. */
+ * copy lane, tid p + r, drawn under the rank); flow arrows for the transfers between ranks
+ * (put_transfers) and a memory counter per rank (put_memory). Simulated times are in ms. */
 zb_status_t zb__export_chrome(const zb_schedule_t *s, char **out, size_t *len) {
   zb__sbuf_t b = {0};
   zb__sbuf_printf(&b, "{\"traceEvents\": [\n");
   zb__sbuf_printf(&b, "{\"name\": \"process_name\", \"ph\": \"M\", \"pid\": 0, \"tid\": 0, "
                       "\"args\": {\"name\": ");
-  char pname[64];
-  const char *kind = zb_kind_name(s->kind);
-  snprintf(pname, sizeof pname, "zbpp %s", kind ? kind : "?");
+  char pname[256];
+  snprintf(pname, sizeof pname, "zbpp %s", zb__display_name(s));
   put_str(&b, pname);
   zb__sbuf_printf(&b, "}}");
   int any = has_copies(s);
@@ -146,6 +267,12 @@ zb_status_t zb__export_chrome(const zb_schedule_t *s, char **out, size_t *len) {
                       zb__op_is_copy(op->type) ? s->p + r : r, (int)op->stage, (int)op->mb,
                       zb__op_is_vocab(op->type) ? 0 : zb__stage_chunk(s, op->stage));
     }
+  }
+  zb_status_t st = put_transfers(&b, s);
+  if (st == ZB_OK) st = put_memory(&b, s);
+  if (st != ZB_OK) {
+    free(b.buf);
+    return st;
   }
   zb__sbuf_printf(&b, "\n],\n\"displayTimeUnit\": \"ms\"}\n");
   return zb__sbuf_finish(&b, out, len);

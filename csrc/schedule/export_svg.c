@@ -3,8 +3,13 @@
  * Zero Bubble paper (Qi et al., 2023): one row per rank, time to the right, one box per op coloured
  * by its type, the microbatch number in the box.
  *
- * The picture is always about WIDTH pixels wide (long schedules are scaled down) and its height
- * grows with p. Later chunks of a V or interleaved schedule use darker shades of their type's colour.
+ * The picture is at least WIDTH pixels wide and grows with the schedule, so the shortest op keeps
+ * room for its microbatch number (up to MAX_WIDTH; past it numbers drop out where they do not
+ * fit); its height grows with p. A schedule given a time span (zb_schedule_set_display) is drawn
+ * at WIDTH over that span instead, so pictures given the same span share one scale. The title
+ * names the schedule and its figures: the step (makespan), the paper's bubble rate and the idle
+ * share of all ranks' time, which differ where the busiest rank never waits but the others do
+ * at the step's ends. Later chunks of a V or interleaved schedule use darker shades of their type's colour.
  * A schedule with copies (PipeOffload) gets a thinner lane under every rank's row for its OFFLOAD
  * and RELOAD ops, which run beside the compute.
  *
@@ -18,9 +23,11 @@
 #include "internal.h"
 
 #define WIDTH 1200.0
+#define MAX_WIDTH 16000.0
+#define MIN_OP_PX 16.0 /* the shortest op's width, room for a two-digit microbatch number */
 #define LEFT 70.0  /* room for "rank 12" */
 #define RIGHT 20.0
-#define TOP 62.0   /* title and legend sit above the rows */
+#define TOP 82.0   /* title, figures and legend sit above the rows */
 
 typedef struct {
   unsigned char r, g, b;
@@ -81,7 +88,24 @@ zb_status_t zb__export_svg(const zb_schedule_t *s, char **out, size_t *len) {
   if (!isfinite(origin)) origin = 0;
   double extent = last - origin;
   if (!(extent > 0) || !isfinite(extent)) extent = 1;
-  double plot_w = WIDTH - LEFT - RIGHT, scale = plot_w / extent;
+  double shortest = INFINITY;
+  for (int k = 0; k < s->n_ops; k++) {
+    double d = s->end[k] - s->start[k];
+    if (d > 0 && d < shortest && !zb__op_is_copy(s->ops[k].type)) shortest = d;
+  }
+  double width = WIDTH, plot_w = WIDTH - LEFT - RIGHT, scale;
+  if (s->disp_span > 0) {
+    /* A shared scale: this span across WIDTH; ops past it are drawn up to the right edge. */
+    extent = s->disp_span;
+    scale = plot_w / extent;
+  } else {
+    scale = plot_w / extent;
+    if (isfinite(shortest) && shortest * scale < MIN_OP_PX) {
+      scale = fmin(MIN_OP_PX / shortest, (MAX_WIDTH - LEFT - RIGHT) / extent);
+      plot_w = extent * scale;
+      width = ceil(LEFT + plot_w + RIGHT);
+    }
+  }
 
   /* Rows keep a readable height up to 16 ranks, then share about 420 px. */
   double row_h = s->p <= 16 ? 26 : fmax(4, 420.0 / s->p);
@@ -95,19 +119,25 @@ zb_status_t zb__export_svg(const zb_schedule_t *s, char **out, size_t *len) {
   zb__sbuf_printf(&b,
                   "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%.0f\" height=\"%.0f\" "
                   "viewBox=\"0 0 %.0f %.0f\" font-family=\"Helvetica, Arial, sans-serif\">\n",
-                  WIDTH, height, WIDTH, height);
+                  width, height, width, height);
   zb__sbuf_printf(&b, "<rect class=\"bg\" x=\"0\" y=\"0\" width=\"%.0f\" height=\"%.0f\" "
                       "fill=\"white\"/>\n",
-                  WIDTH, height);
+                  width, height);
 
   /* Title. */
-  char title[256];
-  const char *kind = zb_kind_name(s->kind);
-  snprintf(title, sizeof title, "%s, p=%d v=%d m=%d, cost %.6g, bubble %.2f%%, peak memory %.4g",
-           kind ? kind : "?", s->p, s->v, s->m, s->sim.cost, 100 * s->sim.bubble_rate,
-           s->sim.max_peak_memory);
+  char title[512], figures[512];
+  snprintf(title, sizeof title, "%s, p=%d v=%d m=%d", zb__display_name(s), s->p, s->v, s->m);
+  double makespan, idle;
+  zb__step_idle(s, &makespan, &idle);
+  const char *unit = s->disp_unit ? s->disp_unit : "";
+  snprintf(figures, sizeof figures,
+           "step %.6g%s%s; bubble %.2f%% (the paper's: the busiest rank's idle share of its span); idle %.2f%% "
+           "(of all ranks' time over the step); peak memory %.4g microbatches",
+           makespan, unit[0] ? " " : "", unit, 100 * s->sim.bubble_rate, 100 * idle, s->sim.max_peak_memory);
   zb__sbuf_printf(&b, "<text x=\"%.0f\" y=\"22\" font-size=\"15\" font-weight=\"bold\">", LEFT);
   put_xml(&b, title);
+  zb__sbuf_printf(&b, "</text>\n<text class=\"figures\" x=\"%.0f\" y=\"42\" font-size=\"12\">", LEFT);
+  put_xml(&b, figures);
   zb__sbuf_printf(&b, "</text>\n");
 
   /* Legend: one swatch per op type present, then a note on chunk shades. */
@@ -116,8 +146,8 @@ zb_status_t zb__export_svg(const zb_schedule_t *s, char **out, size_t *len) {
     if (!used[t]) continue;
     rgb_t c = op_colour(t, 0, 1);
     zb__sbuf_printf(&b,
-                    "<rect class=\"key\" x=\"%.1f\" y=\"34\" width=\"14\" height=\"14\" "
-                    "fill=\"#%02x%02x%02x\"/><text x=\"%.1f\" y=\"45\" font-size=\"12\">",
+                    "<rect class=\"key\" x=\"%.1f\" y=\"54\" width=\"14\" height=\"14\" "
+                    "fill=\"#%02x%02x%02x\"/><text x=\"%.1f\" y=\"65\" font-size=\"12\">",
                     lx, c.r, c.g, c.b, lx + 18);
     put_xml(&b, type_label[t]);
     zb__sbuf_printf(&b, "</text>\n");
@@ -125,10 +155,10 @@ zb_status_t zb__export_svg(const zb_schedule_t *s, char **out, size_t *len) {
     lx += 18 + 6.8 * (double)strlen(type_label[t]) + 18;
   }
   if (s->v > 1) {
-    zb__sbuf_printf(&b, "<text x=\"%.1f\" y=\"45\" font-size=\"12\" fill=\"#555\">", lx);
+    zb__sbuf_printf(&b, "<text x=\"%.1f\" y=\"65\" font-size=\"12\" fill=\"#555\">", lx);
     put_xml(&b, "darker shade = later chunk; number = microbatch");
   } else {
-    zb__sbuf_printf(&b, "<text x=\"%.1f\" y=\"45\" font-size=\"12\" fill=\"#555\">", lx);
+    zb__sbuf_printf(&b, "<text x=\"%.1f\" y=\"65\" font-size=\"12\" fill=\"#555\">", lx);
     put_xml(&b, "number = microbatch");
   }
   zb__sbuf_printf(&b, "</text>\n");
@@ -146,8 +176,9 @@ zb_status_t zb__export_svg(const zb_schedule_t *s, char **out, size_t *len) {
       double y = copy ? y0 + row_h + 1 : y0, h = copy ? lane_h - 1 : row_h;
       double x = LEFT + fin((s->start[k] - origin) * scale);
       double w = fin((s->end[k] - s->start[k]) * scale);
-      if (x > WIDTH - RIGHT) x = WIDTH - RIGHT;
+      if (x > width - RIGHT) x = width - RIGHT;
       if (w < 0) w = 0;
+      if (x + w > width - RIGHT) w = width - RIGHT - x; /* past a shared span: up to the edge */
       rgb_t c = op_colour(op->type, zb__op_is_vocab(op->type) ? 0 : zb__stage_chunk(s, op->stage), s->v);
       zb__sbuf_printf(&b,
                       "<rect class=\"%s\" x=\"%.2f\" y=\"%.1f\" width=\"%.2f\" height=\"%.1f\" "
@@ -172,8 +203,8 @@ zb_status_t zb__export_svg(const zb_schedule_t *s, char **out, size_t *len) {
   zb__sbuf_printf(&b,
                   "<line x1=\"%.0f\" y1=\"%.1f\" x2=\"%.0f\" y2=\"%.1f\" stroke=\"#333\" "
                   "stroke-width=\"1\"/>\n",
-                  LEFT, axis_y, WIDTH - RIGHT, axis_y);
-  double step = zb__nice_step(extent / 8);
+                  LEFT, axis_y, width - RIGHT, axis_y);
+  double step = zb__nice_step(extent / fmax(8, floor(plot_w / 150)));
   for (int i = 0; i <= 1000; i++) {
     double t = i * step;
     if (t > extent * (1 + 1e-9)) break;
@@ -184,10 +215,14 @@ zb_status_t zb__export_svg(const zb_schedule_t *s, char **out, size_t *len) {
                     "text-anchor=\"middle\">%g</text>\n",
                     x, axis_y, x, axis_y + 5, x, axis_y + 18, origin + t);
   }
+  char axis[256];
+  snprintf(axis, sizeof axis, "time%s%s%s", unit[0] ? " (" : " (the costs' unit", unit, ")");
   zb__sbuf_printf(&b,
                   "<text x=\"%.0f\" y=\"%.1f\" font-size=\"11\" text-anchor=\"end\" "
-                  "fill=\"#555\">time</text>\n",
-                  WIDTH - RIGHT, axis_y + 32);
+                  "fill=\"#555\">",
+                  width - RIGHT, axis_y + 32);
+  put_xml(&b, axis);
+  zb__sbuf_printf(&b, "</text>\n");
   zb__sbuf_printf(&b, "</svg>\n");
   return zb__sbuf_finish(&b, out, len);
 }

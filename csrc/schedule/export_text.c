@@ -103,10 +103,16 @@ zb_status_t zb__export_text(const zb_schedule_t *s, char **out, size_t *len) {
     }
 
   zb__sbuf_t b = {0};
-  const char *kind = zb_kind_name(s->kind);
-  zb__sbuf_printf(&b, "%s: p=%d v=%d m=%d  cost %.6g  bubble %.2f%%  peak memory %.4g (max of ranks)\n",
-                  kind ? kind : "?", s->p, s->v, s->m, s->sim.cost, 100 * s->sim.bubble_rate,
+  double makespan, idle;
+  zb__step_idle(s, &makespan, &idle);
+  zb__sbuf_printf(&b, "%s: p=%d v=%d m=%d  cost %.6g  bubble %.2f%%  idle %.2f%%  peak memory %.4g (max of ranks)\n",
+                  zb__display_name(s), s->p, s->v, s->m, s->sim.cost, 100 * s->sim.bubble_rate, 100 * idle,
                   s->sim.max_peak_memory);
+  zb__sbuf_printf(&b,
+                  "figures: cost = the longest rank's span (first op to last); bubble = the paper's rate, the busiest "
+                  "rank's idle share of its span; idle = the idle share of all ranks' time over the step (%.6g%s%s, "
+                  "the fill and drain included)\n",
+                  makespan, s->disp_unit ? " " : "", s->disp_unit ? s->disp_unit : "");
   zb__sbuf_printf(&b,
                   "legend: F forward, B input-grad backward, W weight-grad backward, X fused B+W, "
                   "each then its microbatch; . idle;%s%s%s time per column %.4g\n",

@@ -42,7 +42,18 @@ struct zb_schedule {
   double *span, *busy, *peak; /* p each */
   double *host_peak;          /* p each: activations held in host memory by OFFLOADs */
   zb_sim_result_t sim;
+
+  /* zb_schedule_set_display: the exports' title and time unit (NULL: the kind's name, none named)
+   * and the svg's drawn time span (0: the makespan). */
+  char *disp_name, *disp_unit;
+  double disp_span;
 };
+
+/* The step's makespan (first compute op's start to last one's end, any rank) and idle share of all
+ * ranks' time over it, from the current times (zb_schedule_step_idle). */
+void zb__step_idle(const zb_schedule_t *s, double *makespan, double *idle_rate);
+/* The name exports give the schedule: the display name, else the kind's. */
+const char *zb__display_name(const zb_schedule_t *s);
 
 /* Growable per-rank op lists used while generating; turned into the handle's flat array at the end. */
 typedef struct {

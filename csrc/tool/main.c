@@ -449,9 +449,11 @@ static int emit(zb_schedule_t *s, const args_t *a) {
   if (a->output) {
     zb_schedule_info_t info;
     zb_schedule_get_info(s, &info);
-    fprintf(stderr, "zbpp: wrote %s (%s, p=%d v=%d m=%d: cost %.6g, bubble %.2f%%, peak memory %.4g)\n",
+    double idle = 0;
+    zb_schedule_step_idle(s, NULL, &idle);
+    fprintf(stderr, "zbpp: wrote %s (%s, p=%d v=%d m=%d: cost %.6g, bubble %.2f%%, idle %.2f%%, peak memory %.4g)\n",
             a->output, zb_kind_name(info.kind), info.ranks, info.chunks, info.microbatches, r.cost,
-            100 * r.bubble_rate, r.max_peak_memory);
+            100 * r.bubble_rate, 100 * idle, r.max_peak_memory);
   }
   return 0;
 }

@@ -146,6 +146,9 @@ run schedule zb-v -p 4 -m 8
 check_rc "schedule zb-v -p 4 -m 8" 0
 check_eq "text grid has one line per rank" 4 "$(grep -c '^rank ' "$T/out")"
 check_grep "zb-v at m = 2p has no bubble" "$T/out" "bubble 0.00%"
+# ... by the paper's rate; its fill and drain are idle time of the step, which the line also gives:
+# 4 ranks over the makespan 25.5 (F = B = W = 1, each of the 2 chunks' ops 0.5) doing 24 each.
+check_grep "zb-v at m = 2p: the step's idle share (1 - 4*24 / (4*25.5))" "$T/out" "idle 5.88%"
 
 # ---- JSON --------------------------------------------------------------------------------------
 
@@ -164,10 +167,17 @@ try:
 except Exception as e:
     print("not JSON: %s" % e); sys.exit(0)
 keys = {"kind", "ranks", "chunks", "stages", "microbatches", "placement", "w_share", "mem_limit",
-        "schedule", "cost", "bubble_rate", "peak_memory"}
+        "schedule", "cost", "bubble_rate", "peak_memory", "makespan", "idle_rate", "name", "time_unit"}
 if set(d) != keys:
     print("keys %s, expected %s" % (sorted(d), sorted(keys))); sys.exit(0)
 p, S, m = d["ranks"], d["stages"], d["microbatches"]
+# The step's figures, recomputed from the ops: the makespan over every rank, and the idle share of
+# all ranks' time over it.
+ops = [o for rank in d["schedule"] for o in rank]
+span = max(o["end"] for o in ops) - min(o["start"] for o in ops)
+idle = 1 - sum(o["end"] - o["start"] for o in ops) / (p * span)
+if abs(d["makespan"] - span) > 1e-9 or abs(d["idle_rate"] - idle) > 1e-9:
+    print("makespan %r, idle_rate %r; the ops say %r, %r" % (d["makespan"], d["idle_rate"], span, idle)); sys.exit(0)
 if len(d["schedule"]) != p:
     print("schedule has %d lists for %d ranks" % (len(d["schedule"]), p))
 seen = {}

@@ -733,6 +733,80 @@ def test_stack_svgs_draws_pictures_one_above_the_other_under_their_captions():
         stack_svgs([("x", "<g/>")])
 
 
+def test_the_step_idle_share_counts_the_fill_and_drain_the_bubble_rate_leaves_out():
+    """ZB-V at m = 2p: the paper's bubble rate is 0 (the busiest rank never waits) but the other
+    ranks wait at the step's ends; idle_rate is that share of all ranks' time over the makespan,
+    recomputed here from the ops' times. 1F1B: every rank waits, and both rates say so."""
+    for kind in ("zb-v", "1f1b", "zb-h1"):
+        with Schedule.generate(kind, P, 2 * P) as s:
+            r = s.simulate()
+            ops = [(a, b) for rank in range(P) for a, b in zip(*s.rank_times(rank))]
+            span = max(b for _, b in ops) - min(a for a, _ in ops)
+            work = sum(b - a for a, b in ops)
+            assert r.makespan == pytest.approx(span)
+            assert r.idle_rate == pytest.approx(1 - work / (P * span))
+            if kind == "zb-v":
+                assert r.bubble_rate == 0 and r.idle_rate > 0.03, r
+            text, figures = s.to_text().splitlines()[:2]
+            assert f"bubble {100 * r.bubble_rate:.2f}%  idle {100 * r.idle_rate:.2f}%" in text, text
+            assert figures.startswith("figures: cost = the longest rank's span"), figures
+            svg = ET.fromstring(s.to_svg())
+            line = "".join(svg.find("{http://www.w3.org/2000/svg}text[@class='figures']").itertext())
+            assert f"bubble {100 * r.bubble_rate:.2f}% (the paper's" in line and f"idle {100 * r.idle_rate:.2f}%" in line
+            doc = json.loads(s.to_json())
+            assert doc["idle_rate"] == pytest.approx(r.idle_rate) and doc["makespan"] == pytest.approx(span)
+
+
+def test_pictures_say_what_they_show_and_share_one_scale_when_stacked():
+    """set_display names the schedule and its time unit in every picture; stack_svgs draws the
+    schedules it is given on one time scale (the longest makespan across the same width); a long
+    schedule's picture grows so its shortest op keeps room for a number."""
+    ns = "{http://www.w3.org/2000/svg}"
+    with Schedule.generate("zb-v", 4, 8) as a, Schedule.generate("1f1b", 4, 8) as b:
+        a.set_display("zb-v, measured step 3", "ms")
+        root = ET.fromstring(a.to_svg())
+        texts = ["".join(el.itertext()) for el in root.iter(ns + "text")]
+        assert texts[0] == "zb-v, measured step 3, p=4 v=2 m=8" and "time (ms)" in texts
+        assert json.loads(a.to_chrome())["traceEvents"][0]["args"]["name"] == "zbpp zb-v, measured step 3"
+        assert a.to_text().startswith("zb-v, measured step 3: ")
+        assert a.display() == ("zb-v, measured step 3", "ms", 0.0)
+        stacked = ET.fromstring(stack_svgs([("a", a), ("b", b)]))
+        inner = [c for c in stacked if c.tag == ns + "svg"]
+
+        def px_per_unit(svg, sched):
+            boxes = [float(el.attrib["width"]) for el in svg.iter(ns + "rect") if el.get("class") == "op"]
+            ops = [e - st for r in range(4) for st, e in zip(*sched.rank_times(r))]
+            return max(boxes) / max(ops)
+
+        assert px_per_unit(inner[0], a) == pytest.approx(px_per_unit(inner[1], b), rel=1e-3)
+        assert a.display() == ("zb-v, measured step 3", "ms", 0.0)  # stacking leaves the schedules as they were
+    with Schedule.generate("zb-v", 8, 64) as long:
+        root = ET.fromstring(long.to_svg())
+        boxes = [float(el.attrib["width"]) for el in root.iter(ns + "rect") if el.get("class") == "op"]
+        assert float(root.attrib["width"]) > 1200 and min(boxes) >= 15.9, (root.attrib["width"], min(boxes))
+
+
+def test_chrome_trace_draws_transfers_and_memory():
+    """Every activation and gradient that crosses ranks is a flow arrow (from the op that makes it
+    to the op that reads it), and each rank's activation memory is a counter whose highest value
+    is the rank's peak."""
+    with Schedule.generate("1f1b", P, 8) as s:
+        ev = json.loads(s.to_chrome())["traceEvents"]
+        starts = [e for e in ev if e["ph"] == "s"]
+        ends = {e["id"]: e for e in ev if e["ph"] == "f"}
+        assert len(starts) == len(ends) == 2 * (P - 1) * 8  # each boundary, each microbatch, both ways
+        ops = {(e["tid"], e["ts"], e["ts"] + e["dur"]): e for e in ev if e["ph"] == "X"}
+        for a in starts:
+            b = ends[a["id"]]
+            assert a["tid"] != b["tid"] and a["ts"] < b["ts"] + 1e-6
+            # Each end sits inside an op slice of its rank, so the viewer binds the arrow to it.
+            for e in (a, b):
+                assert any(t == e["tid"] and t0 <= e["ts"] <= t1 for t, t0, t1 in ops), e
+        for r in range(P):
+            values = [e["args"]["device"] for e in ev if e["ph"] == "C" and e["name"].startswith(f"rank {r} ")]
+            assert max(values) == pytest.approx(s.rank_stats(r)[2]) and values[-1] == pytest.approx(0)
+
+
 def test_copies_from_python_run_on_their_own_lane():
     # PipeOffload's copies through the Python API: the same hand-worked case as test_copies.c
     # (one rank, T_F 2, T_BW 3, copies 1): the OFFLOADs take microbatches 0 and 1 off the device,

@@ -69,6 +69,25 @@ class _ScheduleExports:
     def to_svg(self):
         return self.export("svg")
 
+    def set_display(self, name=None, time_unit=None, time_span=0.0):
+        """What the exports call this schedule and its time (zb_schedule_set_display): name, the
+        title of the svg, chrome and text exports (None: the kind's name); time_unit, e.g. "ms"
+        (None: the costs' unit, unnamed); time_span > 0 draws the svg's time axis over that much
+        time at a fixed width, so pictures given the same span share one scale (stack_svgs does
+        this for the schedules it is given). Returns self."""
+        span = float(time_span)
+        for what, text in (("name", name), ("time_unit", time_unit)):
+            if text is not None and not isinstance(text, str):
+                raise TypeError(f"set_display: {what} must be a string or None, got {type(text).__name__}")
+        _lib.call("zb_schedule_set_display", [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_double],
+                  self.handle, name.encode() if name else None, time_unit.encode() if time_unit else None, span)
+        self._display = (name, time_unit, span)
+        return self
+
+    def display(self):
+        """(name, time_unit, time_span) as set_display last set them (None, None, 0.0 if never)."""
+        return getattr(self, "_display", (None, None, 0.0))
+
     def save(self, path, fmt=None):
         """Writes the schedule to a file. fmt None picks it from the name: .svg, .csv, .json,
         .txt (text), and a name ending in 'trace.json' or '.trace' for a Chrome trace."""
@@ -87,11 +106,27 @@ class _ScheduleExports:
 
 def stack_svgs(parts):
     """One SVG picture of several schedule pictures one above the other, each under its caption:
-    `parts` is a list of (caption, svg text) such as Schedule.to_svg() gives. Used to draw a
-    run's measured timeline under the plan it ran (examples/train_gpt.py), where a person compares
-    them at a glance. Each picture keeps its own time scale (its width is its span)."""
+    `parts` is a list of (caption, picture), each picture a Schedule or the svg text of one
+    (Schedule.to_svg()). Used to draw a run's measured timeline under the plan it ran
+    (examples/train_gpt.py), where a person compares them at a glance. Schedules are drawn on one
+    time scale: each over the longest makespan of them (set_display's time_span), so their times
+    must be in one unit (a plan from measured costs and a measured step: milliseconds). SVG texts
+    keep the scale they were drawn at."""
+    schedules = [pic for _, pic in parts if not isinstance(pic, str)]
+    span = max((sc.simulate().makespan or 0.0 for sc in schedules), default=0.0)
+    texts = []
+    for caption, pic in parts:
+        if not isinstance(pic, str):
+            sched = pic
+            name, unit, own = sched.display()
+            sched.set_display(name, unit, span)
+            try:
+                pic = sched.to_svg()
+            finally:
+                sched.set_display(name, unit, own)
+        texts.append((caption, pic))
     pieces, y, width = [], 0, 0
-    for caption, svg in parts:
+    for caption, svg in texts:
         head = re.match(r"\s*<svg\b[^>]*>", svg)
         w = re.search(r'\bwidth="([0-9.]+)"', head.group(0)) if head else None
         h = re.search(r'\bheight="([0-9.]+)"', head.group(0)) if head else None

@@ -22,7 +22,7 @@ activations through all of a rank's layers (1F1B peaks at p).
 
 import ctypes
 import os
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 from . import _lib
 from ._schedule_args import _TIME_KEYS, _count, _index, _is_number, _mem_limit, _number, _parse_times
@@ -188,17 +188,31 @@ class Op(NamedTuple):
 
 class SimResult(NamedTuple):
     """A schedule's figures (zb_sim_result_t). cost: the largest span of any rank; busy: the
-    largest total compute of any rank; bubble_rate: (cost - busy) / cost; max_peak_memory: the
-    largest activation peak of any rank, in microbatches through a rank's layers."""
+    largest total compute of any rank; bubble_rate: (cost - busy) / cost, the paper's bubble rate
+    (the busiest rank's idle share of its own span); max_peak_memory: the largest activation peak
+    of any rank, in microbatches through a rank's layers. makespan: the step from the first
+    compute op's start on any rank to the last one's end; idle_rate: the share of all ranks' time
+    over the makespan that no compute op fills (zb_schedule_step_idle). The two rates differ where
+    the busiest rank never waits but the others do, at the step's fill and drain: ZB-V at m = 2p
+    has bubble_rate 0 and an idle_rate above 0."""
 
     cost: float
     bubble_rate: float
     busy: float
     max_peak_memory: float
+    makespan: Optional[float] = None
+    idle_rate: Optional[float] = None
 
 
-def _sim_result(raw):
-    return SimResult(raw.cost, raw.bubble_rate, raw.busy, raw.max_peak_memory)
+def _sim_result(raw, handle=None):
+    """SimResult from zb_sim_result_t; with the schedule's handle, its step figures too."""
+    makespan = idle = None
+    if handle is not None:
+        m, i = ctypes.c_double(), ctypes.c_double()
+        _lib.call("zb_schedule_step_idle", [ctypes.c_void_p] + [ctypes.POINTER(ctypes.c_double)] * 2,
+                  handle, ctypes.byref(m), ctypes.byref(i))
+        makespan, idle = m.value, i.value
+    return SimResult(raw.cost, raw.bubble_rate, raw.busy, raw.max_peak_memory, makespan, idle)
 
 
 # ---- small helpers --------------------------------------------------------------------------------
@@ -680,7 +694,7 @@ class Schedule(_ScheduleExports):
         raw = _SimResult()
         _lib.call("zb_schedule_simulate", [ctypes.c_void_p, ctypes.POINTER(_SimResult)],
                   self.handle, ctypes.byref(raw))
-        return _sim_result(raw)
+        return _sim_result(raw, self.handle)
 
     def cost_bound(self):
         """A cost no schedule of this shape, costs and memory limit can go below, whatever its op
@@ -746,7 +760,7 @@ class Schedule(_ScheduleExports):
                    ctypes.POINTER(_SimResult)],
                   self.handle, start_ptrs, end_ptrs, ctypes.byref(raw))
         del keep  # copied during the call
-        return _sim_result(raw)
+        return _sim_result(raw, self.handle)
 
     def _per_rank(self, lists, what, per_op, keep):
         """One C array of numbers per rank, each aligned with rank_ops(r), from a list of lists:
@@ -778,7 +792,13 @@ class Schedule(_ScheduleExports):
                   [ctypes.c_void_p, ctypes.POINTER(_c_double_p), ctypes.POINTER(_SimResult)],
                   self.handle, ptrs, ctypes.byref(raw))
         del keep
-        return _sim_result(raw)
+        res = _sim_result(raw)
+        # The step's figures of these durations (zb_schedule_step_idle's, on them).
+        makespan = self.makespan_durations(durations)
+        work = sum(d for r in range(self.ranks) for op, d in zip(self.rank_ops(r), durations[r])
+                   if op.type not in ("OFFLOAD", "RELOAD"))
+        idle = 1.0 - work / (self.ranks * makespan) if makespan > 0 else 0.0
+        return res._replace(makespan=makespan, idle_rate=max(idle, 0.0))
 
     def makespan_durations(self, durations):
         """The end-to-end time (ms) of this op order run with the given op durations (as in

@@ -184,9 +184,10 @@ def train(rank, ranks, args, group=None, report=print):
         post.zero_grad(set_to_none=True)
         dt = time.perf_counter() - t0
         timeline = sched.timeline()
-        bubble = timeline.measured.bubble_rate
+        bubble, idle = timeline.measured.bubble_rate, timeline.measured.idle_rate
         timeline.close()
         out["bubbles"].append(bubble)
+        out.setdefault("idle", []).append(idle)
         out["step_seconds"].append(dt)
         info = sched.plan_info
         # The plan made after this step runs from the next one on.
@@ -196,7 +197,8 @@ def train(rank, ranks, args, group=None, report=print):
             out["losses"].append([float(v) for v in losses])
             if not args.quiet:
                 report(f"step {step + 1:3d}/{args.steps} | loss {loss:.4f} | {tokens / dt:7,.0f} tokens/s "
-                       f"| bubble {100 * bubble:5.1f}% (measured){planned} | grad norm {res.grad_norm:6.3f}"
+                       f"| bubble {100 * bubble:5.1f}% idle {100 * idle:5.1f}% (measured){planned} "
+                       f"| grad norm {res.grad_norm:6.3f}"
                        f"{' clipped' if res.clipped else ''}{' rolled back' if res.rolled_back else ''}",
                        flush=True)
                 if info is not None and info.step == step + 1:
@@ -219,17 +221,20 @@ def train(rank, ranks, args, group=None, report=print):
         out["files"] = [base + ".svg", base + "-trace.json"]
         if info is not None and info.costs is not None:
             out["files"].append(info.costs.save(base + "-costs.json"))
-            # The plan (simulated on the measured costs) above what the last step measured.
+            # The plan (simulated on the measured costs, in ms) above what the last step measured,
+            # on one time scale.
             r = sched.schedule.simulate()
             m = final.measured
+            sched.schedule.set_display(f"{sched.schedule.kind}, planned", "ms")
             picture = zbpp.stack_svgs([
                 (f"plan: {sched.schedule.kind} on the "
                  + (f"costs measured in steps {info.profile_steps[0]}-{info.profile_steps[1]}"
                     if info.profile_steps else "given costs")
-                 + f", simulated bubble {100 * r.bubble_rate:.1f}%"
+                 + f", simulated bubble {100 * r.bubble_rate:.1f}%, idle {100 * r.idle_rate:.1f}%"
                  + ("" if info.expected_bubble is None else f" ({100 * info.expected_bubble:.1f}% expected as measured)"),
-                 sched.schedule.to_svg()),
-                (f"measured: step {args.steps}, bubble {100 * m.bubble_rate:.1f}%", final.to_svg())])
+                 sched.schedule),
+                (f"measured: step {args.steps}, bubble {100 * m.bubble_rate:.1f}%, idle {100 * m.idle_rate:.1f}%",
+                 final)])
             with open(base + "-plan-vs-measured.svg", "w", encoding="utf-8") as f:
                 f.write(picture)
             out["files"].append(base + "-plan-vs-measured.svg")

@@ -360,6 +360,8 @@ class PlanInfo(NamedTuple):
                      f"costs; the new plan would not be faster ({100 * self.candidate.bubble_rate:.1f}%)")
         else:
             text += f": simulated bubble {100 * self.simulated.bubble_rate:.1f}%"
+            if self.simulated.idle_rate is not None:
+                text += f" (idle {100 * self.simulated.idle_rate:.1f}% of all ranks' time over the step)"
         if self.expected_bubble is not None:
             text += f", {100 * self.expected_bubble:.1f}% expected as measured (runtime overhead idle, measured op-time spread)"
         if self.before is not None and self.switched:
