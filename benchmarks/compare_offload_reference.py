@@ -10,7 +10,7 @@ What it does, per case (p in {4, 8}, m in {16, 32}, offload-chunk-num k in {1, 2
   2. re-simulates in zbpp the reference's compute order without copies, the reference's placement
      (its D2H start as OFFLOAD, its H2D start as RELOAD, in its list positions), and zbpp's own
      pass on the same compute order (Schedule.plan_offload), with every copy taking
-     offload_time x (F + B) (the README's definition of --offload-time);
+     offload_time x (F + B) (docs/megatron.md's definition of --offload-time);
   3. checks that zbpp's pass validates, keeps the step and, where the reference placed copies,
      leaves no rank holding more than the reference's placement does. zbpp's pass picks the
      microbatches and chunks itself: the reference's offload-chunk-num k does not bind it.

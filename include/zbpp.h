@@ -417,7 +417,7 @@ ZB_API zb_status_t zb_schedule_create_offloaded(zb_schedule_t **out, const zb_sc
 typedef enum {
   ZB_FORMAT_TEXT = 0,   /* a rank-by-time grid for a terminal */
   ZB_FORMAT_CSV = 1,    /* torch.distributed.pipelining's compute_only action grammar */
-  ZB_FORMAT_JSON = 2,   /* the zbpp JSON shape (README) */
+  ZB_FORMAT_JSON = 2,   /* the zbpp JSON shape (docs/tool.md) */
   ZB_FORMAT_CHROME = 3, /* Chrome trace / Perfetto JSON */
   ZB_FORMAT_SVG = 4,    /* a timeline in the style of the paper's figures */
   ZB_FORMAT_CSV_COMMS = 5, /* torch's compute_comms form: the CSV with SEND_F/RECV_F/SEND_B/RECV_B */

@@ -1,6 +1,6 @@
 /*
  * costs.c - the tool's reader for per-stage cost files (`--stage-times FILE`): a small, strict JSON
- * reader and the rules of the "zbpp-costs" format, version 1 (README, "Cost files"):
+ * reader and the rules of the "zbpp-costs" format, version 1 (docs/tool.md, "Cost files"):
  *
  *   {"format": "zbpp-costs", "version": 1, "unit": "ms", "ranks": 2, "chunks": 2, "placement": "v",
  *    "time_f": [S numbers], "time_b": [S], "time_w": [S], "time_bw": [S] or null,

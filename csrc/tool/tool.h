@@ -34,7 +34,7 @@ void zb__tool_one_blas_thread(void);
 #define ZB__TOOL_PRINTF(f, a)
 #endif
 
-/* A per-stage cost file ("zbpp-costs", version 1; costs.c and the README describe the format).
+/* A per-stage cost file ("zbpp-costs", version 1; costs.c and docs/tool.md describe the format).
  * Arrays hold `stages` values each, absolute per stage (zb_schedule_spec_t.stage_time_* units). */
 typedef struct {
   int stages;                       /* S: the length of every per-stage array */

@@ -396,7 +396,7 @@ check_eq "-o past a file-size limit: no temporary left" "plan.svg" "$(ls -A "$T/
 # ---- verify and bench ---------------------------------------------------------------------------
 
 # verify: the pipelined run equals the sequential loop, exit 0, and --json ends with one JSON line
-# carrying the fields the README documents.
+# carrying the fields docs/tool.md documents.
 run verify zb-v -p 2 -m 4 --steps 2 --json
 check_rc "verify zb-v exits 0 when equal" 0
 check_grep "verify reports bit-for-bit equality" "$T/out" "bit-for-bit equal"

@@ -4,7 +4,7 @@ What this is: `forward_backward_func`, a function with the keyword-only signatur
 `megatron.core.pipeline_parallel.get_forward_backward_func()` returns, whose training pass is
 run by the C runner with a zbpp schedule (1F1B, interleaved 1F1B, ZB-H1/H2, ZB-V, V-Half, V-Min
 or the automatic zero-bubble scheduler); `patch()` installs it where Megatron looks the function
-up, so `train_step` and `evaluate` use it unchanged. The README's "Megatron-LM" section has the
+up, so `train_step` and `evaluate` use it unchanged. docs/megatron.md has the
 recipes for Megatron's training script (core >= 0.18: `parse_and_validate_args`; older:
 `pretrain(extra_args_provider=...)`).
 

@@ -36,7 +36,7 @@ class _Stepping:
         default) unless return_outputs is False, None elsewhere. Gradients accumulate into .grad
         (or main_grad). Without a loss_fn on any rank the step runs forward only, as torch's does.
         With several ranks, a step that fails on one rank fails on every rank and closes the
-        pipeline (README, "Failures"; _agree.py)."""
+        pipeline (docs/failures.md; _agree.py)."""
         presplit = None
         if arg_mbs is not None or kwarg_mbs is not None or target_mbs is not None:
             presplit = (arg_mbs, kwarg_mbs, target_mbs)

@@ -14,7 +14,7 @@ hierarchy under it: `PipelineScheduleSingle` (GPipe, 1F1B, `_ScheduleForwardOnly
 (orders with transfers; `ScheduleInterleaved1F1B`, `ScheduleLoopedBFS`,
 `ScheduleInterleavedZeroBubble`, `ScheduleZBVZeroBubble`). `_PipelineContext` and `_wait_batch_p2p`
 are torch's helpers, for scripts that import them. `ScheduleDualPipeV` runs each overlapped pair
-one half after the other (the README lists what zbpp runs).
+one half after the other (docs/torch.md lists what zbpp runs).
 """
 
 from . import (
