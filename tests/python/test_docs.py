@@ -213,3 +213,40 @@ if __name__ == "__main__":
             pass
         sys.exit(0)
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_public_classes_and_functions_show_their_arguments_and_an_example():
+    """help() on the public API: every public class and function has a docstring that says more
+    than its name; the schedule classes show their real signature (torch's arguments, then zbpp's
+    keywords, no bare **kwargs), an example, and a line for every keyword they take."""
+    import inspect
+
+    pytest.importorskip("torch")
+    import zbpp
+    import zbpp.megatron
+    import zbpp.pipelining
+
+    thin, schedules = [], []
+    for mod in (zbpp, zbpp.pipelining, zbpp.megatron):
+        for name in mod.__all__:
+            obj = getattr(mod, name, None)
+            if not callable(obj) or name.startswith("_") or getattr(obj, "__module__", "").startswith("torch"):
+                continue  # (torch's own classes, re-exported as torch has them)
+            if len(inspect.getdoc(obj) or "") < 60:
+                thin.append(f"{mod.__name__}.{name}")
+            if inspect.isclass(obj) and issubclass(obj, zbpp.pipelining.PipelineSchedule) and obj is not \
+                    zbpp.pipelining.PipelineSchedule:
+                schedules.append(obj)
+    assert not thin, f"public names whose help() says almost nothing: {thin}"
+    assert len(schedules) >= 15, schedules
+    for cls in schedules:
+        sig = inspect.signature(cls)
+        kinds = [p.kind for p in sig.parameters.values()]
+        assert inspect.Parameter.VAR_KEYWORD not in kinds, f"{cls.__name__}{sig}: a bare **kwargs"
+        doc = inspect.getdoc(cls)
+        assert "Example::" in doc and re.search(rf"\b{cls.__name__}[(),]", doc), f"{cls.__name__}: no example in help()"
+        for p in sig.parameters.values():
+            if p.kind is inspect.Parameter.KEYWORD_ONLY:
+                assert re.search(rf"^\s+{p.name}\s", doc, re.M), f"{cls.__name__}: keyword {p.name} is not described"
+        for key in ("mem_limit", "plan_from_measured", "offload", "vocab_parallel", "timeout"):
+            assert key in sig.parameters, f"{cls.__name__}: help() does not show {key}"

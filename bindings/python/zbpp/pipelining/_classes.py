@@ -240,3 +240,46 @@ def get_schedule_class(schedule_name):
         raise ValueError(f"zbpp.get_schedule_class: {name!r} ({kind}) has no generator; use "
                          "ScheduleFromCSV for a schedule from a file")
     return cls
+
+
+# ---- what help() shows ----------------------------------------------------------------------------
+
+def _document_classes():
+    from ._class_docs import document
+
+    loop = ("stage = PipelineStage(my_layers, rank, world, device)      # stage r on rank r\n"
+            "schedule = {name}(stage, n_microbatches=8, loss_fn=loss_fn{extra})\n"
+            "if rank == 0: schedule.step(x)\n"
+            "elif rank == world - 1: schedule.step(target=y, losses=losses)\n"
+            "else: schedule.step()")
+    vee = ("chunks_here = (rank, 2 * world - 1 - rank)               # a V: rank 0 holds the first and last\n"
+           "stages = [PipelineStage(chunks[s], s, 2 * world, device) for s in chunks_here]\n"
+           "schedule = {name}(stages, n_microbatches=8, loss_fn=loss_fn)\n"
+           "schedule.step(x, target=y, losses=losses) if rank == 0 else schedule.step()")
+    inter = ("stages = [PipelineStage(chunks[s], s, 2 * world, device) for s in (rank, rank + world)]\n"
+             "schedule = {name}(stages, n_microbatches=8, loss_fn=loss_fn)   # m a multiple of world\n"
+             "if rank == 0: schedule.step(x)\n"
+             "elif rank == world - 1: schedule.step(target=y, losses=losses)\n"
+             "else: schedule.step()")
+    base = PipelineSchedule.__init__
+    for cls, shape, extra in ((ScheduleGPipe, loop, ""), (Schedule1F1B, loop, ""), (ScheduleZBH1, loop, ""),
+                              (ScheduleZBH2, loop, ""), (ScheduleZBAuto, loop, ', mem_limit="2p"'),
+                              (ScheduleInterleaved1F1B, inter, ""), (ScheduleGroupInterleaved1F1B, inter, ""),
+                              (ScheduleInterleavedZeroBubble, inter, ""), (ScheduleLoopedBFS, inter, ""),
+                              (ScheduleZBVZeroBubble, vee, ""), (ScheduleVHalf, vee, ""), (ScheduleVMin, vee, ""),
+                              (ScheduleDualPipeV, vee, "")):
+        summary = cls.__doc__ + (f"\n\nzbpp kind {cls.kind!r}: `zbpp schedule {cls.kind} -p P -m M` prints and "
+                                 "draws its plan; docs/schedules.md compares the kinds." if cls.kind else "")
+        document(cls, base, summary, shape.format(name=cls.__name__, extra=extra))
+    document(ScheduleFromCSV, base, ScheduleFromCSV.__doc__,
+             "schedule = ScheduleFromCSV(stages, n_microbatches=8, loss_fn=loss_fn, csv=\"plan.csv\")\n"
+             "# plan.csv: torch's action grammar, e.g. from `zbpp schedule zb-v -p 4 -m 8 --format csv -o plan.csv`")
+    for cls in (PipelineScheduleSingle, PipelineScheduleMulti):
+        document(cls, base, cls.__doc__,
+                 f"class MySchedule({cls.__name__}):\n"
+                 "    def __init__(self, *args, **kwargs):\n"
+                 "        super().__init__(*args, **kwargs)\n"
+                 "        self.pipeline_order = {...}   # rank -> list of torch's _Action")
+
+
+_document_classes()
