@@ -95,6 +95,20 @@ def wheel(build_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def repaired(build_dir, tmp_path_factory):
+    """The wheel users install: .ci/wheel's (pip wheel, then auditwheel repair: manylinux, its BLAS
+    inside), from a copy of the source with the build under test, this test's environment."""
+    venv = Path(PYTHON).parent.parent
+    if not (venv / "bin" / "auditwheel").is_file():
+        pytest.skip(f"auditwheel is not installed in {venv} (.ci/setup installs it)")
+    src = _copy_source(tmp_path_factory.mktemp("repair") / "src")
+    _run(["bash", src / ".ci" / "wheel"], env=_env(ZBPP_PREBUILT_DIR=build_dir, ZBPP_VENV=venv), cwd=src)
+    wheels = sorted((src / "dist").glob("zbpp-*manylinux*.whl"))
+    assert len(wheels) == 1, wheels
+    return wheels[0]
+
+
+@pytest.fixture(scope="module")
 def installed(wheel, tmp_path_factory):
     """The wheel installed with pip into a plain directory (pip install --target)."""
     target = tmp_path_factory.mktemp("target")
@@ -167,6 +181,62 @@ def test_installed_package_has_the_torch_ops_its_build_made(wheel, installed, bu
     )
     path = _run([PYTHON, "-c", script], env=env, cwd=cwd).stdout.strip()
     assert str(Path(path).resolve()).startswith(str(Path(installed).resolve())), path
+
+
+def test_the_wheel_in_a_fresh_environment_without_a_compiler_runs_the_docs_example(repaired, tmp_path):
+    """What a user without a compiler does: a fresh virtual environment, pip install of the wheel
+    .ci/wheel makes (its dependencies, numpy and torch, found where the environment sees them: here
+    this test's own site-packages, so nothing is downloaded), then the CLI and
+    docs/getting-started.md's torch example from it, with a PATH that holds no compiler (only the
+    environment's bin/). The wheel is manylinux and its library and tool take their BLAS from the
+    wheel, not from the machine."""
+    wheel = repaired
+    pytest.importorskip("torch")
+    import sysconfig
+    import venv
+
+    fresh = tmp_path / "fresh"
+    venv.EnvBuilder(with_pip=False, symlinks=True).create(fresh)
+    py = fresh / "bin" / "python"
+    site = Path(_run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], env=_env(),
+                     cwd=tmp_path).stdout.strip())
+    # torch and numpy as the user's environment has them: this test's site-packages, behind the
+    # fresh one's own (pip sees their metadata there and installs neither).
+    (site / "_outer.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    bare = tmp_path / "bin-only"
+    bare.mkdir()
+    env = _env(PATH=f"{fresh / 'bin'}:{bare}", VIRTUAL_ENV=fresh)
+    for tool in ("cc", "gcc", "cmake", "c++"):
+        assert _run(["/bin/sh", "-c", f"command -v {tool} || true"], env=env, cwd=tmp_path).stdout.strip() == ""
+    # pip from this interpreter, installing into the fresh environment (it has no pip of its own).
+    _run([PYTHON, "-m", "pip", "--python", py, "install", "--no-index", wheel], env=env, cwd=tmp_path)
+    out = _run([fresh / "bin" / "zbpp", "schedule", "zb-v", "-p", "4", "-m", "8"], env=env, cwd=tmp_path).stdout
+    assert out.startswith("zb-v: p=4 v=2 m=8  cost 24  bubble 0.00%  idle 5.88%"), out
+    script = REPO_ROOT / "docs" / "examples" / "first_pipeline.py"
+    proc = _run([py, "-m", "torch.distributed.run", "--nproc-per-node", "2", script], env=_env(
+        PATH=f"{fresh / 'bin'}:{bare}", OMP_NUM_THREADS=1, ZBPP_QUIET=1), cwd=tmp_path)
+    assert "step 6: loss" in proc.stdout and (tmp_path / "first_pipeline.svg").is_file(), proc.stdout[-2000:]
+    where = _run([py, "-c", "import zbpp; print(zbpp.__file__)"], env=env, cwd=tmp_path).stdout.strip()
+    assert where.startswith(str(fresh)), f"zbpp came from {where}, not the fresh environment"
+    assert "manylinux" in wheel.name, wheel.name
+    # One copy of the library in the process: the torch ops bind to the libzbpp.so Python loaded
+    # (a second copy, grafted by a repair, would hold W stores of its own).
+    maps = _run([py, "-c", "import torch, zbpp\nfrom zbpp import _ops\nassert _ops.stable() is not None, "
+                 "_ops.stable_unavailable()\nprint(open('/proc/self/maps').read())"], env=env, cwd=tmp_path).stdout
+    copies = {line.split()[-1] for line in maps.splitlines() if "libzbpp" in line and "libzbpp_torch" not in line}
+    assert len(copies) == 1, f"libzbpp is mapped from {sorted(copies)}"
+    pkg = Path(where).parent
+    for binary in (pkg / "libzbpp.so", pkg / "bin" / "zbpp"):
+        deps = _run(["/usr/bin/ldd", binary], env=_env(), cwd=tmp_path).stdout
+        blas = [line for line in deps.splitlines() if "blas" in line]
+        assert blas and all("zbpp.libs" in line for line in blas), f"{binary.name}: {blas}"
+
+
+def test_the_wheel_declares_numpy_and_an_unpinned_torch(wheel):
+    with zipfile.ZipFile(wheel) as zf:
+        meta = zf.read(next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))).decode()
+    requires = sorted(line.split(":", 1)[1].strip() for line in meta.splitlines() if line.startswith("Requires-Dist:"))
+    assert requires == ["numpy", "torch"], requires
 
 
 def test_python_m_zbpp_help_lists_kinds(installed, tmp_path):

@@ -106,6 +106,7 @@ def compiling():
 
 # ---- the stable-ABI library (libzbpp_torch.so) ---------------------------------------------------
 ENV_TORCH_LIBRARY = "ZBPP_TORCH_LIBRARY"
+MISSING = " (this build has none)"  # the end of stable_unavailable() when the file is not there
 TORCH_LIB_NAME = "libzbpp_torch.so"
 TOKEN_BIT = 1 << 63  # tokens of entries zbpp::wgrad_deferred pushed (csrc/torch/ops.cpp)
 CPU_KEY = -1  # the CPU's device key in zbpp_torch_bind
@@ -150,7 +151,7 @@ def _load_stable():
     path = stable_library_path()
     if not os.path.isfile(path):
         return None, None, (f"{path} not found: it is built by CMake when ZB_PYTHON's torch is 2.10 or newer "
-                            f"(cmake -DZB_PYTHON=$(which python) ...), or set {ENV_TORCH_LIBRARY}")
+                            f"(cmake -DZB_PYTHON=$(which python) ...), or set {ENV_TORCH_LIBRARY}{MISSING}")
     torch.ops.load_library(path)
     handle = ctypes.CDLL(path)  # the same object torch loaded: dlopen of one path gives one copy
     handle.zbpp_torch_bind.argtypes = [ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p]

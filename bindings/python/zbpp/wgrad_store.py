@@ -126,6 +126,16 @@ class WGradStore:
         library = CUBLASLT if self.is_cuda else CBLAS
         if name is None:
             name = TORCH if _ops.stable() is not None else library
+            if name == library and _ops.stable_unavailable().endswith(_ops.MISSING):
+                # A build without the torch ops (pip's build isolation hides torch from the build):
+                # the split layers' W then sums in another order than torch's own backward.
+                from ._notice import notice
+
+                notice("no-torch-ops", f"zbpp: this installation has no {_ops.TORCH_LIB_NAME} (built by a Python "
+                                       "without torch 2.10+, as pip's isolated build is), so split layers' weight gradients run "
+                                       f"through the library's {library} GEMM, not torch's ops: equal to rounding, "
+                                       "not bit for bit with torch. Reinstall with `pip install "
+                                       "--no-build-isolation ...` to build it")
         if name == "library":
             name = library
         if name not in (TORCH, library):
