@@ -325,6 +325,15 @@ def _vocab_parallel(model):
     return None
 
 
+def _outside_batch(case):
+    """A batch for a forward outside any schedule: (input_ids, position_ids, attention_mask)."""
+    import torch
+
+    b, seq = case["micro_batch_size"], case["seq_length"]
+    ids = torch.zeros(b, seq, dtype=torch.long)
+    return ids, torch.arange(seq).expand(b, seq), None
+
+
 def set_weights(model, tp, tp_rank):
     """Overwrites every parameter of this rank's chunks from its global name (the rows of a split
     layer from its whole weight's)."""
@@ -936,6 +945,20 @@ def _run_case(case, timeout, progress):
         except _Stop:
             pass
         result["virtual_ranks"] = {k: sorted(vs, key=str) for k, vs in log.virtual.items()}
+        if case["vocab_parallel"] and zb is not None:
+            # What a user does with the split layers after training, outside zbpp's calls: the
+            # whole weights (every rank), a forward of its own, a distributed checkpoint.
+            vp = zb.vocab_parallel_of(model)
+            result["vocab_gathered"] = {k: t.clone() for k, t in vp.gather().items()}
+            outside = {}
+            for what, fn in (("forward", lambda: model[0](*_outside_batch(case))),
+                             ("sharded_state_dict", lambda: _unwrap(model[-1]).sharded_state_dict())):
+                try:
+                    fn()
+                    outside[what] = None
+                except Exception as exc:  # noqa: BLE001 - the error is what is recorded
+                    outside[what] = f"{type(exc).__name__}: {exc}"
+            result["vocab_outside"] = outside
         # The W GEMMs zbpp's store ran (training only: evaluation has no backward).
         result["gemms_run"] = store.gemms_run if store is not None else None
         # Which kernel ran them: "torch" (torch's own ops, Megatron's bits) or the library's GEMM.

@@ -158,17 +158,27 @@ def test_vocab_parallel_flags_parse_and_what_they_do_not_go_with_is_refused(fres
     zm.configure(_parse(["--enable-vocab-parallel", "--disable-backward-fusion"]))
     opts = zm.options()
     assert opts.enable_vocab_parallel and opts.disable_backward_fusion
-    unfused = types.SimpleNamespace(vp=types.SimpleNamespace(fused=False))
+    import torch
+
+    def ctx(device="cpu"):
+        return types.SimpleNamespace(vp=types.SimpleNamespace(fused=False, parameters=lambda: [torch.zeros(1, device=device)]))
+
+    unfused = ctx()
     fp32 = types.SimpleNamespace(fp16=False, bf16=False)
-    check_call(unfused, fp32, opts, False, False)  # what the model was built for: fine
-    for ctx, config, o, fwd, collect, text in (
-            (unfused, fp32, opts._replace(enable_vocab_parallel=False), False, False, "flag is off"),
-            (unfused, fp32, opts._replace(disable_backward_fusion=False), False, False, "--disable-backward-fusion"),
-            (unfused, fp32, opts._replace(cpu_offload=True), False, False, "--cpu-offload"),
-            (unfused, fp32, opts, True, True, "collect_non_loss_data"),
-            (unfused, types.SimpleNamespace(fp16=False, bf16=True), opts, False, False, "bf16")):
+    plain = [types.SimpleNamespace()]
+    gathering = [types.SimpleNamespace(ddp_config=types.SimpleNamespace(overlap_param_gather=True))]
+    check_call(unfused, fp32, opts, False, False, plain)  # what the model was built for: fine
+    for c, config, o, fwd, collect, chunks, text in (
+            (unfused, fp32, opts._replace(enable_vocab_parallel=False), False, False, plain, "flag is off"),
+            (unfused, fp32, opts._replace(disable_backward_fusion=False), False, False, plain,
+             "--disable-backward-fusion"),
+            (unfused, fp32, opts._replace(cpu_offload=True), False, False, plain, "--cpu-offload"),
+            (unfused, fp32, opts, True, True, plain, "collect_non_loss_data"),
+            (unfused, types.SimpleNamespace(fp16=False, bf16=True), opts, False, False, plain, "bf16"),
+            (unfused, fp32, opts, False, False, gathering, "--overlap-param-gather"),
+            (ctx("meta"), fp32, opts, True, False, plain, "CPU stages")):
         with pytest.raises(ValueError, match=text):
-            check_call(ctx, config, o, fwd, collect)
+            check_call(c, config, o, fwd, collect, chunks)
 
 
 def test_fork_offload_flags_choose_what_moves(fresh_config):

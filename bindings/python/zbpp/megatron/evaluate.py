@@ -48,7 +48,7 @@ def _forward_only(call, kind, v, p, rank, group, stage_of, S, meta, timeout, voc
         from .vocab import _Eval
 
         vocab.eval = _Eval(vocab, call, group, rank, _holder(kind, v, p, 0), _holder(kind, v, p, S - 1),
-                           shape[0], shape[1])
+                           shape[0], shape[1], timeout)
         try:
             if 0 not in stage_of:
                 vocab.eval.join_embeddings(m)

@@ -14,6 +14,7 @@ from .hooks import GradSync, finalize, forward_losses, optimizer_step, param_syn
 from .loss import _Call
 from .memory import Meter
 from .vocab import Feed, check_call, context_of
+from .vocab import idle as vocab_idle
 from .placement import (_device_of, _holder, _is_v, _loop_rank, _parallel_size, _parallel_state, _stage_of, _topology,
                         _wrapped_attr, pipeline_cpu_group)
 
@@ -38,7 +39,6 @@ class _MegatronSchedule(PipelineSchedule):
         if vocab is not None:
             (_dtype, (seq, micro_batch, _hidden)), = meta
             self._vp.set_feed(Feed(self, seq, micro_batch))
-            vocab.run = self._vp
         S = stages[0].num_stages
         # Megatron's activations are (seq, micro batch, hidden) everywhere; no inference pass, which
         # would read from the data iterators.
@@ -111,8 +111,6 @@ class _MegatronSchedule(PipelineSchedule):
         self._pending, self._done_b = {}, set()
         self._store.release_hooks.append(self._on_release)
         try:
-            if self._vp is not None:
-                self._vp.begin_step(None, None, True)  # fed: the lanes ready, nothing to send yet
             super()._run_iteration()
         finally:
             self._store.release_hooks.remove(self._on_release)
@@ -243,7 +241,7 @@ def forward_backward_func(*, forward_step_func, data_iterator, model, num_microb
     opts = options()
     vocab = context_of(chunks)  # --enable-vocab-parallel: built by vocab_model_provider (vocab.py)
     if vocab is not None:
-        check_call(vocab, config, opts, forward_only, collect_non_loss_data)
+        check_call(vocab, config, opts, forward_only, collect_non_loss_data, chunks)
     v = len(chunks)
     kind, mem_limit = schedule_for(v, p, opts)
     group_size_vp = getattr(config, "microbatch_group_size_per_vp_stage", None)
@@ -272,7 +270,11 @@ def forward_backward_func(*, forward_step_func, data_iterator, model, num_microb
         problem = _v_order_problem(chunks, stage_of, S, kind) if _is_v(kind, v) and p > 1 else None
         if problem is not None:  # (training publishes it; an evaluation-only run fails where it sees it)
             raise ValueError(problem)
-        _forward_only(call, kind, v, p, rank, group, stage_of, S, meta, opts.timeout, vocab)
+        try:
+            _forward_only(call, kind, v, p, rank, group, stage_of, S, meta, opts.timeout, vocab)
+        finally:
+            if vocab is not None:
+                vocab_idle(vocab)
         return forward_losses(call.store, layout)
 
     def build():
@@ -303,6 +305,8 @@ def forward_backward_func(*, forward_step_func, data_iterator, model, num_microb
            str(offload(opts, p, v)[0]) if opts.cpu_offload else None, opts.offload_time if opts.cpu_offload else None)
     sched = _schedule(key, build)
     sched.call = call
+    if vocab is not None:
+        vocab.run = sched._vp  # the hooks in the model reach this call's passes
     if auto and auto_key not in _auto_limits:
         sched.meter = Meter(device)
     try:
@@ -319,6 +323,8 @@ def forward_backward_func(*, forward_step_func, data_iterator, model, num_microb
         # After a failure the runner and the transport's pairs are in an unknown state: the next
         # call starts from a fresh schedule.
         sched.call = sched.grad_sync = sched.meter = None
+        if vocab is not None:
+            vocab_idle(vocab)
         with contextlib.suppress(Exception):
             reset()
         cause = exc.__cause__
@@ -330,6 +336,8 @@ def forward_backward_func(*, forward_step_func, data_iterator, model, num_microb
             raise cause from exc
         raise
     sched.call = sched.grad_sync = None
+    if vocab is not None:
+        vocab_idle(vocab)
     if sched.meter is not None:
         meter, sched.meter = sched.meter, None
         _auto_limits[auto_key] = meter.limit(opts.zero_bubble_adaptive_memory_limit_percentile, p, group)

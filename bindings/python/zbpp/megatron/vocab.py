@@ -36,6 +36,7 @@ the softmax as in Megatron's own layer. Refused with a clear error: the rest, an
 The whole weights for a checkpoint in the unsharded layout: vocab_parallel_of(model).gather().
 """
 
+import datetime
 import functools
 
 import torch
@@ -69,6 +70,8 @@ class _Shards(torch.nn.Module):
         super().__init__()
         self.ctx = ctx  # a plain attribute: not a module
         for name, weight in ctx.vp.named_parameters():
+            # As Megatron marks the layers they come from (its --decoupled-lr and optimizers read it).
+            weight.is_embedding_or_output_parameter = True
             self.register_parameter(name.replace(".", "_"), weight)
 
     def extra_repr(self):
@@ -148,27 +151,40 @@ class Feed:
 
 
 class _DistCollectives:
-    """The collectives of a forward-only call: torch.distributed's over the pipeline's CPU group
-    (the shape of zbpp.runtime.Transport's, which the passes take)."""
+    """The collectives outside a training step (a forward-only call, gather() between calls):
+    torch.distributed's over the pipeline's CPU group, each bounded by `timeout` seconds (the
+    shape of zbpp.runtime.Transport's, which the passes take). A rank that fails or never comes
+    makes the others fail at the timeout, naming the collective, as forward-only receives do."""
 
-    def __init__(self, group):
-        self.group = group
+    def __init__(self, group, timeout):
+        self.group, self.timeout = group, float(timeout)
+
+    def _wait(self, work, what):
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=self.timeout))
+        except RuntimeError as exc:
+            text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise RuntimeError(f"zbpp.megatron (--enable-vocab-parallel): {what} over the pipeline failed or did not "
+                               f"finish within {self.timeout:g} s (the timeout): {text}") from exc
 
     def all_reduce(self, x, op="sum", timeout=None, channel=0):
-        dist.all_reduce(x, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=self.group)
+        work = dist.all_reduce(x, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=self.group,
+                               async_op=True)
+        self._wait(work, "an all-reduce of the vocabulary passes")
         return x
 
     def broadcast(self, x, root, timeout=None, channel=0):
-        dist.broadcast(x, src=global_rank(self.group, root), group=self.group)
+        work = dist.broadcast(x, src=global_rank(self.group, root), group=self.group, async_op=True)
+        self._wait(work, f"a broadcast from pipeline rank {root}")
         return x
 
 
 class _Eval:
     """A forward-only call's passes (see the module docstring)."""
 
-    def __init__(self, ctx, call, group, rank, first, last, seq, micro_batch):
+    def __init__(self, ctx, call, group, rank, first, last, seq, micro_batch, timeout):
         self.ctx, self.call, self.rank, self.first, self.last = ctx, call, rank, first, last
-        self.tr = _DistCollectives(pipeline_cpu_group(group))
+        self.tr = _DistCollectives(pipeline_cpu_group(group), timeout)
         self.seq, self.b, self.n = seq, micro_batch, seq * micro_batch
         self.kept = []  # on the last stage's rank: (hidden rows, targets, loss_func) per microbatch
         self._targets = None
@@ -221,6 +237,22 @@ class _Eval:
         self.kept = []
 
 
+def _no_sharded_state_dict(*_args, **_kwargs):
+    raise NotImplementedError(
+        "zbpp.megatron: Megatron's distributed checkpoint (sharded_state_dict, --ckpt-format torch_dist) of a model "
+        "built with --enable-vocab-parallel is not supported yet: its word embedding and output layer are split over "
+        "the pipeline ranks (zbpp_vocab.*). Save zbpp.megatron.vocab_parallel_of(model).gather() (the whole weights, "
+        "every rank calls it) with the rest of the model, or train without the flag")
+
+
+def idle(ctx):
+    """Between calls (and before the first): no step's hooks are armed (a forward outside zbpp gets
+    the hook's clear error), and gather() runs over torch.distributed (_DistCollectives)."""
+    ctx.run = ctx.anchor = ctx.mb = None
+    if getattr(ctx, "idle_transport", None) is not None:
+        ctx.vp.embedding.transport = ctx.vp.output.transport = ctx.idle_transport
+
+
 def context_of(chunks):
     """The _Context of a model built by vocab_model_provider with the flag on, else None."""
     for chunk in chunks:
@@ -238,10 +270,17 @@ def vocab_parallel_of(model):
     return ctx.vp if ctx is not None else None
 
 
-def check_call(ctx, config, opts, forward_only, collect_non_loss_data):
+def check_call(ctx, config, opts, forward_only, collect_non_loss_data, chunks):
     """Why a call cannot run with Vocabulary Parallelism (raised on every rank alike)."""
     why = None
-    if not opts.enable_vocab_parallel:
+    ddp = _wrapped_attr(chunks[0], "ddp_config")
+    if any(w.device.type != "cpu" for w in ctx.vp.parameters()):
+        why = ("the split layers run on CPU stages (gloo) for now: their collectives use host transports until NCCL's "
+               "group collectives exist")
+    elif getattr(ddp, "overlap_param_gather", False):
+        why = ("--overlap-param-gather does not go with it yet: the split layers are not called as modules, so the "
+               "distributed optimizer's gather hooks would not wait for their parameters")
+    elif not opts.enable_vocab_parallel:
         why = ("the model was built with --enable-vocab-parallel (its embedding and output layer are split over the "
                "pipeline ranks) but the flag is off now; give the same flags to every call")
     elif bool(opts.disable_backward_fusion) == ctx.vp.fused:
@@ -352,12 +391,14 @@ def _finish(state, ps):
     if missing:
         raise ValueError(f"{_WHERE}: no chunk of any pipeline rank had the {' and the '.join(missing)} layer "
                          "(pre_process / post_process); build the model with the first and last stages")
-    rank, p, _group = _topology(ps, None)
+    rank, p, group = _topology(ps, None)
     emb = weights["embedding"]
     out = emb if state["tied"] else weights["output"]
     opts = options()
     ctx.vp = VocabParallel(out, emb, fused=not opts.disable_backward_fusion)
     ctx.vp._bind(rank, p)
+    ctx.idle_transport = _DistCollectives(pipeline_cpu_group(group), opts.timeout) if p > 1 else None
+    idle(ctx)  # gather() works from here on, between calls too (a collective of the pipeline)
     state["first"].zbpp_vocab = _Shards(ctx)
     state["weights"] = {}
     for gpt, pre, post, hidden, dtype in state.pop("built"):
@@ -369,3 +410,4 @@ def _finish(state, ps):
         # Megatron would all-reduce the two copies of a tied weight between the first and last
         # stage (finalize_model_grads) and pass one to the output layer: one shard a rank now.
         gpt.share_embeddings_and_output_weights = False
+        gpt.sharded_state_dict = _no_sharded_state_dict

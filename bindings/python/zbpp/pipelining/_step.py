@@ -241,6 +241,8 @@ class _Stepping:
     def _run_iteration_body(self, m, window, profiling, fused):
         with self._device_scope():
             self._agree()
+            if self._vp is not None and self._vp.feed is not None:
+                self._vp.begin_step(None, None, True)  # fed (Megatron): the lanes ready, after the handshake
             self._infer_for(True)
             if self._runner is None:
                 self._start()
