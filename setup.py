@@ -10,6 +10,7 @@ CMakeLists.txt's; extra CMake arguments go through ZBPP_CMAKE_ARGS.
 
 Environment:
   ZBPP_CMAKE_ARGS    extra arguments for the CMake configure step (split like a shell would).
+  ZBPP_CMAKE_BUILD_DIR  where CMake builds (default build/py-cmake in the source tree).
   ZBPP_PREBUILT_DIR  a CMake build (or install) directory that already holds libzbpp.so and zbpp;
                      it is copied instead of building, and CMake is not needed.
   ZBPP_BUILD_JOBS    parallel build jobs (default: the number of CPUs).
@@ -38,7 +39,9 @@ except ImportError:  # pragma: no cover - depends on the installed setuptools
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 PKG_DIR = os.path.join(ROOT, "bindings", "python", "zbpp")
-CMAKE_BUILD_DIR = os.path.join(ROOT, "build", "py-cmake")
+# Where CMake builds: $ZBPP_CMAKE_BUILD_DIR (e.g. outside the source tree), else build/py-cmake
+# (ignored by git; kept between builds, so a rebuild is incremental).
+CMAKE_BUILD_DIR = os.path.abspath(os.environ.get("ZBPP_CMAKE_BUILD_DIR") or os.path.join(ROOT, "build", "py-cmake"))
 LIB_NAME = "libzbpp.so"
 TORCH_LIB_NAME = "libzbpp_torch.so"  # the torch custom ops; built only against torch >= 2.10
 TOOL_NAME = "zbpp"
@@ -83,6 +86,14 @@ def _cmake_build():
     ]  # CUDA is left to CMakeLists.txt's auto-detection (ZB_ENABLE_CUDA=AUTO).
     args += shlex.split(os.environ.get("ZBPP_CMAKE_ARGS", ""))
     _run(args)
+    # What an earlier build left must not reach this wheel: a libzbpp_torch.so built when that
+    # build's Python had torch would be bundled by a build whose Python has none (pip's isolated
+    # build), against a torch it never saw. The outputs are made again (a link, not a rebuild).
+    for name in os.listdir(CMAKE_BUILD_DIR):
+        if name.startswith((LIB_NAME, TORCH_LIB_NAME)) or name == TOOL_NAME:
+            path = os.path.join(CMAKE_BUILD_DIR, name)
+            if os.path.isfile(path) or os.path.islink(path):
+                os.remove(path)
     jobs = os.environ.get("ZBPP_BUILD_JOBS") or str(os.cpu_count() or 1)
     _run([cmake, "--build", CMAKE_BUILD_DIR, "--parallel", jobs])
     return CMAKE_BUILD_DIR

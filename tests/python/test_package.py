@@ -369,8 +369,18 @@ def test_sdist_builds_a_working_wheel_with_cmake(tmp_path):
         assert not [n for n in names if "libzbpp.so" in n or n.endswith("bin/zbpp")], "binaries in the sdist"
         tf.extractall(tmp_path / "unpacked")
     (unpacked,) = (tmp_path / "unpacked").iterdir()
-    whl = _pip_wheel(unpacked, tmp_path / "dist", _env(ZBPP_CMAKE_ARGS="-DZB_ENABLE_CUDA=OFF"))
+    # An earlier build's outputs left in CMake's build directory (here out of the tree) must not
+    # reach this wheel: a torch ops library from a build whose Python had torch, where this build
+    # makes none (ZB_TORCH_OPS=OFF stands for a Python without torch, as pip's isolated build).
+    cmake_dir = tmp_path / "cmake-build"
+    cmake_dir.mkdir()
+    (cmake_dir / "libzbpp_torch.so").write_bytes(b"stale")
+    whl = _pip_wheel(unpacked, tmp_path / "dist", _env(ZBPP_CMAKE_ARGS="-DZB_ENABLE_CUDA=OFF -DZB_TORCH_OPS=OFF",
+                                                       ZBPP_CMAKE_BUILD_DIR=cmake_dir))
+    assert (cmake_dir / "CMakeCache.txt").is_file(), "CMake did not build in ZBPP_CMAKE_BUILD_DIR"
+    assert not (unpacked / "build" / "py-cmake").exists(), "CMake built in the source tree all the same"
     with zipfile.ZipFile(whl) as zf:
+        assert "zbpp/libzbpp_torch.so" not in zf.namelist(), "a stale torch ops library went into the wheel"
         mode = zf.getinfo("zbpp/bin/zbpp").external_attr >> 16
         assert mode & 0o111 == 0o111, f"the CMake-built tool has mode {oct(mode)} in the wheel"
         zf.extractall(tmp_path / "whl")
