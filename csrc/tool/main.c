@@ -37,8 +37,8 @@ static void kinds(FILE *out) {
     fprintf(out, "  %-17s %s\n", zb_kind_name((zb_kind_t)k), zb_kind_help((zb_kind_t)k));
   }
   fprintf(out,
-          "  (aliases: zb-1p and zb-2p are zb-auto at limit p and 2p; torch's names 1F1B,\n"
-          "   Interleaved1F1B, GPipe, ZBVZeroBubble and InterleavedZeroBubble work too)\n");
+          "  (aliases: zb-1p and zb-2p are zb-auto at limit p and 2p, gis is group-interleaved-1f1b;\n"
+          "   torch's names 1F1B, Interleaved1F1B, GPipe, ZBVZeroBubble and InterleavedZeroBubble work too)\n");
 }
 
 /* zbpp --help: the commands, the kinds, where each command's options are. */
