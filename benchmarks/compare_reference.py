@@ -382,7 +382,8 @@ def zbpp_generators(case):
 
 def _figures(schedule):
     r = schedule.simulate()
-    return {"cost": r.cost, "bubble": r.bubble_rate, "busy": r.busy, "peak": r.max_peak_memory}
+    return {"cost": r.cost, "bubble": r.bubble_rate, "busy": r.busy, "peak": r.max_peak_memory,
+            "makespan": schedule.makespan()}
 
 
 def _bound_figures(schedule):
