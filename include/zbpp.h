@@ -298,8 +298,8 @@ typedef struct {
 ZB_API zb_status_t zb_schedule_simulate(zb_schedule_t *schedule, zb_sim_result_t *out);
 
 /* The step's figures beside the bubble rate, from the current times (simulated or set_times):
- * *makespan (may be NULL) the step from the first compute op's start on any rank to the last one's
- * end on any rank; *idle_rate (may be NULL) the share of all ranks' time over the makespan that no
+ * *makespan (may be NULL) the step from the first op's start on any rank to the last op's end on
+ * any rank (as zb_schedule_makespan_durations measures it); *idle_rate (may be NULL) the share of all ranks' time over the makespan that no
  * compute op fills, 1 - (sum of the ranks' busy time) / (ranks x makespan). zb_sim_result_t's
  * bubble_rate is the paper's: the busiest rank's idle share of its own span, which is 0 for a
  * schedule whose busiest rank never waits however long the others wait at the step's ends (the

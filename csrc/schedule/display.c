@@ -47,14 +47,8 @@ const char *zb__display_name(const zb_schedule_t *s) {
 }
 
 void zb__step_idle(const zb_schedule_t *s, double *makespan, double *idle_rate) {
-  double first = INFINITY, last = -INFINITY, busy = 0;
+  double busy = 0, span = zb__makespan_of(s, s->start, s->end);
   for (int r = 0; r < s->p; r++) busy += s->busy[r];
-  for (int k = 0; k < s->n_ops; k++) {
-    if (zb__op_is_copy(s->ops[k].type)) continue; /* copies run beside the compute */
-    if (s->start[k] < first) first = s->start[k];
-    if (s->end[k] > last) last = s->end[k];
-  }
-  double span = last > first ? last - first : 0;
   double idle = span > 0 && s->p > 0 ? 1 - busy / (s->p * span) : 0;
   if (idle < 0 && idle > -ZB_EPS) idle = 0; /* rounding in long sums */
   if (makespan) *makespan = span;

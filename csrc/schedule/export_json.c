@@ -117,60 +117,24 @@ zb_status_t zb__export_json(const zb_schedule_t *s, char **out, size_t *len) {
   return zb__sbuf_finish(&b, out, len);
 }
 
-/* One change of a rank's activation memory, for the Chrome trace's counter (zb__rank_memory's
- * model: an F holds its share from its start, B, W and BW free theirs at their end, an OFFLOAD
- * moves it to the host and a RELOAD back). */
-typedef struct {
-  double t, dev, host;
-  int order;
-} mem_step_t;
-
-static int mem_step_cmp(const void *a, const void *b) {
-  const mem_step_t *x = a, *y = b;
-  if (x->t != y->t) return x->t < y->t ? -1 : 1;
-  if ((x->dev + x->host < 0) != (y->dev + y->host < 0)) return x->dev + x->host < 0 ? -1 : 1; /* frees first */
-  return x->order - y->order;
-}
-
 /* Counter events ("C"): each rank's device-resident activations (and, with copies, its host
- * memory) in microbatches, at every change. */
+ * memory) in microbatches, at every change, by the simulator's memory model (zb__memory_events). */
 static zb_status_t put_memory(zb__sbuf_t *b, const zb_schedule_t *s) {
   for (int r = 0; r < s->p; r++) {
-    int a = s->rank_off[r], n = 0, copies = rank_has_copies(s, r);
-    mem_step_t *ev = malloc((size_t)(2 * (s->rank_off[r + 1] - a) + 1) * sizeof *ev);
-    if (!ev) return ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory for rank %d's memory counter", r);
-    for (int k = a; k < s->rank_off[r + 1]; k++) {
-      const zb_op_t *op = &s->ops[k];
-      double u = zb__op_mem_at(s, ZB_OP_F, op->stage);
-      switch (op->type) {
-        case ZB_OP_F: ev[n++] = (mem_step_t){s->start[k], u, 0, k}; break;
-        case ZB_OP_OFFLOAD:
-          ev[n++] = (mem_step_t){s->start[k], 0, u, k};
-          ev[n++] = (mem_step_t){s->end[k], -u, 0, k};
-          break;
-        case ZB_OP_RELOAD:
-          ev[n++] = (mem_step_t){s->start[k], u, 0, k};
-          ev[n++] = (mem_step_t){s->end[k], 0, -u, k};
-          break;
-        default: ev[n++] = (mem_step_t){s->end[k], zb__op_mem_at(s, op->type, op->stage), 0, k};
-      }
-    }
-    qsort(ev, (size_t)n, sizeof *ev, mem_step_cmp);
+    zb__mem_event_t *ev;
+    int n, copies = rank_has_copies(s, r);
+    ZB_CHECK(zb__memory_events(s, r, s->start, s->end, &ev, &n)); /* the simulator's model */
     double dev = 0, host = 0;
-    for (int k = 0; k <= n; k++) {
-      double t = k < n ? ev[k].t : 0;
-      if (k < n) dev += ev[k].dev, host += ev[k].host;
-      if (k < n && k + 1 < n && ev[k + 1].t == t) continue; /* one value per instant */
-      if (k == n) break;
-      if (fabs(dev) < 1e-12) dev = 0; /* sums of shares round to 0 */
-      if (fabs(host) < 1e-12) host = 0;
+    for (int k = 0; k < n; k++) {
+      *(ev[k].host ? &host : &dev) += ev[k].delta;
+      if (k + 1 < n && ev[k + 1].t == ev[k].t) continue; /* one value per instant */
       zb__sbuf_printf(b, ",\n{\"name\": \"rank %d activations (microbatches)\", \"ph\": \"C\", \"pid\": 0, \"ts\": ", r);
-      put_num(b, t * 1000);
+      put_num(b, ev[k].t * 1000);
       zb__sbuf_printf(b, ", \"args\": {\"device\": ");
-      put_num(b, dev);
+      put_num(b, fabs(dev) < 1e-12 ? 0 : dev); /* sums of shares round to 0 */
       if (copies) {
         zb__sbuf_printf(b, ", \"host\": ");
-        put_num(b, host);
+        put_num(b, fabs(host) < 1e-12 ? 0 : host);
       }
       zb__sbuf_printf(b, "}}");
     }

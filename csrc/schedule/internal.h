@@ -187,6 +187,18 @@ zb_status_t zb__simulate_durations(const zb_schedule_t *s, const double *dur, do
 /* Rank r's device-resident and host memory peaks for op times aligned with s->ops, in time over
  * both lanes where the rank has copies (list order otherwise), and the index into s->ops of the op
  * at which device memory first exceeds `limit` (> 0; else -1) with the memory then. */
+/* One change of a rank's activation memory (the model of DESIGN.md section 3 in time): an F holds
+ * its share from its start, B, W, BW and the vocabulary passes change it at their end, an OFFLOAD
+ * moves it to the host (host = 1) and a RELOAD back. order: the op's index. */
+typedef struct {
+  double t, delta;
+  int host, order;
+} zb__mem_event_t;
+
+/* Rank r's memory events in time order (frees first at one instant), malloc'd into *out (the
+ * caller frees it); the simulator's count and the Chrome trace's counter both read them. */
+zb_status_t zb__memory_events(const zb_schedule_t *s, int r, const double *start, const double *end,
+                              zb__mem_event_t **out, int *count);
 zb_status_t zb__rank_memory(const zb_schedule_t *s, int r, const double *start, const double *end, double limit,
                             double *dev_peak, double *host_peak, int *first_over, double *over_mem);
 /* Span, busy and peak per rank and the overall figures from s->start/end (simulated or measured);

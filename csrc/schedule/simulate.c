@@ -361,18 +361,39 @@ zb_status_t zb_schedule_simulate(zb_schedule_t *s, zb_sim_result_t *out) {
   return ZB_OK;
 }
 
-typedef struct {
-  double t, delta;
-  int host, order; /* order: the op's index, for ties */
-} mem_event_t;
-
 static int event_cmp(const void *a, const void *b) {
-  const mem_event_t *x = a, *y = b;
+  const zb__mem_event_t *x = a, *y = b;
   if (x->t != y->t) return x->t < y->t ? -1 : 1;
   /* At one instant memory is freed before it is taken, as the runtime frees at an op's end what
    * the next op then allocates; then list order. */
   if ((x->delta < 0) != (y->delta < 0)) return x->delta < 0 ? -1 : 1;
   return x->order - y->order;
+}
+
+zb_status_t zb__memory_events(const zb_schedule_t *s, int r, const double *start, const double *end,
+                              zb__mem_event_t **out, int *count) {
+  int a = s->rank_off[r], b = s->rank_off[r + 1], n = 0;
+  zb__mem_event_t *ev = malloc((size_t)(2 * (b - a) + 1) * sizeof *ev);
+  if (!ev) return ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory counting rank %d's memory", r);
+  for (int k = a; k < b; k++) {
+    const zb_op_t *op = &s->ops[k];
+    double u = zb__op_mem_at(s, ZB_OP_F, op->stage); /* the (stage, mb)'s whole share */
+    switch (op->type) {
+      case ZB_OP_F: ev[n++] = (zb__mem_event_t){start[k], u, 0, k}; break;
+      case ZB_OP_OFFLOAD: /* on the host from its start, off the device at its end */
+        ev[n++] = (zb__mem_event_t){start[k], u, 1, k};
+        ev[n++] = (zb__mem_event_t){end[k], -u, 0, k};
+        break;
+      case ZB_OP_RELOAD: /* on the device from its start, off the host at its end */
+        ev[n++] = (zb__mem_event_t){start[k], u, 0, k};
+        ev[n++] = (zb__mem_event_t){end[k], -u, 1, k};
+        break;
+      default: ev[n++] = (zb__mem_event_t){end[k], zb__op_mem_at(s, op->type, op->stage), 0, k};
+    }
+  }
+  qsort(ev, (size_t)n, sizeof *ev, event_cmp);
+  *out = ev, *count = n;
+  return ZB_OK;
 }
 
 zb_status_t zb__rank_memory(const zb_schedule_t *s, int r, const double *start, const double *end, double limit,
@@ -390,26 +411,9 @@ zb_status_t zb__rank_memory(const zb_schedule_t *s, int r, const double *start, 
     *dev_peak = pd, *host_peak = 0;
     return ZB_OK;
   }
-  mem_event_t *ev = malloc((size_t)(2 * (b - a)) * sizeof *ev);
-  if (!ev) return ZB_FAIL(ZB_ERR_OUT_OF_MEMORY, "out of memory counting rank %d's memory", r);
-  int n = 0;
-  for (int k = a; k < b; k++) {
-    const zb_op_t *op = &s->ops[k];
-    double u = zb__op_mem_at(s, ZB_OP_F, op->stage); /* the (stage, mb)'s whole share */
-    switch (op->type) {
-      case ZB_OP_F: ev[n++] = (mem_event_t){start[k], u, 0, k}; break;
-      case ZB_OP_OFFLOAD: /* on the host from its start, off the device at its end */
-        ev[n++] = (mem_event_t){start[k], u, 1, k};
-        ev[n++] = (mem_event_t){end[k], -u, 0, k};
-        break;
-      case ZB_OP_RELOAD: /* on the device from its start, off the host at its end */
-        ev[n++] = (mem_event_t){start[k], u, 0, k};
-        ev[n++] = (mem_event_t){end[k], -u, 1, k};
-        break;
-      default: ev[n++] = (mem_event_t){end[k], zb__op_mem_at(s, op->type, op->stage), 0, k};
-    }
-  }
-  qsort(ev, (size_t)n, sizeof *ev, event_cmp);
+  zb__mem_event_t *ev;
+  int n;
+  ZB_CHECK(zb__memory_events(s, r, start, end, &ev, &n));
   for (int k = 0; k < n; k++) {
     if (ev[k].host) {
       host += ev[k].delta;

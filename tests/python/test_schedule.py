@@ -805,6 +805,16 @@ def test_chrome_trace_draws_transfers_and_memory():
         for r in range(P):
             values = [e["args"]["device"] for e in ev if e["ph"] == "C" and e["name"].startswith(f"rank {r} ")]
             assert max(values) == pytest.approx(s.rank_stats(r)[2]) and values[-1] == pytest.approx(0)
+    # With copies: the device and host counters peak where the simulator counts the peaks.
+    order = ["F0", "OFFLOAD0", "F1", "OFFLOAD1", "F2", "BW2", "RELOAD1", "BW1", "RELOAD0", "BW0"]
+    ops = [Op(t.rstrip("0123456789"), 0, int(t[-1])) for t in order]
+    times = {"f": 2, "b": 1, "w": 1, "bw": 3, "offload": 1, "reload": 1}
+    with Schedule.from_ops([ops], m=3, times=times) as s:
+        counters = [e["args"] for e in json.loads(s.to_chrome())["traceEvents"] if e["ph"] == "C"]
+        dev, host = s.rank_memory(0)
+        assert (dev, host) == (2, 2)
+        assert max(c["device"] for c in counters) == pytest.approx(dev)
+        assert max(c["host"] for c in counters) == pytest.approx(host)
 
 
 def test_copies_from_python_run_on_their_own_lane():

@@ -190,8 +190,8 @@ class SimResult(NamedTuple):
     """A schedule's figures (zb_sim_result_t). cost: the largest span of any rank; busy: the
     largest total compute of any rank; bubble_rate: (cost - busy) / cost, the paper's bubble rate
     (the busiest rank's idle share of its own span); max_peak_memory: the largest activation peak
-    of any rank, in microbatches through a rank's layers. makespan: the step from the first
-    compute op's start on any rank to the last one's end; idle_rate: the share of all ranks' time
+    of any rank, in microbatches through a rank's layers. makespan: the step from the first op's
+    start on any rank to the last op's end; idle_rate: the share of all ranks' time
     over the makespan that no compute op fills (zb_schedule_step_idle). The two rates differ where
     the busiest rank never waits but the others do, at the step's fill and drain: ZB-V at m = 2p
     has bubble_rate 0 and an idle_rate above 0."""
@@ -817,12 +817,7 @@ class Schedule(_ScheduleExports):
     def makespan(self):
         """The end-to-end time of this schedule's own simulation: the last op's end less the first
         op's start over every rank (simulate().cost is the largest single rank's span)."""
-        starts, ends = [], []
-        for r in range(self.ranks):
-            a, e = self.rank_times(r)
-            starts += a
-            ends += e
-        return max(ends) - min(starts) if starts else 0.0
+        return self.simulate().makespan
 
     def stage_costs(self):
         """Per-stage mean op durations of the current times: {'f': [S], 'b': [S], 'w': [S],

@@ -77,6 +77,31 @@ _MAX_DIMS = 8  # of a microbatch's tokens
 _WHY_BYTES = 512  # of the reason a rank's batch cannot be sent, which every rank raises
 
 
+_NOT_YET = object()
+
+
+def _await(cv, check, timeout, peer_failure, what, after):
+    """check() under cv until it gives something other than _NOT_YET (it may raise), bounded by
+    `timeout` seconds; between waits, the pipeline's failure key (peer_failure) is looked at, so a
+    failure elsewhere ends the wait at once. `after`: the timeout message's tail."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with cv:
+            got = check()
+            if got is not _NOT_YET:
+                return got
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"zbpp vocab_parallel: {what} did not come within {timeout:g} s{after}")
+            cv.wait(min(left, 0.2))
+            got = check()
+            if got is not _NOT_YET:
+                return got
+        failed = peer_failure()
+        if failed is not None:
+            raise RuntimeError(f"zbpp vocab_parallel: {what}: the pipeline failed: {failed}")
+
+
 class _Lane:
     """One kind of pass's collectives, in microbatch order, on a thread and a transport of their
     own: start(mb, fn) queues fn(transport); wait(mb) gives its result. Each step is an epoch: a
@@ -128,23 +153,13 @@ class _Lane:
     def wait(self, mb, what):
         """The result of microbatch mb's job; raises when a job of this lane failed, when the
         pipeline failed elsewhere (its failure key), or after the schedule's timeout."""
-        deadline = time.monotonic() + self.timeout
-        while True:
-            with self.cv:
-                if self.failed is not None:
-                    self._raise_failed()
-                if mb in self.results:
-                    return self.results[mb]
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"zbpp vocab_parallel: {what} did not come within {self.timeout:g} s (the "
-                                       f"schedule's timeout=); its collective (lane {self.name}) waits for a rank")
-                self.cv.wait(min(left, 0.2))
-                if mb in self.results or self.failed is not None:
-                    continue
-            failed = self._peer_failure()
-            if failed is not None:
-                raise RuntimeError(f"zbpp vocab_parallel: {what}: the pipeline failed: {failed}")
+        def check():
+            if self.failed is not None:
+                self._raise_failed()
+            return self.results[mb] if mb in self.results else _NOT_YET
+
+        return _await(self.cv, check, self.timeout, self._peer_failure, what,
+                      f" (the schedule's timeout=); its collective (lane {self.name}) waits for a rank")
 
     def drain(self, what):
         for mb in sorted(self.started):
@@ -176,24 +191,15 @@ class _Box:
             self.cv.notify_all()
 
     def get(self, mb, what):
-        deadline = time.monotonic() + self.timeout
         with self.cv:
             epoch = self.epoch
-        while True:
-            with self.cv:
-                if self.epoch != epoch:
-                    raise RuntimeError(f"zbpp vocab_parallel: {what}: the step ended before it came")
-                if mb in self.items:
-                    return self.items.pop(mb)
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"zbpp vocab_parallel: {what} did not come within {self.timeout:g} s")
-                self.cv.wait(min(left, 0.2))
-                if mb in self.items or self.epoch != epoch:
-                    continue
-            failed = self._peer_failure()
-            if failed is not None:
-                raise RuntimeError(f"zbpp vocab_parallel: {what}: the pipeline failed: {failed}")
+
+        def check():
+            if self.epoch != epoch:
+                raise RuntimeError(f"zbpp vocab_parallel: {what}: the step ended before it came")
+            return self.items.pop(mb) if mb in self.items else _NOT_YET
+
+        return _await(self.cv, check, self.timeout, self._peer_failure, what, "")
 
     def reset(self):
         with self.cv:
