@@ -72,9 +72,10 @@ def _check(case, ranks):
 
 TWO = [
     _case("1f1b"),
-    _case("1f1b", fused=False, label_smoothing=0.1, pad_multiple=4),  # 37 rows padded to 40
+    # meta_default: every tensor the passes make is made where the stages are (vocab_worker._guard)
+    _case("1f1b", fused=False, label_smoothing=0.1, pad_multiple=4, meta_default=True),  # 37 rows padded to 40
     _case("interleaved-1f1b", chunks=2),
-    _case("zb-v", chunks=2, tied=True),
+    _case("zb-v", chunks=2, tied=True, meta_default=True),
     _case("v-half", chunks=2, fused=False),
     _case("zb-h1", label_smoothing=0.1, ignore=True),  # some targets -100: skipped, as F.cross_entropy does
     _case("zb-auto", vocab_times={"s": 0.5, "t": 0.5}),  # given times: no replan
@@ -83,7 +84,7 @@ FOUR = [
     _case("1f1b", m=8),
     _case("interleaved-1f1b", chunks=2, m=8, fused=False),
     _case("zb-v", chunks=2, m=8),
-    _case("v-half", chunks=2, m=8, tied=True, ignore=True),
+    _case("v-half", chunks=2, m=8, tied=True, ignore=True, meta_default=True),
 ]
 
 
@@ -98,10 +99,27 @@ def test_training_equals_the_unsharded_model(world, cases):
     assert all(r["shard_rows"] == -(-37 // world) for r in first)
 
 
+@pytest.mark.gpu
+def test_cuda_stages_sharing_a_gpu_train_like_the_unsharded_model():
+    """Two ranks as processes on GPU 0, every stage and both shards on it: the passes compute on
+    the GPU and their collectives go through host memory (Transport.all_reduce on a CUDA tensor),
+    the stages' messages through the staged transport (NCCL refuses two ranks on one GPU). The
+    same results as the single process on CPU, within float32 rounding (the GPU's matmuls add in
+    another order). The host check of the same code paths: the meta_default cases above."""
+    cases = [_case("1f1b", device="cuda:0"),
+             _case("zb-v", chunks=2, tied=True, fused=False, device="cuda:0"),
+             _case("v-half", chunks=2, label_smoothing=0.1, ignore=True, device="cuda:0")]
+    got = _spawn(vocab_worker.run_cases, 2, cases)
+    for k, case in enumerate(cases):
+        ranks = [g[k] if k < len(g) else g[-1] for g in got]
+        _check(case, ranks)
+        assert all(r["shard_device"] == "cuda:0" for r in ranks), [r["shard_device"] for r in ranks]
+
+
 def test_one_rank_runs_the_passes_in_process():
     """One rank (no process group): the same flow with nothing to reduce, ZB-V's two stages; after
     a step the lanes hold nothing of it (their results would be microbatches of hidden states)."""
-    case = _case("zb-v", chunks=2, tied=True, label_smoothing=0.1)
+    case = _case("zb-v", chunks=2, tied=True, label_smoothing=0.1, meta_default=True)
     got = vocab_worker.train(0, 1, case)
     _check(case, [got])
     assert got["lanes_empty"]

@@ -9,6 +9,7 @@ process: loss = mean cross entropy over a microbatch's tokens, gradients summed 
 microbatches and divided by their number (what scale_grads does), SGD on every parameter.
 """
 
+import contextlib
 import os
 
 import torch
@@ -80,16 +81,28 @@ def reference(case):
             "output": out.weight.detach().clone(), "blocks": [b[0].weight.detach().clone() for b in blocks]}
 
 
-def train(rank, world, case):
+def _guard(case):
+    """case["meta_default"]: the steps, eval() and gather() run with torch's default device set to
+    "meta", so a tensor the schedule's passes make without naming its device lands there and the
+    step fails (mixing meta and real tensors): what, on CUDA stages, would be a CPU tensor among
+    the GPU's. The host check that the passes make every tensor where the stages are."""
+    return torch.device("meta") if case.get("meta_default") else contextlib.nullcontext()
+
+
+def train(rank, world, case, device="cpu"):
     import zbpp
 
     V, m, layers, kind, chunks = case["V"], case["m"], case["layers"], case["kind"], case["chunks"]
+    device = torch.device(case.get("device", device))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     emb, out, blocks = build(V, layers, case.get("tied", False))
     probe = zbpp.Schedule.generate(kind, p=world, m=m, v=chunks)
     S, mine = probe.stages, probe.rank_stages(rank)
     probe.close()
     per = layers // S
-    stages = [zbpp.PipelineStage(torch.nn.Sequential(*blocks[s * per:(s + 1) * per]), s, S, "cpu") for s in mine]
+    stages = [zbpp.PipelineStage(torch.nn.Sequential(*blocks[s * per:(s + 1) * per]).to(device), s, S, device)
+              for s in mine]
     vp = zbpp.VocabParallel(out, emb, fused=case.get("fused", True), label_smoothing=case.get("label_smoothing", 0.0),
                             pad_multiple=case.get("pad_multiple", 1), times=case.get("vocab_times"))
     sched = zbpp.get_schedule_class(kind)(stages, m, vocab_parallel=vp, timeout=60.0)
@@ -99,25 +112,29 @@ def train(rank, world, case):
     steps, outputs = [], None
     for x, y in data[:-1]:
         got = []
+        x, y = x.to(device), y.to(device)
         args = (x,) if sched.holds_first else ()
         kw = {"target": y, "losses": got} if sched.holds_loss else {}
-        outputs = sched.step(*args, **kw)
+        with _guard(case):
+            outputs = sched.step(*args, **kw)
         opt.step()
         opt.zero_grad(set_to_none=True)
         steps.append([float(v) for v in got])
     # After a training step the lanes hold nothing of it (their results are microbatches of hidden
     # states and gradients).
     lanes_empty = all(not lane.results and not lane.started for lane in sched._vp.lanes.values())
-    x, y = data[-1]
+    x, y = (t.to(device) for t in data[-1])
     evals = []
-    sched.eval(*((x,) if sched.holds_first else ()), **({"target": y, "losses": evals} if sched.holds_loss else {}))
-    whole = vp.gather()
+    with _guard(case):
+        sched.eval(*((x,) if sched.holds_first else ()), **({"target": y, "losses": evals} if sched.holds_loss else {}))
+        whole = vp.gather()
     bubble = sched.timeline().measured.bubble_rate
     kinds = sorted({op.type for op in sched.schedule.rank_ops(rank)})
     sched.close()
     return {"losses": [s for s in steps if s], "eval": [float(v) for v in evals], "stages": mine,
-            "blocks": {s * per + i: blocks[s * per + i][0].weight.detach().clone() for s in mine for i in range(per)},
-            "embedding": whole["embedding.weight"], "output": whole["output.weight"],
+            "blocks": {s * per + i: blocks[s * per + i][0].weight.detach().cpu() for s in mine for i in range(per)},
+            "embedding": whole["embedding.weight"].cpu(), "output": whole["output.weight"].cpu(),
+            "shard_device": str(vp.parameters()[0].device),
             "outputs_shape": tuple(outputs.shape) if isinstance(outputs, torch.Tensor) else None,
             "op_types": kinds, "bubble": bubble, "shard_rows": vp.parameters()[0].shape[0],
             "replanned": sched._vp.replanned,

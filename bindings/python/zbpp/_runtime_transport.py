@@ -264,14 +264,17 @@ class Transport(_Handle):
         _lib.call("zb_transport_abort", [_P, _c.c_char_p], self.handle, reason.encode())
 
     def all_reduce(self, x, op="sum", timeout=300.0, channel=0):
-        """x (a contiguous CPU torch tensor or numpy array of float32, float16 or bfloat16) becomes
+        """x (a contiguous torch tensor or numpy array of float32, float16 or bfloat16) becomes
         the sum (op="sum") or the elementwise max (op="max") of every rank's x, the same bits on
         every rank: rank 0 reduces in rank order, ((x0 + x1) + x2) ... (zb_transport_all_reduce).
         Every rank calls it, in the same order as its other collectives on that channel (0 .. 1023;
-        channels do not wait for each other's order). Returns x."""
+        channels do not wait for each other's order). Returns x. A CUDA tensor goes through host
+        memory (_through_host), on the calling thread's current stream."""
         if op not in _REDUCE_OPS:
             raise ValueError(f"all_reduce: op must be one of {sorted(_REDUCE_OPS)}, got {op!r}")
         _check_channel(channel, "all_reduce")
+        if _on_device(x):
+            return _through_host(x, lambda h: self.all_reduce(h, op, timeout, channel), "all_reduce")
         addr, count, nbytes, name = _host_buffer(x, "all_reduce")
         if name not in _REDUCE_DTYPES:
             raise ValueError(f"all_reduce: dtype {name} is not reduced here; use float32, float16 or bfloat16")
@@ -284,9 +287,12 @@ class Transport(_Handle):
         return x
 
     def broadcast(self, x, root, timeout=300.0, channel=0):
-        """x (a contiguous CPU torch tensor or numpy array, any dtype) becomes root's x on every rank
-        (zb_transport_broadcast). Every rank calls it, in the same order on that channel. Returns x."""
+        """x (a contiguous torch tensor or numpy array, any dtype) becomes root's x on every rank
+        (zb_transport_broadcast). Every rank calls it, in the same order on that channel. Returns x.
+        A CUDA tensor goes through host memory (_through_host)."""
         _check_channel(channel, "broadcast")
+        if _on_device(x):
+            return _through_host(x, lambda h: self.broadcast(h, root, timeout, channel), "broadcast")
         addr, _, nbytes, _ = _host_buffer(x, "broadcast")
         try:
             _lib.call("zb_transport_broadcast", [_P, _c.c_int32, _P, _c.c_size_t, _c.c_int32, _c.c_double],
@@ -304,6 +310,31 @@ class Transport(_Handle):
 
 
 _REDUCE_OPS = {"sum": 0, "max": 1}
+
+
+def _on_device(x):
+    """Whether x is a torch tensor in device memory (the host collectives stage it)."""
+    return hasattr(x, "is_cuda") and getattr(x, "device", None) is not None and x.device.type != "cpu"
+
+
+def _through_host(x, run, what):
+    """A collective on a device tensor x over a host transport: x copied to pinned host memory
+    (on the calling thread's current stream, which is synchronised, so whatever that stream
+    enqueued before is in the copy), run(host copy), and the result copied back into x, the copy
+    finished when this returns (a non-blocking=False copy synchronises its stream). Costs two
+    copies and two stream synchronisations: meant for per-token statistics and a hidden-sized
+    tensor a microbatch (Vocabulary Parallelism's passes), not for a model's gradients. A failed
+    collective leaves x as it was; its host copy is kept with the transport (_park)."""
+    import torch
+
+    if not x.is_contiguous():
+        raise ValueError(f"{what}: x must be contiguous, got a tensor of strides {tuple(x.stride())} on {x.device}")
+    pin = x.device.type == "cuda" and torch.cuda.is_available()
+    host = torch.empty(x.shape, dtype=x.dtype, device="cpu", pin_memory=pin)
+    host.copy_(x)
+    run(host)
+    x.copy_(host)
+    return x
 
 
 def _check_channel(channel, what):

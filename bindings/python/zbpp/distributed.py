@@ -140,7 +140,7 @@ def broadcast_bytes(data, src, group=None, device="cpu"):
 def _view(addr, nbytes):
     """A uint8 CPU tensor over C memory (no copy); it keeps the ctypes buffer object alive."""
     if nbytes == 0:
-        return torch.empty(0, dtype=torch.uint8)
+        return torch.empty(0, dtype=torch.uint8, device="cpu")
     return torch.frombuffer((ctypes.c_char * nbytes).from_address(addr), dtype=torch.uint8)
 
 
@@ -266,7 +266,7 @@ def _unstick(group, peer):
     makes gloo signal the timeout to every pair of the group's context, which fails all their
     pending operations at once (gloo's UnboundBuffer::waitRecv). Used at exit only, on a group a
     failure already broke for point-to-point traffic; collectives on it fail afterwards too."""
-    buf = torch.empty(1, dtype=torch.uint8)
+    buf = torch.empty(1, dtype=torch.uint8, device="cpu")
     try:
         work = dist.irecv(buf, src=global_rank(group, peer), group=group, tag=_UNSTICK_TAG)
         work.wait(timeout=datetime.timedelta(milliseconds=1))

@@ -39,8 +39,14 @@ VocabParallel is what a user hands a schedule class (vocab_parallel=): the whole
 input embedding; the schedule shards them over its ranks and runs the passes at the ops its plan
 places (zbpp/pipelining/_vocab.py).
 
+Devices: the shards live on the device the schedule's stages are on (CUDA stages: on their GPU),
+and the passes compute there; their collectives run over host transports, which take a CUDA
+tensor through host memory (zbpp.runtime.Transport.all_reduce: the current stream synchronised, a
+copy to pinned host memory, the collective, a copy back), so the bits are those of the host
+reduction on every transport.
+
 What this is not: the schedule's placement of these passes (the schedule model's S/T/IF/IB ops),
-or device collectives (the host transports carry them; NCCL's group communicator is to come).
+or device collectives (NCCL's group communicator is to come).
 """
 
 import threading
@@ -103,9 +109,11 @@ class _Unbound:
 
 
 class _Shard:
-    """This rank's rows of a [V, H] weight, padded: a Parameter of [end - start, H] (padding zeros)."""
+    """This rank's rows of a [V, H] weight, padded: a Parameter of [end - start, H] (padding zeros)
+    on `device` (default: the CPU). Every tensor the passes make is made there; ids and hidden
+    states may come from anywhere and are moved there."""
 
-    def __init__(self, name, weight, rank, ranks, transport, pad_multiple):
+    def __init__(self, name, weight, rank, ranks, transport, pad_multiple, device=None):
         _check_weight(name, weight, rank, ranks)
         # The output layer's T (the runner's thread) and the embedding's IB (its own lane) may add
         # into one tied weight's gradient at once.
@@ -118,17 +126,19 @@ class _Shard:
         self.rank, self.ranks, self.transport = rank, ranks, transport if transport is not None else _Alone()
         self.vocab_size, self.hidden = weight.shape
         self.start, self.end, self.padded = vocab_shard_range(self.vocab_size, rank, ranks, pad_multiple)
-        rows = torch.zeros(self.end - self.start, self.hidden, dtype=weight.dtype)
+        self.device = torch.device(device if device is not None else "cpu")
+        rows = torch.zeros(self.end - self.start, self.hidden, dtype=weight.dtype, device=self.device)
         real = max(0, min(self.end, self.vocab_size) - self.start)
         if real:
-            rows[:real] = weight.detach()[self.start:self.start + real].to("cpu")
+            rows[:real] = weight.detach()[self.start:self.start + real].to(self.device)
         self.real = real  # rows of this shard that are vocabulary, not padding
         self.weight = torch.nn.Parameter(rows)
 
     def gather(self):
-        """The whole [V, H] weight on every rank (a collective: one broadcast per rank, exact)."""
+        """The whole [V, H] weight on every rank, on the shard's device (a collective: one
+        broadcast per rank, exact)."""
         per = self.end - self.start
-        out = torch.empty(self.padded, self.hidden, dtype=self.weight.dtype)
+        out = torch.empty(self.padded, self.hidden, dtype=self.weight.dtype, device=self.device)
         for r in range(self.ranks):
             part = out[r * per:(r + 1) * per]
             if r == self.rank:
@@ -191,13 +201,13 @@ class VocabParallelOutput(_Shard):
     passes the same), or tied=a VocabParallelEmbedding whose shard this layer shares."""
 
     def __init__(self, weight=None, rank=0, ranks=1, transport=None, pad_multiple=1, fused=True,
-                 label_smoothing=0.0, tied=None, ignore_index=-100):
+                 label_smoothing=0.0, tied=None, ignore_index=-100, device=None):
         if tied is not None:
             self.__dict__.update({k: getattr(tied, k) for k in ("rank", "ranks", "transport", "vocab_size", "hidden",
-                                                              "start", "end", "padded", "real", "weight",
+                                                              "start", "end", "padded", "real", "weight", "device",
                                                               "_lock", "timeout", "_ib_grad")})
         else:
-            super().__init__("VocabParallelOutput", weight, rank, ranks, transport, pad_multiple)
+            super().__init__("VocabParallelOutput", weight, rank, ranks, transport, pad_multiple, device)
         if not 0.0 <= label_smoothing < 1.0:
             raise ValueError(f"zbpp.VocabParallelOutput: label_smoothing must be in [0, 1), got {label_smoothing}")
         self.fused, self.label_smoothing = bool(fused), float(label_smoothing)
@@ -223,6 +233,7 @@ class VocabParallelOutput(_Shard):
     def s_pass(self, h, target, need_grad=True):
         """S on one microbatch: h [T, H] (float), target [T] (vocabulary ids, or ignore_index).
         Returns its state. need_grad=False (forward only): without the fused input gradient's parts."""
+        target = target.to(self.device)
         valid = self.valid(target)
         counted = target[valid]
         if counted.numel() and (int(counted.min()) < 0 or int(counted.max()) >= self.vocab_size):
@@ -230,7 +241,7 @@ class VocabParallelOutput(_Shard):
                              f"or ignore_index ({self.ignore_index}), got {int(counted.min())}..{int(counted.max())}")
         st = _OutputState()
         w = self.weight.detach()
-        st.h = h.detach().float()
+        st.h = h.detach().to(self.device).float()
         logits = st.h @ w.float().t()
         if self.real < logits.shape[1]:
             logits[:, self.real:] = float("-inf")  # padding takes no part in the softmax
@@ -238,7 +249,8 @@ class VocabParallelOutput(_Shard):
         st.in_shard = valid & (target >= self.start) & (target < self.start + self.real)
         st.valid = valid
         st.local_target = torch.where(st.in_shard, target - self.start, torch.zeros_like(target))
-        st.m = logits.max(dim=1).values if self.real else torch.full((logits.shape[0],), float("-inf"))
+        st.m = logits.max(dim=1).values if self.real else torch.full((logits.shape[0],), float("-inf"),
+                                                                                 device=self.device)
         finite = torch.isfinite(st.m)
         shifted = logits - torch.where(finite, st.m, torch.zeros_like(st.m)).unsqueeze(1)
         e = torch.exp(shifted)
@@ -250,7 +262,8 @@ class VocabParallelOutput(_Shard):
         st.soft_w = st.target_w = None
         if self.fused and need_grad:
             st.soft_w = e @ w.float()
-            st.target_w = torch.where(st.in_shard.unsqueeze(1), w.float()[st.local_target], torch.zeros(1))
+            st.target_w = torch.where(st.in_shard.unsqueeze(1), w.float()[st.local_target],
+                                       torch.zeros(1, device=self.device))
         return st
 
     # ---- C0 ---------------------------------------------------------------------------------------
@@ -301,11 +314,12 @@ class VocabParallelOutput(_Shard):
         """T: grad_loss [T] is d(loss)/d(per-token loss); the shard's weight gradient goes into
         weight.grad. Fused: returns the input gradient [T, H] (C0 made it); unfused: returns None
         and reduce_grad gives it."""
-        g = torch.where(st.valid, grad_loss.detach().float(), torch.zeros(()))  # ignored targets: no gradient
+        # ignored targets: no gradient
+        g = torch.where(st.valid, grad_loss.detach().to(self.device).float(), torch.zeros((), device=self.device))
         soft = torch.exp(st.logits - st.M.unsqueeze(1)) / st.sum.unsqueeze(1)
         a = self.label_smoothing
         grad_logits = soft
-        rows = torch.arange(grad_logits.shape[0])
+        rows = torch.arange(grad_logits.shape[0], device=self.device)
         hit = st.in_shard.float() * (1 - a)
         grad_logits[rows, st.local_target] -= hit
         if a:
@@ -341,17 +355,19 @@ class VocabParallelEmbedding(_Shard):
     """The input embedding on this rank's rows; see the module docstring (IF: embed, IB:
     embed_backward). weight: the whole [V, H] weight, the same on every rank."""
 
-    def __init__(self, weight, rank, ranks, transport, pad_multiple=1):
-        super().__init__("VocabParallelEmbedding", weight, rank, ranks, transport, pad_multiple)
+    def __init__(self, weight, rank, ranks, transport, pad_multiple=1, device=None):
+        super().__init__("VocabParallelEmbedding", weight, rank, ranks, transport, pad_multiple, device)
 
     def embed_local(self, tokens):
         """IF on this shard: the rows of tokens [T] that fall in it, zeros elsewhere ([T, H])."""
+        tokens = tokens.to(self.device)
         if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.vocab_size):
             raise ValueError(f"zbpp.VocabParallelEmbedding: tokens must be vocabulary ids in 0..{self.vocab_size - 1}, "
                              f"got {int(tokens.min())}..{int(tokens.max())}")
         in_shard = (tokens >= self.start) & (tokens < self.start + self.real)
         local = torch.where(in_shard, tokens - self.start, torch.zeros_like(tokens))
-        return torch.where(in_shard.unsqueeze(1), self.weight.detach()[local], torch.zeros((), dtype=self.weight.dtype))
+        return torch.where(in_shard.unsqueeze(1), self.weight.detach()[local],
+                           torch.zeros((), dtype=self.weight.dtype, device=self.device))
 
     def embed(self, tokens, transport=None):
         """IF and its SUM: the embedding of tokens [T] ([T, H]) on every rank."""
@@ -365,6 +381,7 @@ class VocabParallelEmbedding(_Shard):
         buffer of IB's own, which flush_ib adds to .grad, so the sum's order is the same each run."""
         grad = (transport or self.transport).broadcast(grad.detach().contiguous().to(self.weight.dtype), root,
                                                        timeout=self.timeout, channel=CHANNEL_IB)
+        tokens, grad = tokens.to(self.device), grad.to(self.device)
         in_shard = (tokens >= self.start) & (tokens < self.start + self.real)
         rows, values = tokens[in_shard] - self.start, grad[in_shard]
         if tied:
@@ -480,22 +497,24 @@ class VocabParallel:
                 f"{self.label_smoothing:g}, pad_multiple {self.pad_multiple}, {'tied' if self.tied else 'untied'}, "
                 f"ignore_index {self.ignore_index}")
 
-    def _bind(self, rank, ranks):
-        """Shards the layers for `rank` of `ranks` (the schedule does, once)."""
+    def _bind(self, rank, ranks, device=None):
+        """Shards the layers for `rank` of `ranks`, on `device` (the rank's stages'; the schedule
+        does, once)."""
+        device = torch.device(device if device is not None else "cpu")
         if self.ranks is not None:
-            if (self.rank, self.ranks) != (rank, ranks):
-                raise ValueError(f"zbpp.VocabParallel: already sharded for rank {self.rank} of {self.ranks}; make one "
-                                 "per schedule")
+            if (self.rank, self.ranks, self.embedding.device) != (rank, ranks, device):
+                raise ValueError(f"zbpp.VocabParallel: already sharded for rank {self.rank} of {self.ranks} on "
+                                 f"{self.embedding.device}; make one per schedule")
             return
         out_w, emb_w = self._whole
         tr = _Alone() if ranks == 1 else _Unbound  # the schedule gives its transport at its first step
-        self.embedding = VocabParallelEmbedding(emb_w, rank, ranks, tr, self.pad_multiple)
+        self.embedding = VocabParallelEmbedding(emb_w, rank, ranks, tr, self.pad_multiple, device)
         if self.tied:
             self.output = VocabParallelOutput(tied=self.embedding, fused=self.fused,
                                               label_smoothing=self.label_smoothing, ignore_index=self.ignore_index)
         else:
             self.output = VocabParallelOutput(out_w, rank, ranks, tr, self.pad_multiple, self.fused,
-                                              self.label_smoothing, ignore_index=self.ignore_index)
+                                              self.label_smoothing, ignore_index=self.ignore_index, device=device)
         self.rank, self.ranks = rank, ranks
         self._whole = None  # the user's whole layers are not used again: delete them to free their memory
 

@@ -276,7 +276,7 @@ class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning, _Splitting, _Bou
             from ._vocab import VocabRun, check_config
 
             check_config(name, vocab_parallel, loss_fn, csv, _kind_name(kind) if kind is not None else None, offload,
-                         costs, plan_from_measured, self._cuda, _PY_KINDS)
+                         costs, plan_from_measured, _PY_KINDS)
             # Its own replan (from the passes' times too): not the stages' profile below.
             measure = plan_from_measured is not False and times is None and not vocab_parallel.times_given
             plan_from_measured = False
@@ -617,13 +617,17 @@ class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning, _Splitting, _Bou
         CUDA stages: host messages only, over a group that takes CPU tensors (cpu_group); on first
         use every rank must ask for it, since making a gloo group is a collective."""
         if self._transport is None and self.ranks > 1:
-            group = self.group
-            if self._cuda:
-                group = self._cpu_group_given
-                if group is None:
-                    group = distributed.cpu_group(self.group)
-            self._transport = TorchTransport(group, self.timeout, name=self._key)
+            self._transport = TorchTransport(self._host_group(), self.timeout, name=self._key)
         return self._transport
+
+    def _host_group(self):
+        """The group host messages go over: the pipeline's own (CPU stages), or, with CUDA stages,
+        cpu_group= or a gloo group over the pipeline's ranks (made on first use, a collective)."""
+        if not self._cuda:
+            return self.group
+        if self._cpu_group_given is not None:
+            return self._cpu_group_given
+        return distributed.cpu_group(self.group)
 
     def _device_scope(self):
         return torch.cuda.device(self.device) if self._cuda else contextlib.nullcontext()

@@ -197,7 +197,7 @@ class _Agreement:
                 continue
             waiter = self._ping_waiters.get(r) or self._ping_waiters.setdefault(r, distributed._Waiter())
             peer = distributed.global_rank(self.group, r)
-            out, back = torch.zeros(1, dtype=torch.uint8), torch.zeros(1, dtype=torch.uint8)
+            out, back = torch.zeros(1, dtype=torch.uint8, device="cpu"), torch.zeros(1, dtype=torch.uint8, device="cpu")
             try:
                 sent = dist.isend(out, dst=peer, group=group, tag=_PING_TAG)
                 got = dist.irecv(back, src=peer, group=group, tag=_PING_TAG)

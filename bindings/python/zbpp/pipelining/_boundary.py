@@ -67,7 +67,7 @@ _LAYOUTS = {}
 
 def _buffer(addr, nbytes):
     if nbytes == 0:
-        return torch.empty(0, dtype=torch.uint8)
+        return torch.empty(0, dtype=torch.uint8, device="cpu")
     return torch.frombuffer((ctypes.c_char * nbytes).from_address(addr), dtype=torch.uint8)
 
 
@@ -103,7 +103,7 @@ def _encode(meta):
     if len(enc) > _META_LEN:
         raise ValueError(f"zbpp: a stage output with {len(meta)} tensors is too large to describe "
                          f"(at most {_META_LEN} numbers of metadata)")
-    return torch.tensor(enc + [0] * (_META_LEN - len(enc)), dtype=torch.int64)
+    return torch.tensor(enc + [0] * (_META_LEN - len(enc)), dtype=torch.int64, device="cpu")
 
 
 def _decode(t):

@@ -134,7 +134,7 @@ class _SetUp:
     def _recv_activation(self, rank):
         """An activation `rank` sends with its description first (shape inference, forward-only
         runs): (tensors, [(dtype, shape)])."""
-        meta_t = torch.zeros(_META_LEN, dtype=torch.int64)
+        meta_t = torch.zeros(_META_LEN, dtype=torch.int64, device="cpu")
         self._recv(meta_t, rank)
         meta = _decode(meta_t)
         inputs = tuple(torch.empty(shape, dtype=dtype, device=self.device) for dtype, shape in meta)

@@ -44,6 +44,7 @@ What this is not: the numerics (zbpp/vocab.py) or the placement (csrc/schedule/g
 simulate.c's zb__place_vocab).
 """
 
+import contextlib
 import logging
 import queue
 import statistics
@@ -78,6 +79,17 @@ _WHY_BYTES = 512  # of the reason a rank's batch cannot be sent, which every ran
 
 
 _NOT_YET = object()
+
+
+def _current_stream():
+    """The calling thread's current CUDA stream, or None without CUDA (or before it is used)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.current_stream()
+    return None
+
+
+def _on_stream(stream):
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
 def _await(cv, check, timeout, peer_failure, what, after):
@@ -119,9 +131,10 @@ class _Lane:
             job = self.jobs.get()
             if job is None:
                 return
-            epoch, mb, fn = job
+            epoch, mb, fn, stream = job
             try:
-                result, err = fn(self.transport), None
+                with _on_stream(stream):
+                    result, err = fn(self.transport), None
             except BaseException as exc:  # noqa: BLE001 - the waiting side raises it
                 result, err = None, exc
             with self.cv:
@@ -133,10 +146,13 @@ class _Lane:
             del job, fn, result, err  # nothing of a microbatch outlives its job here
 
     def start(self, mb, fn):
+        """Queues fn. With CUDA, fn runs on the stream current here (the pipeline's compute
+        stream): what the pass enqueued before is ordered before fn's copies, and what fn makes is
+        allocated on that stream, so the compute that reads it later needs no event."""
         with self.cv:
             self.started.add(mb)
             epoch = self.epoch
-        self.jobs.put((epoch, mb, fn))
+        self.jobs.put((epoch, mb, fn, _current_stream()))
 
     def take(self, mb, what):
         """wait(mb), and the result is let go here (its last reader)."""
@@ -208,7 +224,7 @@ class _Box:
             self.cv.notify_all()
 
 
-def check_config(name, vocab_parallel, loss_fn, csv, kind, offload, costs, plan_from_measured, cuda, py_kinds):
+def check_config(name, vocab_parallel, loss_fn, csv, kind, offload, costs, plan_from_measured, py_kinds):
     """Refuses what vocab_parallel= does not go with, saying what is allowed."""
     if not isinstance(vocab_parallel, VocabParallel):
         raise TypeError(f"zbpp.{name}: vocab_parallel must be a zbpp.VocabParallel(output=..., embedding=...), got "
@@ -224,8 +240,6 @@ def check_config(name, vocab_parallel, loss_fn, csv, kind, offload, costs, plan_
         why = "does not go with offload= yet"
     elif costs is not None:
         why = "plans from the times it measures (or VocabParallel(times=...) and times=), not from costs= (yet)"
-    elif cuda:
-        why = "runs its collectives over host transports (CPU stages) until NCCL's group collectives exist"
     if why:
         raise ValueError(f"zbpp.{name}: vocab_parallel {why}")
 
@@ -260,9 +274,10 @@ class VocabRun:
     """A schedule's Vocabulary Parallelism (see the module docstring)."""
 
     def __init__(self, sched, config, measure=True):
-        config._bind(sched.rank, sched.ranks)
+        config._bind(sched.rank, sched.ranks, sched.device)
         config.embedding.timeout = config.output.timeout = sched.timeout
         self.sched, self.vp = sched, config
+        self.device = sched.device  # the shards' and the passes' (CUDA stages: their GPU)
         self.measure_at = MEASURE_STEP if measure else None
         self.measuring = False
         self.replanned = None  # what the replan from measured times found (replan)
@@ -314,7 +329,9 @@ class VocabRun:
         if sc.ranks == 1:
             transports = {k: _Alone() for k in _LANES}
         else:
-            self._tts = [distributed.TorchTransport(sc.group, sc.timeout, name=self._lane_name(k)) for k in _LANES]
+            # Host transports (CUDA stages: over the host group the pipeline's messages use).
+            group = sc._host_group()
+            self._tts = [distributed.TorchTransport(group, sc.timeout, name=self._lane_name(k)) for k in _LANES]
             transports = {k: tt.transport for k, tt in zip(_LANES, self._tts)}
             self._main = sc.transport.transport
             self.vp.embedding.transport = self.vp.output.transport = self._main  # gather() between steps
@@ -351,7 +368,9 @@ class VocabRun:
             raise ValueError(f"zbpp vocab_parallel: rank {first} (stage 0) has no tokens to embed: pass the batch of "
                              "token ids to step() there")
         targets = self._share(target_mbs, last, "the target")
-        self._reset([t.reshape(-1) for t in tokens], [t.reshape(-1) for t in targets] if targets else None, trains)
+        dev = self.device
+        self._reset([t.reshape(-1).to(dev) for t in tokens], [t.reshape(-1).to(dev) for t in targets] if targets else None,
+                    trains)
         self.measuring = trains and self.measure_at == self.sched.steps + 1
         self._timed, self._waits = {}, {}
         if self.measuring:
@@ -363,7 +382,7 @@ class VocabRun:
         if not trains:
             # Forward-only: the whole batch's embedding in one collective, before any forward.
             whole = torch.cat(self.tokens)
-            with torch.autocast("cpu", enabled=False):
+            with torch.autocast(self.device.type, enabled=False):
                 emb = self.vp.embedding.embed(whole, self._main)
             self.emb_all = list(emb.reshape(len(self.tokens), *self.shape, self.vp.hidden).unbind(0))
         elif self.sched._inferred_for is not True and not self.sched._meta_given:
@@ -375,7 +394,7 @@ class VocabRun:
         """root's microbatches of integer ids on every rank (None where root has none): a header,
         then the ids. A root whose ids cannot be sent says why in the header, so every rank fails."""
         sc, m = self.sched, self.sched.n_microbatches
-        header = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64)
+        header = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64, device="cpu")
         why = None
         if sc.rank == root:
             why = _int_batch(mbs, what, m)
@@ -383,14 +402,14 @@ class VocabRun:
                 header[0] = -1
             elif mbs is not None:
                 header[0], header[1] = 1, mbs[0].dim()
-                header[2:2 + mbs[0].dim()] = torch.tensor(mbs[0].shape, dtype=torch.int64)
+                header[2:2 + mbs[0].dim()] = torch.tensor(mbs[0].shape, dtype=torch.int64, device="cpu")
         to = self.sched.timeout
         self._main.broadcast(header, root, timeout=to, channel=CHANNEL_DATA)
         if header[0] == -1:  # every rank says why
-            text = torch.zeros(_WHY_BYTES, dtype=torch.uint8)
+            text = torch.zeros(_WHY_BYTES, dtype=torch.uint8, device="cpu")
             if why is not None:
                 raw = why.encode()[:_WHY_BYTES]
-                text[:len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+                text[:len(raw)] = torch.tensor(list(raw), dtype=torch.uint8, device="cpu")
             self._main.broadcast(text, root, timeout=to, channel=CHANNEL_DATA)
             said = bytes(text.tolist()).rstrip(b"\0").decode(errors="replace")
             raise ValueError(f"zbpp vocab_parallel: rank {root}'s step() arguments: {said}")
@@ -400,7 +419,7 @@ class VocabRun:
         if sc.rank == root:
             data = torch.stack([t.detach().to("cpu", torch.int64) for t in mbs]).contiguous()
         else:
-            data = torch.empty((m,) + shape, dtype=torch.int64)
+            data = torch.empty((m,) + shape, dtype=torch.int64, device="cpu")
         self._main.broadcast(data, root, timeout=to, channel=CHANNEL_DATA)
         return list(data.unbind(0))
 
@@ -409,7 +428,7 @@ class VocabRun:
         the quickest of a few, of the size of one microbatch's C0. In the step itself a barrier
         also waits for the last rank's pass, which the plan's simulation adds by itself."""
         n, H = self._n(0), self.vp.hidden
-        buf = torch.zeros(2 * n + (2 * n * H if self.vp.fused else 0))
+        buf = torch.zeros(2 * n + (2 * n * H if self.vp.fused else 0), device=self.device)
         tr = self.lanes["S"].transport
         took = []
         for _ in range(5):
@@ -440,18 +459,25 @@ class VocabRun:
     def on_pass(self, kind, mb):
         # In float32 whatever autocast the caller's step runs under: the lanes' threads have none,
         # and one pass's parts must not mix precisions.
-        with torch.autocast("cpu", enabled=False):
+        with torch.autocast(self.device.type, enabled=False):
             getattr(self, "_pass_" + kind)(mb)
+
+    def _clock(self):
+        """perf_counter, and on CUDA, while measuring, after the current stream's work so far (a
+        pass's kernels are timed from the host, so the stream is synchronised around them)."""
+        if self.measuring and self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        return time.perf_counter()
 
     def _time(self, kind, t0):
         if self.measuring:
-            self._timed.setdefault(kind, []).append(time.perf_counter() - t0)
+            self._timed.setdefault(kind, []).append(self._clock() - t0)
 
     def _pass_IF(self, mb):
         if self.feed is not None:
             self._pass_IF_fed(mb)
             return
-        t0 = time.perf_counter()
+        t0 = self._clock()
         local = self.vp.embedding.embed_local(self.tokens[mb]).contiguous()
         self._time("IF", t0)
         keep = self.sched.rank == self._roots()[0]  # only stage 0 reads the sum
@@ -472,10 +498,10 @@ class VocabRun:
             if me == first:
                 tokens = self._box.get(mb, f"the tokens of microbatch {mb} (stage 0's forward)")
             else:
-                tokens = torch.empty(n, dtype=torch.int64)
+                tokens = torch.empty(n, dtype=torch.int64, device="cpu")
             tr.broadcast(tokens, first, timeout=to, channel=CHANNEL_IF)
-            self.tokens[mb] = tokens
-            t0 = time.perf_counter()
+            tokens = self.tokens[mb] = tokens.to(emb.device)
+            t0 = self._clock()
             local = emb.embed_local(tokens).contiguous()
             self._time("IF", t0)
             got = tr.all_reduce(local, "sum", timeout=to, channel=CHANNEL_IF)
@@ -487,13 +513,13 @@ class VocabRun:
         out, last = self.vp.output, self._roots()[1]
         to = self.sched.timeout
         if self.sched.rank != last:  # the last stage's rank started its side at its forward (hidden)
-            buf = torch.empty(self._n(mb), self.vp.hidden)
-            fed = torch.empty(self._n(mb), dtype=torch.int64) if self.feed is not None else None
+            buf = torch.empty(self._n(mb), self.vp.hidden, device=self.device)
+            fed = torch.empty(self._n(mb), dtype=torch.int64, device="cpu") if self.feed is not None else None
             self.lanes["H"].start(mb, lambda tr: _send_hidden(tr, buf, fed, last, to))
         h, fed = self.lanes["H"].take(mb, f"the last stage's output of microbatch {mb}")
         if fed is not None:
-            self.targets[mb] = fed
-        t0 = time.perf_counter()
+            self.targets[mb] = fed.to(self.device)
+        t0 = self._clock()
         target = self.targets[mb]
         st = out.s_pass(h, target)
         self._time("S", t0)
@@ -507,7 +533,7 @@ class VocabRun:
                 g = out.grad_of_mean(target)  # 1 / the targets that count, each; 0 for ignore_index
             else:
                 # The caller's loss on the per-token losses, on its rank; its gradient to every rank.
-                g = self.feed.loss_grad(mb, loss) if keep else torch.empty(loss.shape)
+                g = self.feed.loss_grad(mb, loss) if keep else torch.empty(loss.shape, device=loss.device)
                 g = tr.broadcast(g.detach().float().contiguous(), last, timeout=to, channel=CHANNEL_S)
             self._g[mb] = g
             # Fused: the last stage's output gradient, d(loss)/dh.
@@ -519,7 +545,7 @@ class VocabRun:
         out = self.vp.output
         st = self.states.pop(mb)
         self.lanes["S"].wait(mb, f"the output layer's all-reduces of microbatch {mb}")
-        t0 = time.perf_counter()
+        t0 = self._clock()
         out.t_pass(st, self._g.pop(mb))
         self._time("T", t0)
         if not out.fused:
@@ -536,7 +562,7 @@ class VocabRun:
         if self.sched.rank == first:
             grad = self.grads_in.pop(mb)
         else:
-            grad = torch.empty(self._n(mb), self.vp.hidden, dtype=emb.weight.dtype)
+            grad = torch.empty(self._n(mb), self.vp.hidden, dtype=emb.weight.dtype, device=self.device)
         tied = self.vp.tied
         if self.feed is None:
             tokens = self.tokens[mb]
@@ -616,7 +642,7 @@ class VocabRun:
         H = self.vp.hidden
         dtype = self.vp.embedding.weight.dtype
         self.grads_in[mb] = (grad.detach().reshape(-1, H).to(dtype).contiguous() if grad is not None else
-                             torch.zeros(self._n(mb), H, dtype=dtype))
+                             torch.zeros(self._n(mb), H, dtype=dtype, device=self.device))
 
     def forward_only_losses(self, outputs):
         """Forward-only, every rank, after the forwards: each microbatch's loss, or None without a
@@ -628,11 +654,11 @@ class VocabRun:
         if self.sched.rank == last:
             h = torch.cat([self._rows(o, i) for i, o in enumerate(outputs)])
         else:
-            h = torch.empty(m * n, self.vp.hidden)
+            h = torch.empty(m * n, self.vp.hidden, device=self.device)
         self._main.broadcast(h, last, timeout=self.sched.timeout, channel=CHANNEL_HIDDEN)
         out = self.vp.output
         # A microbatch at a time (its logits only), without the input gradient's parts.
-        with torch.autocast("cpu", enabled=False):
+        with torch.autocast(self.device.type, enabled=False):
             losses = [out.mean(out.reduce(out.s_pass(h[i * n:(i + 1) * n], self.targets[i], need_grad=False),
                                           self._main), self.targets[i]) for i in range(m)]
         self._reset(None, None, False)
