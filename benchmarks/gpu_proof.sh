@@ -239,12 +239,15 @@ stage pytest-gpu 110 45 "'$python' -m pytest -v -rfEs -p no:cacheprovider -m gpu
 # ---- 5. the GPT example ----------------------------------------------------------------------------------
 # One process holding a V's two stages, then 2 and 4 ranks as processes (on one GPU they share it:
 # NCCL refuses that, so zbpp stages their messages through host memory, and says so), each schedule
-# kind beside 1F1B: tokens/s and the measured bubble from each run's last line. Each run has its
+# kind beside 1F1B: tokens/s and the measured bubble from each run's last line; then a large
+# vocabulary on the last stage and split over the ranks (--vocab-parallel). Each run has its
 # own limit, so one that hangs costs only that.
 if ((gpu)); then
   size="--device cuda --d-model 512 --layers 8 --heads 8 --seq 128 --batch 64 --microbatches 8 --steps 10 --timeout 20"
+  vocab=32768
 else
   size="--device cpu --d-model 32 --layers 8 --heads 2 --seq 16 --batch 16 --microbatches 4 --steps 4 --timeout 20"
+  vocab=256
 fi
 stage gpt 115 50 "
   bad=0
@@ -258,6 +261,9 @@ stage gpt 115 50 "
   gpt --ranks 1 --schedule interleaved-1f1b --chunks 2
   for kind in 1f1b zb-h1 zb-auto; do gpt --ranks 2 --schedule \$kind; done
   for kind in 1f1b zb-v zb-auto; do gpt --ranks 4 --schedule \$kind; done
+  # Vocabulary Parallelism on CUDA stages: the passes on the GPU, their collectives through host memory
+  gpt --ranks 2 --schedule 1f1b --vocab-size $vocab
+  gpt --ranks 2 --schedule 1f1b --vocab-size $vocab --vocab-parallel
   exit \$bad"
 
 # ---- 6. bench_gpu ----------------------------------------------------------------------------------------

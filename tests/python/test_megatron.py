@@ -165,8 +165,9 @@ def test_vocab_parallel_flags_parse_and_what_they_do_not_go_with_is_refused(fres
 
     unfused = ctx()
     fp32 = types.SimpleNamespace(fp16=False, bf16=False)
-    plain = [types.SimpleNamespace()]
-    gathering = [types.SimpleNamespace(ddp_config=types.SimpleNamespace(overlap_param_gather=True))]
+    plain = [torch.nn.Linear(1, 1)]
+    gathering = [torch.nn.Linear(1, 1)]
+    gathering[0].ddp_config = types.SimpleNamespace(overlap_param_gather=True)
     check_call(unfused, fp32, opts, False, False, plain)  # what the model was built for: fine
     for c, config, o, fwd, collect, chunks, text in (
             (unfused, fp32, opts._replace(enable_vocab_parallel=False), False, False, plain, "flag is off"),
@@ -176,7 +177,10 @@ def test_vocab_parallel_flags_parse_and_what_they_do_not_go_with_is_refused(fres
             (unfused, fp32, opts, True, True, plain, "collect_non_loss_data"),
             (unfused, types.SimpleNamespace(fp16=False, bf16=True), opts, False, False, plain, "bf16"),
             (unfused, fp32, opts, False, False, gathering, "--overlap-param-gather"),
-            (ctx("meta"), fp32, opts, True, False, plain, "CPU stages")):
+            # The shards must be where the chunks are (on CUDA, get_model's .cuda() moves both);
+            # a second device here: meta.
+            (ctx("meta"), fp32, opts, True, False, plain, "move them together"),
+            (unfused, fp32, opts, False, False, [torch.nn.Linear(1, 1, device="meta")], "move them together")):
         with pytest.raises(ValueError, match=text):
             check_call(c, config, o, fwd, collect, chunks)
 

@@ -126,13 +126,19 @@ class _Shard:
         self.rank, self.ranks, self.transport = rank, ranks, transport if transport is not None else _Alone()
         self.vocab_size, self.hidden = weight.shape
         self.start, self.end, self.padded = vocab_shard_range(self.vocab_size, rank, ranks, pad_multiple)
-        self.device = torch.device(device if device is not None else "cpu")
-        rows = torch.zeros(self.end - self.start, self.hidden, dtype=weight.dtype, device=self.device)
+        device = torch.device(device if device is not None else "cpu")
+        rows = torch.zeros(self.end - self.start, self.hidden, dtype=weight.dtype, device=device)
         real = max(0, min(self.end, self.vocab_size) - self.start)
         if real:
-            rows[:real] = weight.detach()[self.start:self.start + real].to(self.device)
+            rows[:real] = weight.detach()[self.start:self.start + real].to(device)
         self.real = real  # rows of this shard that are vocabulary, not padding
         self.weight = torch.nn.Parameter(rows)
+
+    @property
+    def device(self):
+        """Where the shard is, and the passes compute: its weight's device (a module holding the
+        weight may move it, as Megatron's get_model moves the model to its GPU)."""
+        return self.weight.device
 
     def gather(self):
         """The whole [V, H] weight on every rank, on the shard's device (a collective: one
@@ -204,7 +210,7 @@ class VocabParallelOutput(_Shard):
                  label_smoothing=0.0, tied=None, ignore_index=-100, device=None):
         if tied is not None:
             self.__dict__.update({k: getattr(tied, k) for k in ("rank", "ranks", "transport", "vocab_size", "hidden",
-                                                              "start", "end", "padded", "real", "weight", "device",
+                                                              "start", "end", "padded", "real", "weight",
                                                               "_lock", "timeout", "_ib_grad")})
         else:
             super().__init__("VocabParallelOutput", weight, rank, ranks, transport, pad_multiple, device)

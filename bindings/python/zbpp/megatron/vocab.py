@@ -28,9 +28,10 @@ embedding is one collective inside stage 0's forward, the losses one S a microba
 forwards.
 
 What it needs: megatron-core's GPTModel (pre_process/post_process, embedding.word_embeddings,
-output_layer, compute_language_model_loss), tensor- and context-parallel size 1, fp32 parameters,
-CPU stages (the collectives run over host transports until NCCL's group collectives exist); every
-rank calls the provider the same number of times (Megatron's get_model does). Megatron's padded
+output_layer, compute_language_model_loss), tensor- and context-parallel size 1, fp32 parameters;
+every rank calls the provider the same number of times (Megatron's get_model does). On CUDA the
+shards move with the model (get_model's .cuda()) and the passes compute on the GPU; their
+collectives go through host memory over the pipeline's host group (zbpp/vocab.py). Megatron's padded
 vocabulary (--make-vocab-size-divisible-by) is the vocabulary here: its padding rows take part in
 the softmax as in Megatron's own layer. Refused with a clear error: the rest, and --cpu-offload.
 The whole weights for a checkpoint in the unsharded layout: vocab_parallel_of(model).gather().
@@ -42,10 +43,11 @@ import functools
 import torch
 import torch.distributed as dist
 
+from .._runtime_transport import _on_device, _through_host
 from ..distributed import global_rank
 from ..vocab import VocabParallel
 from .flags import options
-from .placement import _parallel_state, _topology, _wrapped_attr, pipeline_cpu_group
+from .placement import _device_of, _parallel_state, _topology, _wrapped_attr, pipeline_cpu_group
 
 _WHERE = "zbpp.megatron.vocab_model_provider"
 
@@ -168,12 +170,16 @@ class _DistCollectives:
                                f"finish within {self.timeout:g} s (the timeout): {text}") from exc
 
     def all_reduce(self, x, op="sum", timeout=None, channel=0):
+        if _on_device(x):  # the group is gloo: CPU tensors
+            return _through_host(x, lambda h: self.all_reduce(h, op), "all_reduce")
         work = dist.all_reduce(x, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=self.group,
                                async_op=True)
         self._wait(work, "an all-reduce of the vocabulary passes")
         return x
 
     def broadcast(self, x, root, timeout=None, channel=0):
+        if _on_device(x):
+            return _through_host(x, lambda h: self.broadcast(h, root), "broadcast")
         work = dist.broadcast(x, src=global_rank(self.group, root), group=self.group, async_op=True)
         self._wait(work, f"a broadcast from pipeline rank {root}")
         return x
@@ -199,12 +205,12 @@ class _Eval:
     def join_embeddings(self, m):
         """Every rank but stage 0's: its part in the m embedding collectives."""
         for _ in range(m):
-            self._round(torch.empty(self.n, dtype=torch.int64))
+            self._round(torch.empty(self.n, dtype=torch.int64, device="cpu"))
 
     def _round(self, tokens):
         emb = self.ctx.vp.embedding
         self.tr.broadcast(tokens, self.first)
-        with torch.autocast("cpu", enabled=False):
+        with torch.autocast(emb.device.type, enabled=False):
             return self.tr.all_reduce(emb.embed_local(tokens).contiguous(), "sum")
 
     def targets(self, labels):
@@ -225,11 +231,11 @@ class _Eval:
         out, H = self.ctx.vp.output, self.ctx.vp.hidden
         for i in range(m):
             mine = self.rank == self.last
-            h = self.kept[i][0] if mine else torch.empty(self.n, H)
-            target = self.kept[i][1] if mine else torch.empty(self.n, dtype=torch.int64)
+            h = self.kept[i][0] if mine else torch.empty(self.n, H, device=out.device)
+            target = self.kept[i][1] if mine else torch.empty(self.n, dtype=torch.int64, device="cpu")
             self.tr.broadcast(h, self.last)
             self.tr.broadcast(target, self.last)
-            with torch.autocast("cpu", enabled=False):
+            with torch.autocast(out.device.type, enabled=False):
                 loss = out.reduce(out.s_pass(h, target, need_grad=False), self.tr)
             if mine:
                 per_token = loss.reshape(self.seq, self.b).t().contiguous()
@@ -274,9 +280,11 @@ def check_call(ctx, config, opts, forward_only, collect_non_loss_data, chunks):
     """Why a call cannot run with Vocabulary Parallelism (raised on every rank alike)."""
     why = None
     ddp = _wrapped_attr(chunks[0], "ddp_config")
-    if any(w.device.type != "cpu" for w in ctx.vp.parameters()):
-        why = ("the split layers run on CPU stages (gloo) for now: their collectives use host transports until NCCL's "
-               "group collectives exist")
+    devices = {w.device for w in ctx.vp.parameters()}
+    stages = {prm.device for c in chunks for prm in c.parameters()}
+    if len(devices | stages) > 1:
+        why = (f"the split layers are on {sorted(map(str, devices))} and the model's chunks on "
+               f"{sorted(map(str, stages))}; move them together (model.cuda() moves the shards too)")
     elif getattr(ddp, "overlap_param_gather", False):
         why = ("--overlap-param-gather does not go with it yet: the split layers are not called as modules, so the "
                "distributed optimizer's gather hooks would not wait for their parameters")
@@ -396,7 +404,7 @@ def _finish(state, ps):
     out = emb if state["tied"] else weights["output"]
     opts = options()
     ctx.vp = VocabParallel(out, emb, fused=not opts.disable_backward_fusion)
-    ctx.vp._bind(rank, p)
+    ctx.vp._bind(rank, p, _device_of([state["first"]]))  # where the chunk is (get_model moves both after)
     ctx.idle_transport = _DistCollectives(pipeline_cpu_group(group), opts.timeout) if p > 1 else None
     idle(ctx)  # gather() works from here on, between calls too (a collective of the pipeline)
     state["first"].zbpp_vocab = _Shards(ctx)
