@@ -798,6 +798,39 @@ typedef struct {
 
 ZB_API zb_status_t zb_transport_create_nccl(zb_transport_t **out, const zb_nccl_transport_config_t *config);
 
+/* NCCL group transport: collectives over every rank of a group on device memory
+ * (zb_transport_all_reduce, zb_transport_broadcast; no point-to-point messages), for Vocabulary
+ * Parallelism's passes when each rank has a GPU of its own. One communicator over the group and a
+ * stream of its own: a collective is ncclAllReduce or ncclBroadcast in place, after the work the
+ * backend's stream was given before the call, and the call returns when it has finished on the
+ * device (blocking, as the host transports' collectives). NCCL adds in its own order: a SUM equals
+ * the host transports' rank-order sum within floating-point rounding, not bit for bit (the same on
+ * every rank); MAX and broadcasts are exact. Every rank calls one transport's collectives in one
+ * order, whatever their channels (one NCCL queue per communicator: give each independent kind of
+ * collective a transport of its own); one thread at a time per transport.
+ *
+ * Failures: each collective waits at most timeout_s (<= 0: 300 s) from when this rank's data is
+ * ready on the device; a timeout, an NCCL error, the abort signal or zb_transport_abort (from any
+ * thread) aborts the communicator, and the transport stays failed (make a new one, with a new
+ * unique id). Creation blocks until every rank has called it, at most timeout_s. The backend
+ * (held by the transport) gives the device and the stream the collectives follow. */
+#define ZB_NCCL_GROUP_CONFIG_VERSION 1
+
+typedef struct {
+  uint32_t struct_size; /* sizeof(zb_nccl_group_config_t) */
+  uint32_t version;     /* ZB_NCCL_GROUP_CONFIG_VERSION */
+  int32_t rank, ranks;
+  const uint8_t *unique_id; /* ZB_NCCL_UNIQUE_ID_BYTES from zb_nccl_unique_id, the same on every rank */
+  zb_backend_t *backend;    /* the rank's CUDA backend */
+  double timeout_s;
+  zb_abort_signal_t abort_signal; /* optional (all NULL: failures stay local) */
+} zb_nccl_group_config_t;
+
+#define ZB_NCCL_GROUP_CONFIG_INIT                                                                  \
+  { sizeof(zb_nccl_group_config_t), ZB_NCCL_GROUP_CONFIG_VERSION, 0, 1, NULL, NULL, 0.0, {NULL, NULL, NULL} }
+
+ZB_API zb_status_t zb_transport_create_nccl_group(zb_transport_t **out, const zb_nccl_group_config_t *config);
+
 /* Socket transport: host memory between processes over connected stream sockets (AF_UNIX or TCP),
  * one per peer, which the caller connects and hands over (the Python binding does this for a
  * torch.distributed group through the job's c10d store). A progress thread per transport writes
@@ -867,8 +900,9 @@ ZB_API zb_status_t zb_transport_destroy(zb_transport_t *transport);
  * broadcast goes from the root to each rank. p - 1 messages each way: for per-token statistics and
  * hidden-sized tensors, not for a model's gradients. timeout_s (<= 0: 300 s) bounds each message: a
  * rank that does not join fails the others at their timeout, naming it; one that aborted, at once
- * (ZB_ERR_REMOTE). MAX keeps NaNs. Host memory only: the in-process (on a host backend), callback,
- * socket and staged transports; the NCCL transport is refused (ZB_ERR_UNSUPPORTED) for now. */
+ * (ZB_ERR_REMOTE). MAX keeps NaNs. Host memory: the in-process (on a host backend), callback,
+ * socket and staged transports; the NCCL pair transport is refused (ZB_ERR_UNSUPPORTED). Device
+ * memory: the NCCL group transport (zb_transport_create_nccl_group), with NCCL's own collectives. */
 typedef enum {
   ZB_REDUCE_SUM = 0,
   ZB_REDUCE_MAX = 1,

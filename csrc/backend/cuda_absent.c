@@ -37,6 +37,13 @@ zb_status_t zb_transport_create_nccl(zb_transport_t **out, const zb_nccl_transpo
   *out = NULL;
   return ZB__NO_CUDA("zb_transport_create_nccl");
 }
+
+zb_status_t zb_transport_create_nccl_group(zb_transport_t **out, const zb_nccl_group_config_t *config) {
+  ZB_ARG_NOT_NULL(out);
+  *out = NULL;
+  (void)config;
+  return ZB__NO_CUDA("zb_transport_create_nccl_group");
+}
 #else
 /* ISO C wants at least one declaration in a translation unit. */
 typedef int zb__cuda_absent_unused_t;

@@ -94,6 +94,8 @@ typedef struct {
   ncclResult_t (*Recv)(void *, size_t, ncclDataType_t, int, ncclComm_t, cudaStream_t);
   ncclResult_t (*GroupStart)(void);
   ncclResult_t (*GroupEnd)(void);
+  ncclResult_t (*AllReduce)(const void *, void *, size_t, ncclDataType_t, ncclRedOp_t, ncclComm_t, cudaStream_t);
+  ncclResult_t (*Broadcast)(const void *, void *, size_t, ncclDataType_t, int, ncclComm_t, cudaStream_t);
   const char *(*GetErrorString)(ncclResult_t);
   const char *(*GetLastError)(ncclComm_t);
 } zb__nccl_t;
@@ -261,6 +263,10 @@ zb_status_t zb__cuda_optim_undo(zb__cuda_t *cu, const zb_optim_step_t *s);
  * state given (config->backend is not read and may be NULL): the seam the fake-NCCL tests use. */
 zb_status_t zb__transport_create_nccl_with(zb_transport_t **out, const zb_nccl_transport_config_t *c,
                                            const zb__nccl_t *nc, const zb__cudart_t *rt, zb__cuda_t *cu);
+/* transport_nccl_group.c: zb_transport_create_nccl_group with its tables and device state given
+ * (config->backend is not read and may be NULL), for the fake-NCCL tests. */
+zb_status_t zb__transport_create_nccl_group_with(zb_transport_t **out, const zb_nccl_group_config_t *c,
+                                                 const zb__nccl_t *nc, const zb__cudart_t *rt, zb__cuda_t *cu);
 /* For the tests: requests the transport has made (each with its events), communicators it holds. */
 int zb__transport_nccl_requests(zb_transport_t *t);
 int zb__transport_nccl_comms(zb_transport_t *t);

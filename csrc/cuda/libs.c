@@ -124,6 +124,8 @@ static void nccl_load(void) {
   ZB_SYM(Recv);
   ZB_SYM(GroupStart);
   ZB_SYM(GroupEnd);
+  ZB_SYM(AllReduce);
+  ZB_SYM(Broadcast);
   ZB_SYM(GetErrorString);
 #undef ZB_SYM
   /* ncclGetLastError appeared in 2.13; its absence only shortens messages. */

@@ -22,9 +22,10 @@
  * (zb__transport_park), and the caller's buffer must stay alive (the Python binding keeps it) and
  * holds no defined value.
  *
- * What this is not: a device collective. Buffers are host memory; the NCCL transport, and a
- * transport bound to a device backend, are refused (a group communicator is the NCCL way). A
- * staged transport's collectives run on its inner host transport.
+ * What this is not: a device collective. Buffers are host memory; the NCCL pair transport, and a
+ * transport bound to a device backend, are refused. A transport with collectives of its own (the
+ * NCCL group transport, csrc/cuda/transport_nccl_group.c) runs them instead, after the arguments
+ * are checked here. A staged transport's collectives run on its inner host transport.
  */
 #include <math.h>
 #include <stdio.h>
@@ -100,7 +101,6 @@ zb_status_t zb_transport_all_reduce(zb_transport_t *t, int32_t channel, void *bu
   ZB_CHECK(check_channel(channel, "zb_transport_all_reduce"));
   const int32_t tag = ZB__TAG_COLLECTIVE + channel;
   if (t->ops->host_side) t = t->ops->host_side(t);
-  ZB_CHECK(check_transport(t, "zb_transport_all_reduce"));
   if (count > 0) ZB_ARG_NOT_NULL(buf);
   if (dtype != ZB_DTYPE_F32 && dtype != ZB_DTYPE_F16 && dtype != ZB_DTYPE_BF16)
     return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "zb_transport_all_reduce: dtype %d; allowed: ZB_DTYPE_F32, "
@@ -109,6 +109,8 @@ zb_status_t zb_transport_all_reduce(zb_transport_t *t, int32_t channel, void *bu
     return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "zb_transport_all_reduce: op %d; allowed: ZB_REDUCE_SUM, ZB_REDUCE_MAX",
                    (int)op);
   if (!(timeout_s > 0)) timeout_s = 300.0;
+  if (t->ops->all_reduce) return t->ops->all_reduce(t, channel, buf, count, dtype, op, timeout_s);
+  ZB_CHECK(check_transport(t, "zb_transport_all_reduce"));
   const int32_t p = t->ranks, me = t->rank;
   const size_t bytes = count * dtype_size(dtype);
   const char *what = op == ZB_REDUCE_SUM ? "all-reduce (sum)" : "all-reduce (max)";
@@ -159,12 +161,13 @@ zb_status_t zb_transport_broadcast(zb_transport_t *t, int32_t channel, void *buf
   ZB_CHECK(check_channel(channel, "zb_transport_broadcast"));
   const int32_t tag = ZB__TAG_COLLECTIVE + channel;
   if (t->ops->host_side) t = t->ops->host_side(t);
-  ZB_CHECK(check_transport(t, "zb_transport_broadcast"));
   if (bytes > 0) ZB_ARG_NOT_NULL(buf);
   if (root < 0 || root >= t->ranks)
     return ZB_FAIL(ZB_ERR_INVALID_ARGUMENT, "zb_transport_broadcast: root %d is not a rank of 0..%d", (int)root,
                    (int)t->ranks - 1);
   if (!(timeout_s > 0)) timeout_s = 300.0;
+  if (t->ops->broadcast) return t->ops->broadcast(t, channel, buf, bytes, root, timeout_s);
+  ZB_CHECK(check_transport(t, "zb_transport_broadcast"));
   const int32_t p = t->ranks, me = t->rank;
   if (p == 1) return ZB_OK;
   char what[64];

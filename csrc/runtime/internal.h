@@ -49,6 +49,13 @@ typedef struct {
   /* Optional (NULL: the transport itself). The transport that carries the collectives' host
    * buffers (collective.c): a staged transport's inner one, which moves host memory as it is. */
   zb_transport_t *(*host_side)(zb_transport_t *t);
+  /* Optional (NULL: collective.c's messages through rank 0). Collectives of the transport's own
+   * (the NCCL group transport: ncclAllReduce, ncclBroadcast on device memory); called with the
+   * arguments checked and timeout_s > 0. */
+  zb_status_t (*all_reduce)(zb_transport_t *t, int32_t channel, void *buf, size_t count, zb_dtype_t dtype,
+                            zb_reduce_op_t op, double timeout_s);
+  zb_status_t (*broadcast)(zb_transport_t *t, int32_t channel, void *buf, size_t bytes, int32_t root,
+                           double timeout_s);
 } zb__transport_ops_t;
 
 enum { ZB__TRANSPORT_HOST_MEMORY = 0, ZB__TRANSPORT_ANY_MEMORY = 1, ZB__TRANSPORT_DEVICE_MEMORY = 2 };

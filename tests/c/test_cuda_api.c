@@ -70,6 +70,30 @@ static void test_nccl_transport_arguments(void **state) {
   zb_schedule_destroy(sched);
 }
 
+/* The NCCL group transport wants a CUDA backend (and says it is missing from builds without CUDA). */
+static void test_nccl_group_transport_arguments(void **state) {
+  (void)state;
+  zb_backend_t *host = NULL;
+  ZB_ASSERT_OK(zb_backend_create_host(&host));
+  uint8_t id[ZB_NCCL_UNIQUE_ID_BYTES] = {0};
+  zb_nccl_group_config_t c = ZB_NCCL_GROUP_CONFIG_INIT;
+  c.rank = 0, c.ranks = 2, c.backend = host, c.unique_id = id;
+  zb_transport_t *t = NULL;
+  zb_status_t st = zb_transport_create_nccl_group(&t, &c);
+  assert_null(t);
+  if (!zb_cuda_built()) {
+    ASSERT_STATUS(st, ZB_ERR_UNSUPPORTED);
+    ASSERT_CONTAINS(zb_last_error(), "built without CUDA");
+  } else {
+    ASSERT_STATUS(st, ZB_ERR_INVALID_ARGUMENT);
+    ASSERT_CONTAINS(zb_last_error(), "needs the rank's CUDA backend");
+    c.unique_id = NULL;
+    ASSERT_STATUS(zb_transport_create_nccl_group(&t, &c), ZB_ERR_INVALID_ARGUMENT);
+    ASSERT_CONTAINS(zb_last_error(), "needs unique_id");
+  }
+  ZB_ASSERT_OK(zb_backend_destroy(host));
+}
+
 /* The backend-generic calls on the host: memory, copies, no streams. */
 static void test_host_backend_generic_calls(void **state) {
   zb_backend_t *be = NULL;
@@ -135,6 +159,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_cuda_backend_without_gpu),
       cmocka_unit_test(test_nccl_transport_arguments),
+      cmocka_unit_test(test_nccl_group_transport_arguments),
       cmocka_unit_test(test_host_backend_generic_calls),
       cmocka_unit_test(test_transport_keeps_one_backend),
   };

@@ -156,6 +156,22 @@ def test_nccl_transport_arguments(change, exc, text):
         schedule.close()
 
 
+@pytest.mark.parametrize("change,exc,text", [
+    (dict(ranks=0), ValueError, "ranks must be an int >= 1"),
+    (dict(rank=2), ValueError, r"rank must be an int in \[0, 1\]"),
+    (dict(unique_id=bytes(64)), ValueError, "exactly 128 bytes"),
+    (dict(timeout=-1), ValueError, "timeout must be a number of seconds > 0"),
+    (dict(), ValueError, "Transport.nccl_group moves device buffers, so it needs a CUDA backend"),
+])
+def test_nccl_group_transport_arguments(change, exc, text):
+    backend = runtime.Backend("host")
+    try:
+        with pytest.raises(exc, match=text):
+            runtime.Transport.nccl_group(backend=backend, **_nccl_args(**change))
+    finally:
+        backend.close()
+
+
 def test_nccl_unique_id_is_128_bytes_or_a_zb_error():
     try:
         a, b = runtime.nccl_unique_id(), runtime.nccl_unique_id()

@@ -125,6 +125,25 @@ def test_one_rank_runs_the_passes_in_process():
     assert got["lanes_empty"]
 
 
+@pytest.mark.parametrize("bad", ["tokens", "targets"])
+def test_ids_outside_the_vocabulary_are_refused_with_the_range(bad):
+    """Checked once a step on the host copies every rank has (on a GPU a check in each pass would
+    wait for the device), with what is allowed and what came."""
+    emb, out, blocks = vocab_worker.build(16, 2)
+    stage = zbpp.PipelineStage(torch.nn.Sequential(*blocks), 0, 1, "cpu")
+    sched = zbpp.Schedule1F1B(stage, 2, vocab_parallel=zbpp.VocabParallel(out, emb))
+    x, y = torch.randint(0, 16, (4, 3)), torch.randint(0, 16, (4, 3))
+    if bad == "tokens":
+        x[1, 2] = 16
+        text = r"tokens must be vocabulary ids in 0\.\.15, got \d+\.\.16"
+    else:
+        y[0, 0] = -5
+        text = r"targets must be vocabulary ids in 0\.\.15 or ignore_index \(-100\), got -5\.\."
+    with pytest.raises(ValueError, match=text):
+        sched.step(x, target=y)
+    sched.close()
+
+
 def test_bad_arguments_say_what_is_allowed():
     emb, out, blocks = vocab_worker.build(16, 2)
     stage = zbpp.PipelineStage(blocks[0], 0, 1, "cpu")

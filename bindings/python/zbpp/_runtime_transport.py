@@ -41,6 +41,24 @@ class _TransportCallbacks(_c.Structure):
     ]
 
 
+class _NcclGroupConfig(_c.Structure):
+    _fields_ = [
+        ("struct_size", _c.c_uint32),
+        ("version", _c.c_uint32),
+        ("rank", _c.c_int32),
+        ("ranks", _c.c_int32),
+        ("unique_id", _c.POINTER(_c.c_uint8)),
+        ("backend", _P),
+        ("timeout_s", _c.c_double),
+        ("signal_poll", _SignalPollFn),
+        ("signal_publish", _SignalPublishFn),
+        ("signal_user", _P),
+    ]
+
+
+ZB_NCCL_GROUP_CONFIG_VERSION = 1
+
+
 class _NcclConfig(_c.Structure):
     _fields_ = [
         ("struct_size", _c.c_uint32),
@@ -98,14 +116,17 @@ class Transport(_Handle):
     """A rank's transport: in-process (`Transport.inproc(group, rank)`), over connected sockets
     (`Transport.socket(rank, ranks, fds)`), with Python callbacks (`Transport.callbacks(impl, rank,
     ranks)`, impl having isend/irecv/wait/cancel/abort), NCCL (`Transport.nccl(...)`), or device
-    buffers staged through host memory over a host one (`Transport.staged(inner)`)."""
+    buffers staged through host memory over a host one (`Transport.staged(inner)`); collectives on
+    device memory over NCCL (`Transport.nccl_group(...)`). `rank`: this rank of the group."""
 
     _destroy = "zb_transport_destroy"
+    rank = None
+    device_collectives = False  # all_reduce / broadcast take device tensors as they are (nccl_group)
 
     @classmethod
     def inproc(cls, group, rank):
         t = cls()
-        t._group = group
+        t._group, t.rank = group, rank
         _lib.call("zb_transport_create_inproc", [_PP, _P, _c.c_int32], _c.byref(t._h), group.handle, rank)
         return t
 
@@ -116,7 +137,7 @@ class Transport(_Handle):
         impl.cancel(request), impl.abort(reason: str). A callback that raises gives ZB_ERR_REMOTE;
         impl.last_error should then say why (the binding adds it to the runner's message)."""
         t = cls()
-        t._impl = impl
+        t._impl, t.rank = impl, rank
         cb = _TransportCallbacks()
         cb.struct_size = _c.sizeof(_TransportCallbacks)
 
@@ -181,6 +202,7 @@ class Transport(_Handle):
         arr = (_c.c_int32 * max(ranks, 1))(*fds)
         cfg.fds = _c.cast(arr, _c.POINTER(_c.c_int32))
         t = cls()
+        t.rank = rank
         if abort_store is not None and abort_key is not None:
             cfg.signal_poll, cfg.signal_publish = _store_signal(abort_store, str(abort_key), published_prefix)
             t._signal = (cfg.signal_poll, cfg.signal_publish)  # called from C for the transport's life
@@ -198,30 +220,14 @@ class Transport(_Handle):
         as the job's c10d store, and a key every rank of the pipeline gives): the first rank that
         fails writes its message there, and every rank's watchdog looks for it every 0.2 s and fails
         with it, so a failure reaches every rank within a second instead of at its timeout."""
-        if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
-            raise ValueError(f"zbpp: Transport.nccl: ranks must be an int >= 1, got {ranks!r}")
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < ranks:
-            raise ValueError(f"zbpp: Transport.nccl: rank must be an int in [0, {ranks - 1}] for ranks={ranks}, "
-                             f"got {rank!r}")
-        if not isinstance(unique_id, (bytes, bytearray, memoryview)):
-            raise TypeError(f"zbpp: Transport.nccl: unique_id must be the {NCCL_UNIQUE_ID_BYTES} bytes of "
-                            f"nccl_unique_id(), got {type(unique_id).__name__}")
-        unique_id = bytes(unique_id)
-        if len(unique_id) != NCCL_UNIQUE_ID_BYTES:
-            raise ValueError(f"zbpp: Transport.nccl: unique_id must be exactly {NCCL_UNIQUE_ID_BYTES} bytes "
-                             f"(nccl_unique_id() of one rank, broadcast to all), got {len(unique_id)}")
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-            raise ValueError(f"zbpp: Transport.nccl: timeout must be a number of seconds > 0, got {timeout!r}")
+        unique_id = _nccl_args("Transport.nccl", rank, ranks, unique_id, timeout)
         sched_ranks = getattr(schedule, "ranks", None)
         if sched_ranks is None or not hasattr(schedule, "handle"):
             raise TypeError(f"zbpp: Transport.nccl: schedule must be a zbpp.Schedule, got {type(schedule).__name__}")
         if sched_ranks != ranks:
             raise ValueError(f"zbpp: Transport.nccl: the schedule has {sched_ranks} ranks but ranks={ranks}; "
                              "every rank passes the pipeline's schedule")
-        if not isinstance(backend, Backend) or backend.kind != "cuda":
-            got = backend.kind if isinstance(backend, Backend) else type(backend).__name__
-            raise ValueError(f"zbpp: Transport.nccl moves device buffers, so it needs a CUDA backend "
-                             f"(Backend('cuda', device)); got {got!r}")
+        _cuda_backend("Transport.nccl", backend)
         cfg = _NcclConfig()
         cfg.struct_size, cfg.version = _c.sizeof(_NcclConfig), ZB_NCCL_TRANSPORT_CONFIG_VERSION
         cfg.rank, cfg.ranks = rank, ranks
@@ -233,8 +239,36 @@ class Transport(_Handle):
         if abort_store is not None and abort_key is not None:
             cfg.signal_poll, cfg.signal_publish = _store_signal(abort_store, str(abort_key))
             t._signal = (cfg.signal_poll, cfg.signal_publish)  # called from C's watchdog: keep alive
-        t._backend = backend  # borrowed by the transport: must outlive it
+        t._backend, t.rank = backend, rank  # the backend is borrowed by the transport: must outlive it
         _lib.call("zb_transport_create_nccl", [_PP, _c.POINTER(_NcclConfig)], _c.byref(t._h), _c.byref(cfg))
+        return t
+
+    @classmethod
+    def nccl_group(cls, rank, ranks, unique_id, backend, timeout=300.0, abort_store=None, abort_key=None):
+        """Collectives over every rank of a group on device memory (zb_transport_create_nccl_group):
+        all_reduce and broadcast of CUDA tensors on `backend`'s GPU with NCCL's own collectives, in
+        place, on a communicator and stream of their own, after the work `backend`'s stream was
+        given before each call, and finished when the call returns. A sum is the host transports'
+        within floating-point rounding (NCCL's order), the same on every rank; max and broadcast
+        are exact. Every rank calls this transport's collectives in one order, whatever their
+        channels: give each independent kind of collective its own (a fresh unique_id each). No
+        point-to-point messages. Blocks until every rank has called it, at most `timeout` seconds,
+        which also bounds each collective; abort_store and abort_key as for nccl()."""
+        unique_id = _nccl_args("Transport.nccl_group", rank, ranks, unique_id, timeout)
+        _cuda_backend("Transport.nccl_group", backend)
+        cfg = _NcclGroupConfig()
+        cfg.struct_size, cfg.version = _c.sizeof(_NcclGroupConfig), ZB_NCCL_GROUP_CONFIG_VERSION
+        cfg.rank, cfg.ranks = rank, ranks
+        uid = (_c.c_uint8 * NCCL_UNIQUE_ID_BYTES).from_buffer_copy(unique_id)
+        cfg.unique_id = _c.cast(uid, _c.POINTER(_c.c_uint8))
+        cfg.backend, cfg.timeout_s = backend.handle, float(timeout)
+        t = cls()
+        if abort_store is not None and abort_key is not None:
+            cfg.signal_poll, cfg.signal_publish = _store_signal(abort_store, str(abort_key))
+            t._signal = (cfg.signal_poll, cfg.signal_publish)  # called from C while a collective waits
+        t._backend, t.rank, t.device_collectives = backend, rank, True
+        _lib.call("zb_transport_create_nccl_group", [_PP, _c.POINTER(_NcclGroupConfig)], _c.byref(t._h),
+                  _c.byref(cfg))
         return t
 
     @classmethod
@@ -248,7 +282,7 @@ class Transport(_Handle):
             raise TypeError(f"zbpp: Transport.staged wraps a zbpp Transport (socket or callbacks), got "
                             f"{type(inner).__name__}")
         t = cls()
-        t._inner = inner  # the C transport holds it too: it must outlive this one
+        t._inner, t.rank = inner, inner.rank  # the C transport holds it too: it must outlive this one
         _lib.call("zb_transport_create_staged", [_PP, _P], _c.byref(t._h), inner.handle)
         return t
 
@@ -273,9 +307,9 @@ class Transport(_Handle):
         if op not in _REDUCE_OPS:
             raise ValueError(f"all_reduce: op must be one of {sorted(_REDUCE_OPS)}, got {op!r}")
         _check_channel(channel, "all_reduce")
-        if _on_device(x):
+        if _on_device(x) and not self.device_collectives:
             return _through_host(x, lambda h: self.all_reduce(h, op, timeout, channel), "all_reduce")
-        addr, count, nbytes, name = _host_buffer(x, "all_reduce")
+        addr, count, nbytes, name = self._buffer(x, "all_reduce")
         if name not in _REDUCE_DTYPES:
             raise ValueError(f"all_reduce: dtype {name} is not reduced here; use float32, float16 or bfloat16")
         try:
@@ -291,9 +325,12 @@ class Transport(_Handle):
         (zb_transport_broadcast). Every rank calls it, in the same order on that channel. Returns x.
         A CUDA tensor goes through host memory (_through_host)."""
         _check_channel(channel, "broadcast")
-        if _on_device(x):
-            return _through_host(x, lambda h: self.broadcast(h, root, timeout, channel), "broadcast")
-        addr, _, nbytes, _ = _host_buffer(x, "broadcast")
+        if _on_device(x) and not self.device_collectives:
+            # Only what moves: the root's data out, the others' result in.
+            return _through_host(x, lambda h: self.broadcast(h, root, timeout, channel), "broadcast",
+                                 out=self.rank is None or self.rank == root,
+                                 back=self.rank is None or self.rank != root)
+        addr, _, nbytes, _ = self._buffer(x, "broadcast")
         try:
             _lib.call("zb_transport_broadcast", [_P, _c.c_int32, _P, _c.c_size_t, _c.c_int32, _c.c_double],
                       self.handle, int(channel), addr, nbytes, int(root), float(timeout))
@@ -301,6 +338,19 @@ class Transport(_Handle):
             self._park(x)
             raise
         return x
+
+    def _buffer(self, x, what):
+        """(address, elements, bytes, dtype name) of x: host memory, or a CUDA tensor on the
+        transport's device for nccl_group()."""
+        if not self.device_collectives:
+            return _host_buffer(x, what)
+        if not _on_device(x) or not x.is_contiguous():
+            raise ValueError(f"{what}: the NCCL group transport takes contiguous CUDA tensors, got "
+                             f"{'a non-contiguous tensor' if _on_device(x) else 'host memory'} "
+                             f"({getattr(x, 'device', type(x).__name__)})")
+        if x.device.index != self._backend.device:
+            raise ValueError(f"{what}: the tensor is on {x.device}, the transport's backend on cuda:{self._backend.device}")
+        return x.data_ptr(), x.numel(), x.numel() * x.element_size(), str(x.dtype).replace("torch.", "")
 
     def _park(self, x):
         """After a failed collective (the transport is aborted), x stays alive with the transport: a
@@ -317,23 +367,51 @@ def _on_device(x):
     return hasattr(x, "is_cuda") and getattr(x, "device", None) is not None and x.device.type != "cpu"
 
 
-def _through_host(x, run, what):
+def _nccl_args(what, rank, ranks, unique_id, timeout):
+    """Checks the NCCL transports' common arguments; returns the unique id as bytes."""
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+        raise ValueError(f"zbpp: {what}: ranks must be an int >= 1, got {ranks!r}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < ranks:
+        raise ValueError(f"zbpp: {what}: rank must be an int in [0, {ranks - 1}] for ranks={ranks}, got {rank!r}")
+    if not isinstance(unique_id, (bytes, bytearray, memoryview)):
+        raise TypeError(f"zbpp: {what}: unique_id must be the {NCCL_UNIQUE_ID_BYTES} bytes of "
+                        f"nccl_unique_id(), got {type(unique_id).__name__}")
+    unique_id = bytes(unique_id)
+    if len(unique_id) != NCCL_UNIQUE_ID_BYTES:
+        raise ValueError(f"zbpp: {what}: unique_id must be exactly {NCCL_UNIQUE_ID_BYTES} bytes "
+                         f"(nccl_unique_id() of one rank, broadcast to all), got {len(unique_id)}")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"zbpp: {what}: timeout must be a number of seconds > 0, got {timeout!r}")
+    return unique_id
+
+
+def _cuda_backend(what, backend):
+    if not isinstance(backend, Backend) or backend.kind != "cuda":
+        got = backend.kind if isinstance(backend, Backend) else type(backend).__name__
+        raise ValueError(f"zbpp: {what} moves device buffers, so it needs a CUDA backend "
+                         f"(Backend('cuda', device)); got {got!r}")
+
+
+def _through_host(x, run, what, out=True, back=True):
     """A collective on a device tensor x over a host transport: x copied to pinned host memory
     (on the calling thread's current stream, which is synchronised, so whatever that stream
     enqueued before is in the copy), run(host copy), and the result copied back into x, the copy
     finished when this returns (a non-blocking=False copy synchronises its stream). Costs two
     copies and two stream synchronisations: meant for per-token statistics and a hidden-sized
     tensor a microbatch (Vocabulary Parallelism's passes), not for a model's gradients. A failed
-    collective leaves x as it was; its host copy is kept with the transport (_park)."""
+    collective leaves x as it was; its host copy is kept with the transport (_park). out=False: x
+    holds nothing to send (a broadcast's receivers); back=False: x keeps its value (its root)."""
     import torch
 
     if not x.is_contiguous():
         raise ValueError(f"{what}: x must be contiguous, got a tensor of strides {tuple(x.stride())} on {x.device}")
     pin = x.device.type == "cuda" and torch.cuda.is_available()
     host = torch.empty(x.shape, dtype=x.dtype, device="cpu", pin_memory=pin)
-    host.copy_(x)
+    if out:
+        host.copy_(x)
     run(host)
-    x.copy_(host)
+    if back:
+        x.copy_(host)
     return x
 
 

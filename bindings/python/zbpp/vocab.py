@@ -141,16 +141,16 @@ class _Shard:
         return self.weight.device
 
     def gather(self):
-        """The whole [V, H] weight on every rank, on the shard's device (a collective: one
-        broadcast per rank, exact)."""
+        """The whole [V, H] weight on every rank, in host memory (a collective: one broadcast per
+        rank, exact): for a checkpoint, without a second copy of the vocabulary on the GPU."""
         per = self.end - self.start
-        out = torch.empty(self.padded, self.hidden, dtype=self.weight.dtype, device=self.device)
+        out = torch.empty(self.padded, self.hidden, dtype=self.weight.dtype, device="cpu")
         for r in range(self.ranks):
             part = out[r * per:(r + 1) * per]
             if r == self.rank:
                 part.copy_(self.weight.detach())
             self.transport.broadcast(part, r, timeout=self.timeout, channel=CHANNEL_GATHER)
-        return out[:self.vocab_size].clone()
+        return out[:self.vocab_size].clone() if self.padded > self.vocab_size else out  # (no padding saved)
 
     def _grad_sink(self, make=False):
         """The tensor the passes add the weight's gradient into, or None (make: zeros made).
@@ -236,15 +236,22 @@ class VocabParallelOutput(_Shard):
 
     # ---- S ----------------------------------------------------------------------------------------
 
-    def s_pass(self, h, target, need_grad=True):
-        """S on one microbatch: h [T, H] (float), target [T] (vocabulary ids, or ignore_index).
-        Returns its state. need_grad=False (forward only): without the fused input gradient's parts."""
-        target = target.to(self.device)
-        valid = self.valid(target)
-        counted = target[valid]
+    def check_targets(self, target):
+        """Raises unless every target is a vocabulary id or ignore_index (on a GPU this waits for
+        the device: check host copies where there are some, and pass check=False)."""
+        counted = target[self.valid(target)]
         if counted.numel() and (int(counted.min()) < 0 or int(counted.max()) >= self.vocab_size):
             raise ValueError(f"zbpp.VocabParallelOutput: targets must be vocabulary ids in 0..{self.vocab_size - 1} "
                              f"or ignore_index ({self.ignore_index}), got {int(counted.min())}..{int(counted.max())}")
+
+    def s_pass(self, h, target, need_grad=True, check=True):
+        """S on one microbatch: h [T, H] (float), target [T] (vocabulary ids, or ignore_index).
+        Returns its state. need_grad=False (forward only): without the fused input gradient's parts.
+        check=False: the targets were checked already (check_targets)."""
+        if check:
+            self.check_targets(target)
+        target = target.to(self.device)
+        valid = self.valid(target)
         st = _OutputState()
         w = self.weight.detach()
         st.h = h.detach().to(self.device).float()
@@ -364,12 +371,19 @@ class VocabParallelEmbedding(_Shard):
     def __init__(self, weight, rank, ranks, transport, pad_multiple=1, device=None):
         super().__init__("VocabParallelEmbedding", weight, rank, ranks, transport, pad_multiple, device)
 
-    def embed_local(self, tokens):
-        """IF on this shard: the rows of tokens [T] that fall in it, zeros elsewhere ([T, H])."""
-        tokens = tokens.to(self.device)
+    def check_tokens(self, tokens):
+        """Raises unless every token is a vocabulary id (on a GPU this waits for the device: check
+        host copies where there are some, and pass check=False)."""
         if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.vocab_size):
             raise ValueError(f"zbpp.VocabParallelEmbedding: tokens must be vocabulary ids in 0..{self.vocab_size - 1}, "
                              f"got {int(tokens.min())}..{int(tokens.max())}")
+
+    def embed_local(self, tokens, check=True):
+        """IF on this shard: the rows of tokens [T] that fall in it, zeros elsewhere ([T, H]).
+        check=False: the tokens were checked already (check_tokens)."""
+        if check:
+            self.check_tokens(tokens)
+        tokens = tokens.to(self.device)
         in_shard = (tokens >= self.start) & (tokens < self.start + self.real)
         local = torch.where(in_shard, tokens - self.start, torch.zeros_like(tokens))
         return torch.where(in_shard.unsqueeze(1), self.weight.detach()[local],
@@ -389,15 +403,27 @@ class VocabParallelEmbedding(_Shard):
                                                        timeout=self.timeout, channel=CHANNEL_IB)
         tokens, grad = tokens.to(self.device), grad.to(self.device)
         in_shard = (tokens >= self.start) & (tokens < self.start + self.real)
-        rows, values = tokens[in_shard] - self.start, grad[in_shard]
+        # Every token a row (row 0 and a zero for those of other shards): no boolean indexing,
+        # which would wait for the device to learn how many there are.
+        rows = torch.where(in_shard, tokens - self.start, torch.zeros_like(tokens))
+        values = torch.where(in_shard.unsqueeze(1), grad, torch.zeros((), dtype=grad.dtype, device=grad.device))
         if tied:
-            if self._ib_grad is None:
-                self._ib_grad = torch.zeros_like(self.weight)
+            self.prepare_ib(tied)
             self._ib_grad.index_add_(0, rows, values)
             return
         with self._lock:
             sink = self._grad_sink(make=True)
             sink.index_add_(0, rows, values.to(sink.dtype))
+
+    def prepare_ib(self, tied):
+        """Makes the buffer IB adds into (tied: IB's own; else the gradient), so a caller on
+        another stream can make it on the stream that reads it later."""
+        if tied:
+            if self._ib_grad is None:
+                self._ib_grad = torch.zeros_like(self.weight)
+            return
+        with self._lock:
+            self._grad_sink(make=True)
 
     def flush_ib(self):
         """Adds what tied IB passes gathered (embed_backward(tied=True)) to .grad."""

@@ -46,6 +46,7 @@ simulate.c's zb__place_vocab).
 
 import contextlib
 import logging
+import os
 import queue
 import statistics
 import threading
@@ -81,15 +82,22 @@ _WHY_BYTES = 512  # of the reason a rank's batch cannot be sent, which every ran
 _NOT_YET = object()
 
 
-def _current_stream():
-    """The calling thread's current CUDA stream, or None without CUDA (or before it is used)."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return torch.cuda.current_stream()
-    return None
+_job = threading.local()  # in a lane's thread: the compute stream of the job it runs (_handoff)
 
 
-def _on_stream(stream):
-    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+def _handoff(*tensors):
+    """Tensors a lane's job made on the lane's stream that the pipeline's compute stream reads
+    later (results, and what the job leaves in the passes' state): torch's allocator must not give
+    their memory to the lane's stream again before the compute stream is done with them
+    (record_stream). Nested tuples and lists are walked; anything else is ignored."""
+    stream = getattr(_job, "compute", None)
+    if stream is None:
+        return
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.is_cuda:
+            t.record_stream(stream)
+        elif isinstance(t, (tuple, list)):
+            _handoff(*t)
 
 
 def _await(cv, check, timeout, peer_failure, what, after):
@@ -117,10 +125,19 @@ def _await(cv, check, timeout, peer_failure, what, after):
 class _Lane:
     """One kind of pass's collectives, in microbatch order, on a thread and a transport of their
     own: start(mb, fn) queues fn(transport); wait(mb) gives its result. Each step is an epoch: a
-    job left from a step that failed records nothing in the next."""
+    job left from a step that failed records nothing in the next.
 
-    def __init__(self, name, transport, timeout, peer_failure):
+    CUDA (stream: the lane's own): a job runs on the lane's stream, after an event the compute
+    stream recorded when the job was queued, so it reads what the pass made and nothing the
+    compute stream was given later. Not on the compute stream itself: there the runner makes the
+    stream wait for NCCL receives (on the device) that may need this very collective on another
+    rank first, and the job's copy to the host would wait for them: a deadlock. The job ends with
+    its stream synchronised, so its results are complete when wait() gives them, and hands what it
+    made to the compute stream (_handoff)."""
+
+    def __init__(self, name, transport, timeout, peer_failure, device=None, stream=None):
         self.name, self.transport, self.timeout, self._peer_failure = name, transport, timeout, peer_failure
+        self.device, self.stream = device, stream
         self.jobs, self.cv = queue.Queue(), threading.Condition()
         self.results, self.started, self.failed, self.epoch = {}, set(), None, 0
         self._thread = threading.Thread(target=self._run, name=f"zbpp-vocab-{name}", daemon=True)
@@ -131,10 +148,9 @@ class _Lane:
             job = self.jobs.get()
             if job is None:
                 return
-            epoch, mb, fn, stream = job
+            epoch, mb, fn, ready, compute, default = job
             try:
-                with _on_stream(stream):
-                    result, err = fn(self.transport), None
+                result, err = self._call(fn, ready, compute, default), None
             except BaseException as exc:  # noqa: BLE001 - the waiting side raises it
                 result, err = None, exc
             with self.cv:
@@ -146,13 +162,33 @@ class _Lane:
             del job, fn, result, err  # nothing of a microbatch outlives its job here
 
     def start(self, mb, fn):
-        """Queues fn. With CUDA, fn runs on the stream current here (the pipeline's compute
-        stream): what the pass enqueued before is ordered before fn's copies, and what fn makes is
-        allocated on that stream, so the compute that reads it later needs no event."""
+        """Queues fn, from the runner's thread, after the pass's work that fn reads was given to
+        the compute stream (see the class docstring). fn runs with the default device of the
+        caller (torch's is per thread)."""
+        ready = compute = None
+        if self.stream is not None:
+            compute = torch.cuda.current_stream(self.device)
+            ready = torch.cuda.Event()
+            ready.record(compute)
         with self.cv:
             self.started.add(mb)
             epoch = self.epoch
-        self.jobs.put((epoch, mb, fn, _current_stream()))
+        self.jobs.put((epoch, mb, fn, ready, compute, torch.get_default_device()))
+
+    def _call(self, fn, ready, compute, default):
+        with torch.device(default) if default.type != "cpu" else contextlib.nullcontext():
+            if self.stream is None:
+                return fn(self.transport)
+            _job.compute = compute
+            try:
+                with torch.cuda.stream(self.stream):
+                    self.stream.wait_event(ready)
+                    result = fn(self.transport)
+                    _handoff(result)
+                    return result
+            finally:
+                _job.compute = None
+                self.stream.synchronize()  # done on the device before anyone is given the result
 
     def take(self, mb, what):
         """wait(mb), and the result is let go here (its last reader)."""
@@ -284,6 +320,8 @@ class VocabRun:
         self._timed, self._waits = {}, {}
         self.lanes = None
         self._tts = []
+        self._nccl = []  # (NCCL group transport, its backend) per lane, with collectives="nccl"
+        self.collectives = "host"  # where the lanes' collectives run: "host" or "nccl" (_connect)
         self._main = _Alone()
         # Fed mode (the Megatron adapter, zbpp/megatron/vocab.py): the tokens come from stage 0's
         # forward and the targets from the last stage's, a microbatch at a time, not from step()'s
@@ -326,16 +364,64 @@ class VocabRun:
         if self.lanes is not None:
             return
         sc = self.sched
+        cuda = self.device.type == "cuda"
+        streams = {k: torch.cuda.Stream(self.device) for k in _LANES} if cuda else dict.fromkeys(_LANES)
         if sc.ranks == 1:
             transports = {k: _Alone() for k in _LANES}
         else:
-            # Host transports (CUDA stages: over the host group the pipeline's messages use).
-            group = sc._host_group()
-            self._tts = [distributed.TorchTransport(group, sc.timeout, name=self._lane_name(k)) for k in _LANES]
-            transports = {k: tt.transport for k, tt in zip(_LANES, self._tts)}
             self._main = sc.transport.transport
             self.vp.embedding.transport = self.vp.output.transport = self._main  # gather() between steps
-        self.lanes = {k: _Lane(k, transports[k], sc.timeout, sc._peer_failure) for k in _LANES}
+            self.collectives = self._choose_collectives() if cuda else "host"
+            if self.collectives == "nccl":
+                transports = {k: self._nccl_lane(k, streams[k]) for k in _LANES}
+            else:
+                # Host transports (CUDA stages: over the host group the pipeline's messages use).
+                group = sc._host_group()
+                self._tts = [distributed.TorchTransport(group, sc.timeout, name=self._lane_name(k)) for k in _LANES]
+                transports = {k: tt.transport for k, tt in zip(_LANES, self._tts)}
+        self.lanes = {k: _Lane(k, transports[k], sc.timeout, sc._peer_failure, self.device, streams[k])
+                      for k in _LANES}
+
+    def _choose_collectives(self):
+        """"nccl" (each lane an NCCL group transport: collectives on the GPUs) when every rank has a
+        GPU of its own and none sets ZBPP_VOCAB_COLLECTIVES=host; else "host" (through host memory
+        over the host group). Every rank decides from the same gathered facts, so all agree."""
+        from .. import cuda as zcuda
+
+        want_host = os.environ.get("ZBPP_VOCAB_COLLECTIVES", "").strip().lower() == "host"
+        facts = self.sched._exchange((zcuda.gpu_identity(self.device), want_host),
+                                     "where Vocabulary Parallelism's collectives run")
+        if any(h for _, h in facts) or zcuda.shared_gpus([i for i, _ in facts]) is not None:
+            return "host"
+        return "nccl"
+
+    def _nccl_lane(self, kind, stream):
+        """Lane `kind`'s NCCL group transport: a communicator of its own (rank 0 makes its unique id
+        and sends it over the host group), its collectives after the lane's stream (a backend
+        borrowing that stream)."""
+        from .. import runtime
+
+        sc = self.sched
+        uid, failure = bytes(runtime.NCCL_UNIQUE_ID_BYTES), None
+        if sc.rank == 0:
+            try:
+                uid = runtime.nccl_unique_id()
+            except Exception as exc:  # noqa: BLE001 - every rank learns it below
+                failure = exc
+        got = distributed.broadcast_bytes(bytes([failure is None]) + uid, distributed.global_rank(sc.group, 0),
+                                          sc._host_group(), "cpu")
+        if failure is not None:
+            raise failure
+        if got[0] != 1:
+            raise RuntimeError(f"zbpp vocab_parallel: rank {sc.rank}: pipeline rank 0 could not make an NCCL unique id "
+                               f"for lane {kind} (its error says why)")
+        backend = runtime.Backend("cuda", device=self.device.index, stream=stream, workspace_bytes=256)
+        store = distributed._default_store()
+        name = self._lane_name(kind) if store is not None else None
+        t = runtime.Transport.nccl_group(sc.rank, sc.ranks, got[1:], backend, timeout=sc.timeout, abort_store=store,
+                                         abort_key=distributed.abort_key(name) if name else None)
+        self._nccl.append((t, backend))
+        return t
 
     def _lane_name(self, kind):
         """The lane transport's name (its keys in the job's store), None without a pipeline key."""
@@ -368,6 +454,11 @@ class VocabRun:
             raise ValueError(f"zbpp vocab_parallel: rank {first} (stage 0) has no tokens to embed: pass the batch of "
                              "token ids to step() there")
         targets = self._share(target_mbs, last, "the target")
+        # Checked here, on the host copies every rank has: in the passes, on a GPU, each check
+        # would wait for the device.
+        self.vp.embedding.check_tokens(torch.cat([t.reshape(-1) for t in tokens]))
+        if targets:
+            self.vp.output.check_targets(torch.cat([t.reshape(-1) for t in targets]))
         dev = self.device
         self._reset([t.reshape(-1).to(dev) for t in tokens], [t.reshape(-1).to(dev) for t in targets] if targets else None,
                     trains)
@@ -429,6 +520,9 @@ class VocabRun:
         also waits for the last rank's pass, which the plan's simulation adds by itself."""
         n, H = self._n(0), self.vp.hidden
         buf = torch.zeros(2 * n + (2 * n * H if self.vp.fused else 0), device=self.device)
+        if self.device.type == "cuda":
+            # An NCCL lane's collectives follow the lane's stream, not this thread's: buf first.
+            torch.cuda.current_stream(self.device).synchronize()
         tr = self.lanes["S"].transport
         took = []
         for _ in range(5):
@@ -478,7 +572,7 @@ class VocabRun:
             self._pass_IF_fed(mb)
             return
         t0 = self._clock()
-        local = self.vp.embedding.embed_local(self.tokens[mb]).contiguous()
+        local = self.vp.embedding.embed_local(self.tokens[mb], check=False).contiguous()
         self._time("IF", t0)
         keep = self.sched.rank == self._roots()[0]  # only stage 0 reads the sum
         to = self.sched.timeout
@@ -500,9 +594,10 @@ class VocabRun:
             else:
                 tokens = torch.empty(n, dtype=torch.int64, device="cpu")
             tr.broadcast(tokens, first, timeout=to, channel=CHANNEL_IF)
-            tokens = self.tokens[mb] = tokens.to(emb.device)
+            emb.check_tokens(tokens)  # the host copy (IB moves it to the device again)
+            self.tokens[mb] = tokens
             t0 = self._clock()
-            local = emb.embed_local(tokens).contiguous()
+            local = emb.embed_local(tokens, check=False).contiguous()
             self._time("IF", t0)
             got = tr.all_reduce(local, "sum", timeout=to, channel=CHANNEL_IF)
             return got if me == first else None
@@ -518,10 +613,11 @@ class VocabRun:
             self.lanes["H"].start(mb, lambda tr: _send_hidden(tr, buf, fed, last, to))
         h, fed = self.lanes["H"].take(mb, f"the last stage's output of microbatch {mb}")
         if fed is not None:
+            out.check_targets(fed)  # the host copy (fed mode's targets are checked here, once)
             self.targets[mb] = fed.to(self.device)
         t0 = self._clock()
         target = self.targets[mb]
-        st = out.s_pass(h, target)
+        st = out.s_pass(h, target, check=False)
         self._time("S", t0)
         self.states[mb] = st
         keep = self.sched.rank == last  # only the last stage reads the gradient
@@ -529,12 +625,16 @@ class VocabRun:
         def c0(tr):
             loss = out.reduce(st, tr)
             if self.feed is None:
-                self.losses.append((mb, out.mean(loss, target)))
+                mean = out.mean(loss, target)
+                _handoff(mean)
+                self.losses.append((mb, mean))
                 g = out.grad_of_mean(target)  # 1 / the targets that count, each; 0 for ignore_index
             else:
                 # The caller's loss on the per-token losses, on its rank; its gradient to every rank.
                 g = self.feed.loss_grad(mb, loss) if keep else torch.empty(loss.shape, device=loss.device)
                 g = tr.broadcast(g.detach().float().contiguous(), last, timeout=to, channel=CHANNEL_S)
+            # What T (the compute stream) reads of this job's work.
+            _handoff(st.M, st.sum, st.loss, getattr(st, "grad_unit", None), g)
             self._g[mb] = g
             # Fused: the last stage's output gradient, d(loss)/dh.
             return st.grad_unit * g.unsqueeze(1) if out.fused and keep else None
@@ -564,6 +664,7 @@ class VocabRun:
         else:
             grad = torch.empty(self._n(mb), self.vp.hidden, dtype=emb.weight.dtype, device=self.device)
         tied = self.vp.tied
+        emb.prepare_ib(tied)  # made here, on the compute stream, which reads it after the step
         if self.feed is None:
             tokens = self.tokens[mb]
             self.lanes["IB"].start(mb, lambda tr: emb.embed_backward(tokens, grad, first, tr, tied=tied))
@@ -756,18 +857,22 @@ class VocabRun:
         for tt in self._tts:
             tt.close()
         self._tts = []
+        for t, backend in self._nccl:
+            t.close()
+            backend.close()
+        self._nccl = []
 
     def abort(self, reason):
         """The pipeline failed on this rank: the lanes' peers learn it at once, through their
         transports, or, before those are made (a rank that fails before its first step's
         connect), through the lanes' failure keys, which a peer setting them up watches."""
-        for tt in self._tts:
+        for tt in self._tts + [t for t, _ in self._nccl]:
             try:
                 tt.abort(reason)
             except Exception:  # noqa: BLE001 - a best effort on the failure path
                 pass
         sc = self.sched
-        store = sc._job_store() if not self._tts and sc.ranks > 1 else None
+        store = sc._job_store() if not self._tts and not self._nccl and sc.ranks > 1 else None
         if store is not None:
             text = f"rank {distributed.global_rank(sc.group, sc.rank)} failed first: {reason}"
             for k in _LANES:
