@@ -178,7 +178,11 @@ cudaError_t f_event_create(cudaEvent_t *e, unsigned int flags) {
 }
 cudaError_t f_event_destroy(cudaEvent_t e) {
   pthread_mutex_lock(&fake_dev.mu);
-  if (fake_dev.n_grave < 4096) fake_dev.graveyard[fake_dev.n_grave++] = e;
+  if (fake_dev.n_grave == fake_dev.cap_grave) {
+    fake_dev.cap_grave = fake_dev.cap_grave ? 2 * fake_dev.cap_grave : 4096;
+    fake_dev.graveyard = realloc(fake_dev.graveyard, (size_t)fake_dev.cap_grave * sizeof *fake_dev.graveyard);
+  }
+  fake_dev.graveyard[fake_dev.n_grave++] = e;
   pthread_mutex_unlock(&fake_dev.mu);
   return cudaSuccess;
 }
@@ -476,6 +480,8 @@ int fake_teardown(void **state) {
   for (fgroup_t *g = fake_dev.groups, *n; g; g = n) n = g->next_all, free(g->sseq), free(g->rseq), free(g);
   for (fcomm_t *c = fake_dev.comms, *n; c; c = n) n = c->next_all, free(c);
   for (int k = 0; k < fake_dev.n_grave; k++) free(fake_dev.graveyard[k]);
+  free(fake_dev.graveyard);
+  fake_dev.graveyard = NULL, fake_dev.cap_grave = 0;
   fake_dev.all_streams = fake_dev.live = NULL, fake_dev.groups = NULL, fake_dev.comms = NULL, fake_dev.n_grave = 0;
   return 0;
 }

@@ -90,8 +90,8 @@ typedef struct {
   fstream_t *live, *all_streams;
   fgroup_t *groups;
   fcomm_t *comms;
-  void *graveyard[4096]; /* events freed at teardown (waits in other streams may still read them) */
-  int n_grave;
+  void **graveyard; /* events freed at teardown (waits in other streams may still read them) */
+  int n_grave, cap_grave;
   long mallocs[9]; /* per rank thread (the last: others) */
   int block_launch_rank; /* >= 0: that rank's second ncclGroupEnd blocks until its comm is aborted */
   int launches_of_blocked;

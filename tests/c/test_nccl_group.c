@@ -38,6 +38,7 @@ struct job {
   signal_t sig;
   int use_signal;
   zb_transport_t *t[MAXR];
+  zb__cuda_t cu[MAXR]; /* each rank's device state, which its transport points to until destroyed */
   /* results */
   float sum[MAXR][N], max[MAXR][N], bcast[MAXR][MAXR][8];
   uint16_t bf[MAXR][N], hf[MAXR][N];
@@ -86,15 +87,15 @@ static void *rank_main(void *arg) {
   tl_rank = r;
   cudaStream_t compute;
   f_stream_create(&compute, 0);
-  zb__cuda_t cu;
-  memset(&cu, 0, sizeof cu);
-  cu.device = 0, cu.compute = compute;
+  zb__cuda_t *cu = &J->cu[r];
+  memset(cu, 0, sizeof *cu);
+  cu->device = 0, cu->compute = compute;
   zb_nccl_group_config_t c = ZB_NCCL_GROUP_CONFIG_INIT;
   c.rank = r, c.ranks = J->p, c.unique_id = J->id, c.timeout_s = J->timeout;
   if (J->use_signal) c.abort_signal = (zb_abort_signal_t){sig_poll, sig_publish, &J->sig};
   zb_transport_t *t = NULL;
   double t0 = zb__now();
-  zb_status_t st = zb__transport_create_nccl_group_with(&t, &c, &fake_nccl, &fake_rt, &cu);
+  zb_status_t st = zb__transport_create_nccl_group_with(&t, &c, &fake_nccl, &fake_rt, cu);
   J->t[r] = t;
   if (st == ZB_OK && r != J->silent_rank) {
     t0 = zb__now();
