@@ -12,6 +12,7 @@ fails fails every rank within seconds, not at the timeout."""
 import os
 import sys
 import tempfile
+import types
 
 import pytest
 
@@ -114,6 +115,49 @@ def test_cuda_stages_sharing_a_gpu_train_like_the_unsharded_model():
         ranks = [g[k] if k < len(g) else g[-1] for g in got]
         _check(case, ranks)
         assert all(r["shard_device"] == "cuda:0" for r in ranks), [r["shard_device"] for r in ranks]
+        assert all(r["collectives"] == "host" for r in ranks), "ranks sharing a GPU cannot use NCCL"
+
+
+@pytest.mark.gpu
+def test_cuda_stages_on_a_gpu_each_reduce_over_nccl_like_the_unsharded_model():
+    """Two ranks, a GPU each: the lanes' collectives are NCCL group transports on the GPUs (on
+    streams of their own, so a lane never waits behind the runner's device-side receive waits);
+    the same results within float32 rounding (NCCL's summation order)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 GPUs, this machine has {torch.cuda.device_count()}")
+    cases = [_case("1f1b", device="cuda:each"), _case("zb-v", chunks=2, tied=True, fused=False, device="cuda:each"),
+             _case("interleaved-1f1b", chunks=2, m=8, device="cuda:each")]
+    got = _spawn(vocab_worker.run_cases, 2, cases)
+    for k, case in enumerate(cases):
+        ranks = [g[k] if k < len(g) else g[-1] for g in got]
+        _check(case, ranks)
+        assert [r["shard_device"] for r in ranks] == ["cuda:0", "cuda:1"]
+        assert all(r["collectives"] == "nccl" for r in ranks)
+
+
+@pytest.mark.parametrize("facts,want", [
+    ([(("h", "GPU-a"), False), (("h", "GPU-b"), False)], "nccl"),   # a GPU each: NCCL group transports
+    ([(("h", "GPU-a"), False), (("h", "GPU-b"), True)], "host"),    # one rank's ZBPP_VOCAB_COLLECTIVES=host
+    ([(("h", "GPU-a"), False), (("h", "GPU-a"), False)], "host"),   # two ranks on one GPU: NCCL refuses
+    ([(("h1", "GPU-a"), False), (("h2", "GPU-a"), False)], "nccl"),  # equal UUIDs on two hosts
+])
+def test_every_rank_chooses_where_the_collectives_run_from_the_same_facts(facts, want, monkeypatch):
+    """CUDA stages: the lanes' collectives go over NCCL only when every rank has a GPU of its own
+    and no rank asks for host memory; each rank decides from the gathered facts, so all agree."""
+    from zbpp import cuda
+    from zbpp.pipelining._vocab import VocabRun
+
+    monkeypatch.setattr(cuda, "gpu_identity", lambda device: ("h", "GPU-mine"))
+    asked = []
+
+    def exchange(mine, what):
+        asked.append((mine, what))
+        return facts
+
+    run = types.SimpleNamespace(device=torch.device("cuda", 0), sched=types.SimpleNamespace(_exchange=exchange))
+    monkeypatch.setenv("ZBPP_VOCAB_COLLECTIVES", "host")
+    assert VocabRun._choose_collectives(run) == want
+    assert asked[0][0] == (("h", "GPU-mine"), True), "this rank's wish goes out with its GPU"
 
 
 def test_one_rank_runs_the_passes_in_process():

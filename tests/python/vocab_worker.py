@@ -93,7 +93,10 @@ def train(rank, world, case, device="cpu"):
     import zbpp
 
     V, m, layers, kind, chunks = case["V"], case["m"], case["layers"], case["kind"], case["chunks"]
-    device = torch.device(case.get("device", device))
+    device = case.get("device", device)
+    if device == "cuda:each":  # a GPU per rank
+        device = f"cuda:{rank % torch.cuda.device_count()}"
+    device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     emb, out, blocks = build(V, layers, case.get("tied", False))
@@ -138,6 +141,7 @@ def train(rank, world, case, device="cpu"):
             "outputs_shape": tuple(outputs.shape) if isinstance(outputs, torch.Tensor) else None,
             "op_types": kinds, "bubble": bubble, "shard_rows": vp.parameters()[0].shape[0],
             "replanned": sched._vp.replanned,
+            "collectives": sched._vp.collectives,
             "lanes_empty": lanes_empty}
 
 

@@ -40,13 +40,13 @@ input embedding; the schedule shards them over its ranks and runs the passes at 
 places (zbpp/pipelining/_vocab.py).
 
 Devices: the shards live on the device the schedule's stages are on (CUDA stages: on their GPU),
-and the passes compute there; their collectives run over host transports, which take a CUDA
-tensor through host memory (zbpp.runtime.Transport.all_reduce: the current stream synchronised, a
-copy to pinned host memory, the collective, a copy back), so the bits are those of the host
-reduction on every transport.
+and the passes compute there. Their collectives take whatever transport they are given: a host
+one takes a CUDA tensor through host memory (zbpp.runtime.Transport.all_reduce: the current stream
+synchronised, a copy to pinned host memory, the collective, a copy back: the host reduction's
+bits), an NCCL group transport reduces on the GPUs (NCCL's order: within rounding). A schedule
+chooses (zbpp/pipelining/_vocab.py).
 
-What this is not: the schedule's placement of these passes (the schedule model's S/T/IF/IB ops),
-or device collectives (NCCL's group communicator is to come).
+What this is not: the schedule's placement of these passes (the schedule model's S/T/IF/IB ops).
 """
 
 import threading

@@ -20,6 +20,10 @@ placed by the C library), and runs them at the runner's vocab callback. Per step
       embedding's weight gradient;
   at the end: every lane drained, the per-microbatch losses (mean cross entropy over its tokens).
 
+CUDA stages: each lane runs its jobs on a stream of its own (_Lane says why not the compute
+stream) and its collectives over an NCCL group transport when every rank has a GPU of its own,
+else through host memory (_choose_collectives).
+
 Why lanes: the collectives run beside the compute, each kind in microbatch order on a thread with
 a transport of its own (as the reference runs them on a stream of their own): the ranks run the
 kinds of passes in different orders among themselves (the plan interleaves them with each rank's
