@@ -805,12 +805,13 @@ ZB_API zb_status_t zb_transport_create_nccl(zb_transport_t **out, const zb_nccl_
  * backend's stream was given before the call, and the call returns when it has finished on the
  * device (blocking, as the host transports' collectives). NCCL adds in its own order: a SUM equals
  * the host transports' rank-order sum within floating-point rounding, not bit for bit (the same on
- * every rank); MAX and broadcasts are exact. Every rank calls one transport's collectives in one
+ * every rank); broadcasts are exact; MAX is fmaxf's (a NaN is dropped unless every rank has one,
+ * where the host transports keep it). Every rank calls one transport's collectives in one
  * order, whatever their channels (one NCCL queue per communicator: give each independent kind of
  * collective a transport of its own); one thread at a time per transport.
  *
- * Failures: each collective waits at most timeout_s (<= 0: 300 s) from when this rank's data is
- * ready on the device; a timeout, an NCCL error, the abort signal or zb_transport_abort (from any
+ * Failures: each collective waits at most timeout_s (<= 0: 300 s) for this rank's data to be ready
+ * on the device, and as long again from then for the collective; a timeout, an NCCL error, the abort signal or zb_transport_abort (from any
  * thread) aborts the communicator, and the transport stays failed (make a new one, with a new
  * unique id). Creation blocks until every rank has called it, at most timeout_s. The backend
  * (held by the transport) gives the device and the stream the collectives follow. */

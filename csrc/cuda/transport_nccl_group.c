@@ -117,19 +117,24 @@ static void nap(long us) {
   nanosleep(&ts, NULL);
 }
 
-/* Waits for ev, polling the communicator's error, the abort signal and zb_transport_abort; at most
- * timeout s. `what`: the collective; `phase`: what ev means, for the timeout's message. */
+/* Waits until ev has completed (ev NULL: until the communicator has finished enqueueing the call
+ * that returned ncclInProgress, as a non-blocking one may, launching it from a thread of its own),
+ * polling the communicator's error, the abort signal and zb_transport_abort; at most timeout s.
+ * `what`: the collective; `phase`: what is waited for, for the timeout's message. */
 static zb_status_t await_event(group_t *g, cudaEvent_t ev, const char *what, const char *phase) {
   const double start = zb__now(), deadline = start + g->timeout;
   double next_poll = start;
   long us = 20;
   for (;;) {
-    cudaError_t e = g->rt->EventQuery(ev);
-    if (e == cudaSuccess) return ZB_OK;
-    if (e != cudaErrorNotReady) return fail_here(g, RT_FAIL(g, e, "cudaEventQuery"));
     ncclResult_t r = ncclSuccess;
     if (g->nc->CommGetAsyncError(g->comm, &r) != ncclSuccess || (r != ncclSuccess && r != ncclInProgress))
       return fail_here(g, ZB_NCCL_FAIL(g->nc, r, g->comm, what));
+    if (!ev && r == ncclSuccess) return ZB_OK;
+    if (ev) {
+      cudaError_t e = g->rt->EventQuery(ev);
+      if (e == cudaSuccess) return ZB_OK;
+      if (e != cudaErrorNotReady) return fail_here(g, RT_FAIL(g, e, "cudaEventQuery"));
+    }
     pthread_mutex_lock(&g->mu);
     int wanted = g->abort_wanted;
     pthread_mutex_unlock(&g->mu);
@@ -173,6 +178,8 @@ static zb_status_t run(zb_transport_t *t, const char *what, ncclResult_t (*enque
   if (st == ZB_OK) {
     ncclResult_t r = enqueue(g, arg);
     if (r != ncclSuccess && r != ncclInProgress) st = fail_here(g, ZB_NCCL_FAIL(g->nc, r, g->comm, what));
+    /* On the stream only once NCCL says so: `done` recorded before would complete without it. */
+    if (st == ZB_OK && r == ncclInProgress) st = await_event(g, NULL, what, "NCCL did not finish enqueueing it");
   }
   if (st == ZB_OK && (e = g->rt->EventRecord(g->done, g->stream)) != cudaSuccess)
     st = fail_here(g, RT_FAIL(g, e, "cudaEventRecord after a collective"));
@@ -264,6 +271,18 @@ static zb_status_t group_check(zb_transport_t *t) {
 static void group_destroy(zb_transport_t *t) {
   group_t *g = group_of(t);
   if (g) {
+    /* A collective still waiting on another thread (a caller that did not join its thread) is
+     * told to abort, and given a few seconds to come out before anything is freed. */
+    pthread_mutex_lock(&g->mu);
+    if (g->inuse) g->abort_wanted = 1;
+    pthread_mutex_unlock(&g->mu);
+    for (double until = zb__now() + 5.0;;) {
+      pthread_mutex_lock(&g->mu);
+      int busy = g->inuse;
+      pthread_mutex_unlock(&g->mu);
+      if (!busy || zb__now() > until) break;
+      nap(1000);
+    }
     if (enter(g) == ZB_OK) {
       pthread_mutex_lock(&g->mu);
       ncclComm_t c = g->comm;
@@ -353,9 +372,18 @@ zb_status_t zb__transport_create_nccl_group_with(zb_transport_t **out, const zb_
                                      "zb_transport_create_nccl_group with the same unique id)");
     }
     const double deadline = zb__now() + g->timeout;
+    double next_poll = 0;
     while (st == ZB_OK && r == ncclInProgress && zb__now() < deadline) {
       nap(200);
-      if (nc->CommGetAsyncError(g->comm, &r) != ncclSuccess) break;
+      if (nc->CommGetAsyncError(g->comm, &r) != ncclSuccess) r = ncclInternalError;
+      char msg[1024] = {0};
+      if (g->signal.poll && zb__now() >= next_poll) {
+        /* A rank that failed before joining: stop waiting for it now, not at the timeout. */
+        if (g->signal.poll(g->signal.user, msg, sizeof msg))
+          st = ZB_FAIL(ZB_ERR_REMOTE, "rank %d: creating the NCCL group transport: another rank failed: %s",
+                       (int)c->rank, msg);
+        next_poll = zb__now() + 0.2;
+      }
     }
     if (st == ZB_OK && r == ncclInProgress)
       st = ZB_FAIL(ZB_ERR_TIMEOUT,

@@ -5,6 +5,7 @@
 #define _POSIX_C_SOURCE 200809L
 #include "fake_nccl.h"
 
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -59,7 +60,8 @@ static void coll_store(void *b, size_t i, int dtype, float v) {
 
 /* it's collective, carried out when every rank of its communicator has its at a stream's head: an
  * all-reduce in rank order, each step rounded to the dtype (NCCL's order differs; the tests compare
- * with this one); a broadcast copies the root's bytes. An aborted communicator's returns at once.
+ * with this one), FAKE_COLL_SECONDS after they met; a broadcast copies the root's bytes. An aborted
+ * communicator's returns at once.
  * Device lock held. */
 static void run_collective(item_t *it) {
   fcoll_t *c = &it->coll;
@@ -77,6 +79,10 @@ static void run_collective(item_t *it) {
     by_rank[h->coll.comm->rank] = &h->coll, n++;
   }
   if (n < g->nranks) return;
+  double now = zb__now();
+  if (c->met_at == 0)
+    for (int r = 0; r < g->nranks; r++) by_rank[r]->met_at = now;
+  if (now - c->met_at < FAKE_COLL_SECONDS) return; /* it takes a while, as on a GPU */
   if (c->is_broadcast) {
     for (int r = 0; r < g->nranks; r++)
       if (r != c->root) memcpy(by_rank[r]->buf, by_rank[c->root]->buf, c->count);
@@ -86,7 +92,7 @@ static void run_collective(item_t *it) {
     for (int r = 1; r < g->nranks; r++)
       for (size_t i = 0; i < c->count; i++) {
         float b = coll_load(by_rank[r]->buf, i, c->dtype);
-        float v = c->op == ncclSum ? acc[i] + b : (b > acc[i] || b != b ? b : acc[i]);
+        float v = c->op == ncclSum ? acc[i] + b : fmaxf(acc[i], b);
         acc[i] = v;
         if (c->dtype != ncclFloat32) { /* rounded to the dtype at each step */
           uint16_t h = c->dtype == ncclFloat16 ? zb__float_to_half(acc[i]) : zb__float_to_bf16(acc[i]);
@@ -342,6 +348,13 @@ static ncclResult_t n_destroy(ncclComm_t c) { return n_abort(c); }
 static ncclResult_t n_async(ncclComm_t comm, ncclResult_t *e) {
   fcomm_t *c = (fcomm_t *)comm;
   pthread_mutex_lock(&fake_dev.mu);
+  if (c->pending) { /* launched now; in progress until the next call */
+    push_item(c->pending_stream, c->pending);
+    c->pending = NULL;
+    pthread_mutex_unlock(&fake_dev.mu);
+    *e = ncclInProgress;
+    return ncclSuccess;
+  }
   int ready = c->g && (c->g->split_made || c->g->joined >= c->g->nranks);
   /* A parent with a split in progress is in progress too. */
   if (ready && c->g)
@@ -426,10 +439,12 @@ static ncclResult_t n_collective(int is_broadcast, const void *send, void *recv,
   item_t *it = calloc(1, sizeof *it);
   it->kind = IT_COLL;
   pthread_mutex_lock(&fake_dev.mu);
-  it->coll = (fcoll_t){c, c->colls++, is_broadcast, dtype, op, root, recv, count, 0};
-  push_item((fstream_t *)st, it);
+  it->coll = (fcoll_t){c, c->colls++, is_broadcast, dtype, op, root, recv, count, 0, 0.0};
+  int later = !c->blocking && !c->pending;
+  if (later) c->pending = it, c->pending_stream = (fstream_t *)st;
+  else push_item((fstream_t *)st, it);
   pthread_mutex_unlock(&fake_dev.mu);
-  return ncclSuccess;
+  return later ? ncclInProgress : ncclSuccess;
 }
 static ncclResult_t n_all_reduce(const void *s, void *r, size_t n, ncclDataType_t t, ncclRedOp_t op, ncclComm_t c,
                                  cudaStream_t st) {
@@ -478,7 +493,7 @@ int fake_teardown(void **state) {
     free(s);
   }
   for (fgroup_t *g = fake_dev.groups, *n; g; g = n) n = g->next_all, free(g->sseq), free(g->rseq), free(g);
-  for (fcomm_t *c = fake_dev.comms, *n; c; c = n) n = c->next_all, free(c);
+  for (fcomm_t *c = fake_dev.comms, *n; c; c = n) n = c->next_all, free(c->pending), free(c);
   for (int k = 0; k < fake_dev.n_grave; k++) free(fake_dev.graveyard[k]);
   free(fake_dev.graveyard);
   fake_dev.graveyard = NULL, fake_dev.cap_grave = 0;

@@ -7,7 +7,9 @@
  * latest record, a communicator's operations run one after another (so transfers between two ranks
  * that were issued in different orders deadlock, as on a GPU), a send and its receive complete
  * together, a collective completes when every rank of its communicator has reached it (an
- * all-reduce adds in rank order), ncclCommAbort makes a communicator's pending operations return.
+ * all-reduce adds in rank order; max is fmaxf's, as NCCL's), a non-blocking communicator's
+ * collective returns ncclInProgress and is on its stream only after a later
+ * ncclCommGetAsyncError, ncclCommAbort makes a communicator's pending operations return.
  * Device memory is host memory here.
  *
  * What it is not: a test of NCCL itself, or of device memory; the GPU suites (gpu_*) do that.
@@ -37,6 +39,10 @@ typedef struct fcomm {
   fgroup_t *g; /* NULL while a split that makes it is in progress */
   int rank, aborted, splits, blocking;
   long colls; /* collectives issued on it so far */
+  /* A non-blocking communicator's collective returns ncclInProgress and reaches its stream only at
+   * the next ncclCommGetAsyncError (NCCL launches such calls from a thread of its own). */
+  struct item *pending;
+  struct fstream *pending_stream;
 } fcomm_t;
 
 typedef struct {
@@ -53,8 +59,8 @@ typedef struct {
 
 enum { IT_RECORD, IT_WAIT, IT_XFER, IT_COMPUTE, IT_COLL };
 
-/* A collective (IT_COLL): the seq-th of its communicator; done once every rank's is at the head of
- * its stream (then carried out at once), or when its communicator is aborted. */
+/* A collective (IT_COLL): the seq-th of its communicator; done FAKE_COLL_SECONDS after every rank's
+ * is at the head of its stream, or at once when its communicator is aborted. */
 typedef struct {
   fcomm_t *comm;
   long seq;
@@ -62,7 +68,10 @@ typedef struct {
   void *buf;
   size_t count; /* elements (a broadcast: bytes) */
   int done;
+  double met_at; /* when every rank's was at a stream's head; it then takes FAKE_COLL_SECONDS */
 } fcoll_t;
+
+#define FAKE_COLL_SECONDS 0.001
 
 typedef struct item {
   struct item *next;

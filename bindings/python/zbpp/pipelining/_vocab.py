@@ -303,11 +303,22 @@ def _int_batch(mbs, what, m):
 
 
 def _send_hidden(tr, h, targets, root, timeout):
-    """Lane H's job: the last stage's output rows (and, fed, their targets) from root to every rank."""
+    """Lane H's job: the last stage's output rows (and, fed, their targets, host copies) from root to
+    every rank."""
     h = tr.broadcast(h, root, timeout=timeout, channel=CHANNEL_HIDDEN)
     if targets is not None:
-        targets = tr.broadcast(targets, root, timeout=timeout, channel=CHANNEL_HIDDEN)
+        targets = _broadcast_ids(tr, targets, root, h.device, timeout, CHANNEL_HIDDEN)
     return h, targets
+
+
+def _broadcast_ids(tr, ids, root, device, timeout, channel):
+    """ids (int64 in host memory, root's or a buffer of their size) from root to every rank, as a
+    host copy: an NCCL group transport moves device memory only, so they go by way of `device`."""
+    if not getattr(tr, "device_collectives", False):
+        return tr.broadcast(ids, root, timeout=timeout, channel=channel)
+    on = ids.to(device)
+    tr.broadcast(on, root, timeout=timeout, channel=channel)
+    return on.cpu()
 
 
 class VocabRun:
@@ -388,11 +399,13 @@ class VocabRun:
 
     def _choose_collectives(self):
         """"nccl" (each lane an NCCL group transport: collectives on the GPUs) when every rank has a
-        GPU of its own and none sets ZBPP_VOCAB_COLLECTIVES=host; else "host" (through host memory
-        over the host group). Every rank decides from the same gathered facts, so all agree."""
+        GPU of its own and NCCL, and none sets ZBPP_VOCAB_COLLECTIVES=host; else "host" (through
+        host memory over the host group). Every rank decides from the same gathered facts, so all
+        agree."""
         from .. import cuda as zcuda
 
         want_host = os.environ.get("ZBPP_VOCAB_COLLECTIVES", "").strip().lower() == "host"
+        want_host = want_host or not torch.distributed.is_nccl_available()
         facts = self.sched._exchange((zcuda.gpu_identity(self.device), want_host),
                                      "where Vocabulary Parallelism's collectives run")
         if any(h for _, h in facts) or zcuda.shared_gpus([i for i, _ in facts]) is not None:
@@ -597,7 +610,7 @@ class VocabRun:
                 tokens = self._box.get(mb, f"the tokens of microbatch {mb} (stage 0's forward)")
             else:
                 tokens = torch.empty(n, dtype=torch.int64, device="cpu")
-            tr.broadcast(tokens, first, timeout=to, channel=CHANNEL_IF)
+            tokens = _broadcast_ids(tr, tokens, first, emb.device, to, CHANNEL_IF)
             emb.check_tokens(tokens)  # the host copy (IB moves it to the device again)
             self.tokens[mb] = tokens
             t0 = self._clock()
@@ -857,6 +870,10 @@ class VocabRun:
     def close(self):
         for lane in (self.lanes or {}).values():
             lane.close()
+            if lane._thread.is_alive() and getattr(lane.transport, "device_collectives", False):
+                # Still inside a collective (a step that failed): end it before its transport goes.
+                lane.transport.abort(f"rank {self.sched.rank}: the schedule was closed")
+                lane._thread.join(timeout=10.0)
         self.lanes = None
         for tt in self._tts:
             tt.close()
@@ -876,7 +893,9 @@ class VocabRun:
             except Exception:  # noqa: BLE001 - a best effort on the failure path
                 pass
         sc = self.sched
-        store = sc._job_store() if not self._tts and not self._nccl and sc.ranks > 1 else None
+        # Also when some lanes exist: a peer may be making the next lane's communicator, which
+        # watches that lane's key (the first text published under a key stays).
+        store = sc._job_store() if sc.ranks > 1 else None
         if store is not None:
             text = f"rank {distributed.global_rank(sc.group, sc.rank)} failed first: {reason}"
             for k in _LANES:
