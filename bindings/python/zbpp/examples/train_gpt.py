@@ -244,6 +244,9 @@ def train(rank, ranks, args, group=None, report=print):
     if vp is not None:
         out["params"].update({f"vocab.{n}": w.detach().clone() for n, w in vp.named_parameters()})
     out["peak_rss_mib"] = _peak_rss_mib()
+    # On a GPU what a rank holds there (model, optimizer state, activations, the vocabulary's
+    # logits): where Vocabulary Parallelism's balance shows.
+    out["peak_gpu_mib"] = (torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None)
     out["kind"] = sched.schedule.kind
     sched.close()
     return out
@@ -389,6 +392,9 @@ def main(argv=None):
                   f"{rep['host_peak_bytes'] / 2**10:,.0f} KiB in host memory")
     print("  peak resident memory per rank: " + ", ".join(
         f"rank {q} {r['peak_rss_mib']:,.0f} MiB" for q, r in sorted(results.items())), flush=True)
+    if all(r.get("peak_gpu_mib") is not None for r in results.values()):
+        print("  peak GPU memory per rank (torch.cuda.max_memory_allocated): " + ", ".join(
+            f"rank {q} {r['peak_gpu_mib']:,.0f} MiB" for q, r in sorted(results.items())), flush=True)
     for f in results[0].get("files", []):
         print(f"  wrote {f}")
     return 0
