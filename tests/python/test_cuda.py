@@ -172,6 +172,41 @@ def test_nccl_group_transport_arguments(change, exc, text):
         backend.close()
 
 
+def _shared_id_worker(rank, world, key, out_dir):
+    import types
+
+    import torch.distributed as dist
+
+    from zbpp.pipelining import PipelineSchedule
+
+    pipeline_worker._init(rank, world, key)
+    me = types.SimpleNamespace(rank=rank, group=None)
+    try:
+        got = {"id": PipelineSchedule._shared_nccl_id(me, None, "cpu", " for lane S")}
+    except zbpp.ZbError as err:
+        got = {"code": err.code, "text": str(err)}
+    torch.save(got, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_every_rank_gets_rank_0s_nccl_id_or_its_failure_at_once(tmp_path):
+    """The unique id of an NCCL communicator (the pipeline's, each vocabulary lane's) goes from
+    pipeline rank 0 to every rank with a flag: where rank 0 cannot make one (no NCCL here, or a
+    failure there), the others fail at once naming it, instead of waiting out their timeout in
+    the communicator's creation."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_shared_id_worker, args=(2, pipeline_worker.fresh_key("uid"), str(tmp_path)), nprocs=2, join=True)
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
+    if "id" in r0:  # NCCL is there: both have the same 128 bytes
+        assert r0["id"] == r1["id"] and len(r0["id"]) == runtime.NCCL_UNIQUE_ID_BYTES
+        return
+    assert r0["code"] != runtime.ZB_ERR_REMOTE, "rank 0 raises its own error"
+    assert r1["code"] == runtime.ZB_ERR_REMOTE
+    assert "rank 1: pipeline rank 0 could not make an NCCL unique id for lane S" in r1["text"]
+
+
 def test_nccl_unique_id_is_128_bytes_or_a_zb_error():
     try:
         a, b = runtime.nccl_unique_id(), runtime.nccl_unique_id()

@@ -711,6 +711,19 @@ class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning, _Splitting, _Bou
                              "Give each rank its own GPU (torch.cuda.set_device(local_rank), or "
                              "CUDA_VISIBLE_DEVICES) for NCCL.", shared)
             return runtime.Transport.staged(self.transport.transport)
+        uid = self._shared_nccl_id(group, device, "")
+        # A failure of any rank reaches the others within a second through the job's c10d store,
+        # under this pipeline's key (the one its gloo transport uses too).
+        store = distributed._default_store()
+        name = self._key if store is not None else None
+        return runtime.Transport.nccl(self.rank, self.ranks, uid, self._store.backend, self.schedule,
+                                      timeout=self.timeout, abort_store=store,
+                                      abort_key=distributed.abort_key(name) if name else None)
+
+    def _shared_nccl_id(self, group, device, what):
+        """An NCCL unique id pipeline rank 0 makes and sends over `group` (messages on `device`) to
+        every rank, with a flag, so that a rank 0 that could not make one makes the others fail at
+        once instead of at their timeout. `what`: the communicator's name in that failure."""
         uid, failure = bytes(runtime.NCCL_UNIQUE_ID_BYTES), None
         if self.rank == 0:
             try:
@@ -722,14 +735,8 @@ class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning, _Splitting, _Bou
             raise failure
         if got[0] != 1:
             raise _lib.ZbError(runtime.ZB_ERR_REMOTE, f"rank {self.rank}: pipeline rank 0 could not make an NCCL "
-                                                      "unique id (its error says why)")
-        # A failure of any rank reaches the others within a second through the job's c10d store,
-        # under this pipeline's key (the one its gloo transport uses too).
-        store = distributed._default_store()
-        name = self._key if store is not None else None
-        return runtime.Transport.nccl(self.rank, self.ranks, got[1:], self._store.backend, self.schedule,
-                                      timeout=self.timeout, abort_store=store,
-                                      abort_key=distributed.abort_key(name) if name else None)
+                                                      f"unique id{what} (its error says why)")
+        return got[1:]
 
     def close(self):
         if self._runner is not None:

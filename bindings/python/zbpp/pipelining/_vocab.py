@@ -236,23 +236,11 @@ class VocabRun:
         from .. import runtime
 
         sc = self.sched
-        uid, failure = bytes(runtime.NCCL_UNIQUE_ID_BYTES), None
-        if sc.rank == 0:
-            try:
-                uid = runtime.nccl_unique_id()
-            except Exception as exc:  # noqa: BLE001 - every rank learns it below
-                failure = exc
-        got = distributed.broadcast_bytes(bytes([failure is None]) + uid, distributed.global_rank(sc.group, 0),
-                                          sc._host_group(), "cpu")
-        if failure is not None:
-            raise failure
-        if got[0] != 1:
-            raise RuntimeError(f"zbpp vocab_parallel: rank {sc.rank}: pipeline rank 0 could not make an NCCL unique id "
-                               f"for lane {kind} (its error says why)")
+        uid = sc._shared_nccl_id(sc._host_group(), "cpu", f" for Vocabulary Parallelism's lane {kind}")
         backend = runtime.Backend("cuda", device=self.device.index, stream=stream, workspace_bytes=256)
         store = distributed._default_store()
         name = self._lane_name(kind) if store is not None else None
-        t = runtime.Transport.nccl_group(sc.rank, sc.ranks, got[1:], backend, timeout=sc.timeout, abort_store=store,
+        t = runtime.Transport.nccl_group(sc.rank, sc.ranks, uid, backend, timeout=sc.timeout, abort_store=store,
                                          abort_key=distributed.abort_key(name) if name else None)
         self._nccl.append((t, backend))
         return t
