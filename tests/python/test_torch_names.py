@@ -148,3 +148,41 @@ def test_every_mirrored_signature_takes_torchs_arguments():
     a parameter fails here, naming it."""
     problems = [f"{what}: {p}" for ours, theirs, what in _mirrored() for p in _signature_problems(ours, theirs)]
     assert not problems, "\n".join(problems)
+
+
+def test_stage_reads_the_installed_torchs_order_from_its_source():
+    # zbpp.pipelining does not import torch's pipelining to learn PipelineStage's order (it costs
+    # a second); what it reads from torch's source must be what Python binds.
+    import inspect
+
+    from zbpp.pipelining import _stage
+
+    theirs = [name for name in inspect.signature(tp.PipelineStage.__init__).parameters][1:]
+    assert _stage._torch_order() == theirs
+
+
+def test_stage_binds_a_call_written_for_torch_2_11(monkeypatch):
+    """torch 2.10 to 2.12 (2.11 is what the lent GPU machine has) take group at position 6 and
+    dw_builder at 7, and have no output_grads, input_grads or get_mesh: a positional call written
+    for them must give zbpp's stage that group and dw_builder, and torch 2.13's extra names are
+    then keyword-only."""
+    from zbpp.pipelining import _stage
+
+    order_2_11 = ["submodule", "stage_index", "num_stages", "device", "input_args", "output_args", "group",
+                  "dw_builder"]
+    monkeypatch.setattr(_stage, "_torch_order", lambda: order_2_11)
+    monkeypatch.setattr(_stage, "_SIGNATURE", _stage._signature())
+    P = __import__("inspect").Parameter
+    params = _stage._SIGNATURE.parameters
+    assert [n for n, p in params.items() if p.kind is P.POSITIONAL_OR_KEYWORD] == ["self"] + order_2_11
+    assert all(params[n].kind is P.KEYWORD_ONLY for n in ("output_grads", "input_grads", "get_mesh", "split_backward"))
+
+    def builder():
+        return lambda: None
+
+    stage = zp.PipelineStage(torch.nn.Linear(2, 2), 0, 1, "cpu", None, None, None, builder)
+    assert stage.dw_builder is builder and stage.group is None
+    stage = zp.PipelineStage(torch.nn.Linear(2, 2), 0, 1, "cpu", get_mesh="mesh", output_grads=None)
+    assert stage.get_mesh == "mesh"
+    with pytest.raises(TypeError, match="zbpp.PipelineStage: too many positional arguments"):
+        zp.PipelineStage(torch.nn.Linear(2, 2), 0, 1, "cpu", None, None, None, builder, None)

@@ -9,11 +9,61 @@ What this is not: what runs the stage (PipelineSchedule, zbpp/pipelining/__init_
 build_stage for a traced pipeline (stage.py).
 """
 
+import ast
+import inspect
+import os
+
 import torch
 
 from .. import cuda
 from ..distributed import group_rank, group_size
 
+# PipelineStage's arguments before split_backward, with their defaults, in torch 2.13's order.
+_ARGS = (("submodule", inspect.Parameter.empty), ("stage_index", inspect.Parameter.empty),
+         ("num_stages", inspect.Parameter.empty), ("device", None), ("input_args", None), ("output_args", None),
+         ("output_grads", None), ("input_grads", None), ("group", None), ("dw_builder", None), ("get_mesh", None))
+
+
+def _torch_order():
+    """The installed torch's PipelineStage.__init__ parameter names, in order, or None.
+
+    Why: a call written for the installed torch must bind the same way here, and torch moved
+    `group` (position 6 in 2.10 to 2.12, 8 in 2.13, which put output_grads and input_grads before
+    it and get_mesh after). Read from torch's source, not imported: torch.distributed.pipelining
+    costs about a second to import and importing zbpp.pipelining stays cheap."""
+    path = os.path.join(os.path.dirname(torch.__file__), "distributed", "pipelining", "stage.py")
+    try:
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), path)
+    except (OSError, SyntaxError, ValueError):
+        return None
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == "PipelineStage":
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef) and item.name == "__init__":
+                    return [a.arg for a in item.args.posonlyargs + item.args.args][1:]
+    return None
+
+
+def _signature():
+    """PipelineStage.__init__'s signature: the installed torch's positional order for the names
+    zbpp shares with it (up to the first one zbpp does not know), then the rest keyword-only."""
+    defaults = dict(_ARGS)
+    order = _torch_order() or [name for name, _ in _ARGS]
+    positional = []
+    for name in order:
+        if name not in defaults:
+            break
+        positional.append(name)
+    P = inspect.Parameter
+    params = [P("self", P.POSITIONAL_OR_KEYWORD)]
+    params += [P(name, P.POSITIONAL_OR_KEYWORD, default=defaults[name]) for name in positional]
+    params += [P(name, P.KEYWORD_ONLY, default=default) for name, default in _ARGS if name not in positional]
+    params.append(P("split_backward", P.KEYWORD_ONLY, default=True))
+    return inspect.Signature(params)
+
+
+_SIGNATURE = _signature()
 
 
 class PipelineStage:
@@ -23,7 +73,9 @@ class PipelineStage:
     live ("cpu", or a CUDA device: one GPU per rank, all of a rank's stages on it); group: the
     pipeline's process group (None: the default group, or a single process when torch.distributed
     is not initialised).
-    The arguments are torch 2.13's, in its order. input_args and output_args (torch's example
+    The arguments are the installed torch's, in its order (torch 2.13's: output_grads and
+    input_grads before group, get_mesh after dw_builder; on torch 2.10 to 2.12, which lack those
+    three, they are keyword-only and group is the seventh, as there). input_args and output_args (torch's example
     tensors for the boundaries): when every stage of the pipeline has both, the boundaries' shapes
     come from them and no shape inference runs, as in torch; otherwise the first step infers them.
     output_grads and input_grads are accepted for compatibility (gradients have their activation's
@@ -46,9 +98,18 @@ class PipelineStage:
     clear_runtime_states() empties it, and every step starts with it.
     """
 
-    def __init__(self, submodule, stage_index, num_stages, device=None, input_args=None, output_args=None,
-                 output_grads=None, input_grads=None, group=None, dw_builder=None, get_mesh=None, *,
-                 split_backward=True):
+    def __init__(self, *args, **kwargs):
+        try:
+            bound = _SIGNATURE.bind(self, *args, **kwargs)
+        except TypeError as exc:
+            raise TypeError(f"zbpp.PipelineStage: {exc}") from None
+        bound.apply_defaults()
+        self._init(**{k: v for k, v in bound.arguments.items() if k != "self"})
+
+    __init__.__signature__ = _SIGNATURE
+
+    def _init(self, submodule, stage_index, num_stages, device, input_args, output_args, output_grads, input_grads,
+              group, dw_builder, get_mesh, split_backward):
         if not isinstance(submodule, torch.nn.Module):
             raise TypeError(f"zbpp.PipelineStage: submodule must be a torch.nn.Module, got {type(submodule).__name__}")
         if not isinstance(num_stages, int) or num_stages < 1:
