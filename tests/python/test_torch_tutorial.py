@@ -5,16 +5,21 @@ off), split by hand into stages, trained by torch's zero-bubble classes over 2 g
 What a user expects from the import swap, and what this checks: the losses of every step equal
 torch's own run bit for bit (so every gradient does), and zbpp's measured timeline has W ops doing
 work (the zero bubble is there: the backward was split without the user converting any layer).
-The script is written once and run twice, the import line its only difference."""
+The script is written once and run twice, the import line its only difference; the losses also
+match the model trained without a pipeline within float32 rounding (where torch 2.12 or older
+cannot run its own classes here, that is the reference: torch_release.py says why)."""
 
 import json
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 
 torch = pytest.importorskip("torch")
+
+import torch_release  # noqa: E402
 
 SCRIPT = r'''
 import json, os, sys
@@ -99,8 +104,36 @@ def main(rank, store_path, kind, out):
     dist.destroy_process_group()
 
 
+def sequential(out):
+    """The same model trained without a pipeline: each microbatch's loss backward in turn, the
+    gradients divided by the number of microbatches (torch's scale_grads), as reference."""
+    model = stage_model(0, 1).to(DEVICE)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    y = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    x, y = x.to(DEVICE), y.to(DEVICE)
+    report = {"losses": []}
+    for _ in range(STEPS):
+        losses = []
+        for xs, ys in zip(torch.tensor_split(x, N_MB), torch.tensor_split(y, N_MB)):
+            loss = loss_fn(model(xs), ys)
+            loss.backward()
+            losses.append(float(loss))
+        for p in model.parameters():
+            p.grad.div_(N_MB)
+        opt.step()
+        opt.zero_grad()
+        report["losses"].append(losses)
+    with open(out + ".0", "w") as f:
+        json.dump(report, f)
+
+
 if __name__ == "__main__":
-    mp.spawn(main, args=(sys.argv[1], sys.argv[2], sys.argv[3]), nprocs=WORLD)
+    if sys.argv[2] == "sequential":
+        sequential(sys.argv[3])
+    else:
+        mp.spawn(main, args=(sys.argv[1], sys.argv[2], sys.argv[3]), nprocs=WORLD)
 '''
 
 NAMES = "PipelineStage, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble, ScheduleDualPipeV"
@@ -124,15 +157,44 @@ def _run(tmp_path, import_line, kind, repo_root, tag, **script_env):
     return losses[0], reports[0]
 
 
+def _references(tmp_path, kind, repo_root, **env):
+    """(the model trained without a pipeline, torch's own run or None).
+
+    torch 2.12 and older send between two stages of one process through the process group, which
+    gloo refuses to itself ("Pair is not connected"), so on them torch's own run of these V and
+    looped classes fails whenever a process holds two neighbouring stages. There, and only there,
+    the sequential reference stands alone; from torch 2.13 its run must work."""
+    want, _ = _run(tmp_path, ZBPP_IMPORT, "sequential", repo_root, "sequential", **env)
+    try:
+        theirs, _ = _run(tmp_path, TORCH_IMPORT, kind, repo_root, "torch", **env)
+    except AssertionError as exc:
+        if not torch_release.older_than(2, 13):
+            raise
+        last = str(exc).strip().splitlines()[-1] if str(exc).strip() else "no output"
+        warnings.warn(f"torch {torch.__version__}'s own {kind} run failed ({last}); compared with the "
+                      "model trained without a pipeline only")
+        theirs = None
+    return want, theirs
+
+
+def _close(ours, want):
+    """Losses equal within float32 rounding (the pipeline adds the same numbers, the split W
+    GEMMs in another order)."""
+    flat_ours, flat_want = [v for s in ours for v in s], [v for s in want for v in s]
+    return len(flat_ours) == len(flat_want) and flat_ours == pytest.approx(flat_want, rel=1e-5, abs=1e-6)
+
+
 @pytest.mark.parametrize("kind", CLASSES)
 def test_the_tutorial_with_the_import_changed_trains_as_torch_with_w_ops(tmp_path, repo_root, kind):
     pytest.importorskip("torch.distributed.pipelining")
     script = SCRIPT.replace("{IMPORT}", ZBPP_IMPORT)
     assert script.replace(ZBPP_IMPORT, TORCH_IMPORT) == SCRIPT.replace("{IMPORT}", TORCH_IMPORT)
     ours, report = _run(tmp_path, ZBPP_IMPORT, kind, repo_root, "zbpp")
-    theirs, _ = _run(tmp_path, TORCH_IMPORT, kind, repo_root, "torch")
+    want, theirs = _references(tmp_path, kind, repo_root)
     assert len(ours) == 3 and all(len(s) == 4 for s in ours)
-    assert ours == theirs, "losses differ from torch's own run"
+    assert _close(ours, want), f"losses differ from the model trained without a pipeline: {ours} vs {want}"
+    if theirs is not None:
+        assert ours == theirs, "losses differ from torch's own run"
     assert report["w_ops"] > 0
     assert report["w_share"] > 0.05, f"zbpp's W ops did no work: W share {report['w_share']:.3f}"
 
@@ -146,7 +208,9 @@ def test_the_tutorial_on_one_gpu_trains_as_torch_with_w_ops(tmp_path, repo_root,
     pytest.importorskip("torch.distributed.pipelining")
     env = {"TUTORIAL_WORLD": "1", "TUTORIAL_DEVICE": "cuda", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
     ours, report = _run(tmp_path, ZBPP_IMPORT, kind, repo_root, "zbpp", **env)
-    theirs, _ = _run(tmp_path, TORCH_IMPORT, kind, repo_root, "torch", **env)
+    want, theirs = _references(tmp_path, kind, repo_root, **env)
     assert len(ours) == 3 and all(len(s) == 4 for s in ours)
-    assert ours == theirs, "losses differ from torch's own run on the GPU"
+    assert _close(ours, want), f"losses differ from the model trained without a pipeline: {ours} vs {want}"
+    if theirs is not None:
+        assert ours == theirs, "losses differ from torch's own run on the GPU"
     assert report["w_ops"] > 0 and report["w_share"] > 0.05, report
