@@ -19,6 +19,8 @@ tp = pytest.importorskip("torch.distributed.pipelining")
 
 import zbpp  # noqa: E402
 import zbpp.pipelining as zp  # noqa: E402
+
+import torch_release  # noqa: E402
 from zbpp import ZbError  # noqa: E402
 from zbpp.pipelining import schedules as zs  # noqa: E402
 
@@ -382,7 +384,8 @@ def test_a_boundary_that_changes_dtype_is_torchs_metadata_error():
     handle = mod[1].register_forward_hook(lambda m, i, o: o.double())
     with pytest.raises(zp._utils.PipeliningShapeError, match="dtype mismatch") as info:
         sched.step(x, target=y)
-    assert isinstance(info.value, tp._utils.PipeliningMetadataError) and isinstance(info.value, ValueError)
+    metadata_error = getattr(tp._utils, "PipeliningMetadataError", None) or tp._utils.PipeliningShapeError
+    assert isinstance(info.value, metadata_error) and isinstance(info.value, ValueError)
     handle.remove()
 
 
@@ -458,7 +461,10 @@ def test_user_orders_over_a_v_and_an_unbalanced_stage_map_train_like_the_loop(tm
     assert ranks[1]["loss-on-last-only"]["losses"] == pytest.approx(losses, rel=1e-6)
 
 
-@pytest.mark.parametrize("kind", ["zb-v", "zb-h1"])
+@pytest.mark.parametrize("kind", [
+    # torch 2.12 and older send between the V's two stages of one rank through gloo, which refuses.
+    pytest.param("zb-v", marks=torch_release.needs(2, 13, "stages of one process handing over in memory")),
+    "zb-h1"])
 def test_torchs_own_runtime_runs_a_plan_zbpp_wrote_with_its_transfers(tmp_path, kind):
     """zbpp's plan in torch's compute_comms CSV (Schedule.to_csv(comms=True)) is run by torch's
     _PipelineScheduleRuntime on 2 ranks (its own stages, sends and receives) and trains like the

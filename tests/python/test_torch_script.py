@@ -17,10 +17,13 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 
 torch = pytest.importorskip("torch")
+
+import torch_release  # noqa: E402
 
 SCRIPT = r'''
 import json, os, sys, datetime
@@ -50,8 +53,11 @@ def main(rank, port, kind, out):
     else:
         ids, n = [rank], WORLD
         layers = [torch.nn.Sequential(layers[2 * r], layers[2 * r + 1]) for r in range(WORLD)]
-    # As torchtitan builds them (torchtitan/distributed/pipeline_parallel.py).
-    stages = [PipelineStage(layers[i], i, n, torch.device("cpu"), group=dist.group.WORLD, get_mesh=None)
+    # As torchtitan builds them (torchtitan/distributed/pipeline_parallel.py); get_mesh= where this
+    # torch's stage takes it (2.13 and later; torchtitan for torch 2.11 does not pass it).
+    import inspect, torch.distributed.pipelining as torch_pp
+    mesh = {"get_mesh": None} if "get_mesh" in inspect.signature(torch_pp.PipelineStage).parameters else {}
+    stages = [PipelineStage(layers[i], i, n, torch.device("cpu"), group=dist.group.WORLD, **mesh)
               for i in ids]
     cls = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B,
            "LoopedBFS": ScheduleLoopedBFS, "InterleavedZeroBubble": ScheduleInterleavedZeroBubble,
@@ -148,6 +154,14 @@ def test_torch_pipelining_script_runs_with_the_import_changed(tmp_path, repo_roo
         import torch.distributed.pipelining  # noqa: F401
     except ImportError:
         return  # torch < 2.4 (Debian's 1.13): no torch run to compare with
-    theirs = run_script(tmp_path, TORCH_IMPORT, kind, repo_root)
+    try:
+        theirs = run_script(tmp_path, TORCH_IMPORT, kind, repo_root)
+    except AssertionError as exc:
+        # torch 2.12 and older: the V classes' stages of one process send to each other through
+        # gloo, which refuses (torch_release.py); zbpp's run has been checked against the loop above.
+        if not torch_release.older_than(2, 13):
+            raise
+        warnings.warn(f"torch {torch.__version__}'s own {kind} run failed: {str(exc).strip().splitlines()[-1]}")
+        return
     for a, b in zip(got, theirs):
         assert a == pytest.approx(b, rel=1e-12)
