@@ -592,9 +592,15 @@ def parse_args(argv=None):
     if args.classes is not None and "zbpp" not in impls and any(n in ZBPP_KINDS for n in names):
         ap.error("--classes names zbpp kinds, which run through zbpp only; use --impl zbpp or both")
     configs = [BASELINE] if "torch" in impls and args.stability is None else []
+    args.not_run = []
     for n in names:
         for impl in (impls if n in TORCH_CLASSES else ("zbpp",) if "zbpp" in impls else ()):
-            if (impl, n) not in configs:
+            why = torch_cannot_run(impl, n)
+            if why:
+                if why not in args.not_run:
+                    args.not_run.append(why)
+                    log(f"not run: {why}")
+            elif (impl, n) not in configs:
                 configs.append((impl, n))
     if not configs:
         ap.error("no configuration to run: zbpp's kinds need --impl zbpp or both")
@@ -617,6 +623,18 @@ def parse_args(argv=None):
     if args.warmup < 4 and not args.check_only:
         log("note: zbpp replans after step 3; with --warmup < 4 the first timed steps run the plan before it")
     return args
+
+
+def torch_cannot_run(impl, name):
+    """Why torch's own `name` cannot run here, or None. torch 2.12 and older (2.11 is the lent GPU
+    machine's) send between two neighbouring stages of one rank through the process group, and
+    gloo refuses to send to itself: every V placement has such a pair at its bottom, so the whole
+    launch would fail. torch 2.13 hands them over in memory."""
+    release = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    if impl == "torch" and placement_of(impl, name) == "v" and release < (2, 13):
+        return (f"torch {name}: torch {torch.__version__}'s own V classes send between a rank's two "
+                "neighbouring stages through gloo, which refuses (torch 2.13 hands them over in memory)")
+    return None
 
 
 def m_values(spec, p):
@@ -736,6 +754,7 @@ def write_results(args, cells, out, seconds):
     if timed:
         slack = sorted({c.get("timer_slack", "?") for c in timed})
         parts = [table(timed) if args.stability is None else stability_table(timed),
+                 "".join(f"Not run: {why}.\n" for why in getattr(args, "not_run", [])).strip() or None,
                  replan_table(timed) if args.stability is None else None,
                  f"Processes: {'; '.join(slack)}. Load average (1, 5, 15 min) after the run: "
                  + ", ".join(f"{x:.1f}" for x in os.getloadavg()) + f" on {os.cpu_count()} cores."]
