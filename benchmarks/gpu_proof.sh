@@ -33,7 +33,7 @@
 # synthetic table and timeline), so all of it comes back from a device machine (8 files at most).
 #
 # --dry-run runs the same stages where there is no GPU: the build without CUDA where nvcc is absent
-# (or --build-dir of an existing build, as CI passes build/), the GPU tests reporting their skips,
+# (or --build-dir of an existing build), the GPU tests reporting their skips,
 # bench_gpu.py's host half, the GPT example on the CPU, bench_synthetic on tiny sizes. It fails
 # (exit 1) when a stage fails, so the script cannot rot between GPU runs. On a GPU the script exits
 # 0 when it ran to the end whatever the stages said: the report is the result.
@@ -220,12 +220,18 @@ printf -v configure '%q ' cmake -S "$root" -B "$build" "${generator[@]}" -DZB_PY
 # when, say, the torch ops do not compile against this machine's torch; the stage still fails.
 keep=(-k)
 [[ ${#generator[@]} -gt 0 || $(grep -s '^CMAKE_GENERATOR:' "$build/CMakeCache.txt") == *Ninja* ]] && keep=(-k 0)
+# What every later stage runs loads this build: the tests read ZBPP_BUILD_DIR, but the package
+# itself (train_gpt, the benchmarks) looks for ZBPP_LIBRARY / ZBPP_TOOL, else only at build/ of
+# the checkout, which a GPU run does not build (it builds in build-gpu/).
+export ZBPP_BUILD_DIR=$build ZBPP_LIBRARY=$build/libzbpp.so ZBPP_TOOL=$build/zbpp
+loads="import os, zbpp, zbpp._lib as l; l.lib(); p = os.path.realpath(l.library_path()); \
+want = os.path.realpath('$build/libzbpp.so'); print('[gpu_proof] python loads', p); \
+assert p == want, f'python loads {p}, not this build ({want})'"
 stage build 130 30 "
-  $configure -DZB_WERROR=ON && cmake --build '$build' --parallel $jobs -- ${keep[*]} && exit 0
+  $configure -DZB_WERROR=ON && cmake --build '$build' --parallel $jobs -- ${keep[*]} && '$python' -c \"$loads\" && exit 0
   echo '== the build with -DZB_WERROR=ON failed; again without -Werror so the run goes on (this stage still fails)'
-  $configure -DZB_WERROR=OFF && cmake --build '$build' --parallel $jobs -- ${keep[*]}
+  $configure -DZB_WERROR=OFF && cmake --build '$build' --parallel $jobs -- ${keep[*]} && '$python' -c \"$loads\"
   exit 1"
-export ZBPP_BUILD_DIR=$build
 needs_lib=1
 
 # ---- 3. C GPU tests ----------------------------------------------------------------------------------
