@@ -158,7 +158,7 @@ def test_stage_reads_the_installed_torchs_order_from_its_source():
     from zbpp.pipelining import _stage
 
     theirs = [name for name in inspect.signature(tp.PipelineStage.__init__).parameters][1:]
-    assert _stage._torch_order() == theirs
+    assert _stage._torch_order() == theirs, (_stage.torch.__file__, inspect.getsourcefile(tp.PipelineStage))
 
 
 def test_stage_binds_a_call_written_for_torch_2_11(monkeypatch):
