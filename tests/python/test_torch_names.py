@@ -161,6 +161,17 @@ def test_stage_reads_the_installed_torchs_order_from_its_source():
     assert _stage._torch_order() == theirs, (_stage.torch.__file__, inspect.getsourcefile(tp.PipelineStage))
 
 
+def test_stage_order_comes_from_torchs_class_where_its_source_is_not_there(monkeypatch, tmp_path):
+    # A torch installed without its .py files: the order is the imported class's, not a guess.
+    import inspect
+
+    from zbpp.pipelining import _stage
+
+    monkeypatch.setattr(_stage.torch, "__file__", str(tmp_path / "no-torch" / "__init__.py"))
+    theirs = [name for name in inspect.signature(tp.PipelineStage.__init__).parameters][1:]
+    assert _stage._torch_order() == theirs
+
+
 def test_stage_binds_a_call_written_for_torch_2_11(monkeypatch):
     """torch 2.10 to 2.12 (2.11 is what the lent GPU machine has) take group at position 6 and
     dw_builder at 7, and have no output_grads, input_grads or get_mesh: a positional call written

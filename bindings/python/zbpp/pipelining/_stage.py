@@ -30,19 +30,25 @@ def _torch_order():
     Why: a call written for the installed torch must bind the same way here, and torch moved
     `group` (position 6 in 2.10 to 2.12, 8 in 2.13, which put output_grads and input_grads before
     it and get_mesh after). Read from torch's source, not imported: torch.distributed.pipelining
-    costs about a second to import and importing zbpp.pipelining stays cheap."""
-    path = os.path.join(os.path.dirname(torch.__file__), "distributed", "pipelining", "stage.py")
+    costs about a second to import and importing zbpp.pipelining stays cheap. Where the source
+    cannot be read (a torch installed without its .py files), torch's class is imported after all."""
     try:
+        path = os.path.join(os.path.dirname(torch.__file__), "distributed", "pipelining", "stage.py")
         with open(path, encoding="utf-8") as f:
             tree = ast.parse(f.read(), path)
-    except (OSError, SyntaxError, ValueError):
-        return None
-    for node in tree.body:
+    except (OSError, SyntaxError, TypeError, ValueError):
+        tree = None
+    for node in tree.body if tree is not None else ():
         if isinstance(node, ast.ClassDef) and node.name == "PipelineStage":
             for item in node.body:
                 if isinstance(item, ast.FunctionDef) and item.name == "__init__":
                     return [a.arg for a in item.args.posonlyargs + item.args.args][1:]
-    return None
+    try:
+        from ._torch import need
+
+        return list(inspect.signature(need("stage").PipelineStage.__init__).parameters)[1:]
+    except Exception:  # noqa: BLE001 (no torch pipelining at all: torch 2.13's order, which zbpp documents)
+        return None
 
 
 def _signature():
