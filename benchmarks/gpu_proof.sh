@@ -172,8 +172,9 @@ stage versions 15 40 "
 # ---- 2. build -------------------------------------------------------------------------------------
 cuda_flags=()
 if ((dry)); then
-  # A host build (quick); a given --build-dir keeps what it was configured with (CI's has CUDA parts).
-  [[ -z $build ]] && cuda_flags=(-DZB_ENABLE_CUDA=OFF)
+  # A build of its own, as on a GPU, with the CUDA parts where nvcc is found (the library's AUTO:
+  # the GPU tests then reach their device check and skip there, as CI's ctest leaves them out);
+  # a given --build-dir keeps what it was configured with.
   build=${build:-$work/build}
 else
   build=${build:-$root/build-gpu}
@@ -222,13 +223,19 @@ keep=(-k)
 [[ ${#generator[@]} -gt 0 || $(grep -s '^CMAKE_GENERATOR:' "$build/CMakeCache.txt") == *Ninja* ]] && keep=(-k 0)
 # What every later stage runs loads this build: the tests read ZBPP_BUILD_DIR, but the package
 # itself (train_gpt, the benchmarks) looks for ZBPP_LIBRARY / ZBPP_TOOL, else only at build/ of
-# the checkout, which a GPU run does not build (it builds in build-gpu/).
+# the checkout, which a GPU run does not build (it builds in build-gpu/). The build stage checks
+# that python's library and tool are this build's: where the checkout also has a build/ (CI's
+# dry run), a lost export would load that one instead, and only this check would notice.
 export ZBPP_BUILD_DIR=$build ZBPP_LIBRARY=$build/libzbpp.so ZBPP_TOOL=$build/zbpp
-loads="import os, zbpp, zbpp._lib as l; l.lib(); p = os.path.realpath(l.library_path()); \
-want = os.path.realpath('$build/libzbpp.so'); print('[gpu_proof] python loads', p); \
-assert p == want, f'python loads {p}, not this build ({want})'"
+loads="import os, zbpp; r = os.path.realpath; b = r('$build'); \
+got = {'library': r(zbpp.library_path()), 'tool': r(zbpp.tool_path())}; print('[gpu_proof] python uses', got); \
+bad = [f'{k} {v}' for k, v in got.items() if os.path.dirname(v) != b]; \
+assert not bad, f'python uses {bad}, not this build ({b})'"
 stage build 130 30 "
-  $configure -DZB_WERROR=ON && cmake --build '$build' --parallel $jobs -- ${keep[*]} && '$python' -c \"$loads\" && exit 0
+  if $configure -DZB_WERROR=ON && cmake --build '$build' --parallel $jobs -- ${keep[*]}; then
+    '$python' -c \"$loads\"
+    exit
+  fi
   echo '== the build with -DZB_WERROR=ON failed; again without -Werror so the run goes on (this stage still fails)'
   $configure -DZB_WERROR=OFF && cmake --build '$build' --parallel $jobs -- ${keep[*]} && '$python' -c \"$loads\"
   exit 1"
