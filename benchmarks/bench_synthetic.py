@@ -630,8 +630,9 @@ def torch_cannot_run(impl, name):
     machine's) send between two neighbouring stages of one rank through the process group, and
     gloo refuses to send to itself: every V placement has such a pair at its bottom, so the whole
     launch would fail. torch 2.13 hands them over in memory."""
-    release = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
-    if impl == "torch" and placement_of(impl, name) == "v" and release < (2, 13):
+    from zbpp._ops import _torch_version
+
+    if impl == "torch" and placement_of(impl, name) == "v" and _torch_version() < (2, 13):
         return (f"torch {name}: torch {torch.__version__}'s own V classes send between a rank's two "
                 "neighbouring stages through gloo, which refuses (torch 2.13 hands them over in memory)")
     return None
