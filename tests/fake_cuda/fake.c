@@ -1,0 +1,739 @@
+/*
+ * fake.c - the fake device's runtime and driver halves (fake_cuda.h says what is kept of CUDA):
+ * devices, streams as threads, events, registered device memory with its faults, and the module and
+ * launch calls of the driver that run kernels.cpp's host-compiled kernels.
+ *
+ * Streams are never freed: a destroyed stream's thread drains its work and ends, and the record
+ * stays, so an event recorded on it can still be waited on, as CUDA allows. It is a test fixture;
+ * the few hundred bytes per stream go with the process.
+ */
+#define _GNU_SOURCE /* memmem */
+#include "fake_cuda.h"
+
+#include <cuda.h>
+#include <cuda_runtime_api.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+enum { STREAM_MAGIC = 0x57ea3u, EVENT_MAGIC = 0xe7e27u, MODULE_MAGIC = 0x30d01eu, MAX_DEVICES = 8 };
+
+typedef struct work {
+  struct work *next;
+  fake_work_fn fn;
+  void *arg;
+} work_t;
+
+struct fake_stream {
+  unsigned magic;
+  int device, blocking, legacy, stop;
+  long issued, completed;
+  work_t *head, *tail;
+  pthread_t thread;
+  struct fake_stream *next_all;
+};
+
+typedef struct {
+  unsigned magic;
+  int timing, dead, pending;
+  fake_stream_t *stream; /* of the latest record; NULL before the first */
+  long seq;              /* that stream's work count the record completes at */
+  long record_id;
+  double done_at; /* seconds, when the latest record ran */
+} fake_event_t;
+
+typedef struct alloc {
+  struct alloc *next;
+  char *base;
+  size_t bytes;
+  int device;
+} alloc_t;
+
+static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t changed = PTHREAD_COND_INITIALIZER;
+static fake_stream_t *streams;
+static fake_stream_t *legacy[MAX_DEVICES];
+static alloc_t *allocs;
+static int fault; /* sticky */
+static char fault_text[512];
+static __thread int cur_device;
+static __thread int ctx_current;
+static __thread cudaError_t last_error;
+
+static double now(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static int device_count(void) {
+  const char *s = getenv("FAKE_CUDA_DEVICES");
+  int n = s ? atoi(s) : 1;
+  return n < 0 ? 0 : n > MAX_DEVICES ? MAX_DEVICES : n;
+}
+
+static long delay_us(void) {
+  static long d = -1;
+  if (d < 0) {
+    const char *s = getenv("FAKE_CUDA_DELAY_US");
+    d = s ? atol(s) : 50;
+    if (d < 0) d = 0;
+  }
+  return d;
+}
+
+/* ---- faults and errors --------------------------------------------------------------------------- */
+
+void fake_fault(const char *fmt, ...) {
+  va_list ap;
+  pthread_mutex_lock(&mu);
+  if (!fault) {
+    va_start(ap, fmt);
+    vsnprintf(fault_text, sizeof fault_text, fmt, ap);
+    va_end(ap);
+    fault = 1;
+    fprintf(stderr, "fake CUDA: device fault: %s\n", fault_text);
+  }
+  pthread_cond_broadcast(&changed);
+  pthread_mutex_unlock(&mu);
+}
+
+int fake_faulted(void) {
+  pthread_mutex_lock(&mu);
+  int f = fault;
+  pthread_mutex_unlock(&mu);
+  return f;
+}
+
+/* Every runtime call returns the sticky fault once there is one, as on a GPU after an illegal
+ * address. */
+static cudaError_t ret(cudaError_t e) {
+  if (fake_faulted()) e = cudaErrorIllegalAddress;
+  if (e != cudaSuccess) last_error = e;
+  return e;
+}
+
+/* ---- memory ---------------------------------------------------------------------------------------- */
+
+/* The live allocation holding p (mu held), or NULL. */
+static alloc_t *alloc_holding(const void *p) {
+  const char *c = p;
+  for (alloc_t *a = allocs; a; a = a->next)
+    if (c >= a->base && c < a->base + a->bytes) return a;
+  return NULL;
+}
+
+/* 1: [p, p + bytes) is device memory; 0: it is not (host memory); -1: it starts in an allocation and
+ * runs past its end (mu not held). */
+static int classify(const void *p, size_t bytes) {
+  pthread_mutex_lock(&mu);
+  alloc_t *a = alloc_holding(p);
+  int r = !a ? 0 : (size_t)((const char *)p - a->base) + bytes <= a->bytes ? 1 : -1;
+  pthread_mutex_unlock(&mu);
+  return r;
+}
+
+int fake_check_device_range(const void *p, size_t bytes, const char *what) {
+  if (bytes == 0) return 0;
+  int r = classify(p, bytes);
+  if (r == 1) return 0;
+  fake_fault("%s: %zu bytes at %p %s", what, bytes, p,
+             r == 0 ? "are not device memory (no cudaMalloc allocation holds them)"
+                    : "run past the end of the cudaMalloc allocation they start in");
+  return -1;
+}
+
+/* ---- streams ----------------------------------------------------------------------------------------- */
+
+static void nap(long us) {
+  if (us <= 0) return;
+  struct timespec ts = {us / 1000000, (us % 1000000) * 1000};
+  nanosleep(&ts, NULL);
+}
+
+static void *stream_main(void *p) {
+  fake_stream_t *s = p;
+  unsigned seed = (unsigned)(uintptr_t)s;
+  pthread_mutex_lock(&mu);
+  for (;;) {
+    while (!s->head && !s->stop) pthread_cond_wait(&changed, &mu);
+    if (!s->head) break;
+    work_t *w = s->head;
+    s->head = w->next;
+    if (!s->head) s->tail = NULL;
+    const int skip = fault;
+    pthread_mutex_unlock(&mu);
+    if (delay_us()) nap((long)(rand_r(&seed) % (unsigned)(delay_us() + 1)));
+    if (!skip) w->fn(w->arg);
+    free(w->arg);
+    free(w);
+    pthread_mutex_lock(&mu);
+    s->completed++;
+    pthread_cond_broadcast(&changed);
+  }
+  pthread_mutex_unlock(&mu);
+  return NULL;
+}
+
+static fake_stream_t *stream_new(int device, int blocking, int is_legacy) {
+  fake_stream_t *s = calloc(1, sizeof *s);
+  if (!s) return NULL;
+  s->magic = STREAM_MAGIC, s->device = device, s->blocking = blocking, s->legacy = is_legacy;
+  if (pthread_create(&s->thread, NULL, stream_main, s) != 0) {
+    free(s);
+    return NULL;
+  }
+  pthread_mutex_lock(&mu);
+  s->next_all = streams;
+  streams = s;
+  pthread_mutex_unlock(&mu);
+  return s;
+}
+
+fake_stream_t *fake_stream_of(void *handle) {
+  if (handle == NULL || handle == cudaStreamLegacy) {
+    pthread_mutex_lock(&mu);
+    fake_stream_t *s = legacy[cur_device];
+    pthread_mutex_unlock(&mu);
+    if (!s) {
+      s = stream_new(cur_device, 1, 1);
+      pthread_mutex_lock(&mu);
+      if (legacy[cur_device]) { /* another thread made it first: this one idles */
+        s->stop = 1;
+        pthread_cond_broadcast(&changed);
+        s = legacy[cur_device];
+      } else {
+        legacy[cur_device] = s;
+      }
+      pthread_mutex_unlock(&mu);
+    }
+    return s;
+  }
+  pthread_mutex_lock(&mu);
+  fake_stream_t *s = NULL;
+  for (fake_stream_t *t = streams; t; t = t->next_all)
+    if (t == handle && t->magic == STREAM_MAGIC && !t->stop) s = t;
+  pthread_mutex_unlock(&mu);
+  return s;
+}
+
+typedef struct {
+  fake_stream_t *stream;
+  long seq;
+} wait_arg_t;
+
+static void wait_fn(void *p) {
+  wait_arg_t *w = p;
+  pthread_mutex_lock(&mu);
+  while (w->stream->completed < w->seq && !fault) pthread_cond_wait(&changed, &mu);
+  pthread_mutex_unlock(&mu);
+}
+
+/* Appends w to s (mu held). */
+static void push(fake_stream_t *s, work_t *w) {
+  w->next = NULL;
+  if (s->tail) s->tail->next = w;
+  else s->head = w;
+  s->tail = w;
+  s->issued++;
+}
+
+/* A wait on `on` up to its work issued so far, pushed onto s (mu held). */
+static int push_wait(fake_stream_t *s, fake_stream_t *on) {
+  if (on == s || on->completed >= on->issued) return 0;
+  work_t *w = calloc(1, sizeof *w);
+  wait_arg_t *a = calloc(1, sizeof *a);
+  if (!w || !a) {
+    free(w), free(a);
+    return -1;
+  }
+  a->stream = on, a->seq = on->issued;
+  w->fn = wait_fn, w->arg = a;
+  push(s, w);
+  return 0;
+}
+
+/* fake_enqueue, and the work count of s at which this work is done (*seq, when seq is not NULL). */
+static int enqueue(fake_stream_t *s, fake_work_fn fn, void *arg, long *seq) {
+  work_t *w = calloc(1, sizeof *w);
+  pthread_mutex_lock(&mu);
+  if (!w || fault) {
+    pthread_mutex_unlock(&mu);
+    free(w), free(arg);
+    return -1;
+  }
+  /* The legacy stream: its work waits for the device's blocking streams, and theirs for it. */
+  if (s->legacy) {
+    for (fake_stream_t *t = streams; t; t = t->next_all)
+      if (t->device == s->device && t->blocking && !t->legacy) push_wait(s, t);
+  } else if (s->blocking && legacy[s->device]) {
+    push_wait(s, legacy[s->device]);
+  }
+  w->fn = fn, w->arg = arg;
+  push(s, w);
+  if (seq) *seq = s->issued;
+  pthread_cond_broadcast(&changed);
+  pthread_mutex_unlock(&mu);
+  return 0;
+}
+
+int fake_enqueue(fake_stream_t *s, fake_work_fn fn, void *arg) { return enqueue(s, fn, arg, NULL); }
+
+/* Waits until s has done the work issued before the call. */
+static void drain(fake_stream_t *s) {
+  pthread_mutex_lock(&mu);
+  const long upto = s->issued;
+  while (s->completed < upto && !fault) pthread_cond_wait(&changed, &mu);
+  pthread_mutex_unlock(&mu);
+}
+
+static void drain_device(int device) {
+  pthread_mutex_lock(&mu);
+  for (;;) {
+    int busy = 0;
+    for (fake_stream_t *t = streams; t; t = t->next_all)
+      if (t->device == device && t->completed < t->issued) busy = 1;
+    if (!busy || fault) break;
+    pthread_cond_wait(&changed, &mu);
+  }
+  pthread_mutex_unlock(&mu);
+}
+
+/* ---- the runtime: devices and errors --------------------------------------------------------------- */
+
+cudaError_t cudaGetDeviceCount(int *count) {
+  if (!count) return ret(cudaErrorInvalidValue);
+  *count = device_count();
+  return ret(*count ? cudaSuccess : cudaErrorNoDevice);
+}
+
+cudaError_t cudaGetDevice(int *device) {
+  if (!device) return ret(cudaErrorInvalidValue);
+  *device = cur_device;
+  return ret(cudaSuccess);
+}
+
+cudaError_t cudaSetDevice(int device) {
+  if (device < 0 || device >= device_count()) return ret(cudaErrorInvalidDevice);
+  cur_device = device;
+  ctx_current = 1;
+  return ret(cudaSuccess);
+}
+
+const char *cudaGetErrorName(cudaError_t e) {
+  switch (e) {
+    case cudaSuccess: return "cudaSuccess";
+    case cudaErrorInvalidValue: return "cudaErrorInvalidValue";
+    case cudaErrorMemoryAllocation: return "cudaErrorMemoryAllocation";
+    case cudaErrorInvalidDevice: return "cudaErrorInvalidDevice";
+    case cudaErrorInvalidResourceHandle: return "cudaErrorInvalidResourceHandle";
+    case cudaErrorNotReady: return "cudaErrorNotReady";
+    case cudaErrorNoDevice: return "cudaErrorNoDevice";
+    case cudaErrorIllegalAddress: return "cudaErrorIllegalAddress";
+    default: return "cudaErrorUnknown";
+  }
+}
+
+const char *cudaGetErrorString(cudaError_t e) {
+  switch (e) {
+    case cudaSuccess: return "no error";
+    case cudaErrorInvalidValue: return "invalid argument";
+    case cudaErrorMemoryAllocation: return "out of memory";
+    case cudaErrorInvalidDevice: return "invalid device ordinal";
+    case cudaErrorInvalidResourceHandle: return "invalid resource handle";
+    case cudaErrorNotReady: return "device not ready";
+    case cudaErrorNoDevice: return "no CUDA-capable device is detected";
+    case cudaErrorIllegalAddress: return "an illegal memory access was encountered (fake CUDA)";
+    default: return "unknown error";
+  }
+}
+
+cudaError_t cudaGetLastError(void) {
+  if (fake_faulted()) return cudaErrorIllegalAddress;
+  cudaError_t e = last_error;
+  last_error = cudaSuccess;
+  return e;
+}
+
+/* ---- events ----------------------------------------------------------------------------------------- */
+
+static fake_event_t *event_of(cudaEvent_t e) {
+  fake_event_t *ev = (fake_event_t *)e;
+  return ev && ev->magic == EVENT_MAGIC && !ev->dead ? ev : NULL;
+}
+
+cudaError_t cudaEventCreateWithFlags(cudaEvent_t *out, unsigned int flags) {
+  if (!out || (flags & ~(unsigned)(cudaEventDisableTiming | cudaEventBlockingSync | cudaEventInterprocess)))
+    return ret(cudaErrorInvalidValue);
+  fake_event_t *ev = calloc(1, sizeof *ev);
+  if (!ev) return ret(cudaErrorMemoryAllocation);
+  ev->magic = EVENT_MAGIC;
+  ev->timing = !(flags & cudaEventDisableTiming);
+  *out = (cudaEvent_t)ev;
+  return ret(cudaSuccess);
+}
+
+cudaError_t cudaEventCreate(cudaEvent_t *out) { return cudaEventCreateWithFlags(out, cudaEventDefault); }
+
+cudaError_t cudaEventDestroy(cudaEvent_t e) {
+  pthread_mutex_lock(&mu);
+  fake_event_t *ev = event_of(e);
+  if (!ev) {
+    pthread_mutex_unlock(&mu);
+    return ret(cudaErrorInvalidResourceHandle);
+  }
+  ev->dead = 1; /* a pending record frees it when it runs, as CUDA releases it "once complete" */
+  const int free_now = ev->pending == 0;
+  if (free_now) ev->magic = 0;
+  pthread_mutex_unlock(&mu);
+  if (free_now) free(ev);
+  return ret(cudaSuccess);
+}
+
+typedef struct {
+  fake_event_t *ev;
+  long record_id;
+} record_arg_t;
+
+static void record_fn(void *p) {
+  record_arg_t *r = p;
+  pthread_mutex_lock(&mu);
+  fake_event_t *ev = r->ev;
+  if (ev->record_id == r->record_id) ev->done_at = now();
+  const int free_now = --ev->pending == 0 && ev->dead;
+  if (free_now) ev->magic = 0;
+  pthread_mutex_unlock(&mu);
+  if (free_now) free(ev);
+}
+
+cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t stream) {
+  fake_stream_t *s = fake_stream_of(stream);
+  if (!s) return ret(cudaErrorInvalidResourceHandle);
+  record_arg_t *r = calloc(1, sizeof *r);
+  if (!r) return ret(cudaErrorMemoryAllocation);
+  pthread_mutex_lock(&mu);
+  fake_event_t *ev = event_of(e);
+  if (!ev) {
+    pthread_mutex_unlock(&mu);
+    free(r);
+    return ret(cudaErrorInvalidResourceHandle);
+  }
+  ev->record_id++;
+  ev->pending++;
+  r->ev = ev, r->record_id = ev->record_id;
+  const long r_id = r->record_id;
+  pthread_mutex_unlock(&mu);
+  long seq = 0; /* complete once s has done everything up to and including the record */
+  if (enqueue(s, record_fn, r, &seq) != 0) {
+    pthread_mutex_lock(&mu);
+    ev->pending--;
+    pthread_mutex_unlock(&mu);
+    return ret(cudaErrorIllegalAddress);
+  }
+  pthread_mutex_lock(&mu);
+  if (ev->record_id == r_id) ev->stream = s, ev->seq = seq;
+  pthread_mutex_unlock(&mu);
+  return ret(cudaSuccess);
+}
+
+cudaError_t cudaEventQuery(cudaEvent_t e) {
+  pthread_mutex_lock(&mu);
+  fake_event_t *ev = event_of(e);
+  cudaError_t r = !ev ? cudaErrorInvalidResourceHandle
+                  : !ev->stream || ev->stream->completed >= ev->seq ? cudaSuccess
+                                                                     : cudaErrorNotReady;
+  pthread_mutex_unlock(&mu);
+  return r == cudaErrorNotReady && !fake_faulted() ? r : ret(r); /* "not ready" is not an error to keep */
+}
+
+cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t a, cudaEvent_t b) {
+  if (!ms) return ret(cudaErrorInvalidValue);
+  pthread_mutex_lock(&mu);
+  fake_event_t *x = event_of(a), *y = event_of(b);
+  cudaError_t r = cudaSuccess;
+  if (!x || !y || !x->timing || !y->timing || !x->stream || !y->stream) r = cudaErrorInvalidResourceHandle;
+  else if (x->stream->completed < x->seq || y->stream->completed < y->seq) r = cudaErrorNotReady;
+  else *ms = (float)(1e3 * (y->done_at - x->done_at));
+  pthread_mutex_unlock(&mu);
+  return ret(r);
+}
+
+/* ---- streams: the runtime calls -------------------------------------------------------------------- */
+
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t *out, unsigned int flags) {
+  if (!out || (flags & ~(unsigned)cudaStreamNonBlocking)) return ret(cudaErrorInvalidValue);
+  fake_stream_t *s = stream_new(cur_device, !(flags & cudaStreamNonBlocking), 0);
+  if (!s) return ret(cudaErrorMemoryAllocation);
+  *out = (cudaStream_t)s;
+  return ret(cudaSuccess);
+}
+
+cudaError_t cudaStreamDestroy(cudaStream_t stream) {
+  fake_stream_t *s = stream ? fake_stream_of(stream) : NULL;
+  if (!s) return ret(cudaErrorInvalidResourceHandle);
+  pthread_mutex_lock(&mu);
+  s->stop = 1; /* its thread finishes the work it has, then ends */
+  pthread_cond_broadcast(&changed);
+  pthread_mutex_unlock(&mu);
+  return ret(cudaSuccess);
+}
+
+cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
+  fake_stream_t *s = fake_stream_of(stream);
+  if (!s) return ret(cudaErrorInvalidResourceHandle);
+  drain(s);
+  return ret(cudaSuccess);
+}
+
+cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t e, unsigned int flags) {
+  fake_stream_t *s = fake_stream_of(stream);
+  if (!s) return ret(cudaErrorInvalidResourceHandle);
+  wait_arg_t *a = calloc(1, sizeof *a);
+  if (!a) return ret(cudaErrorMemoryAllocation);
+  pthread_mutex_lock(&mu);
+  fake_event_t *ev = event_of(e);
+  if (!ev) {
+    pthread_mutex_unlock(&mu);
+    free(a);
+    return ret(cudaErrorInvalidResourceHandle);
+  }
+  if (!ev->stream) { /* never recorded: nothing to wait for */
+    pthread_mutex_unlock(&mu);
+    free(a);
+    return ret(cudaSuccess);
+  }
+  a->stream = ev->stream, a->seq = ev->seq; /* the latest record at the time of this call */
+  pthread_mutex_unlock(&mu);
+  return ret(fake_enqueue(s, wait_fn, a) == 0 ? cudaSuccess : cudaErrorIllegalAddress);
+}
+
+/* ---- memory: the runtime calls ---------------------------------------------------------------------- */
+
+cudaError_t cudaMalloc(void **out, size_t bytes) {
+  if (!out) return ret(cudaErrorInvalidValue);
+  *out = NULL;
+  if (fake_faulted()) return ret(cudaErrorIllegalAddress);
+  const size_t padded = (bytes + 255) / 256 * 256;
+  alloc_t *a = calloc(1, sizeof *a);
+  char *p = padded ? aligned_alloc(256, padded) : NULL;
+  if (!a || (padded && !p)) {
+    free(a), free(p);
+    return ret(cudaErrorMemoryAllocation);
+  }
+  /* Fresh device memory holds whatever was there: all-ones bytes read as NaN in every float type,
+   * so a result computed from memory nobody wrote does not pass for zero. */
+  if (padded) memset(p, 0xff, padded);
+  a->base = p, a->bytes = bytes, a->device = cur_device;
+  pthread_mutex_lock(&mu);
+  a->next = allocs;
+  allocs = a;
+  pthread_mutex_unlock(&mu);
+  *out = p;
+  return ret(cudaSuccess);
+}
+
+/* Unlinks the allocation starting at p (mu held); NULL if none does. */
+static alloc_t *unlink_alloc(void *p) {
+  for (alloc_t **a = &allocs; *a; a = &(*a)->next)
+    if ((*a)->base == p) {
+      alloc_t *hit = *a;
+      *a = hit->next;
+      return hit;
+    }
+  return NULL;
+}
+
+cudaError_t cudaFree(void *p) {
+  if (!p) return ret(cudaSuccess);
+  pthread_mutex_lock(&mu);
+  alloc_t *a = NULL;
+  for (alloc_t *t = allocs; t; t = t->next)
+    if (t->base == p) a = t;
+  pthread_mutex_unlock(&mu);
+  if (!a) return ret(cudaErrorInvalidValue);
+  drain_device(a->device); /* cudaFree synchronises the device */
+  pthread_mutex_lock(&mu);
+  a = unlink_alloc(p);
+  pthread_mutex_unlock(&mu);
+  if (a) free(a->base), free(a);
+  return ret(a ? cudaSuccess : cudaErrorInvalidValue);
+}
+
+cudaError_t cudaMallocAsync(void **out, size_t bytes, cudaStream_t stream) {
+  if (!fake_stream_of(stream)) return ret(cudaErrorInvalidResourceHandle);
+  return cudaMalloc(out, bytes);
+}
+
+static void free_fn(void *p) {
+  void *ptr = *(void **)p;
+  pthread_mutex_lock(&mu);
+  alloc_t *a = unlink_alloc(ptr);
+  pthread_mutex_unlock(&mu);
+  if (a) free(a->base), free(a);
+}
+
+cudaError_t cudaFreeAsync(void *p, cudaStream_t stream) {
+  fake_stream_t *s = fake_stream_of(stream);
+  if (!s) return ret(cudaErrorInvalidResourceHandle);
+  if (!p) return ret(cudaSuccess);
+  pthread_mutex_lock(&mu);
+  int known = 0;
+  for (alloc_t *t = allocs; t; t = t->next) known |= t->base == p;
+  pthread_mutex_unlock(&mu);
+  if (!known) return ret(cudaErrorInvalidValue);
+  void **arg = malloc(sizeof *arg);
+  if (!arg) return ret(cudaErrorMemoryAllocation);
+  *arg = p;
+  return ret(fake_enqueue(s, free_fn, arg) == 0 ? cudaSuccess : cudaErrorIllegalAddress);
+}
+
+typedef struct {
+  void *dst;
+  const void *src; /* NULL: the bytes follow this struct (taken from pageable memory at the call) */
+  size_t bytes;
+  int value; /* memset */
+  int is_memset;
+} copy_arg_t;
+
+static void copy_fn(void *p) {
+  copy_arg_t *c = p;
+  if (c->is_memset) memset(c->dst, c->value, c->bytes);
+  else memcpy(c->dst, c->src ? c->src : (const void *)(c + 1), c->bytes);
+}
+
+cudaError_t cudaMemsetAsync(void *dst, int value, size_t bytes, cudaStream_t stream) {
+  fake_stream_t *s = fake_stream_of(stream);
+  if (!s) return ret(cudaErrorInvalidResourceHandle);
+  if (bytes == 0) return ret(cudaSuccess);
+  if (classify(dst, bytes) != 1) {
+    fake_check_device_range(dst, bytes, "cudaMemsetAsync's destination");
+    return ret(cudaErrorInvalidValue);
+  }
+  copy_arg_t *c = calloc(1, sizeof *c);
+  if (!c) return ret(cudaErrorMemoryAllocation);
+  c->dst = dst, c->bytes = bytes, c->value = value, c->is_memset = 1;
+  return ret(fake_enqueue(s, copy_fn, c) == 0 ? cudaSuccess : cudaErrorIllegalAddress);
+}
+
+cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t bytes, enum cudaMemcpyKind kind, cudaStream_t stream) {
+  fake_stream_t *s = fake_stream_of(stream);
+  if (!s) return ret(cudaErrorInvalidResourceHandle);
+  if (bytes == 0) return ret(cudaSuccess);
+  const int d = classify(dst, bytes), r = classify(src, bytes);
+  if (d < 0 || r < 0) {
+    fake_check_device_range(d < 0 ? dst : src, bytes,
+                            d < 0 ? "cudaMemcpyAsync's destination" : "cudaMemcpyAsync's source");
+    return ret(cudaErrorInvalidValue);
+  }
+  const enum cudaMemcpyKind actual = d ? (r ? cudaMemcpyDeviceToDevice : cudaMemcpyHostToDevice)
+                                       : (r ? cudaMemcpyDeviceToHost : cudaMemcpyHostToHost);
+  if (kind != cudaMemcpyDefault && kind != actual) return ret(cudaErrorInvalidValue);
+  /* Pageable host memory: the source's bytes are taken at the call, and a copy into it returns only
+   * once done (the runtime's documented behaviour for cudaMemcpyAsync with pageable memory). */
+  copy_arg_t *c = calloc(1, sizeof *c + (r ? 0 : bytes));
+  if (!c) return ret(cudaErrorMemoryAllocation);
+  c->dst = dst, c->bytes = bytes, c->src = r ? src : NULL;
+  if (!r) memcpy(c + 1, src, bytes);
+  if (fake_enqueue(s, copy_fn, c) != 0) return ret(cudaErrorIllegalAddress);
+  if (!d) drain(s);
+  return ret(cudaSuccess);
+}
+
+/* ---- the driver: modules and launches ---------------------------------------------------------- */
+
+typedef struct {
+  unsigned magic;
+  const unsigned char *image;
+  size_t bytes;
+} fake_module_t;
+
+typedef struct {
+  const fake_kernel_t *kernel;
+  unsigned grid[3], block[3];
+  /* the params follow */
+} launch_arg_t;
+
+CUresult cuGetErrorString(CUresult r, const char **out) {
+  if (!out) return CUDA_ERROR_INVALID_VALUE;
+  switch (r) {
+    case CUDA_SUCCESS: *out = "no error"; break;
+    case CUDA_ERROR_INVALID_VALUE: *out = "invalid argument"; break;
+    case CUDA_ERROR_INVALID_CONTEXT: *out = "invalid device context"; break;
+    case CUDA_ERROR_INVALID_IMAGE: *out = "device kernel image is invalid"; break;
+    case CUDA_ERROR_INVALID_HANDLE: *out = "invalid resource handle"; break;
+    case CUDA_ERROR_NOT_FOUND: *out = "named symbol not found"; break;
+    case CUDA_ERROR_ILLEGAL_ADDRESS: *out = "an illegal memory access was encountered (fake CUDA)"; break;
+    default: *out = NULL; return CUDA_ERROR_INVALID_VALUE;
+  }
+  return CUDA_SUCCESS;
+}
+
+CUresult cuCtxGetCurrent(CUcontext *out) {
+  if (!out) return CUDA_ERROR_INVALID_VALUE;
+  *out = ctx_current ? (CUcontext)(uintptr_t)(0x1000 + cur_device) : NULL;
+  return CUDA_SUCCESS;
+}
+
+/* A fatbin ("fatBinaryHeader": magic 0xBA55ED50, version, header size, then the size of what
+ * follows). */
+CUresult cuModuleLoadData(CUmodule *out, const void *image) {
+  if (!out || !image) return CUDA_ERROR_INVALID_VALUE;
+  if (!ctx_current) return CUDA_ERROR_INVALID_CONTEXT;
+  const unsigned char *b = image;
+  uint32_t magic;
+  uint16_t header;
+  uint64_t size;
+  memcpy(&magic, b, 4), memcpy(&header, b + 6, 2), memcpy(&size, b + 8, 8);
+  if (magic != 0xBA55ED50u || header < 16 || size == 0 || size > ((uint64_t)1 << 30)) return CUDA_ERROR_INVALID_IMAGE;
+  fake_module_t *m = calloc(1, sizeof *m);
+  if (!m) return CUDA_ERROR_OUT_OF_MEMORY;
+  m->magic = MODULE_MAGIC, m->image = b, m->bytes = header + size;
+  *out = (CUmodule)m;
+  return CUDA_SUCCESS;
+}
+
+CUresult cuModuleUnload(CUmodule mod) {
+  fake_module_t *m = (fake_module_t *)mod;
+  if (!m || m->magic != MODULE_MAGIC) return CUDA_ERROR_INVALID_HANDLE;
+  m->magic = 0;
+  free(m);
+  return CUDA_SUCCESS;
+}
+
+/* The kernel must be in the module's image too (its name is in the cubins' symbol tables). */
+CUresult cuModuleGetFunction(CUfunction *out, CUmodule mod, const char *name) {
+  fake_module_t *m = (fake_module_t *)mod;
+  if (!out || !name) return CUDA_ERROR_INVALID_VALUE;
+  if (!m || m->magic != MODULE_MAGIC) return CUDA_ERROR_INVALID_HANDLE;
+  const fake_kernel_t *k = fake_kernel_find(name);
+  if (!k || !memmem(m->image, m->bytes, name, strlen(name) + 1)) return CUDA_ERROR_NOT_FOUND;
+  *out = (CUfunction)k;
+  return CUDA_SUCCESS;
+}
+
+static void launch_fn(void *p) {
+  launch_arg_t *l = p;
+  fake_kernel_run(l->kernel, l->grid[0], l->grid[1], l->grid[2], l->block[0], l->block[1], l->block[2], l + 1);
+}
+
+CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
+                        unsigned shared_bytes, CUstream stream, void **params, void **extra) {
+  const fake_kernel_t *k = (const fake_kernel_t *)f;
+  if (!ctx_current) return CUDA_ERROR_INVALID_CONTEXT;
+  if (!k || fake_kernel_find(k->name) != k) return CUDA_ERROR_INVALID_HANDLE;
+  if (!gx || !gy || !gz || gy > 65535 || gz > 65535 || !bx || !by || !bz || bz > 64 ||
+      (unsigned long)bx * by * bz > 1024 || shared_bytes > 0 || !params || extra)
+    return CUDA_ERROR_INVALID_VALUE;
+  if (fake_faulted()) return CUDA_ERROR_ILLEGAL_ADDRESS;
+  fake_stream_t *s = fake_stream_of((void *)stream);
+  if (!s) return CUDA_ERROR_INVALID_HANDLE;
+  launch_arg_t *l = calloc(1, sizeof *l + k->param_bytes);
+  if (!l) return CUDA_ERROR_OUT_OF_MEMORY;
+  l->kernel = k;
+  l->grid[0] = gx, l->grid[1] = gy, l->grid[2] = gz, l->block[0] = bx, l->block[1] = by, l->block[2] = bz;
+  memcpy(l + 1, params[0], k->param_bytes); /* the arguments are copied at the launch */
+  return fake_enqueue(s, launch_fn, l) == 0 ? CUDA_SUCCESS : CUDA_ERROR_ILLEGAL_ADDRESS;
+}
