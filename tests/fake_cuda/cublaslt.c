@@ -295,7 +295,7 @@ typedef struct {
   void *d;
 } gemm_arg_t;
 
-static float load(const void *p, cudaDataType t, uint64_t i) {
+float fake_load(const void *p, int t, uint64_t i) {
   if (t == CUDA_R_32F) return ((const float *)p)[i];
   uint16_t h = ((const uint16_t *)p)[i];
   if (t == CUDA_R_16BF) {
@@ -321,8 +321,7 @@ static float load(const void *p, cudaDataType t, uint64_t i) {
   return f;
 }
 
-/* float to half or bf16, round to nearest even (the inputs here are finite sums, or inf/NaN). */
-static void store(void *p, cudaDataType t, uint64_t i, float v) {
+void fake_store(void *p, int t, uint64_t i, float v) {
   if (t == CUDA_R_32F) {
     ((float *)p)[i] = v;
     return;
@@ -359,7 +358,7 @@ static float *widen(const void *p, cudaDataType t, int op, uint64_t rows, uint64
   if (!w) return NULL;
   for (uint64_t i = 0; i < rows; i++)
     for (uint64_t j = 0; j < cols; j++)
-      w[i * cols + j] = load(p, t, op == CUBLAS_OP_N ? i + j * (uint64_t)ld : j + i * (uint64_t)ld);
+      w[i * cols + j] = fake_load(p, t, op == CUBLAS_OP_N ? i + j * (uint64_t)ld : j + i * (uint64_t)ld);
   return w;
 }
 
@@ -379,8 +378,8 @@ static void gemm_fn(void *p) {
     for (uint64_t j = 0; j < g->n; j++)
       for (uint64_t i = 0; i < g->m; i++) {
         float v = g->alpha * prod[i * g->n + j];
-        if (g->beta != 0.0f) v += g->beta * load(g->c, g->cd, i + j * (uint64_t)g->ldc);
-        store(g->d, g->cd, i + j * (uint64_t)g->ldd, v);
+        if (g->beta != 0.0f) v += g->beta * fake_load(g->c, g->cd, i + j * (uint64_t)g->ldc);
+        fake_store(g->d, g->cd, i + j * (uint64_t)g->ldd, v);
       }
   }
   free(a), free(b), free(prod);
