@@ -215,8 +215,10 @@ fi
 generator=()
 command -v ninja >/dev/null && [[ ! -f $build/CMakeCache.txt ]] && generator=(-G Ninja)
 jobs=$(nproc 2>/dev/null || echo 2)
+# No fake CUDA device (tests/fake_cuda): here the GPU tests run on the GPU, and the dry run builds
+# what the GPU run builds.
 printf -v configure '%q ' cmake -S "$root" -B "$build" "${generator[@]}" -DZB_PYTHON="$(command -v "$python")" \
-  "${cuda_flags[@]}" "${cmake_deps[@]}"
+  -DZB_FAKE_CUDA=OFF "${cuda_flags[@]}" "${cmake_deps[@]}"
 # Keep going past a target that fails (-k): the C library and its GPU tests still get built and run
 # when, say, the torch ops do not compile against this machine's torch; the stage still fails.
 keep=(-k)
