@@ -253,11 +253,11 @@ cublasStatus_t cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t h, cublasLtMatmul
     return st;
   }
   memset(&results[0], 0, sizeof results[0]);
-  /* The algorithm uses a little workspace when there is some, so a caller that runs it with less
-   * than it was chosen for is caught. */
+  /* The algorithm uses up to 1 MiB of the workspace offered and scribbles on it (gemm_fn), so a
+   * caller that runs it with less, or reuses the workspace while a GEMM may still run, is caught. */
   algo_state_t s = {ALGO_TAG, min_align(p->align[0], a->type), min_align(p->align[1], a->type),
                     min_align(p->align[2] < p->align[3] ? p->align[2] : p->align[3], cc->type),
-                    p->workspace >= 4096 ? 4096 : 0};
+                    p->workspace < ((uint64_t)1 << 20) ? p->workspace : (uint64_t)1 << 20};
   memcpy(results[0].algo.data, &s, sizeof s);
   results[0].workspaceSize = s.workspace;
   results[0].state = CUBLAS_STATUS_SUCCESS;
@@ -292,7 +292,8 @@ typedef struct {
   int64_t lda, ldb, ldc, ldd;
   float alpha, beta;
   const void *a, *b, *c;
-  void *d;
+  void *d, *workspace;
+  size_t workspace_bytes;
 } gemm_arg_t;
 
 float fake_load(const void *p, int t, uint64_t i) {
@@ -338,7 +339,8 @@ void fake_store(void *p, int t, uint64_t i, float v) {
     else if (a >= 0x477ff000u) h = (uint16_t)(sign | 0x7c00u); /* rounds to >= 65520: inf */
     else if (a < 0x38800000u) {                                /* below the smallest normal half */
       const int shift = 113 - (int)(a >> 23);
-      if (shift > 24) h = (uint16_t)sign;
+      if (shift >= 12) h = (uint16_t)sign; /* below 2^-25, half the smallest subnormal: zero (and the
+                                            * shifts below stay under 32 bits) */
       else {
         const uint32_t mant = (a & 0x7fffffu) | 0x800000u;
         const uint32_t q = mant >> (shift + 13), rem = mant & ((1u << (shift + 13)) - 1), half = 1u << (shift + 12);
@@ -366,6 +368,7 @@ static float *widen(const void *p, cudaDataType t, int op, uint64_t rows, uint64
  * alpha, beta and one rounding into D's type. */
 static void gemm_fn(void *p) {
   const gemm_arg_t *g = p;
+  if (g->workspace_bytes) memset(g->workspace, 0xff, g->workspace_bytes); /* as a GPU's split-K would */
   float *a = widen(g->a, g->ab, g->transa, g->m, g->k, g->lda);
   float *b = widen(g->b, g->ab, g->transb, g->k, g->n, g->ldb);
   float *prod = malloc((size_t)(g->m * g->n) * sizeof *prod);
@@ -437,6 +440,6 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t desc, con
   }
   g->m = m, g->n = n, g->k = k, g->transa = d->transa, g->transb = d->transb, g->ab = a->type, g->cd = c->type;
   g->lda = a->ld, g->ldb = b->ld, g->ldc = c->ld, g->ldd = dd->ld;
-  g->a = A, g->b = B, g->c = C, g->d = D;
+  g->a = A, g->b = B, g->c = C, g->d = D, g->workspace = workspace, g->workspace_bytes = (size_t)s.workspace;
   return fake_enqueue(fs, gemm_fn, g) == 0 ? CUBLAS_STATUS_SUCCESS : CUBLAS_STATUS_EXECUTION_FAILED;
 }

@@ -38,7 +38,7 @@ struct fake_stream {
 
 typedef struct {
   unsigned magic;
-  int timing, dead, pending;
+  int timing, dead, pending, device;
   fake_stream_t *stream; /* of the latest record; NULL before the first */
   long seq;              /* that stream's work count the record completes at */
   long record_id;
@@ -75,14 +75,16 @@ static int device_count(void) {
   return n < 0 ? 0 : n > MAX_DEVICES ? MAX_DEVICES : n;
 }
 
+static long delay;
+static pthread_once_t delay_once = PTHREAD_ONCE_INIT;
+static void delay_read(void) {
+  const char *s = getenv("FAKE_CUDA_DELAY_US");
+  delay = s ? atol(s) : 50;
+  if (delay < 0) delay = 0;
+}
 static long delay_us(void) {
-  static long d = -1;
-  if (d < 0) {
-    const char *s = getenv("FAKE_CUDA_DELAY_US");
-    d = s ? atol(s) : 50;
-    if (d < 0) d = 0;
-  }
-  return d;
+  pthread_once(&delay_once, delay_read);
+  return delay;
 }
 
 /* ---- faults and errors --------------------------------------------------------------------------- */
@@ -186,6 +188,7 @@ static fake_stream_t *stream_new(int device, int blocking, int is_legacy) {
     free(s);
     return NULL;
   }
+  pthread_detach(s->thread); /* nobody joins it: a destroyed stream's thread ends on its own */
   pthread_mutex_lock(&mu);
   s->next_all = streams;
   streams = s;
@@ -260,7 +263,7 @@ static int push_wait(fake_stream_t *s, fake_stream_t *on) {
 static int enqueue(fake_stream_t *s, fake_work_fn fn, void *arg, long *seq) {
   work_t *w = calloc(1, sizeof *w);
   pthread_mutex_lock(&mu);
-  if (!w || fault) {
+  if (!w || fault || s->stop) { /* stop: destroyed, or a legacy stream that lost the race to exist */
     pthread_mutex_unlock(&mu);
     free(w), free(arg);
     return -1;
@@ -282,24 +285,30 @@ static int enqueue(fake_stream_t *s, fake_work_fn fn, void *arg, long *seq) {
 
 int fake_enqueue(fake_stream_t *s, fake_work_fn fn, void *arg) { return enqueue(s, fn, arg, NULL); }
 
-/* Waits until s has done the work issued before the call. */
+/* Waits until s has done the work issued before the call. Also after a fault: the work queued
+ * then is skipped, but what a stream is running finishes first (memory it uses stays until then). */
 static void drain(fake_stream_t *s) {
   pthread_mutex_lock(&mu);
   const long upto = s->issued;
-  while (s->completed < upto && !fault) pthread_cond_wait(&changed, &mu);
+  while (s->completed < upto) pthread_cond_wait(&changed, &mu);
   pthread_mutex_unlock(&mu);
 }
 
+/* Waits until every stream of the device has done the work issued before the call (not for work
+ * issued later, which may wait on something this thread does next). */
 static void drain_device(int device) {
   pthread_mutex_lock(&mu);
-  for (;;) {
-    int busy = 0;
-    for (fake_stream_t *t = streams; t; t = t->next_all)
-      if (t->device == device && t->completed < t->issued) busy = 1;
-    if (!busy || fault) break;
-    pthread_cond_wait(&changed, &mu);
-  }
+  long n = 0;
+  for (fake_stream_t *t = streams; t; t = t->next_all) n++;
+  fake_stream_t **which = calloc((size_t)n + 1, sizeof *which);
+  long *upto = calloc((size_t)n + 1, sizeof *upto);
+  n = 0;
+  for (fake_stream_t *t = streams; t && which && upto; t = t->next_all)
+    if (t->device == device) which[n] = t, upto[n++] = t->issued;
+  for (long k = 0; k < n; k++)
+    while (which[k]->completed < upto[k]) pthread_cond_wait(&changed, &mu);
   pthread_mutex_unlock(&mu);
+  free(which), free(upto);
 }
 
 /* ---- the runtime: devices and errors --------------------------------------------------------------- */
@@ -372,6 +381,7 @@ cudaError_t cudaEventCreateWithFlags(cudaEvent_t *out, unsigned int flags) {
   if (!ev) return ret(cudaErrorMemoryAllocation);
   ev->magic = EVENT_MAGIC;
   ev->timing = !(flags & cudaEventDisableTiming);
+  ev->device = cur_device;
   *out = (cudaEvent_t)ev;
   return ret(cudaSuccess);
 }
@@ -416,7 +426,7 @@ cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t stream) {
   if (!r) return ret(cudaErrorMemoryAllocation);
   pthread_mutex_lock(&mu);
   fake_event_t *ev = event_of(e);
-  if (!ev) {
+  if (!ev || ev->device != s->device) { /* an event is recorded on a stream of its own device */
     pthread_mutex_unlock(&mu);
     free(r);
     return ret(cudaErrorInvalidResourceHandle);
@@ -427,10 +437,12 @@ cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t stream) {
   const long r_id = r->record_id;
   pthread_mutex_unlock(&mu);
   long seq = 0; /* complete once s has done everything up to and including the record */
-  if (enqueue(s, record_fn, r, &seq) != 0) {
+  if (enqueue(s, record_fn, r, &seq) != 0) { /* r was freed with the refused work */
     pthread_mutex_lock(&mu);
-    ev->pending--;
+    const int free_now = --ev->pending == 0 && ev->dead;
+    if (free_now) ev->magic = 0;
     pthread_mutex_unlock(&mu);
+    if (free_now) free(ev);
     return ret(cudaErrorIllegalAddress);
   }
   pthread_mutex_lock(&mu);
@@ -553,7 +565,12 @@ cudaError_t cudaFree(void *p) {
   for (alloc_t *t = allocs; t; t = t->next)
     if (t->base == p) a = t;
   pthread_mutex_unlock(&mu);
-  if (!a) return ret(cudaErrorInvalidValue);
+  if (!a) {
+    /* CUDA returns cudaErrorInvalidValue, which the caller may not look at (zbpp's release does not):
+     * here a double free or a free of a pointer nobody allocated is a fault that every later call sees. */
+    fake_fault("cudaFree(%p): not a live cudaMalloc allocation (freed twice, or never allocated)", p);
+    return ret(cudaErrorInvalidValue);
+  }
   drain_device(a->device); /* cudaFree synchronises the device */
   pthread_mutex_lock(&mu);
   a = unlink_alloc(p);
@@ -563,7 +580,9 @@ cudaError_t cudaFree(void *p) {
 }
 
 cudaError_t cudaMallocAsync(void **out, size_t bytes, cudaStream_t stream) {
-  if (!fake_stream_of(stream)) return ret(cudaErrorInvalidResourceHandle);
+  fake_stream_t *s = fake_stream_of(stream);
+  if (!s) return ret(cudaErrorInvalidResourceHandle);
+  if (s->device != cur_device) return ret(cudaErrorInvalidResourceHandle);
   return cudaMalloc(out, bytes);
 }
 
@@ -644,10 +663,21 @@ cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t bytes, enum cudaM
 
 /* ---- the driver: modules and launches ---------------------------------------------------------- */
 
+enum { MODULE_FUNCTIONS = 64 };
+
+/* A function belongs to its module, and the module to the device current when it was loaded: a
+ * launch with another device current is refused, as a GPU refuses a function of another context. */
+typedef struct {
+  const fake_kernel_t *kernel;
+  int device;
+} fake_function_t;
+
 typedef struct {
   unsigned magic;
+  int device, n;
   const unsigned char *image;
   size_t bytes;
+  fake_function_t functions[MODULE_FUNCTIONS];
 } fake_module_t;
 
 typedef struct {
@@ -665,6 +695,7 @@ CUresult cuGetErrorString(CUresult r, const char **out) {
     case CUDA_ERROR_INVALID_IMAGE: *out = "device kernel image is invalid"; break;
     case CUDA_ERROR_INVALID_HANDLE: *out = "invalid resource handle"; break;
     case CUDA_ERROR_NOT_FOUND: *out = "named symbol not found"; break;
+    case CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES: *out = "too many resources requested for launch"; break;
     case CUDA_ERROR_ILLEGAL_ADDRESS: *out = "an illegal memory access was encountered (fake CUDA)"; break;
     default: *out = NULL; return CUDA_ERROR_INVALID_VALUE;
   }
@@ -690,7 +721,7 @@ CUresult cuModuleLoadData(CUmodule *out, const void *image) {
   if (magic != 0xBA55ED50u || header < 16 || size == 0 || size > ((uint64_t)1 << 30)) return CUDA_ERROR_INVALID_IMAGE;
   fake_module_t *m = calloc(1, sizeof *m);
   if (!m) return CUDA_ERROR_OUT_OF_MEMORY;
-  m->magic = MODULE_MAGIC, m->image = b, m->bytes = header + size;
+  m->magic = MODULE_MAGIC, m->device = cur_device, m->image = b, m->bytes = header + size;
   *out = (CUmodule)m;
   return CUDA_SUCCESS;
 }
@@ -703,14 +734,24 @@ CUresult cuModuleUnload(CUmodule mod) {
   return CUDA_SUCCESS;
 }
 
-/* The kernel must be in the module's image too (its name is in the cubins' symbol tables). */
+/* The kernel must be in the module's image too: its name is in the symbol table of each cubin (an
+ * ELF image). A fatbin of compressed PTX only (CMAKE_CUDA_ARCHITECTURES=90-virtual) shows no names,
+ * so the check is made only where the image holds an ELF. */
 CUresult cuModuleGetFunction(CUfunction *out, CUmodule mod, const char *name) {
   fake_module_t *m = (fake_module_t *)mod;
   if (!out || !name) return CUDA_ERROR_INVALID_VALUE;
   if (!m || m->magic != MODULE_MAGIC) return CUDA_ERROR_INVALID_HANDLE;
   const fake_kernel_t *k = fake_kernel_find(name);
-  if (!k || !memmem(m->image, m->bytes, name, strlen(name) + 1)) return CUDA_ERROR_NOT_FOUND;
-  *out = (CUfunction)k;
+  if (!k || (memmem(m->image, m->bytes, "\177ELF", 4) && !memmem(m->image, m->bytes, name, strlen(name) + 1)))
+    return CUDA_ERROR_NOT_FOUND;
+  pthread_mutex_lock(&mu);
+  fake_function_t *f = NULL;
+  for (int i = 0; i < m->n && !f; i++)
+    if (m->functions[i].kernel == k) f = &m->functions[i];
+  if (!f && m->n < MODULE_FUNCTIONS) f = &m->functions[m->n++], f->kernel = k, f->device = m->device;
+  pthread_mutex_unlock(&mu);
+  if (!f) return CUDA_ERROR_OUT_OF_MEMORY;
+  *out = (CUfunction)f;
   return CUDA_SUCCESS;
 }
 
@@ -719,17 +760,23 @@ static void launch_fn(void *p) {
   fake_kernel_run(l->kernel, l->grid[0], l->grid[1], l->grid[2], l->block[0], l->block[1], l->block[2], l + 1);
 }
 
-CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
+/* Functions are checked against the modules that made them (a function handle is a pointer into
+ * its module, which the caller keeps loaded while it launches). */
+CUresult cuLaunchKernel(CUfunction fn, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
                         unsigned shared_bytes, CUstream stream, void **params, void **extra) {
-  const fake_kernel_t *k = (const fake_kernel_t *)f;
+  const fake_function_t *f = (const fake_function_t *)fn;
   if (!ctx_current) return CUDA_ERROR_INVALID_CONTEXT;
-  if (!k || fake_kernel_find(k->name) != k) return CUDA_ERROR_INVALID_HANDLE;
-  if (!gx || !gy || !gz || gy > 65535 || gz > 65535 || !bx || !by || !bz || bz > 64 ||
+  if (!f || !f->kernel || fake_kernel_find(f->kernel->name) != f->kernel) return CUDA_ERROR_INVALID_HANDLE;
+  const fake_kernel_t *k = f->kernel;
+  if (!gx || !gy || !gz || gx > 0x7fffffffu || gy > 65535 || gz > 65535 || !bx || !by || !bz || bz > 64 ||
       (unsigned long)bx * by * bz > 1024 || shared_bytes > 0 || !params || extra)
     return CUDA_ERROR_INVALID_VALUE;
+  if ((unsigned long)bx * by * bz > k->max_threads) return CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES;
+  if (f->device != cur_device) return CUDA_ERROR_INVALID_HANDLE; /* a function of another device's context */
   if (fake_faulted()) return CUDA_ERROR_ILLEGAL_ADDRESS;
   fake_stream_t *s = fake_stream_of((void *)stream);
-  if (!s) return CUDA_ERROR_INVALID_HANDLE;
+  if (!s || s->device != cur_device) return CUDA_ERROR_INVALID_HANDLE;
+  if (k->check(params[0], gx, gy) != 0) return CUDA_ERROR_ILLEGAL_ADDRESS;
   launch_arg_t *l = calloc(1, sizeof *l + k->param_bytes);
   if (!l) return CUDA_ERROR_OUT_OF_MEMORY;
   l->kernel = k;

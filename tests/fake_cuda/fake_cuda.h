@@ -1,9 +1,10 @@
 /*
  * fake_cuda.h - a CUDA device on the host, behind the libraries zbpp finds at run time
  * (csrc/cuda/libs.c): one shared library, libfakecuda.so, under the names libcudart.so.13,
- * libcuda.so.1 and libcublasLt.so.13 (symlinks in the build's fake_cuda/ directory), so that the GPU
- * test programs (tests/c/gpu_*.c) run unchanged on a machine without a GPU, through the same
- * dlopen, the same tables and the same calls as on a GPU. ctest runs them so as `fake_gpu_*`.
+ * libcuda.so.1, libcublasLt.so.13 and libnccl.so.2 (symlinks in the build's fake_cuda/ directory),
+ * so that the GPU test programs (tests/c/gpu_*.c) run unchanged on a machine without a GPU,
+ * through the same dlopen, the same tables and the same calls as on a GPU. ctest runs them so, as
+ * `fake_gpu_*`.
  *
  * What it keeps of CUDA, because the CUDA backend relies on it:
  *  - streams run their work in order on a thread of their own, each piece after a random delay (up
@@ -16,12 +17,21 @@
  *  - device memory is host memory, but every allocation is registered: a copy, memset, kernel
  *    argument or GEMM operand reaching outside the allocation it starts in is a device fault (sticky
  *    cudaErrorIllegalAddress, printed with what did it), as is a cudaFree of a pointer not from
- *    cudaMalloc; cudaFree waits for the device; a copy into pageable host memory returns after it is
- *    done and one from it takes the bytes at the call (cudaMemcpyAsync's documented behaviour);
- *  - kernels: the real kernels/ *.cu sources, compiled for the host (shim.h) and run block by block,
- *    the block's threads as cooperative fibers that switch at __syncthreads, so shared memory, block
- *    reductions and "last block done" tickets run as written; the parameters are copied at launch,
- *    as cuLaunchKernel does; an unknown kernel name is CUDA_ERROR_NOT_FOUND;
+ *    cudaMalloc (stricter than CUDA, which returns a plain error: a double free is a bug to see);
+ *    cudaFree waits for the device's work issued before it; a copy into pageable host memory
+ *    returns after it is done and one from it takes the bytes at the call (cudaMemcpyAsync's
+ *    documented behaviour); fresh allocations hold all-ones bytes (NaN in every float type);
+ *  - devices: FAKE_CUDA_DEVICES of them (1 by default); streams, events and modules belong to the
+ *    device current when they were made; recording an event on another device's stream, or
+ *    launching a function or onto a stream of a device that is not current, is refused;
+ *  - kernels: the real kernels/ *.cu sources, compiled for the host (shim.h) and run block by block
+ *    in a random order, the block's threads as cooperative fibers that switch at __syncthreads and
+ *    are resumed in a random order, so shared memory, block reductions and "last block done"
+ *    tickets run as written and nothing can lean on an order a GPU does not promise; the parameters
+ *    are copied at launch, as cuLaunchKernel does, and checked (every pointer with the bytes the
+ *    kernel may touch inside one allocation, piece tables covering the grid: kernels.cpp);
+ *    a block above the kernel's __launch_bounds__ is refused; an unknown kernel name is
+ *    CUDA_ERROR_NOT_FOUND;
  *  - cuBLASLt: descriptors, layouts and preferences keep the attributes zbpp sets (any other is
  *    refused, so a new one gets a fake of its own); the heuristic refuses type combinations cuBLASLt
  *    does not support for CUBLAS_COMPUTE_32F, ld < rows and inconsistent shapes; the algorithm
@@ -30,9 +40,11 @@
  *    the product is D = alpha op(A) op(B) + beta C, column-major, fp32 sums, C not read when beta is 0.
  *
  * What it is not: a model of a GPU's speed or of its floating point beyond IEEE fp32/fp64 (no
- * fused multiply-adds are formed here; nvcc's _rn intrinsics forbid them there), a check of device
- * code for data races (compute-sanitizer's racecheck on the GPU does that), or NCCL (fake_nccl.c
- * fakes it for the transports' tests).
+ * fused multiply-adds are formed here; nvcc's _rn intrinsics forbid them there, but a plain a * b + c
+ * in a kernel would be fused by nvcc and not here), a check of device code for data races
+ * (compute-sanitizer's racecheck on the GPU does that), or pinned host memory (every host pointer
+ * is pageable). nccl.c is its NCCL; fake_nccl.c is another, table-level one for the transports'
+ * own tests.
  */
 #ifndef ZB_FAKE_CUDA_H
 #define ZB_FAKE_CUDA_H
@@ -75,11 +87,15 @@ void fake_store(void *p, int type, uint64_t i, float v);
 typedef struct {
   const char *name;
   size_t param_bytes;
+  unsigned max_threads;              /* its __launch_bounds__ */
   void (*entry)(const void *params); /* runs one thread of the kernel */
+  /* Checks the params a launch of gx x gy blocks got (every pointer and the bytes the kernel may
+   * touch inside one allocation, piece tables covering the grid); a fault and -1 if not. */
+  int (*check)(const void *params, unsigned gx, unsigned gy);
 } fake_kernel_t;
 
 const fake_kernel_t *fake_kernel_find(const char *name);
-/* Runs a whole grid on the calling thread, one block after another. */
+/* Runs a whole grid on the calling thread, one block after another, in a random order. */
 void fake_kernel_run(const fake_kernel_t *k, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
                      unsigned bz, const void *params);
 
