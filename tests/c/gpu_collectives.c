@@ -1,0 +1,162 @@
+/*
+ * gpu_collectives.c - the NCCL group transport (zb_transport_create_nccl_group: Vocabulary
+ * Parallelism's collectives when every rank has a GPU) with the CUDA backend, ranks as threads, one
+ * GPU each: zb_transport_all_reduce (SUM and MAX; float32, float16, bfloat16) and
+ * zb_transport_broadcast on device buffers that the compute stream was still filling when the
+ * collective was called. What a user relies on: every rank gets the same result; a sum within the
+ * rounding of NCCL's own order of the rank-order sum (float32: within p ulps of the largest
+ * magnitude summed; a half type: within one rounding of the type), a max and a broadcast exact; and
+ * the values the compute stream wrote before the call, never the buffer's old contents.
+ *
+ * Needs two GPUs (NCCL allows no two ranks of a communicator on one GPU): skipped on one. It runs
+ * in CI on the fake device (tests/fake_cuda, two fake devices). Exits 77 without a CUDA build or a GPU.
+ */
+#define _POSIX_C_SOURCE 200809L
+#include <math.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "helpers.h"
+
+enum { N = 1000, P = 2 };
+
+typedef struct {
+  int rank;
+  const uint8_t *id;
+  zb_status_t st;
+  char err[1024];
+  float sum[3][N], max[3][N]; /* per dtype (f32, f16, bf16), widened */
+  uint8_t bcast[N];
+} rank_t;
+
+static const zb_dtype_t kDtypes[3] = {ZB_DTYPE_F32, ZB_DTYPE_F16, ZB_DTYPE_BF16};
+
+/* Rank r's element i: of many magnitudes and both signs, exact in every dtype after rounding. */
+static float value(int r, int i, zb_dtype_t t) {
+  float v = urand(40 + (uint64_t)r, (uint64_t)i, 0, 0) * ldexpf(1.0f, i % 9 - 4);
+  return t == ZB_DTYPE_F16 ? zb__half_to_float(zb__float_to_half(v))
+         : t == ZB_DTYPE_BF16 ? zb__bf16_to_float(zb__float_to_bf16(v))
+                              : v;
+}
+
+static void put(void *buf, zb_dtype_t t, int i, float v) {
+  if (t == ZB_DTYPE_F32) ((float *)buf)[i] = v;
+  else ((uint16_t *)buf)[i] = t == ZB_DTYPE_F16 ? zb__float_to_half(v) : zb__float_to_bf16(v);
+}
+
+static float get(const void *buf, zb_dtype_t t, int i) {
+  if (t == ZB_DTYPE_F32) return ((const float *)buf)[i];
+  const uint16_t h = ((const uint16_t *)buf)[i];
+  return t == ZB_DTYPE_F16 ? zb__half_to_float(h) : zb__bf16_to_float(h);
+}
+
+#define TRY(call)                                                                                  \
+  do {                                                                                             \
+    if ((r->st = (call)) != ZB_OK) {                                                               \
+      snprintf(r->err, sizeof r->err, "%s: %s", #call, zb_last_error());                           \
+      goto out;                                                                                    \
+    }                                                                                              \
+  } while (0)
+
+static void *rank_main(void *arg) {
+  rank_t *r = arg;
+  zb_backend_t *be = NULL;
+  zb_transport_t *t = NULL;
+  void *dev = NULL;
+  unsigned char host[N * 4];
+  zb_cuda_backend_config_t bc = ZB_CUDA_BACKEND_CONFIG_INIT;
+  bc.device = r->rank;
+  TRY(zb_backend_create_cuda(&be, &bc));
+  zb_nccl_group_config_t gc = ZB_NCCL_GROUP_CONFIG_INIT;
+  gc.rank = r->rank, gc.ranks = P, gc.unique_id = r->id, gc.backend = be, gc.timeout_s = 30;
+  TRY(zb_transport_create_nccl_group(&t, &gc));
+  TRY(zb_backend_alloc(be, sizeof host, &dev));
+  for (int d = 0; d < 3; d++)
+    for (int op = 0; op < 2; op++) {
+      const zb_dtype_t dt = kDtypes[d];
+      for (int i = 0; i < N; i++) put(host, dt, i, value(r->rank, i, dt));
+      /* Enqueued on the compute stream, not waited for: the collective must come after it. */
+      TRY(zb_backend_copy(be, dev, host, (size_t)N * (dt == ZB_DTYPE_F32 ? 4 : 2)));
+      TRY(zb_transport_all_reduce(t, 3, dev, N, dt, op ? ZB_REDUCE_MAX : ZB_REDUCE_SUM, 30));
+      memset(host, 0, sizeof host);
+      TRY(zb_backend_copy(be, host, dev, (size_t)N * (dt == ZB_DTYPE_F32 ? 4 : 2)));
+      TRY(zb_backend_synchronize(be));
+      for (int i = 0; i < N; i++) (op ? r->max : r->sum)[d][i] = get(host, dt, i);
+    }
+  for (int i = 0; i < N; i++) host[i] = (uint8_t)(r->rank * 100 + i);
+  TRY(zb_backend_copy(be, dev, host, N));
+  TRY(zb_transport_broadcast(t, 5, dev, N, 1, 30));
+  TRY(zb_backend_copy(be, r->bcast, dev, N));
+  TRY(zb_backend_synchronize(be));
+out:
+  if (dev) zb_backend_free(be, dev);
+  zb_transport_destroy(t);
+  zb_backend_destroy(be);
+  return NULL;
+}
+
+static void test_collectives_on_a_gpu_each(void **state) {
+  int32_t devices = 0;
+  zb_cuda_device_count(&devices);
+  if (devices < P) {
+    printf("test_collectives_on_a_gpu_each: skipped (%d GPU; NCCL needs one per rank)\n", (int)devices);
+    skip();
+  }
+  uint8_t id[ZB_NCCL_UNIQUE_ID_BYTES];
+  ZB_ASSERT_OK(zb_nccl_unique_id(id));
+  static rank_t ranks[P];
+  pthread_t th[P];
+  for (int k = 0; k < P; k++) {
+    memset(&ranks[k], 0, sizeof ranks[k]);
+    ranks[k].rank = k, ranks[k].id = id;
+    pthread_create(&th[k], NULL, rank_main, &ranks[k]);
+  }
+  for (int k = 0; k < P; k++) pthread_join(th[k], NULL);
+  for (int k = 0; k < P; k++)
+    if (ranks[k].st != ZB_OK) fail_msg("rank %d: %s", k, ranks[k].err);
+  for (int d = 0; d < 3; d++) {
+    const zb_dtype_t dt = kDtypes[d];
+    /* One rounding of the type (f32: 2^-24; f16 2^-11; bf16 2^-8) per addition, of the magnitudes. */
+    const double u = dt == ZB_DTYPE_F32 ? 0x1p-24 : dt == ZB_DTYPE_F16 ? 0x1p-11 : 0x1p-8;
+    for (int i = 0; i < N; i++) {
+      double want_sum = 0, mag = 0;
+      float want_max = -INFINITY;
+      for (int k = 0; k < P; k++) {
+        const float v = value(k, i, dt);
+        want_sum += v, mag += fabs(v);
+        want_max = fmaxf(want_max, v);
+      }
+      for (int k = 0; k < P; k++) {
+        if (memcmp(&ranks[k].sum[d][i], &ranks[0].sum[d][i], sizeof(float)) != 0)
+          fail_msg("dtype %d, element %d: rank %d's sum %.9g differs from rank 0's %.9g", (int)dt, i, k,
+                   ranks[k].sum[d][i], ranks[0].sum[d][i]);
+        if (!(fabs(ranks[k].sum[d][i] - want_sum) <= P * u * mag))
+          fail_msg("dtype %d, element %d: rank %d's sum %.9g, want %.9g (bound %.3g)", (int)dt, i, k,
+                   ranks[k].sum[d][i], want_sum, P * u * mag);
+        if (ranks[k].max[d][i] != want_max)
+          fail_msg("dtype %d, element %d: rank %d's max %.9g, want %.9g", (int)dt, i, k, ranks[k].max[d][i],
+                   want_max);
+      }
+    }
+  }
+  for (int k = 0; k < P; k++)
+    for (int i = 0; i < N; i++)
+      if (ranks[k].bcast[i] != (uint8_t)(100 + i))
+        fail_msg("rank %d, byte %d of the broadcast from rank 1: %d, want %d", k, i, ranks[k].bcast[i],
+                 (uint8_t)(100 + i));
+}
+
+int main(void) {
+  int32_t devices = 0;
+  zb_cuda_device_count(&devices);
+  if (!zb_cuda_built() || devices < 1) {
+    printf("gpu_collectives: skipped (%s)\n", zb_cuda_built() ? "no CUDA device" : "built without CUDA");
+    return 77;
+  }
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_collectives_on_a_gpu_each),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
