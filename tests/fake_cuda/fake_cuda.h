@@ -56,7 +56,7 @@
 extern "C" {
 #endif
 
-/* ---- fake.c: streams, memory, faults -------------------------------------------------------- */
+/* ---- fake.c: devices, streams, memory, faults -------------------------------------------------------- */
 
 typedef struct fake_stream fake_stream_t;
 typedef void (*fake_work_fn)(void *arg);
@@ -70,6 +70,11 @@ int fake_enqueue(fake_stream_t *s, fake_work_fn fn, void *arg);
 /* Checks that [p, p + bytes) lies inside one live device allocation; otherwise records a device
  * fault naming `what` and returns -1. bytes 0 is always fine. */
 int fake_check_device_range(const void *p, size_t bytes, const char *what);
+/* The calling thread's current device, whether it has made a context current (cudaSetDevice), and
+ * the device a stream belongs to: what driver.c checks launches against. */
+int fake_current_device(void);
+int fake_context_current(void);
+int fake_stream_device(const fake_stream_t *s);
 /* Records a device fault (sticky, as an illegal address is on a GPU) and prints it. */
 void fake_fault(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 /* 1 while the device is faulted. */
