@@ -131,7 +131,8 @@ CUresult cuLaunchKernel(CUfunction fn, unsigned gx, unsigned gy, unsigned gz, un
   if (fake_faulted()) return CUDA_ERROR_ILLEGAL_ADDRESS;
   fake_stream_t *s = fake_stream_of((void *)stream);
   if (!s || fake_stream_device(s) != fake_current_device()) return CUDA_ERROR_INVALID_HANDLE;
-  if (k->check(params[0], gx, gy) != 0) return CUDA_ERROR_ILLEGAL_ADDRESS;
+  const fake_launch_t shape = {{gx, gy, gz}, {bx, by, bz}, fake_current_device()};
+  if (k->check(k, params[0], &shape) != 0) return CUDA_ERROR_ILLEGAL_ADDRESS;
   launch_arg_t *l = calloc(1, sizeof *l + k->param_bytes);
   if (!l) return CUDA_ERROR_OUT_OF_MEMORY;
   l->kernel = k;

@@ -49,6 +49,7 @@ typedef struct alloc {
   char *base;
   size_t bytes;
   int device;
+  int freed; /* cudaFreeAsync was called: work issued after it must not touch it */
 } alloc_t;
 
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
@@ -119,7 +120,7 @@ static cudaError_t ret(cudaError_t e) {
 
 /* ---- memory ---------------------------------------------------------------------------------------- */
 
-/* The live allocation holding p (mu held), or NULL. */
+/* The allocation holding p (mu held), or NULL. */
 static alloc_t *alloc_holding(const void *p) {
   const char *c = p;
   for (alloc_t *a = allocs; a; a = a->next)
@@ -127,26 +128,42 @@ static alloc_t *alloc_holding(const void *p) {
   return NULL;
 }
 
-/* 1: [p, p + bytes) is device memory; 0: it is not (host memory); -1: it starts in an allocation and
- * runs past its end (mu not held). */
-static int classify(const void *p, size_t bytes) {
+enum { HOST = 0, DEVICE = 1, PAST_END = -1, FREED = -2 };
+
+/* What [p, p + bytes) is: DEVICE memory (*device set), HOST memory, or a bad use of device memory:
+ * PAST_END of the allocation it starts in, or in one FREED by a cudaFreeAsync (mu not held). */
+static int classify_on(const void *p, size_t bytes, int *device) {
   pthread_mutex_lock(&mu);
   alloc_t *a = alloc_holding(p);
-  int r = !a ? 0 : (size_t)((const char *)p - a->base) + bytes <= a->bytes ? 1 : -1;
+  int r = !a                                                       ? HOST
+          : a->freed                                               ? FREED
+          : (size_t)((const char *)p - a->base) + bytes <= a->bytes ? DEVICE
+                                                                   : PAST_END;
+  if (a && device) *device = a->device;
   pthread_mutex_unlock(&mu);
   return r;
 }
 
-int fake_check_device_range(const void *p, size_t bytes, const char *what) {
+static int classify(const void *p, size_t bytes) { return classify_on(p, bytes, NULL); }
+
+int fake_check_device_range_on(const void *p, size_t bytes, int device, const char *what) {
   if (bytes == 0) return 0;
-  int r = classify(p, bytes);
-  if (r == 1) return 0;
-  fake_fault("%s: %zu bytes at %p %s", what, bytes, p,
-             r == 0 ? "are not device memory (no cudaMalloc allocation holds them)"
-                    : "run past the end of the cudaMalloc allocation they start in");
+  int on = -1;
+  int r = classify_on(p, bytes, &on);
+  if (r == DEVICE && (device < 0 || on == device)) return 0;
+  if (r == DEVICE)
+    fake_fault("%s: %zu bytes at %p are memory of device %d, used on device %d", what, bytes, p, on, device);
+  else
+    fake_fault("%s: %zu bytes at %p %s", what, bytes, p,
+               r == HOST    ? "are not device memory (no cudaMalloc allocation holds them)"
+               : r == FREED ? "are in an allocation already handed to cudaFreeAsync"
+                            : "run past the end of the cudaMalloc allocation they start in");
   return -1;
 }
 
+int fake_check_device_range(const void *p, size_t bytes, const char *what) {
+  return fake_check_device_range_on(p, bytes, -1, what);
+}
 /* ---- streams ----------------------------------------------------------------------------------------- */
 
 static void nap(long us) {
@@ -562,7 +579,7 @@ cudaError_t cudaFree(void *p) {
   pthread_mutex_lock(&mu);
   alloc_t *a = NULL;
   for (alloc_t *t = allocs; t; t = t->next)
-    if (t->base == p) a = t;
+    if (t->base == p && !t->freed) a = t;
   pthread_mutex_unlock(&mu);
   if (!a) {
     /* CUDA returns cudaErrorInvalidValue, which the caller may not look at (zbpp's release does not):
@@ -598,10 +615,15 @@ cudaError_t cudaFreeAsync(void *p, cudaStream_t stream) {
   if (!s) return ret(cudaErrorInvalidResourceHandle);
   if (!p) return ret(cudaSuccess);
   pthread_mutex_lock(&mu);
-  int known = 0;
-  for (alloc_t *t = allocs; t; t = t->next) known |= t->base == p;
+  alloc_t *known = NULL;
+  for (alloc_t *t = allocs; t; t = t->next)
+    if (t->base == p && !t->freed) known = t;
+  if (known) known->freed = 1; /* from now on: work issued after this call must not use it */
   pthread_mutex_unlock(&mu);
-  if (!known) return ret(cudaErrorInvalidValue);
+  if (!known) {
+    fake_fault("cudaFreeAsync(%p): not a live cudaMalloc allocation (freed twice, or never allocated)", p);
+    return ret(cudaErrorInvalidValue);
+  }
   void **arg = malloc(sizeof *arg);
   if (!arg) return ret(cudaErrorMemoryAllocation);
   *arg = p;

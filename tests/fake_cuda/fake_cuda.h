@@ -67,8 +67,10 @@ fake_stream_t *fake_stream_of(void *handle);
 /* Enqueues fn(arg) on s; arg is freed (free()) after fn ran. Returns 0, or -1 if the device has
  * faulted (the work is dropped and arg freed). */
 int fake_enqueue(fake_stream_t *s, fake_work_fn fn, void *arg);
-/* Checks that [p, p + bytes) lies inside one live device allocation; otherwise records a device
- * fault naming `what` and returns -1. bytes 0 is always fine. */
+/* Checks that [p, p + bytes) lies inside one live device allocation (not handed to cudaFreeAsync),
+ * of `device` (-1: any); otherwise records a device fault naming `what` and returns -1. bytes 0 is
+ * always fine. */
+int fake_check_device_range_on(const void *p, size_t bytes, int device, const char *what);
 int fake_check_device_range(const void *p, size_t bytes, const char *what);
 /* The calling thread's current device, whether it has made a context current (cudaSetDevice), and
  * the device a stream belongs to: what driver.c checks launches against. */
@@ -89,14 +91,22 @@ void fake_store(void *p, int type, uint64_t i, float v);
 
 /* ---- kernels.cpp: the device code, compiled for the host ------------------------------------ */
 
+/* A launch's shape and the device it runs on. */
 typedef struct {
+  unsigned grid[3], block[3];
+  int device;
+} fake_launch_t;
+
+typedef struct fake_kernel {
   const char *name;
   size_t param_bytes;
   unsigned max_threads;              /* its __launch_bounds__ */
+  int type, type2;                   /* the zb_dtype_t its name says it reads (and writes: db), or -1 */
   void (*entry)(const void *params); /* runs one thread of the kernel */
-  /* Checks the params a launch of gx x gy blocks got (every pointer and the bytes the kernel may
-   * touch inside one allocation, piece tables covering the grid); a fault and -1 if not. */
-  int (*check)(const void *params, unsigned gx, unsigned gy);
+  /* Checks a launch against what the kernel does: the shape it is written for, the element types
+   * its name fixes, every pointer with the bytes it may touch inside one allocation of the launch's
+   * device, piece tables covering the grid; a fault and -1 if not. */
+  int (*check)(const struct fake_kernel *k, const void *params, const fake_launch_t *l);
 } fake_kernel_t;
 
 const fake_kernel_t *fake_kernel_find(const char *name);

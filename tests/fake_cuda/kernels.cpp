@@ -29,133 +29,187 @@
 
 /* The kernels as shim.h compiles them: extern "C" functions taking their params struct by value.
  * Per kernel: its params type, its __launch_bounds__ (threads a block may have; the shim erases
- * the attribute, so a bigger launch is refused here as a GPU refuses it), and the check of what
- * the host put in its params (check_<P>, below). */
+ * the attribute, so a bigger launch is refused here as a GPU refuses it), the element types its
+ * name fixes, and the check of the launch and of what the host put in its params (check_<P>). */
+#define F32 ZB_DTYPE_F32
+#define F16 ZB_DTYPE_F16
+#define BF16 ZB_DTYPE_BF16
 #define FAKE_KERNELS(X)                                                                            \
-  X(sq_norm_f32_kernel, zb__sq_norm_params_t, ZB__KERNEL_THREADS)                                  \
-  X(sq_norm_f16_kernel, zb__sq_norm_params_t, ZB__KERNEL_THREADS)                                  \
-  X(sq_norm_bf16_kernel, zb__sq_norm_params_t, ZB__KERNEL_THREADS)                                 \
-  X(unscale_f32_kernel, zb__unscale_params_t, ZB__KERNEL_THREADS)                                  \
-  X(unscale_f16_kernel, zb__unscale_params_t, ZB__KERNEL_THREADS)                                  \
-  X(unscale_bf16_kernel, zb__unscale_params_t, ZB__KERNEL_THREADS)                                 \
-  X(scale_update_kernel, zb__scale_update_params_t, 1024)                                          \
-  X(optim_step_f32_kernel, zb__optim_step_params_t, ZB__KERNEL_THREADS)                            \
-  X(optim_step_f16_kernel, zb__optim_step_params_t, ZB__KERNEL_THREADS)                            \
-  X(optim_step_bf16_kernel, zb__optim_step_params_t, ZB__KERNEL_THREADS)                           \
-  X(optim_undo_kernel, zb__optim_undo_params_t, ZB__KERNEL_THREADS)                                \
-  X(bias_grad_f32_f32_kernel, zb__bias_grad_params_t, ZB__BIAS_GRAD_COLS * ZB__BIAS_GRAD_LANES)    \
-  X(bias_grad_f16_f32_kernel, zb__bias_grad_params_t, ZB__BIAS_GRAD_COLS * ZB__BIAS_GRAD_LANES)    \
-  X(bias_grad_f16_f16_kernel, zb__bias_grad_params_t, ZB__BIAS_GRAD_COLS * ZB__BIAS_GRAD_LANES)    \
-  X(bias_grad_bf16_f32_kernel, zb__bias_grad_params_t, ZB__BIAS_GRAD_COLS * ZB__BIAS_GRAD_LANES)   \
-  X(bias_grad_bf16_bf16_kernel, zb__bias_grad_params_t, ZB__BIAS_GRAD_COLS * ZB__BIAS_GRAD_LANES)  \
-  X(bias_combine_f32_kernel, zb__bias_grad_params_t, ZB__BIAS_COMBINE_THREADS)                     \
-  X(bias_combine_f16_kernel, zb__bias_grad_params_t, ZB__BIAS_COMBINE_THREADS)                     \
-  X(bias_combine_bf16_kernel, zb__bias_grad_params_t, ZB__BIAS_COMBINE_THREADS)
-#define FAKE_KERNEL(name, P, bound) extern "C" void name(const P p);
+  X(sq_norm_f32_kernel, zb__sq_norm_params_t, ZB__KERNEL_THREADS, F32, -1)                         \
+  X(sq_norm_f16_kernel, zb__sq_norm_params_t, ZB__KERNEL_THREADS, F16, -1)                         \
+  X(sq_norm_bf16_kernel, zb__sq_norm_params_t, ZB__KERNEL_THREADS, BF16, -1)                       \
+  X(unscale_f32_kernel, zb__unscale_params_t, ZB__KERNEL_THREADS, F32, -1)                         \
+  X(unscale_f16_kernel, zb__unscale_params_t, ZB__KERNEL_THREADS, F16, -1)                         \
+  X(unscale_bf16_kernel, zb__unscale_params_t, ZB__KERNEL_THREADS, BF16, -1)                       \
+  X(scale_update_kernel, zb__scale_update_params_t, 1024, -1, -1)                                  \
+  X(optim_step_f32_kernel, zb__optim_step_params_t, ZB__KERNEL_THREADS, F32, -1)                   \
+  X(optim_step_f16_kernel, zb__optim_step_params_t, ZB__KERNEL_THREADS, F16, -1)                   \
+  X(optim_step_bf16_kernel, zb__optim_step_params_t, ZB__KERNEL_THREADS, BF16, -1)                 \
+  X(optim_undo_kernel, zb__optim_undo_params_t, ZB__KERNEL_THREADS, -1, -1)                        \
+  X(bias_grad_f32_f32_kernel, zb__bias_grad_params_t, ZB__BIAS_GRAD_COLS * ZB__BIAS_GRAD_LANES, F32, F32)   \
+  X(bias_grad_f16_f32_kernel, zb__bias_grad_params_t, ZB__BIAS_GRAD_COLS * ZB__BIAS_GRAD_LANES, F16, F32)   \
+  X(bias_grad_f16_f16_kernel, zb__bias_grad_params_t, ZB__BIAS_GRAD_COLS * ZB__BIAS_GRAD_LANES, F16, F16)   \
+  X(bias_grad_bf16_f32_kernel, zb__bias_grad_params_t, ZB__BIAS_GRAD_COLS * ZB__BIAS_GRAD_LANES, BF16, F32) \
+  X(bias_grad_bf16_bf16_kernel, zb__bias_grad_params_t, ZB__BIAS_GRAD_COLS * ZB__BIAS_GRAD_LANES, BF16, BF16) \
+  X(bias_combine_f32_kernel, zb__bias_grad_params_t, ZB__BIAS_COMBINE_THREADS, -1, F32)            \
+  X(bias_combine_f16_kernel, zb__bias_grad_params_t, ZB__BIAS_COMBINE_THREADS, -1, F16)            \
+  X(bias_combine_bf16_kernel, zb__bias_grad_params_t, ZB__BIAS_COMBINE_THREADS, -1, BF16)
+#define FAKE_KERNEL(name, P, bound, t1, t2) extern "C" void name(const P p);
 FAKE_KERNELS(FAKE_KERNEL)
 #undef FAKE_KERNEL
 
 namespace {
 
-size_t esize(zb_dtype_t t) { return t == ZB_DTYPE_F32 ? 4 : 2; }
+size_t esize(int t) { return t == ZB_DTYPE_F32 ? 4 : 2; }
 
 /* Every device pointer a kernel will touch, with the bytes it may touch, is inside one allocation
- * (fake_check_device_range faults otherwise: a kernel reading past a buffer is an illegal address
- * on a GPU, or silently someone else's memory). Returns 0 when all are. */
-int dev(const void *p, size_t bytes, const char *what) { return fake_check_device_range(p, bytes, what); }
+ * of the launch's device (fake_check_device_range_on faults otherwise: a kernel reading past a
+ * buffer is an illegal address on a GPU, or silently someone else's memory). Returns 0 when all are. */
+int dev(const fake_launch_t *l, const void *p, size_t bytes, const char *what) {
+  return fake_check_device_range_on(p, bytes, l->device, what);
+}
 
-/* A piece table covers the grid exactly: first_block[0] = 0, each piece ceil(numel / CHUNK)
- * blocks, the last ending at gx (launch.h's layout; the kernels find their piece by it). */
-int table_ok(int32_t count, const int32_t *first, const int64_t *numel, int32_t max, unsigned gx,
-             const char *what) {
-  if (count < 1 || count > max || first[0] != 0) {
-    fake_fault("%s: a piece table of %d pieces starting at block %d", what, (int)count, count > 0 ? (int)first[0] : -1);
-    return -1;
-  }
-  int64_t next = 0;
-  for (int32_t k = 0; k < count; k++) {
-    if (first[k] != next || numel[k] < 1) {
-      fake_fault("%s: piece %d starts at block %d with %lld elements; the pieces before it end at block %lld",
-                 what, (int)k, (int)first[k], (long long)numel[k], (long long)next);
-      return -1;
-    }
-    next += (numel[k] + ZB__KERNEL_CHUNK - 1) / ZB__KERNEL_CHUNK;
-  }
-  if (next != (int64_t)gx) {
-    fake_fault("%s: the pieces cover %lld blocks, the grid has %u", what, (long long)next, gx);
-    return -1;
-  }
+/* fmt takes exactly two %lld. */
+int refuse(const fake_kernel_t *k, const char *fmt, long long a, long long b) {
+  char what[192];
+  snprintf(what, sizeof what, fmt, a, b);
+  fake_fault("%s: %s", k->name, what);
+  return -1;
+}
+
+/* The table kernels' shape: blocks of ZB__KERNEL_THREADS threads in x (their loops stride by it and
+ * their trees are that wide), a grid in x only (they read blockIdx.x alone: a y or z would run the
+ * same pieces again). */
+int table_shape(const fake_kernel_t *k, const fake_launch_t *l) {
+  if (l->block[0] != ZB__KERNEL_THREADS || l->block[1] != 1 || l->block[2] != 1)
+    return refuse(k, "blocks of %lld x %lld threads; it is written for 256 x 1", l->block[0], l->block[1]);
+  if (l->grid[1] != 1 || l->grid[2] != 1) return refuse(k, "a grid of %lld x %lld in y and z; it reads x only", l->grid[1], l->grid[2]);
   return 0;
 }
 
-int check_zb__sq_norm_params_t(const void *v, unsigned gx, unsigned gy) {
+/* The type a params field names is the one the kernel's name reads. */
+int same_type(const fake_kernel_t *k, int named, int want, const char *field) {
+  if (named == want) return 0;
+  char what[160];
+  snprintf(what, sizeof what, "params say %s %%lld, the kernel reads dtype %%lld", field);
+  return refuse(k, what, named, want);
+}
+
+/* A piece table covers the grid exactly: first_block[0] = 0, each piece ceil(numel / CHUNK)
+ * blocks, the last ending at gx (launch.h's layout; the kernels find their piece by it). */
+int table_ok(const fake_kernel_t *k, int32_t count, const int32_t *first, const int64_t *numel, int32_t max,
+             unsigned gx) {
+  if (count < 1 || count > max || first[0] != 0)
+    return refuse(k, "a piece table of %lld pieces starting at block %lld", count, count > 0 ? first[0] : -1);
+  int64_t next = 0;
+  for (int32_t i = 0; i < count; i++) {
+    if (first[i] != next || numel[i] < 1)
+      return refuse(k, "piece %lld starts at a block the pieces before it do not end at, or is empty (%lld elements)",
+                    i, numel[i]);
+    next += (numel[i] + ZB__KERNEL_CHUNK - 1) / ZB__KERNEL_CHUNK;
+  }
+  if (next != (int64_t)gx) return refuse(k, "the pieces cover %lld blocks, the grid has %lld", next, gx);
+  return 0;
+}
+
+int check_zb__sq_norm_params_t(const fake_kernel_t *k, const void *v, const fake_launch_t *l) {
   const zb__sq_norm_params_t &p = *static_cast<const zb__sq_norm_params_t *>(v);
-  int bad = table_ok(p.t.count, p.t.first_block, p.t.numel, ZB__LIST_MAX_PIECES, gx, "sq_norm");
-  for (int32_t k = 0; !bad && k < p.t.count; k++) bad |= dev(p.t.ptr[k], (size_t)p.t.numel[k] * esize(p.dtype), "sq_norm's tensor");
-  return bad || dev(p.sq, sizeof(double), "sq_norm's sum") || dev(p.nonfinite, 4, "sq_norm's flag") ||
-         dev(p.partials, (size_t)gx * sizeof(double), "sq_norm's partials") || dev(p.done, 4, "sq_norm's counter");
-}
-
-int check_zb__unscale_params_t(const void *v, unsigned gx, unsigned gy) {
-  const zb__unscale_params_t &p = *static_cast<const zb__unscale_params_t *>(v);
-  int bad = table_ok(p.t.count, p.t.first_block, p.t.numel, ZB__LIST_MAX_PIECES, gx, "unscale");
-  for (int32_t k = 0; !bad && k < p.t.count; k++) bad |= dev(p.t.ptr[k], (size_t)p.t.numel[k] * esize(p.dtype), "unscale's tensor");
-  return bad || dev(p.nonfinite, 4, "unscale's flag");
-}
-
-int check_zb__scale_update_params_t(const void *v, unsigned gx, unsigned gy) {
-  const zb__scale_update_params_t &p = *static_cast<const zb__scale_update_params_t *>(v);
-  return dev(p.scale, 4, "the loss scale") || dev(p.tracker, 4, "the growth tracker") ||
-         dev(p.nonfinite, 4, "scale_update's flag");
-}
-
-int optim_table_ok(const zb__optim_table_t &t, int nstate, const void *undo, int64_t total, zb_dtype_t grad_dtype,
-                   int with_grad, unsigned gx, const char *what) {
-  int bad = table_ok(t.count, t.first_block, t.numel, ZB__OPTIM_MAX_PIECES, gx, what);
-  for (int32_t k = 0; !bad && k < t.count; k++) {
-    const size_t n = (size_t)t.numel[k];
-    bad |= dev(t.param[k], n * 4, "an optimizer's parameter");
-    if (!bad && with_grad) bad |= dev(t.grad[k], n * esize(grad_dtype), "an optimizer's gradient");
-    if (!bad && nstate >= 1) bad |= dev(t.state1[k], n * 4, "an optimizer's first state");
-    if (!bad && nstate >= 2) bad |= dev(t.state2[k], n * 4, "an optimizer's second state");
-    if (!bad && undo && (t.offset[k] < 0 || t.offset[k] + t.numel[k] > total)) {
-      fake_fault("%s: piece %d at offset %lld with %lld elements, in an undo block of %lld", what, (int)k,
-                 (long long)t.offset[k], (long long)t.numel[k], (long long)total);
-      bad = 1;
-    }
-  }
-  return bad || (undo && dev(undo, (size_t)(nstate + 1) * (size_t)total * 4, "the undo buffer"));
-}
-
-int check_zb__optim_step_params_t(const void *v, unsigned gx, unsigned gy) {
-  const zb__optim_step_params_t &p = *static_cast<const zb__optim_step_params_t *>(v);
-  return optim_table_ok(p.t, p.nstate, p.undo, p.total, p.grad_dtype, 1, gx, "optim_step");
-}
-
-int check_zb__optim_undo_params_t(const void *v, unsigned gx, unsigned gy) {
-  const zb__optim_undo_params_t &p = *static_cast<const zb__optim_undo_params_t *>(v);
-  return optim_table_ok(p.t, p.nstate, p.undo, p.total, ZB_DTYPE_F32, 0, gx, "optim_undo");
-}
-
-int check_zb__bias_grad_params_t(const void *v, unsigned gx, unsigned gy) {
-  const zb__bias_grad_params_t &p = *static_cast<const zb__bias_grad_params_t *>(v);
-  if (p.rows < 1 || p.cols < 1 || p.ldy < p.cols || p.splits < 1 || (p.splits > 1 && !p.partial)) {
-    fake_fault("bias_grad: rows %lld, cols %lld, ldy %lld, splits %d", (long long)p.rows, (long long)p.cols,
-               (long long)p.ldy, (int)p.splits);
+  if (table_shape(k, l) || same_type(k, p.dtype, k->type, "dtype") ||
+      table_ok(k, p.t.count, p.t.first_block, p.t.numel, ZB__LIST_MAX_PIECES, l->grid[0]))
     return -1;
-  }
-  return dev(p.dy, (size_t)((p.rows - 1) * p.ldy + p.cols) * esize(p.dy_dtype), "bias_grad's dy") ||
-         dev(p.db, (size_t)p.cols * esize(p.db_dtype), "bias_grad's db") ||
-         (p.splits > 1 && dev(p.partial, (size_t)p.splits * (size_t)p.cols * 4, "bias_grad's partial sums"));
+  for (int32_t i = 0; i < p.t.count; i++)
+    if (dev(l, p.t.ptr[i], (size_t)p.t.numel[i] * esize(k->type), "sq_norm's tensor")) return -1;
+  return dev(l, p.sq, sizeof(double), "sq_norm's sum") || dev(l, p.nonfinite, 4, "sq_norm's flag") ||
+         dev(l, p.partials, (size_t)l->grid[0] * sizeof(double), "sq_norm's partials") ||
+         dev(l, p.done, 4, "sq_norm's counter");
 }
 
-#define FAKE_ENTRY(name, P, bound)                                                                 \
+int check_zb__unscale_params_t(const fake_kernel_t *k, const void *v, const fake_launch_t *l) {
+  const zb__unscale_params_t &p = *static_cast<const zb__unscale_params_t *>(v);
+  if (table_shape(k, l) || same_type(k, p.dtype, k->type, "dtype") ||
+      table_ok(k, p.t.count, p.t.first_block, p.t.numel, ZB__LIST_MAX_PIECES, l->grid[0]))
+    return -1;
+  for (int32_t i = 0; i < p.t.count; i++)
+    if (dev(l, p.t.ptr[i], (size_t)p.t.numel[i] * esize(k->type), "unscale's tensor")) return -1;
+  return dev(l, p.nonfinite, 4, "unscale's flag");
+}
+
+int check_zb__scale_update_params_t(const fake_kernel_t *k, const void *v, const fake_launch_t *l) {
+  const zb__scale_update_params_t &p = *static_cast<const zb__scale_update_params_t *>(v);
+  if ((unsigned long)l->grid[0] * l->grid[1] * l->grid[2] * l->block[0] * l->block[1] * l->block[2] != 1)
+    return refuse(k, "%lld blocks of %lld threads; it is one thread (several would update the scale again)",
+                  (long long)l->grid[0] * l->grid[1] * l->grid[2], (long long)l->block[0] * l->block[1] * l->block[2]);
+  return dev(l, p.scale, 4, "the loss scale") || dev(l, p.tracker, 4, "the growth tracker") ||
+         dev(l, p.nonfinite, 4, "scale_update's flag");
+}
+
+/* What the step and undo kernels touch per piece: the parameter, the gradient (the step), and the
+ * states the step's kind reads (AdamW both, SGD with momentum the first) or undo's nstate says. */
+int optim_ok(const fake_kernel_t *k, const fake_launch_t *l, const zb__optim_table_t &t, int states,
+             const void *undo, int nstate, int64_t total, int grad_type) {
+  if (table_shape(k, l) || table_ok(k, t.count, t.first_block, t.numel, ZB__OPTIM_MAX_PIECES, l->grid[0])) return -1;
+  for (int32_t i = 0; i < t.count; i++) {
+    const size_t n = (size_t)t.numel[i];
+    if (dev(l, t.param[i], n * 4, "an optimizer's parameter") ||
+        (grad_type >= 0 && dev(l, t.grad[i], n * esize(grad_type), "an optimizer's gradient")) ||
+        (states >= 1 && dev(l, t.state1[i], n * 4, "an optimizer's first state")) ||
+        (states >= 2 && dev(l, t.state2[i], n * 4, "an optimizer's second state")))
+      return -1;
+    if (undo && (t.offset[i] < 0 || t.offset[i] + t.numel[i] > total))
+      return refuse(k, "a piece reaching element %lld of undo blocks of %lld", t.offset[i] + t.numel[i], total);
+  }
+  return undo && dev(l, undo, (size_t)(nstate + 1) * (size_t)total * 4, "the undo buffer");
+}
+
+int check_zb__optim_step_params_t(const fake_kernel_t *k, const void *v, const fake_launch_t *l) {
+  const zb__optim_step_params_t &p = *static_cast<const zb__optim_step_params_t *>(v);
+  const int states = p.kind == ZB_OPTIM_ADAMW ? 2 : p.nstate >= 1 ? 1 : 0;
+  if (p.kind == ZB_OPTIM_ADAMW && p.nstate != 2)
+    return refuse(k, "AdamW (which reads and saves both states) with nstate %lld, not %lld", p.nstate, 2);
+  return same_type(k, p.grad_dtype, k->type, "grad_dtype") ||
+         optim_ok(k, l, p.t, states, p.undo, p.nstate, p.total, k->type);
+}
+
+int check_zb__optim_undo_params_t(const fake_kernel_t *k, const void *v, const fake_launch_t *l) {
+  const zb__optim_undo_params_t &p = *static_cast<const zb__optim_undo_params_t *>(v);
+  if (!p.undo) return refuse(k, "no undo buffer for its %lld pieces (%lld states); it reads one", p.t.count, p.nstate);
+  return optim_ok(k, l, p.t, p.nstate, p.undo, p.nstate, p.total, -1);
+}
+
+/* bias_grad: blocks of COLS x LANES threads (its shared array is LANES rows of COLS), a grid of
+ * column blocks x splits covering every column and every row; combine: one thread per column. */
+int check_zb__bias_grad_params_t(const fake_kernel_t *k, const void *v, const fake_launch_t *l) {
+  const zb__bias_grad_params_t &p = *static_cast<const zb__bias_grad_params_t *>(v);
+  const int combine = k->type < 0;
+  if (p.rows < 1 || p.cols < 1 || p.ldy < p.cols || p.splits < 1 || p.chunk < 1 || (p.splits > 1 && !p.partial))
+    return refuse(k, "rows %lld, cols %lld (or ldy < cols, splits < 1, no partial buffer)", p.rows, p.cols);
+  if (same_type(k, p.db_dtype, k->type2, "db_dtype") || (!combine && same_type(k, p.dy_dtype, k->type, "dy_dtype")))
+    return -1;
+  if (combine) {
+    if (l->block[1] != 1 || l->block[2] != 1 || l->grid[1] != 1 || l->grid[2] != 1 || p.splits < 2)
+      return refuse(k, "a launch in y or z, or %lld splits (of %lld columns); it is one thread per column, after splits",
+                    p.splits, p.cols);
+    if ((int64_t)l->grid[0] * l->block[0] < p.cols)
+      return refuse(k, "%lld threads for %lld columns", (long long)l->grid[0] * l->block[0], p.cols);
+  } else {
+    if (l->block[0] != ZB__BIAS_GRAD_COLS || l->block[1] != ZB__BIAS_GRAD_LANES || l->block[2] != 1)
+      return refuse(k, "blocks of %lld x %lld threads; it is written for 32 x 16", l->block[0], l->block[1]);
+    if ((int64_t)l->grid[0] * ZB__BIAS_GRAD_COLS < p.cols || (int64_t)l->grid[1] != p.splits || l->grid[2] != 1)
+      return refuse(k, "a grid of %lld x %lld for the columns and splits", l->grid[0], l->grid[1]);
+    if (p.chunk * p.splits < p.rows) return refuse(k, "%lld splits of %lld rows leave rows out", p.splits, p.chunk);
+  }
+  return (!combine && dev(l, p.dy, (size_t)((p.rows - 1) * p.ldy + p.cols) * esize(k->type), "bias_grad's dy")) ||
+         dev(l, p.db, (size_t)p.cols * esize(k->type2), "bias_grad's db") ||
+         (p.splits > 1 && dev(l, p.partial, (size_t)p.splits * (size_t)p.cols * 4, "bias_grad's partial sums"));
+}
+
+#define FAKE_ENTRY(name, P, bound, t1, t2)                                                         \
   void entry_##name(const void *params) { name(*static_cast<const P *>(params)); }
 FAKE_KERNELS(FAKE_ENTRY)
 #undef FAKE_ENTRY
 
 const fake_kernel_t kernels[] = {
-#define FAKE_ROW(name, P, bound) {#name, sizeof(P), (bound), entry_##name, check_##P},
+#define FAKE_ROW(name, P, bound, t1, t2) {#name, sizeof(P), (bound), (t1), (t2), entry_##name, check_##P},
     FAKE_KERNELS(FAKE_ROW)
 #undef FAKE_ROW
 };

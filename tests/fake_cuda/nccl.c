@@ -8,20 +8,26 @@
  *  - a communicator is ready once every rank has joined (ncclCommInitRankConfig) or, for a split,
  *    once every rank of the parent has called ncclCommSplit that many times; a non-blocking one
  *    (config.blocking = 0) returns ncclInProgress until then and ncclCommGetAsyncError says when it
- *    is ready; two ranks of one communicator on one device is ncclInvalidUsage, as NCCL refuses it;
- *  - operations enqueue on the caller's stream at the call (at ncclGroupEnd inside a group) and
- *    hold that stream until done, in the order issued; the k-th send from a to b meets the k-th
- *    receive at b from a, and both finish together; the operations of one group on one stream
- *    progress together (a send and a receive in one group never deadlock each other), those of
- *    separate calls one after another, so two ranks issuing in different orders deadlock, as on a
- *    GPU; a collective finishes when every rank of the communicator has reached it, adding in rank
- *    order in fp32 (max: fmaxf) and rounding once into the type;
- *  - ncclCommAbort ends the communicator's pending operations at once (their streams go on) and
- *    makes its further calls fail; buffers that are not device memory on the caller's device are a
- *    device fault, as on a GPU.
+ *    is ready; two ranks of one communicator on one device is ncclInvalidUsage for both;
+ *  - on a non-blocking communicator an operation (or ncclGroupEnd) returns ncclInProgress and is
+ *    put on its stream later, from a thread of NCCL's (here: the launcher, after a random delay);
+ *    until ncclCommGetAsyncError says ncclSuccess, work the caller adds to that stream may run
+ *    before it, as on a GPU. On a blocking one it is on the stream when the call returns;
+ *  - operations hold their stream until done, in the order issued; the k-th send from a to b meets
+ *    the k-th receive at b from a, and both finish together; the operations of one group on one
+ *    stream progress together (a send and a receive in one group never deadlock each other), those
+ *    of separate calls one after another, so two ranks issuing in different orders deadlock, as on
+ *    a GPU; a collective finishes when every rank of the communicator has reached it, adding in rank
+ *    order in fp32 (max: fmaxf) and rounding once into the type; ranks that disagree on a
+ *    collective's count, type, op or root, or a send and receive of different sizes, are a fault;
+ *  - stream and buffers must be of the communicator's device (NCCL runs there whatever is current);
+ *    a buffer that is not device memory of it is a device fault;
+ *  - ncclCommAbort ends the communicator's pending operations at once (their streams go on; the
+ *    other ranks' operations no longer see its posted ones); a communicator used after its abort
+ *    or destroy is a fault (a use after free on NCCL); ncclCommGetAsyncError reports the errors.
  * What it is not: NCCL's algorithms, its summation order, or its error texts.
  */
-#define _POSIX_C_SOURCE 200809L
+#define _GNU_SOURCE /* rand_r */
 #include <cuda_runtime_api.h>
 #include <math.h>
 #include <nccl.h>
@@ -37,6 +43,7 @@ enum { MAX_RANKS = 16, MAX_SPLITS = 16, MAX_GROUP_OPS = 256 };
 
 typedef struct fgroup {
   struct fgroup *next;
+  int from_split; /* made by ncclCommSplit: no unique id joins it */
   unsigned char id[NCCL_UNIQUE_ID_BYTES];
   int nranks, joined;
   struct fcomm *rank[MAX_RANKS];
@@ -50,7 +57,8 @@ typedef struct fcomm {
   unsigned magic;
   fgroup_t *g; /* NULL until the split that makes it is complete */
   int rank, device, blocking, aborted, splits;
-  long colls; /* collectives issued */
+  int launching; /* groups of a non-blocking communicator not yet on their streams (launcher_main) */
+  long colls;    /* collectives issued */
   ncclResult_t async;
 } fcomm_t;
 
@@ -70,7 +78,7 @@ typedef struct {
   op_t ops[];
 } item_t;
 
-enum { COMM_MAGIC = 0xc0aa1u };
+enum { COMM_MAGIC = 0xc0aa1u, COMM_DEAD = 0xdeadc0aau };
 
 static pthread_mutex_t nmu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t ncv = PTHREAD_COND_INITIALIZER;
@@ -99,8 +107,15 @@ static size_t dtype_bytes(int t) {
 /* The cudaDataType_t of a reducible NCCL type (CUDA_R_32F 0, _16F 2, _16BF 14), -1 otherwise. */
 static int reducible(int t) { return t == ncclFloat32 ? 0 : t == ncclFloat16 ? 2 : t == ncclBfloat16 ? 14 : -1; }
 
+/* The communicator behind a handle; NULL for NULL or garbage. A handle that was aborted or
+ * destroyed is a use after free on NCCL: here a fault every later call sees (records are kept, so
+ * reading one is safe). */
 static fcomm_t *comm_of(ncclComm_t c) {
   fcomm_t *f = (fcomm_t *)c;
+  if (f && f->magic == COMM_DEAD) {
+    fake_fault("NCCL: rank %d's communicator used after ncclCommAbort or ncclCommDestroy", f->rank);
+    return NULL;
+  }
   return f && f->magic == COMM_MAGIC ? f : NULL;
 }
 
@@ -160,7 +175,7 @@ ncclResult_t ncclCommInitRankConfig(ncclComm_t *out, int nranks, ncclUniqueId id
   c->magic = COMM_MAGIC, c->rank = rank, c->device = current_device(), c->blocking = blocking_of(cfg);
   pthread_mutex_lock(&nmu);
   fgroup_t *g = groups;
-  while (g && memcmp(g->id, id.internal, sizeof g->id) != 0) g = g->next;
+  while (g && (g->from_split || memcmp(g->id, id.internal, sizeof g->id) != 0)) g = g->next;
   if (!g) {
     g = calloc(1, sizeof *g);
     if (!g) {
@@ -181,6 +196,7 @@ ncclResult_t ncclCommInitRankConfig(ncclComm_t *out, int nranks, ncclUniqueId id
   for (int k = 0; r == ncclSuccess && k < nranks; k++)
     if (g->rank[k] && g->rank[k]->device == c->device) {
       say("%s: rank %d", "Duplicate GPU detected (two ranks of one communicator on one device)", k);
+      g->rank[k]->async = ncclInvalidUsage; /* NCCL fails both */
       r = ncclInvalidUsage;
     }
   if (r != ncclSuccess) {
@@ -222,6 +238,7 @@ static void split_finish(fgroup_t *g, int r) {
         members[j] = members[j - 1], members[j - 1] = t;
       }
     child->nranks = child->joined = n;
+    child->from_split = 1;
     for (int i = 0; i < n; i++) {
       fcomm_t *c = g->split_child[r][members[i]];
       c->rank = i, c->g = child;
@@ -267,7 +284,9 @@ ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t *err) {
   fcomm_t *c = comm_of(comm);
   if (!c || !err) return ncclInvalidArgument;
   pthread_mutex_lock(&nmu);
-  *err = c->async != ncclSuccess ? c->async : !c->g || c->g->joined < c->g->nranks ? ncclInProgress : ncclSuccess;
+  *err = c->async != ncclSuccess                          ? c->async
+         : !c->g || c->g->joined < c->g->nranks || c->launching ? ncclInProgress
+                                                                : ncclSuccess;
   pthread_mutex_unlock(&nmu);
   return ncclSuccess;
 }
@@ -289,11 +308,12 @@ ncclResult_t ncclCommUserRank(const ncclComm_t comm, int *rank) {
 /* Abort and destroy leave the record (operations of other ranks may still look at it); its handle
  * stops being one. */
 ncclResult_t ncclCommAbort(ncclComm_t comm) {
+  if (!comm) return ncclSuccess; /* NULL is allowed */
   fcomm_t *c = comm_of(comm);
-  if (!c) return ncclSuccess; /* NULL is allowed */
+  if (!c) return ncclInvalidArgument;
   pthread_mutex_lock(&nmu);
   c->aborted = 1;
-  c->magic = 0;
+  c->magic = COMM_DEAD;
   pthread_cond_broadcast(&ncv);
   pthread_mutex_unlock(&nmu);
   return ncclSuccess;
@@ -304,7 +324,7 @@ ncclResult_t ncclCommDestroy(ncclComm_t comm) {
   fcomm_t *c = comm_of(comm);
   if (!c) return ncclInvalidArgument;
   pthread_mutex_lock(&nmu);
-  c->magic = 0;
+  c->magic = COMM_DEAD;
   pthread_mutex_unlock(&nmu);
   return ncclSuccess;
 }
@@ -318,8 +338,19 @@ static void try_collective(op_t *o) {
   op_t *all[MAX_RANKS] = {0};
   int n = 0;
   for (op_t *p = posted; p; p = p->next_posted)
-    if (p->kind == o->kind && p->comm->g == g && p->seq == o->seq && !all[p->comm->rank]) all[p->comm->rank] = p, n++;
+    if (p->kind == o->kind && p->comm->g == g && p->seq == o->seq && !p->comm->aborted && !all[p->comm->rank])
+      all[p->comm->rank] = p, n++;
   if (n < g->nranks) return;
+  for (int k = 1; k < n; k++)
+    if (all[k]->count != all[0]->count || all[k]->dtype != all[0]->dtype || all[k]->redop != all[0]->redop ||
+        all[k]->root != all[0]->root) {
+      /* NCCL would read or write past a buffer, or hang: the ranks must agree. */
+      for (int j = 0; j < n; j++) all[j]->comm->async = ncclInvalidUsage;
+      fake_fault("NCCL: collective %ld: rank 0 has count %zu, type %d, op %d, root %d; rank %d has %zu, %d, %d, %d",
+                 o->seq, all[0]->count, all[0]->dtype, all[0]->redop, all[0]->root, k, all[k]->count, all[k]->dtype,
+                 all[k]->redop, all[k]->root);
+      return;
+    }
   const size_t bytes = o->count * dtype_bytes(o->dtype);
   if (o->kind == 3) {
     const op_t *root = all[o->root];
@@ -373,9 +404,10 @@ static void item_fn(void *arg) {
       }
       if (o->kind == 1) {
         for (op_t *s = posted; s; s = s->next_posted)
-          if (s->kind == 0 && !s->done && s->comm->g == o->comm->g && s->comm->rank == o->peer &&
-              s->peer == o->comm->rank && s->seq == o->seq) {
+          if (s->kind == 0 && !s->done && !s->comm->aborted && s->comm->g == o->comm->g &&
+              s->comm->rank == o->peer && s->peer == o->comm->rank && s->seq == o->seq) {
             if (s->bytes != o->bytes) {
+              o->comm->async = s->comm->async = ncclInvalidUsage;
               fake_fault("NCCL: rank %d receives %zu bytes from rank %d, which sends %zu", o->comm->rank, o->bytes,
                          o->peer, s->bytes);
               aborted = 1;
@@ -392,6 +424,9 @@ static void item_fn(void *arg) {
       }
       if (!o->done) left++;
     }
+    if (fake_faulted())
+      for (int k = 0; k < it->n; k++)
+        if (!it->ops[k].done && it->ops[k].comm->async == ncclSuccess) it->ops[k].comm->async = ncclUnhandledCudaError;
     if (!left || aborted || fake_faulted()) break;
     struct timespec ts;
     clock_gettime(CLOCK_REALTIME, &ts);
@@ -404,11 +439,60 @@ static void item_fn(void *arg) {
   pthread_mutex_unlock(&nmu);
 }
 
-/* Enqueues the calling thread's pending operations, one item per stream, in issue order. */
+/* A group of a non-blocking communicator that NCCL has not yet put on its streams: NCCL enqueues
+ * such a group from a thread of its own, returning ncclInProgress, and the caller must wait for
+ * ncclCommGetAsyncError to say ncclSuccess before it may count on the work being on the streams
+ * (transport_nccl_group.c and transport_nccl.c do). Here one launcher thread enqueues them, in the
+ * order they came, each after a random delay. */
+typedef struct launch {
+  struct launch *next;
+  int n;
+  item_t *items[MAX_GROUP_OPS];
+  fake_stream_t *streams[MAX_GROUP_OPS];
+  fcomm_t *comms[MAX_GROUP_OPS];
+} launch_t;
+
+static launch_t *launch_head, *launch_tail;
+static pthread_once_t launcher_once = PTHREAD_ONCE_INIT;
+
+static void *launcher_main(void *unused) {
+  unsigned seed = 12345;
+  pthread_mutex_lock(&nmu);
+  for (;;) {
+    while (!launch_head) pthread_cond_wait(&ncv, &nmu);
+    launch_t *l = launch_head;
+    launch_head = l->next;
+    if (!launch_head) launch_tail = NULL;
+    pthread_mutex_unlock(&nmu);
+    struct timespec ts = {0, (long)(rand_r(&seed) % 200) * 1000};
+    nanosleep(&ts, NULL);
+    int bad = 0;
+    for (int k = 0; k < l->n; k++) bad |= fake_enqueue(l->streams[k], item_fn, l->items[k]) != 0;
+    pthread_mutex_lock(&nmu);
+    for (int k = 0; k < l->n; k++) {
+      l->comms[k]->launching--;
+      if (bad && l->comms[k]->async == ncclSuccess) l->comms[k]->async = ncclUnhandledCudaError;
+    }
+    pthread_cond_broadcast(&ncv);
+    free(l);
+  }
+  return NULL;
+}
+
+static void launcher_start(void) {
+  pthread_t t;
+  if (pthread_create(&t, NULL, launcher_main, NULL) == 0) pthread_detach(t);
+}
+
+/* Enqueues the calling thread's pending operations, one item per stream, in issue order: at once,
+ * or through the launcher when any of them is on a non-blocking communicator (ncclInProgress). */
 static ncclResult_t flush(void) {
   ncclResult_t r = ncclSuccess;
   int used[MAX_GROUP_OPS] = {0};
-  for (int a = 0; a < group_n; a++) {
+  launch_t *l = calloc(1, sizeof *l);
+  int later = 0;
+  for (int a = 0; a < group_n; a++) later |= !group_ops[a].comm->blocking;
+  for (int a = 0; a < group_n && l; a++) {
     if (used[a]) continue;
     int n = 0;
     for (int b = a; b < group_n; b++) n += group_stream[b] == group_stream[a] && !used[b];
@@ -421,10 +505,26 @@ static ncclResult_t flush(void) {
     }
     for (int b = a; b < group_n; b++)
       if (group_stream[b] == group_stream[a] && !used[b]) it->ops[it->n++] = group_ops[b], used[b] = 1;
-    if (fake_enqueue(s, item_fn, it) != 0) r = ncclUnhandledCudaError;
+    l->items[l->n] = it, l->streams[l->n] = s, l->comms[l->n++] = it->ops[0].comm;
   }
   group_n = 0;
-  return r;
+  if (!l) return ncclSystemError;
+  if (r != ncclSuccess || !later) {
+    for (int k = 0; k < l->n; k++)
+      if (r != ncclSuccess) free(l->items[k]);
+      else if (fake_enqueue(l->streams[k], item_fn, l->items[k]) != 0) r = ncclUnhandledCudaError;
+    free(l);
+    return r;
+  }
+  pthread_once(&launcher_once, launcher_start);
+  pthread_mutex_lock(&nmu);
+  for (int k = 0; k < l->n; k++) l->comms[k]->launching++;
+  if (launch_tail) launch_tail->next = l;
+  else launch_head = l;
+  launch_tail = l;
+  pthread_cond_broadcast(&ncv);
+  pthread_mutex_unlock(&nmu);
+  return ncclInProgress;
 }
 
 /* nccl.h declares these without a prototype. */
@@ -465,12 +565,15 @@ static ncclResult_t issue(op_t o, cudaStream_t stream) {
   else o.seq = c->colls++;
   pthread_mutex_unlock(&nmu);
   o.bytes = bytes;
-  if (current_device() != c->device) {
-    say("%s (rank %d)", "an operation issued with another device current than the communicator's", c->rank);
-    return ncclInvalidUsage;
+  /* NCCL runs on the communicator's device, whatever is current: its stream and buffers must be
+   * that device's. */
+  fake_stream_t *fs = fake_stream_of(stream);
+  if (!fs || fake_stream_device(fs) != c->device) {
+    say("%s (rank %d)", "an operation on a stream that is not of the communicator's device", c->rank);
+    return ncclInvalidArgument;
   }
-  if ((o.sendbuf && fake_check_device_range(o.sendbuf, bytes, "an NCCL send buffer")) ||
-      (o.recvbuf && fake_check_device_range(o.recvbuf, bytes, "an NCCL receive buffer")))
+  if ((o.sendbuf && fake_check_device_range_on(o.sendbuf, bytes, c->device, "an NCCL send buffer")) ||
+      (o.recvbuf && fake_check_device_range_on(o.recvbuf, bytes, c->device, "an NCCL receive buffer")))
     return ncclUnhandledCudaError;
   if (group_n == MAX_GROUP_OPS) return ncclInternalError;
   group_ops[group_n] = o;
