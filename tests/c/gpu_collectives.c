@@ -7,7 +7,10 @@
  * What a user relies on: every rank gets the same result; a sum within the rounding of NCCL's own
  * order of the rank-order sum (within p roundings of the type, each at most u = 2^-24, 2^-11 or
  * 2^-8 of the magnitudes summed), a max and a broadcast exact; and the values the compute stream
- * wrote before the call, never the buffer's old contents.
+ * wrote before the call, never the buffer's old contents. And when a rank never joins: the other
+ * fails at its timeout naming the collective, at once on the next call; zb_transport_abort from
+ * another thread ends a waiting collective at once (on a GPU: ncclCommAbort with a collective on
+ * the stream).
  *
  * Needs two GPUs (NCCL allows no two ranks of a communicator on one GPU). It runs in CI on the fake
  * device (tests/fake_cuda, two fake devices). Exits 77 (skipped) without a CUDA build or two GPUs.
@@ -20,6 +23,7 @@
 #include <string.h>
 
 #include "helpers.h"
+#include "runtime/internal.h" /* zb__now */
 
 enum { N = 1000, P = 2, LATE_BYTES = 8 << 20 };
 
@@ -174,6 +178,99 @@ static void test_collectives_on_a_gpu_each(void **state) {
                  (uint8_t)(100 + i));
 }
 
+/* ---- a rank that never joins ------------------------------------------------------------------ */
+
+typedef struct {
+  int rank;
+  const uint8_t *id;
+  double timeout;
+  int abort_after_ms; /* > 0: rank 0's transport is aborted from another thread then */
+  pthread_barrier_t *done; /* rank 1 stays (transport made, no collective) until rank 0 is through */
+  zb_transport_t *t;
+  zb_status_t made, st, again;
+  char msg[1024], again_msg[1024];
+  double took;
+} silent_t;
+
+static void *aborter(void *arg) {
+  silent_t *r = arg;
+  struct timespec ts = {0, (long)r->abort_after_ms * 1000000L};
+  nanosleep(&ts, NULL);
+  zb_transport_abort(r->t, "the S lane's pass failed");
+  return NULL;
+}
+
+static void *silent_main(void *arg) {
+  silent_t *r = arg;
+  zb_backend_t *be = NULL;
+  void *dev = NULL;
+  zb_cuda_backend_config_t bc = ZB_CUDA_BACKEND_CONFIG_INIT;
+  bc.device = r->rank;
+  r->made = zb_backend_create_cuda(&be, &bc);
+  zb_nccl_group_config_t gc = ZB_NCCL_GROUP_CONFIG_INIT;
+  /* The group transport's collectives wait for the transport's timeout (the call's is for the host
+   * transports); it also bounds creation, which on a GPU is NCCL's initialisation: 2 s, not less. */
+  gc.rank = r->rank, gc.ranks = P, gc.unique_id = r->id, gc.backend = be, gc.timeout_s = r->timeout;
+  if (r->made == ZB_OK) r->made = zb_transport_create_nccl_group(&r->t, &gc);
+  if (r->made == ZB_OK) r->made = zb_backend_alloc(be, 4 * N, &dev);
+  if (r->made != ZB_OK) snprintf(r->msg, sizeof r->msg, "%s", zb_last_error());
+  if (r->made == ZB_OK && r->rank == 0) {
+    pthread_t ab;
+    if (r->abort_after_ms) pthread_create(&ab, NULL, aborter, r);
+    const double t0 = zb__now();
+    r->st = zb_transport_all_reduce(r->t, 3, dev, N, ZB_DTYPE_F32, ZB_REDUCE_SUM, r->timeout);
+    r->took = zb__now() - t0;
+    snprintf(r->msg, sizeof r->msg, "%s", zb_last_error());
+    r->again = zb_transport_all_reduce(r->t, 3, dev, N, ZB_DTYPE_F32, ZB_REDUCE_SUM, r->timeout);
+    snprintf(r->again_msg, sizeof r->again_msg, "%s", zb_last_error());
+    if (r->abort_after_ms) pthread_join(ab, NULL);
+  }
+  pthread_barrier_wait(r->done);
+  if (dev) zb_backend_free(be, dev);
+  zb_transport_destroy(r->t);
+  zb_backend_destroy(be);
+  return NULL;
+}
+
+static void run_silent(silent_t *r, double timeout, int abort_after_ms) {
+  static uint8_t id[ZB_NCCL_UNIQUE_ID_BYTES];
+  ZB_ASSERT_OK(zb_nccl_unique_id(id));
+  pthread_barrier_t done;
+  pthread_barrier_init(&done, NULL, P);
+  pthread_t th[P];
+  for (int k = 0; k < P; k++) {
+    memset(&r[k], 0, sizeof r[k]);
+    r[k].rank = k, r[k].id = id, r[k].timeout = timeout, r[k].abort_after_ms = abort_after_ms, r[k].done = &done;
+    assert_int_equal(pthread_create(&th[k], NULL, silent_main, &r[k]), 0);
+  }
+  for (int k = 0; k < P; k++) pthread_join(th[k], NULL);
+  pthread_barrier_destroy(&done);
+  for (int k = 0; k < P; k++)
+    if (r[k].made != ZB_OK) fail_msg("rank %d could not set up: %s", k, r[k].msg);
+}
+
+static void test_a_rank_that_never_joins_fails_the_other_at_its_timeout(void **state) {
+  silent_t r[P];
+  run_silent(r, 2, 0);
+  ASSERT_STATUS(r[0].st, ZB_ERR_TIMEOUT);
+  ASSERT_CONTAINS(r[0].msg, "all-reduce (sum) of channel 3");
+  ASSERT_CONTAINS(r[0].msg, "did not finish within 2 s");
+  ASSERT_CONTAINS(r[0].msg, "some rank did not join it");
+  if (!(r[0].took >= 2 && r[0].took < 8)) fail_msg("the timeout of 2 s came after %.2f s", r[0].took);
+  /* The transport stays failed: at once, the same failure. */
+  ASSERT_STATUS(r[0].again, ZB_ERR_TIMEOUT);
+  ASSERT_CONTAINS(r[0].again_msg, "all-reduce (sum) of channel 3");
+}
+
+static void test_an_abort_from_another_thread_ends_a_waiting_collective(void **state) {
+  silent_t r[P];
+  run_silent(r, 30, 100);
+  ASSERT_STATUS(r[0].st, ZB_ERR_REMOTE);
+  ASSERT_CONTAINS(r[0].msg, "the S lane's pass failed");
+  if (r[0].took > 5.0) fail_msg("the abort took %.2f s to end the wait", r[0].took);
+  ASSERT_STATUS(r[0].again, ZB_ERR_REMOTE);
+}
+
 int main(void) {
   int32_t devices = 0;
   zb_cuda_device_count(&devices);
@@ -186,6 +283,8 @@ int main(void) {
   }
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_collectives_on_a_gpu_each),
+      cmocka_unit_test(test_a_rank_that_never_joins_fails_the_other_at_its_timeout),
+      cmocka_unit_test(test_an_abort_from_another_thread_ends_a_waiting_collective),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
