@@ -899,7 +899,8 @@ ZB_API zb_status_t zb_transport_destroy(zb_transport_t *transport);
  * buffer, reduces them in rank order, ((x0 op x1) op x2) ..., each step rounded to the dtype, and
  * sends the result to every rank, so the bits are the same on every rank, transport and run. A
  * broadcast goes from the root to each rank. p - 1 messages each way: for per-token statistics and
- * hidden-sized tensors, not for a model's gradients. timeout_s (<= 0: 300 s) bounds each message: a
+ * hidden-sized tensors, not for a model's gradients. timeout_s (<= 0: 300 s; the NCCL group
+ * transport ignores it and uses its config's timeout_s) bounds each message: a
  * rank that does not join fails the others at their timeout, naming it; one that aborted, at once
  * (ZB_ERR_REMOTE). MAX keeps NaNs. Host memory: the in-process (on a host backend), callback,
  * socket and staged transports; the NCCL pair transport is refused (ZB_ERR_UNSUPPORTED). Device
