@@ -80,6 +80,22 @@ static float get(const void *buf, zb_dtype_t t, int i) {
   return t == ZB_DTYPE_F16 ? zb__half_to_float(h) : zb__bf16_to_float(h);
 }
 
+/* Rank `rank`'s CUDA backend on its own GPU and its group transport (on *be and *t, kept on failure
+ * for the caller to destroy). The group transport's collectives wait for the transport's timeout
+ * (the call's is for the host transports); it also bounds creation, NCCL's initialisation on a GPU,
+ * so not less than 2 s. */
+static zb_status_t join(int rank, const uint8_t *id, double timeout, signal_t *sig, zb_backend_t **be,
+                        zb_transport_t **t) {
+  zb_cuda_backend_config_t bc = ZB_CUDA_BACKEND_CONFIG_INIT;
+  bc.device = rank;
+  zb_status_t st = zb_backend_create_cuda(be, &bc);
+  if (st != ZB_OK) return st;
+  zb_nccl_group_config_t gc = ZB_NCCL_GROUP_CONFIG_INIT;
+  gc.rank = rank, gc.ranks = P, gc.unique_id = id, gc.backend = *be, gc.timeout_s = timeout;
+  if (sig) gc.abort_signal = (zb_abort_signal_t){signal_poll, signal_publish, sig};
+  return zb_transport_create_nccl_group(t, &gc);
+}
+
 #define TRY(call)                                                                                  \
   do {                                                                                             \
     if ((r->st = (call)) != ZB_OK) {                                                               \
@@ -95,13 +111,7 @@ static void *rank_main(void *arg) {
   zb_transport_t *t = NULL;
   void *dev = NULL, *late = NULL;
   unsigned char host[N * 4];
-  zb_cuda_backend_config_t bc = ZB_CUDA_BACKEND_CONFIG_INIT;
-  bc.device = r->rank;
-  TRY(zb_backend_create_cuda(&be, &bc));
-  zb_nccl_group_config_t gc = ZB_NCCL_GROUP_CONFIG_INIT;
-  gc.rank = r->rank, gc.ranks = P, gc.unique_id = r->id, gc.backend = be, gc.timeout_s = 10;
-  gc.abort_signal = (zb_abort_signal_t){signal_poll, signal_publish, r->sig};
-  TRY(zb_transport_create_nccl_group(&t, &gc));
+  TRY(join(r->rank, r->id, 10, r->sig, &be, &t));
   TRY(zb_backend_alloc(be, sizeof host, &dev));
   TRY(zb_backend_alloc(be, LATE_BYTES, &late));
   for (int d = 0; d < 3; d++)
@@ -204,14 +214,7 @@ static void *silent_main(void *arg) {
   silent_t *r = arg;
   zb_backend_t *be = NULL;
   void *dev = NULL;
-  zb_cuda_backend_config_t bc = ZB_CUDA_BACKEND_CONFIG_INIT;
-  bc.device = r->rank;
-  r->made = zb_backend_create_cuda(&be, &bc);
-  zb_nccl_group_config_t gc = ZB_NCCL_GROUP_CONFIG_INIT;
-  /* The group transport's collectives wait for the transport's timeout (the call's is for the host
-   * transports); it also bounds creation, which on a GPU is NCCL's initialisation: 2 s, not less. */
-  gc.rank = r->rank, gc.ranks = P, gc.unique_id = r->id, gc.backend = be, gc.timeout_s = r->timeout;
-  if (r->made == ZB_OK) r->made = zb_transport_create_nccl_group(&r->t, &gc);
+  r->made = join(r->rank, r->id, r->timeout, NULL, &be, &r->t);
   if (r->made == ZB_OK) r->made = zb_backend_alloc(be, 4 * N, &dev);
   if (r->made != ZB_OK) snprintf(r->msg, sizeof r->msg, "%s", zb_last_error());
   if (r->made == ZB_OK && r->rank == 0) {

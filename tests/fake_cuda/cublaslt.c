@@ -296,63 +296,6 @@ typedef struct {
   size_t workspace_bytes;
 } gemm_arg_t;
 
-float fake_load(const void *p, int t, uint64_t i) {
-  if (t == CUDA_R_32F) return ((const float *)p)[i];
-  uint16_t h = ((const uint16_t *)p)[i];
-  if (t == CUDA_R_16BF) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-  }
-  /* IEEE half to float, exactly. */
-  const uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 31, man = h & 1023;
-  uint32_t u;
-  if (exp == 31) u = sign | 0x7f800000u | (man << 13);
-  else if (exp) u = sign | ((exp + 112) << 23) | (man << 13);
-  else if (!man) u = sign;
-  else {
-    int e = 113;
-    uint32_t mm = man;
-    while (!(mm & 1024)) mm <<= 1, e--;
-    u = sign | ((uint32_t)e << 23) | ((mm & 1023) << 13);
-  }
-  float f;
-  memcpy(&f, &u, 4);
-  return f;
-}
-
-void fake_store(void *p, int t, uint64_t i, float v) {
-  if (t == CUDA_R_32F) {
-    ((float *)p)[i] = v;
-    return;
-  }
-  uint32_t u;
-  memcpy(&u, &v, 4);
-  uint16_t h;
-  if (t == CUDA_R_16BF) {
-    if ((u & 0x7fffffffu) > 0x7f800000u) h = (uint16_t)((u >> 16) | 0x40);
-    else h = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
-  } else {
-    const uint32_t sign = (u >> 16) & 0x8000u, a = u & 0x7fffffffu;
-    if (a > 0x7f800000u) h = (uint16_t)(sign | 0x7e00u);
-    else if (a >= 0x477ff000u) h = (uint16_t)(sign | 0x7c00u); /* rounds to >= 65520: inf */
-    else if (a < 0x38800000u) {                                /* below the smallest normal half */
-      const int shift = 113 - (int)(a >> 23);
-      if (shift >= 12) h = (uint16_t)sign; /* below 2^-25, half the smallest subnormal: zero (and the
-                                            * shifts below stay under 32 bits) */
-      else {
-        const uint32_t mant = (a & 0x7fffffu) | 0x800000u;
-        const uint32_t q = mant >> (shift + 13), rem = mant & ((1u << (shift + 13)) - 1), half = 1u << (shift + 12);
-        h = (uint16_t)(sign | (q + (rem > half || (rem == half && (q & 1)))));
-      }
-    } else {
-      const uint32_t q = (a >> 13) - (112u << 10), rem = a & 0x1fffu;
-      h = (uint16_t)(sign | (q + (rem > 0x1000u || (rem == 0x1000u && (q & 1)))));
-    }
-  }
-  ((uint16_t *)p)[i] = h;
-}
 
 /* op(X) as a dense row-major fp32 matrix of `rows` x `cols` (exact: every input type widens). */
 static float *widen(const void *p, cudaDataType t, int op, uint64_t rows, uint64_t cols, int64_t ld) {

@@ -82,7 +82,7 @@ void fake_fault(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 /* 1 while the device is faulted. */
 int fake_faulted(void);
 
-/* ---- cublaslt.c: elements of fp32, f16 and bf16 arrays (a cudaDataType_t: CUDA_R_32F, _16F, _16BF) */
+/* ---- elements.cpp: elements of fp32, f16 and bf16 arrays (a cudaDataType_t: CUDA_R_32F, _16F, _16BF) */
 
 /* Element i widened to float (exact). */
 float fake_load(const void *p, int type, uint64_t i);
