@@ -20,7 +20,8 @@ overlap with, and Python's callbacks would only contend for the interpreter lock
 Memory is counted as the schedule model counts it (zbpp.h, zb_schedule_rank_memory): an OFFLOAD
 puts its bytes on the host when it starts and takes them off the device when it ends; a RELOAD
 puts them back on the device when it starts and off the host when it ends; a storage leaves the
-device when autograd lets go of its last handle (after the B or W that read it). `peaks()` gives
+device when autograd lets go of its last handle and of every tensor unpacked from it (after the B
+or W that read it: a split layer's x goes from B's unpack to the W store, which holds it until W). `peaks()` gives
 the step's largest device-resident and host-held bytes, to set beside the plan's.
 
 Host memory comes from a pool (`_HostPool`, pinned on CUDA) reserved once per stage, at the
@@ -41,6 +42,7 @@ import contextlib
 import threading
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 _OFFLOAD, _RELOAD = "OFFLOAD", "RELOAD"
 
@@ -184,6 +186,7 @@ class Offloader:
                         self._give_host(entry)
                     entry.dev = entry.host = None
             self._groups = {}
+            self._lingering = []  # (StorageWeakRef, bytes): released by autograd, still held elsewhere
             self.device_bytes = self.host_bytes = 0
             self.device_peak = self.host_peak = 0
             self.group_bytes = {}  # (stage, mb) -> bytes captured
@@ -192,6 +195,7 @@ class Offloader:
 
     def _add(self, device=0, host=0):
         with self._lock:
+            self._sweep()
             self.device_bytes += device
             self.host_bytes += host
             self.device_peak = max(self.device_peak, self.device_bytes)
@@ -204,8 +208,16 @@ class Offloader:
             if entry.live > 0:
                 return
             if entry.dev is not None:
+                # Autograd is done with it, but what B unpacked may live on: a split layer's x goes
+                # to the W store (a C++ op's entry on the torch kernel), which holds it until its W.
+                # The bytes count until the storage itself is gone (swept before each addition,
+                # where a peak can only rise).
+                ref = StorageWeakRef(entry.dev.untyped_storage())
                 entry.dev = None
-                self.device_bytes -= entry.nbytes
+                if ref.expired():
+                    self.device_bytes -= entry.nbytes
+                else:
+                    self._lingering.append((ref, entry.nbytes))
             if entry.host is not None:  # offloaded and never reloaded (a forward-only or failed step)
                 self._give_host(entry)
                 entry.host = None
@@ -222,6 +234,17 @@ class Offloader:
             elif op.type == _RELOAD:
                 held[op.stage] = held.get(op.stage, 0) - 1
         self.pool.plan(most)
+
+    def _sweep(self):
+        """Storages autograd let go of that are gone now: off the device count (under the lock)."""
+        if self._lingering:
+            held = []
+            for ref, n in self._lingering:
+                if ref.expired():
+                    self.device_bytes -= n
+                else:
+                    held.append((ref, n))
+            self._lingering = held
 
     def peaks(self):
         """(device-resident, host-held) peak bytes of saved activations since begin_step."""

@@ -51,8 +51,9 @@ class _Reports:
         'sync_device_peak_bytes', 'sync_host_peak_bytes': the plan's figures for copies that take no
         time of their own, as the CPU's synchronous copies (copy_inline) run. The plan's memory model
         counts every stage alike (F adds 1/v; a split backward frees 1 - w_share of it at B): the
-        figures agree where that holds (equal stages, fused backwards), not for the first stage
-        of a split schedule, whose whole backward runs at W. None without copies."""
+        figures agree where that holds (equal stages; a split layer's input counted until its W,
+        as the model counts w_share), not for the first stage of a split schedule, whose whole
+        backward runs at W. None without copies."""
         off = self._offloader
         if off is None or self._last_schedule is None:
             return None
