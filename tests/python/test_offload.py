@@ -110,8 +110,8 @@ def test_bad_offload_arguments_say_what_is_allowed():
     with pytest.raises(ValueError, match=r"offload= takes stage indices in 0\.\.0"):
         zbpp.Schedule1F1B(stage, 4, loss_fn=lambda y, t: y.sum(), offload=[3])
     with pytest.raises(ValueError, match="needs the copy times: times= with 'offload'"):
-        zbpp.ScheduleGPipe(stage, 4, loss_fn=lambda y, t: y.sum(), offload="auto")  # a fixed order: no profile
-    with pytest.raises(ValueError, match="or a kind planned from measured costs"):
+        zbpp.ScheduleGPipe(stage, 4, loss_fn=lambda y, t: y.sum(), offload="auto", plan_from_measured=False)
+    with pytest.raises(ValueError, match="or plan_from_measured left on"):
         zbpp.ScheduleZBVZeroBubble([zbpp.PipelineStage(nn.Linear(4, 4), s, 2, "cpu") for s in (0, 1)], 4,
                                    offload="auto", plan_from_measured=False)
 
@@ -187,25 +187,65 @@ def nn_model():
 
 
 def test_copy_times_are_measured_when_not_given(tmp_path):
-    """A planned kind with offload="auto" and no copy times: the profiled steps run without copies,
-    each rank times the copy of its stages' activations (zbpp.costs.measure_copy_time), and the plan
-    after the profile has copies, with training still bit for bit."""
+    """A planned kind, and a fixed order, with offload="auto" and no copy times: the profiled steps
+    run without copies, each rank times the copy of its stages' activations
+    (zbpp.costs.measure_copy_time), and the plan after the profile has copies (the fixed order its
+    own compute order), with training still bit for bit."""
     steps = 5
-    cases = [dict(kind="zb-v", chunks=2, m=M, batch=BATCH, steps=steps, seed=SEED, offload="auto", times=None)]
+    cases = [dict(kind=kind, chunks=2, m=M, batch=BATCH, steps=steps, seed=SEED, offload="auto", times=None)
+             for kind in ("zb-v", "interleaved-1f1b")]
     spawn(pipeline_worker.run_kinds, 2, cases, str(tmp_path))
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     for r in ranks:
         if r and "error" in r[-1]:
             pytest.fail("a rank failed:\n" + r[-1]["error"], pytrace=False)
-    assert all(r[0]["copy_times"] for r in ranks), "the plan after the profile has no copy times"
-    assert all(r[0]["plan_offloaded"] > 0 for r in ranks), "plan_info does not say what was offloaded"
     ref_losses, ref_params = reference(steps=steps, m=M, batch=BATCH)
-    per_stage = {}
-    for r in ranks:
-        per_stage.update(r[0]["params"])
-    params = [p for s in sorted(per_stage) for p in per_stage[s]]
-    assert all(torch.equal(a, b) for a, b in zip(params, ref_params))
-    assert [r[0]["losses"] for r in ranks if r[0]["losses"]] == [ref_losses]
+    for index, case in enumerate(cases):
+        what = case["kind"]
+        assert all(r[index]["copy_times"] for r in ranks), f"{what}: the plan after the profile has no copy times"
+        assert all(r[index]["plan_offloaded"] > 0 for r in ranks), f"{what}: plan_info does not say what was offloaded"
+        per_stage = {}
+        for r in ranks:
+            per_stage.update(r[index]["params"])
+        params = [p for s in sorted(per_stage) for p in per_stage[s]]
+        assert all(torch.equal(a, b) for a, b in zip(params, ref_params)), what
+        assert [r[index]["losses"] for r in ranks if r[index]["losses"]] == [ref_losses], what
+
+
+def test_a_fixed_order_measures_its_copy_times_and_keeps_its_copies(monkeypatch):
+    """GPipe (a fixed order) with offload="auto" and no times: steps 2-3 are profiled, the copies
+    are placed into the same compute order after step 3, and they stay, even where the new plan's
+    first steps measure slower than the profiled ones (every trial made to fail here): a run that
+    asked for the copies to fit in memory does not lose them to timing noise. Gradients are the
+    bits of the same schedule without offload in every step."""
+    from zbpp.pipelining import _plan
+
+    monkeypatch.setattr(_plan, "REVERT_MARGIN", -1.0)  # any trial would undo the plan
+    torch.manual_seed(0)
+    net = nn_model()
+    x, y = torch.randn(64, 32), torch.randn(64, 32)
+    grads, orders = {}, {}
+    for offload in (None, "auto"):
+        model = nn_model()
+        model.load_state_dict(net.state_dict())
+        sched = zbpp.ScheduleGPipe(zbpp.PipelineStage(model, 0, 1, "cpu"), 8,
+                                   loss_fn=lambda out, t: ((out - t) ** 2).mean(), offload=offload)
+        grads[offload], copies = [], []
+        for _ in range(8):
+            copies.append(sum(op.type == "OFFLOAD" for op in sched.schedule.rank_ops(0)))  # what this step runs
+            sched.step(x, target=y)
+            grads[offload].append([p.grad.clone() for p in model.parameters()])
+            model.zero_grad(set_to_none=True)
+        orders[offload] = [(op.type, op.mb) for op in sched.schedule.rank_ops(0) if op.type in ("F", "BW")]
+        if offload:
+            info = sched.plan_info
+            assert copies[:3] == [0, 0, 0] and min(copies[3:]) > 0, copies
+            assert info.kind == "gpipe" and info.offloaded == copies[-1] and not info.reverted
+            assert sched.offload_report()["host_peak_bytes"] > 0
+        sched.close()
+    assert orders["auto"] == orders[None], "the copies changed GPipe's compute order"
+    for a, b in zip(grads[None], grads["auto"]):
+        assert all(torch.equal(u, v) for u, v in zip(a, b))
 
 
 def test_measure_copy_time_and_cost_files_keep_copy_times(tmp_path):

@@ -65,8 +65,8 @@ def parse_args(argv=None):
     ap.add_argument("--mem-limit", default=None,
                     help="zb-auto's memory limit: microbatches (6, 2p) or activation bytes per rank (8MB)")
     ap.add_argument("--offload", action="store_true",
-                    help="PipeOffload: activations to host memory where the copies hide (offload='auto'); the "
-                         "copies are timed in the profiled steps, so use a planned kind (zb-auto, the default)")
+                    help="PipeOffload: activations to host memory where the copies hide (offload='auto'), with "
+                         "any schedule; the copies are timed in --profile-steps and placed after them")
     ap.add_argument("--vocab-size", type=int, default=32,
                     help="the vocabulary (default 32, the text's characters; larger adds ids the text never uses, "
                          "as a large tokenizer's vocabulary costs: the output layer and embedding grow)")
@@ -210,7 +210,7 @@ def train(rank, ranks, args, group=None, report=print):
     if info is not None:
         out["plan"] = {"step": info.step, "simulated": info.simulated.bubble_rate, "measured": info.measured_bubble,
                        "expected": info.expected_bubble,
-                       "switched": info.switched,
+                       "switched": info.switched, "reverted": info.reverted,
                        "before": None if info.before is None else info.before.bubble_rate,
                        "costs": None if info.costs is None else info.costs.to_dict()}
     if rank == 0 and args.out:
@@ -369,6 +369,8 @@ def main(argv=None):
     plan = results[0].get("plan")
     # The steady state: after the first step, or after the replan when there is one.
     start = plan["step"] if plan else 1
+    if start >= len(bubbles):  # the plan changed after the last step (too few steps to see it run)
+        start = min(1, len(bubbles) - 1)
     steady = sorted(bubbles[start:] or bubbles)
     rate = args.batch * args.seq * len(seconds[start:]) / max(sum(seconds[start:]), 1e-9) if seconds[start:] else 0.0
     rolled = sum(r["rolled_back"] for r in results.values())
@@ -378,7 +380,9 @@ def main(argv=None):
           f"{rolled} speculative step(s) rolled back by post-validation")
     if plan:
         before = "" if plan["measured"] is None else f"; the steps profiled measured {100 * plan['measured']:.1f}%"
-        what = "plan from measured costs" if plan["switched"] else "equal-cost plan kept after measuring"
+        what = ("plan from measured costs" if plan["switched"] else
+                "the plan from measured costs measured slower in its first steps; the one before it is back"
+                if plan.get("reverted") else "equal-cost plan kept after measuring")
         expected = "" if plan.get("expected") is None else f" ({100 * plan['expected']:.1f}% expected as measured)"
         print(f"  {what}: simulated bubble {100 * plan['simulated']:.1f}%{expected} on the measured costs, measured "
               f"{100 * statistics.median(steady):.1f}% in steps {start + 1}-{len(bubbles)}{before}")

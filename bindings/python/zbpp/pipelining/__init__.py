@@ -290,8 +290,15 @@ class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning, _Splitting, _Bou
             raise ValueError(f"zbpp.{name}: offload_paired=True says how ranks share their link to host memory; "
                              "it goes with offload=")
         self._offload_paired = bool(offload_paired)
-        self._profile = _profile_window(name, self._plan_kind, kind if csv is None else "a CSV schedule",
+        # A fixed order with offload= and no copy times: its first steps are profiled as a planned
+        # kind's are, for the op and copy times its copies are placed on (_plan.py); its compute
+        # order stays as it is.
+        self._offload_profile = (self._plan_kind is None and self._offload_arg is not None and times is None
+                                 and costs is None and (kind is not None or csv is not None))
+        self._profile = _profile_window(name, self._plan_kind or ("fixed" if self._offload_profile else None),
+                                        kind if csv is None else "a CSV schedule",
                                         plan_from_measured, profile_steps, times, costs)
+        self._offload_profile = self._offload_profile and self._profile is not None
         if limit_kind == "bytes" and self._profile is None and (costs is None or costs.mem_f_bytes is None):
             raise ValueError(f"zbpp.{name}: mem_limit={mem_limit!r} is in bytes, which needs the activation memory "
                              "of a microbatch: leave plan_from_measured on (a zero-bubble kind measures it in its "
@@ -330,13 +337,15 @@ class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning, _Splitting, _Bou
             self.schedule = self._generate(kind, p, m, v, times, limit)
         if self.schedule is not None and self._offload_arg is not None:
             if _copy_times_in(self.schedule):
+                if self._offload_profile:  # a CSV schedule that brings its copy times: nothing to measure
+                    self._profile, self._offload_profile = None, False
                 self.schedule = self._with_offload(self.schedule, name, limit)
             elif self._profile is None:
                 raise ValueError(f"zbpp.{name}: offload={self._offload_arg!r} needs the copy times: times= with "
                                  "'offload' and 'reload' (the time to copy one microbatch's activations through all "
                                  "of a rank's layers to host memory and back, in the unit of 'f'; "
-                                 "zbpp.costs.measure_copy_time measures them), costs= with them, or a kind planned "
-                                 "from measured costs (" + ", ".join(PLANNED_KINDS) + "), which measures them")
+                                 "zbpp.costs.measure_copy_time measures them), costs= with them, or "
+                                 "plan_from_measured left on, which measures them in the first steps")
             # else: the profiled steps run without copies; the plan after them has them (_plan.py)
         self._offloader = None  # _offload.Offloader, made with the runner when the schedule has copies
         self.loss_stage = S - 1

@@ -96,6 +96,10 @@ class _Planning:
         own = [k for k, run in enumerate(runs) if not run[3]]
         before = [max(_rank_span(*g["runs"][k]) for g in gathered) for k in own]
         old_csv = self.schedule.to_csv()
+        # offload= asked for copies and the plan in force has none (the profiled steps run without):
+        # the plan with copies is the one asked for, not one on trial that a slower measure undoes
+        # (a run that needs the copies to fit in memory must not lose them to timing noise).
+        forced = self._offload_arg is not None and not _has_copies(self.schedule)
         timelines, bubbles = [], []
         try:
             for k, (text, _, _, _) in enumerate(runs):
@@ -129,10 +133,11 @@ class _Planning:
         if len(own) < len(runs):
             info = self.plan_info = info._replace(
                 fused_steps=tuple(self._profile[0] + k for k in range(len(runs)) if k not in own))
-        if info.switched and before:
+        on_trial = bool(info.switched and before and not (forced and info.offloaded))
+        if on_trial:
             self._trial = (old_csv, statistics.median(before), [])
         if info.switched and self.rank == 0:
-            _announce(info, type(self).__name__, trial=bool(before))
+            _announce(info, type(self).__name__, trial=on_trial, fixed=self._plan_kind is None)
 
     def _trial_step(self):
         """After each step: while a replan is on trial, every rank's span of this step goes to
@@ -182,9 +187,10 @@ class _Planning:
         # Arguments every rank gets wrong alike fail before anything is exchanged, and leave the
         # pipeline as it was; what fails after is a failure of the pipeline (_agree.py).
         name = type(self).__name__
-        if self._plan_kind is None:
+        if self._plan_kind is None and not self._offload_profile:
             raise ValueError(f"zbpp.{name}: {self.schedule.kind} is a fixed order; only "
-                             + ", ".join(PLANNED_KINDS) + " are planned from costs")
+                             + ", ".join(PLANNED_KINDS) + " are planned from costs (and a fixed order's "
+                             "copies, with offload=)")
         if mem_limit is not _KEEP:
             try:
                 parse_mem_limit(mem_limit)
@@ -203,7 +209,19 @@ class _Planning:
         limit = self._mem_limit_arg
         p, m = self.ranks, self.n_microbatches
         v = self.stages[0].num_stages // p
-        if costs is not None:
+        if self._plan_kind is None:
+            # A fixed order (offload= profiled it for its copy times): the same compute order, timed
+            # with the measured costs, gets its copies below.
+            if costs is not None:
+                costs.check_shape(p, v, self.schedule.placement, what=f"this pipeline ({name})")
+            timed = dict(times=costs.times(), comm=costs.time_comm, w_share=costs.w_share) if costs else {}
+            old = self.schedule
+            placement = (old.placement if old.placement != "custom" else
+                         [old.stage_rank(st) for st in range(old.stages)])
+            new = Schedule.from_ops([[(o.type, o.stage, o.mb) for o in old.rank_ops(r)
+                                      if o.type not in ("OFFLOAD", "RELOAD")] for r in range(p)], m,
+                                    placement=placement, v=v, **timed)
+        elif costs is not None:
             costs.check_shape(p, v, self.schedule.placement, what=f"this pipeline ({name})")
             new = refined(costs.plan(self._kind_arg, m, limit))
         else:
@@ -212,6 +230,7 @@ class _Planning:
                                  "(mem_f_bytes) to plan")
             new = refined(Schedule.generate(self._kind_arg, p=p, m=m, v=v, times=self._times_arg, mem_limit=limit,
                                             placement=self._placement_arg))
+        label = new.kind if self._plan_kind is not None else self._kind_label
         plain = new  # without copies: what the measured costs time (expected_bubble)
         if self._offload_arg is not None and _copy_times_in(new):
             new = self._with_offload(plain, name, limit if not isinstance(limit, str) else None, close=False)
@@ -251,7 +270,7 @@ class _Planning:
             if keeps and before.max_peak_memory <= room:
                 # The plan in force is as good on the measured costs (within the margin): keep it.
                 self.costs = costs
-                self.plan_info = PlanInfo(step=self.steps, kind=new.kind, mem_limit=new.mem_limit, costs=costs,
+                self.plan_info = PlanInfo(step=self.steps, kind=label, mem_limit=new.mem_limit, costs=costs,
                                           simulated=before, before=before, measured_bubble=_measured,
                                           profile_steps=self._profile if _measured is not None else None,
                                           digest=hashlib.sha256(self.schedule.to_csv().encode()).hexdigest(),
@@ -264,7 +283,7 @@ class _Planning:
         self._switch_schedule(new)
         self.costs = costs
         moved = sum(op.type == "OFFLOAD" for r in range(new.ranks) for op in new.rank_ops(r))
-        self.plan_info = PlanInfo(step=self.steps, kind=new.kind, mem_limit=new.mem_limit, costs=costs,
+        self.plan_info = PlanInfo(step=self.steps, kind=label, mem_limit=new.mem_limit, costs=costs,
                                   simulated=sim, before=before, measured_bubble=_measured,
                                   profile_steps=self._profile if _measured is not None else None,
                                   digest=digest, files=self._save_plan(costs, new), switched=True, candidate=sim,
@@ -289,22 +308,31 @@ class _Planning:
 
 
 
-def _announce(info, name, trial):
+def _announce(info, name, trial, fixed=False):
     """The first plan from measured costs this process switches to, in one line on stderr
-    (_notice.py): what was planned, why, and the gain the simulation expects on those costs."""
+    (_notice.py): what was planned, why, and the gain the simulation expects on those costs (for
+    a fixed order with offload=, the copies placed into it)."""
     from .._notice import notice
 
     why = "its measured costs"
     if info.profile_steps:
         a, b = info.profile_steps
         why = f"the costs measured in steps {a}-{b}" if a != b else f"step {a}'s measured costs"
+    moved = (f"; {info.offloaded} microbatch activations go to host memory a step, device peak "
+             f"{info.device_peak:g} microbatches" if info.offloaded else "")
+    if fixed:
+        notice("replan", f"zbpp: {name} placed PipeOffload's copies into its {info.kind} order after step "
+                         f"{info.step}, from the op and copy times measured in steps "
+                         f"{info.profile_steps[0]}-{info.profile_steps[1]}{moved}; they run from the next step "
+                         "(plan_info has the details; zbpp.quiet() or ZBPP_QUIET=1 silences this line)")
+        return
     gain = ""
     if info.before is not None and info.before.cost > 0:
         gain = (f": the simulated step goes from {info.before.cost:.4g} to {info.simulated.cost:.4g} "
                 f"({100 * (1 - info.simulated.cost / info.before.cost):.1f}% shorter)")
     then = (f"; it runs from the next step, and the old plan comes back if the next {TRIAL_STEPS} steps measure "
             f"more than {100 * REVERT_MARGIN:g}% slower" if trial else "; it runs from the next step")
-    notice("replan", f"zbpp: {name} planned {info.kind} again after step {info.step} from {why}{gain}{then} "
+    notice("replan", f"zbpp: {name} planned {info.kind} again after step {info.step} from {why}{gain}{moved}{then} "
                      "(plan_from_measured=False keeps the first plan; plan_info has the details; zbpp.quiet() or "
                      "ZBPP_QUIET=1 silences this line)")
 
