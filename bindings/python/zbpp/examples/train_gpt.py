@@ -207,6 +207,8 @@ def train(rank, ranks, args, group=None, report=print):
     info = sched.plan_info
     out["offload"] = sched.offload_report() if args.offload else None
     out["offloaded"] = sum(op.type == "OFFLOAD" for op in sched.schedule.rank_ops(rank))
+    sched.schedule.simulate()
+    out["plan_peak"] = sched.schedule.rank_memory(rank)[0]  # device-resident, microbatches
     if info is not None:
         out["plan"] = {"step": info.step, "simulated": info.simulated.bubble_rate, "measured": info.measured_bubble,
                        "expected": info.expected_bubble,
@@ -394,6 +396,8 @@ def main(argv=None):
             print(f"    rank {q}: saved activations at once {rep['device_peak_bytes'] / 2**10:,.0f} KiB on the device "
                   f"(plan: {rep['planned_device_peak']:g} microbatches, {rep['planned_device_peak_bytes'] / 2**10:,.0f} KiB), "
                   f"{rep['host_peak_bytes'] / 2**10:,.0f} KiB in host memory")
+    print("  the plan's peak of saved activations on the device per rank (microbatches through the rank's "
+          "layers): " + ", ".join(f"rank {q} {r['plan_peak']:g}" for q, r in sorted(results.items())), flush=True)
     print("  peak resident memory per rank: " + ", ".join(
         f"rank {q} {r['peak_rss_mib']:,.0f} MiB" for q, r in sorted(results.items())), flush=True)
     if all(r.get("peak_gpu_mib") is not None for r in results.values()):
