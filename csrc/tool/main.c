@@ -516,8 +516,8 @@ static int offload_summary(zb_schedule_t *s, const args_t *a) {
     fprintf(stderr, "zbpp: offload: every rank is within --offload-limit %g already; nothing to move\n",
             a->offload_limit);
   else if (copies == 0)
-    fprintf(stderr, "zbpp: offload: no copy fits: each round trip (--copy-times) is longer than the time its "
-                    "activations wait, or would lengthen the step\n");
+    fprintf(stderr, "zbpp: offload: no copy fits: none both hides (a round trip of --copy-times within the time "
+                    "its activations wait, the step no longer) and lowers a rank's device peak\n");
   return 0;
 }
 

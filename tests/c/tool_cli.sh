@@ -442,6 +442,10 @@ expect_error "a cost file with time_offload alone" 1 "go together" schedule 1f1b
 run schedule 1f1b -p 4 -m 8 --copy-times 50,50 --offload
 check_rc "schedule --offload with copies too slow exits 0" 0
 check_grep "--offload with copies too slow says nothing fits" "$T/err" "no copy fits"
+# On 2 ranks 1F1B's peak (2 on rank 0) is reached while both microbatches are needed: fast copies
+# hide but lower nothing, and the message says that is the other reason.
+run schedule 1f1b -p 2 -m 8 --copy-times 0.02,0.02 --offload
+check_grep "--offload where copies lower no peak says why" "$T/err" "lowers a rank's device peak"
 expect_error "--copy-times with one value" 2 "OFFLOAD,RELOAD" schedule 1f1b -p 2 -m 2 --copy-times 1
 expect_error "--offload-limit 0" 2 "--offload-limit" schedule 1f1b -p 2 -m 2 --offload-limit 0
 # Vocabulary Parallelism: every rank runs the passes; the reference's extra warm-up forward gives
