@@ -15,7 +15,7 @@
 #      -Werror (a new compiler's new warning must not cost the run), the stage still failing;
 #   3. ctest -L gpu (the C GPU tests), a per-test time limit;
 #   4. pytest -m gpu (the torch layer on CUDA, the tutorial on one GPU), a per-test time limit;
-#   5. the GPT example (python3 -m zbpp.examples.train_gpt --device cuda): zb-v (also with --offload) and interleaved-1f1b
+#   5. the GPT example (python3 -m zbpp.examples.train_gpt --device cuda): zb-v, gpipe with --offload and interleaved-1f1b
 #      with both stages in one process, then 2 and 4 ranks as processes, each kind beside 1F1B
 #      (on one GPU the ranks share it, which NCCL refuses: zbpp moves their messages through host
 #      memory and warns); tokens/s and measured bubble, the V's timeline as SVG and Chrome trace;
@@ -272,7 +272,10 @@ stage gpt 115 50 "
   gpt --ranks 1 --schedule zb-v
   cp '$work'/gpt/train_gpt-zb-v.svg '$out'/gpt-zb-v.svg
   cp '$work'/gpt/train_gpt-zb-v-trace.json '$out'/gpt-zb-v-trace.json
-  gpt --ranks 1 --schedule zb-v --offload  # PipeOffload's CUDA copies: a copy stream, pinned memory
+  # PipeOffload's CUDA copies (a copy stream, pinned memory), their times measured in steps 2-3:
+  # GPipe on one rank, where every microbatch's activations wait (a V on one rank moves nothing).
+  off=\$(gpt --ranks 1 --schedule gpipe --offload); echo \"\$off\"
+  grep -q 'offload: [1-9][0-9]* activations moved' <<<\"\$off\" || { echo '== offload moved nothing'; bad=1; }
   gpt --ranks 1 --schedule interleaved-1f1b --chunks 2
   for kind in 1f1b zb-h1 zb-auto; do gpt --ranks 2 --schedule \$kind; done
   for kind in 1f1b zb-v zb-auto; do gpt --ranks 4 --schedule \$kind; done
