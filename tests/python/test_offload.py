@@ -284,3 +284,38 @@ def test_a_csv_schedule_with_copies_runs_them():
         grads.append([p.grad.clone() for p in model.parameters()])
         sched.close()
     assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+@pytest.mark.parametrize("name", ["ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleLoopedBFS",
+                                  "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV"])
+def test_every_class_takes_offload_auto_without_times(name):
+    """torch's schedule classes from zbpp on one rank (two stages where the class takes several),
+    offload="auto" and nothing else: five steps train bit for bit like the same class without
+    offload. Orders that run several forwards before their backwards (GPipe, LoopedBFS's
+    breadth-first, DualPipeV's warm-up) get copies; on one rank a loop and a V are the same
+    placement, so costs measured under one plan the other (that raised before)."""
+    torch.manual_seed(0)
+    nets = [nn_model(), nn_model()]
+    x, y = torch.randn(64, 32), torch.randn(64, 32)
+    import zbpp.pipelining as pipelining
+
+    cls = getattr(pipelining, name)
+    grads, moved = {}, 0
+    for offload in (None, "auto"):
+        mods = [nn_model(), nn_model()]
+        for m, n in zip(mods, nets):
+            m.load_state_dict(n.state_dict())
+        if issubclass(cls, pipelining.PipelineScheduleSingle):
+            stages = zbpp.PipelineStage(torch.nn.Sequential(*mods), 0, 1, "cpu")
+        else:
+            stages = [zbpp.PipelineStage(m, s, 2, "cpu") for s, m in enumerate(mods)]
+        sched = cls(stages, 8, loss_fn=lambda out, t: ((out - t) ** 2).mean(), offload=offload)
+        for _ in range(5):
+            sched.step(x, target=y)
+        grads[offload] = [p.grad for m in mods for p in m.parameters()]
+        if offload:
+            moved = sum(op.type == "OFFLOAD" for op in sched.schedule.rank_ops(0))
+        sched.close()
+    assert all(torch.equal(a, b) for a, b in zip(grads[None], grads["auto"]))
+    if name in ("ScheduleGPipe", "ScheduleLoopedBFS", "ScheduleDualPipeV"):
+        assert moved > 0, f"{name}: no copies placed"

@@ -538,8 +538,14 @@ class StageCosts:
         what, value = parse_mem_limit(mem_limit)
         return self.microbatches_for(value) if what == "bytes" else value
 
+    def _same_placement(self, placement):
+        """Whether `placement` puts the stages where self.placement does: on one rank with at most
+        two chunks a loop and a V are the same map (every stage on rank 0)."""
+        return placement == self.placement or (self.ranks == 1 and self.chunks <= 2
+                                               and {placement, self.placement} <= {"loop", "v"})
+
     def check_shape(self, p, v, placement=None, what="this pipeline"):
-        if (self.ranks, self.chunks) != (p, v) or (placement is not None and placement != self.placement):
+        if (self.ranks, self.chunks) != (p, v) or (placement is not None and not self._same_placement(placement)):
             raise ValueError(f"the costs are for {self.ranks} ranks x {self.chunks} chunks ({self.placement}), but "
                              f"{what} has {p} ranks x {v} chunks" + (f" ({placement})" if placement else ""))
 
@@ -547,9 +553,9 @@ class StageCosts:
         """A zbpp.Schedule of `kind` for these costs: Schedule.generate with the per-stage times,
         T_comm and w_share, under mem_limit (microbatches, "2p", or bytes such as "8GB")."""
         name = _kind_name_of(kind)
-        if name in _V_KINDS and self.placement != "v":
+        if name in _V_KINDS and not self._same_placement("v"):
             raise ValueError(f"{name} places stages in a V, but the costs are for a {self.placement} placement")
-        if name not in _V_KINDS and name != "zb-auto" and self.placement == "v":
+        if name not in _V_KINDS and name != "zb-auto" and not self._same_placement("loop"):
             raise ValueError(f"{name} places stages in a loop, but the costs are for a V placement")
         limit = self.mem_limit(mem_limit)
         try:
