@@ -22,14 +22,12 @@ Usage: python3 benchmarks/bench_offload_gpt.py [--ranks 4] [--kinds 1f1b,zb-v,..
 """
 
 import argparse
-import os
 import re
 import statistics
-import subprocess
 import sys
 import time
 
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from gpt_runs import train_gpt
 KINDS = ("1f1b", "interleaved-1f1b", "zb-h1", "zb-v", "v-half", "zb-auto")
 
 
@@ -52,18 +50,10 @@ def parse(stdout, ranks):
 
 
 def run_once(args, kind, offload):
-    cmd = [sys.executable, "-m", "zbpp.examples.train_gpt", "--schedule", kind, "--ranks", str(args.ranks),
-           "--steps", str(args.steps), "--layers", str(args.layers), "--d-model", str(args.d_model),
-           "--quiet", "--out", ""]
-    if offload:
-        cmd.append("--offload")
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.join(_REPO, "bindings", "python"),
-                                                       env.get("PYTHONPATH")]))
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
-    if out.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{out.stderr[-2000:]}")
-    return parse(out.stdout, args.ranks)
+    out = train_gpt(["--schedule", kind, "--ranks", str(args.ranks), "--steps", str(args.steps), "--layers",
+                     str(args.layers), "--d-model", str(args.d_model), "--quiet", "--out", ""]
+                    + (["--offload"] if offload else []), args.timeout)
+    return parse(out, args.ranks)
 
 
 def table(args, kinds, got):

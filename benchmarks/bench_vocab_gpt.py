@@ -20,33 +20,23 @@ Usage: python3 benchmarks/bench_vocab_gpt.py [--ranks 2] [--vocab 8192,32768,655
 """
 
 import argparse
-import os
 import re
 import statistics
-import subprocess
 import sys
 import time
 
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from gpt_runs import train_gpt
 
 
 def run_once(args, vocab, vp):
     """One train_gpt run: (loss line, tokens/s, [peak MiB per rank])."""
-    cmd = [sys.executable, "-m", "zbpp.examples.train_gpt", "--schedule", args.schedule, "--ranks", str(args.ranks),
-           "--steps", str(args.steps), "--layers", str(args.layers), "--d-model", str(args.d_model),
-           "--vocab-size", str(vocab), "--quiet", "--out", ""]
-    if vp:
-        cmd.append("--vocab-parallel")
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.join(_REPO, "bindings", "python"),
-                                                       env.get("PYTHONPATH")]))
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
-    if out.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{out.stderr[-2000:]}")
-    done = re.search(r"loss ([\d.]+) -> ([\d.]+).*?([\d,]+) tokens/s over those steps", out.stdout)
-    rss = [float(x.replace(",", "")) for x in re.findall(r"rank \d+ ([\d,]+) MiB", out.stdout)]
+    stdout = train_gpt(["--schedule", args.schedule, "--ranks", str(args.ranks), "--steps", str(args.steps),
+                        "--layers", str(args.layers), "--d-model", str(args.d_model), "--vocab-size", str(vocab),
+                        "--quiet", "--out", ""] + (["--vocab-parallel"] if vp else []), args.timeout)
+    done = re.search(r"loss ([\d.]+) -> ([\d.]+).*?([\d,]+) tokens/s over those steps", stdout)
+    rss = [float(x.replace(",", "")) for x in re.findall(r"rank \d+ ([\d,]+) MiB", stdout)]
     if not done or len(rss) != args.ranks:
-        raise RuntimeError(f"unexpected train_gpt output:\n{out.stdout[-2000:]}")
+        raise RuntimeError(f"unexpected train_gpt output:\n{stdout[-2000:]}")
     return f"{done.group(1)} -> {done.group(2)}", float(done.group(3).replace(",", "")), rss
 
 
