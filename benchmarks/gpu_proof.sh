@@ -268,14 +268,14 @@ stage gpt 115 50 "
   bad=0
   gpt() { echo \"== train_gpt \$*\"; timeout --foreground -k 3 40 '$python' -m zbpp.examples.train_gpt --quiet $size \\
           --out '$work/gpt' \"\$@\" 2>&1 | grep -v '^  wrote'; rc=\${PIPESTATUS[0]}
-          [[ \$rc == 0 ]] || { echo \"== exit \$rc\"; bad=1; }; }
+          [[ \$rc == 0 ]] || { echo \"== exit \$rc\"; bad=1; }; return \$rc; }
   gpt --ranks 1 --schedule zb-v
   cp '$work'/gpt/train_gpt-zb-v.svg '$out'/gpt-zb-v.svg
   cp '$work'/gpt/train_gpt-zb-v-trace.json '$out'/gpt-zb-v-trace.json
   # PipeOffload's CUDA copies (a copy stream, pinned memory), their times measured in steps 2-3:
   # GPipe on one rank, where every microbatch's activations wait (a V on one rank moves nothing).
-  off=\$(gpt --ranks 1 --schedule gpipe --offload); echo \"\$off\"
-  grep -q 'offload: [1-9][0-9]* activations moved' <<<\"\$off\" || { echo '== offload moved nothing'; bad=1; }
+  off=\$(gpt --ranks 1 --schedule gpipe --offload) || bad=1; echo \"\$off\"
+  grep -Eq ', [1-9][0-9,]* KiB in host memory' <<<\"\$off\" || { echo '== offload moved nothing'; bad=1; }
   gpt --ranks 1 --schedule interleaved-1f1b --chunks 2
   for kind in 1f1b zb-h1 zb-auto; do gpt --ranks 2 --schedule \$kind; done
   for kind in 1f1b zb-v zb-auto; do gpt --ranks 4 --schedule \$kind; done

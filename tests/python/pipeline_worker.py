@@ -56,10 +56,15 @@ def model_config(layers=4):
 
 
 def train_kind(rank, world, kind, chunks, m, batch, steps, seed, csv=None, lr=1e-2, layers=4, placement=None,
-               offload=None, times=None, mem_limit=None, offload_paired=False):
+               offload=None, times=None, mem_limit=None, offload_paired=False, revert_margin=None):
     import zbpp
     from zbpp.examples import gpt
     from zbpp.split import default_store
+
+    if revert_margin is not None:  # a replan's trial reverts when it measures slower by this share
+        from zbpp.pipelining import _plan
+
+        _plan.REVERT_MARGIN = revert_margin
 
     S = world * chunks
     modules = gpt.build_stages(model_config(layers), S, seed=seed)
@@ -107,6 +112,7 @@ def train_kind(rank, world, kind, chunks, m, batch, steps, seed, csv=None, lr=1e
         "offloads": copies,
         "copy_times": offload is not None and any(sched_copy_times),
         "plan_offloaded": getattr(sched.plan_info, "offloaded", 0) if sched.plan_info is not None else 0,
+        "reverted": sched.plan_info is not None and sched.plan_info.reverted,
     }
 
 

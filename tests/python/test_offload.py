@@ -109,9 +109,11 @@ def test_bad_offload_arguments_say_what_is_allowed():
         zbpp.Schedule1F1B(stage, 4, loss_fn=lambda y, t: y.sum(), offload="yes")
     with pytest.raises(ValueError, match=r"offload= takes stage indices in 0\.\.0"):
         zbpp.Schedule1F1B(stage, 4, loss_fn=lambda y, t: y.sum(), offload=[3])
-    with pytest.raises(ValueError, match="needs the copy times: times= with 'offload'"):
+    with pytest.raises(ValueError, match="needs the copy times, 'offload' and 'reload'.*leave plan_from_measured on"):
         zbpp.ScheduleGPipe(stage, 4, loss_fn=lambda y, t: y.sum(), offload="auto", plan_from_measured=False)
-    with pytest.raises(ValueError, match="or plan_from_measured left on"):
+    with pytest.raises(ValueError, match="times= has none: add them to it, or leave times= and costs= out"):
+        zbpp.ScheduleGPipe(stage, 4, loss_fn=lambda y, t: y.sum(), offload="auto", times={"f": 1, "b": 1, "w": 1})
+    with pytest.raises(ValueError, match="leave plan_from_measured on"):
         zbpp.ScheduleZBVZeroBubble([zbpp.PipelineStage(nn.Linear(4, 4), s, 2, "cpu") for s in (0, 1)], 4,
                                    offload="auto", plan_from_measured=False)
 
@@ -194,14 +196,20 @@ def test_copy_times_are_measured_when_not_given(tmp_path):
     steps = 5
     cases = [dict(kind=kind, chunks=2, m=M, batch=BATCH, steps=steps, seed=SEED, offload="auto", times=None)
              for kind in ("zb-v", "interleaved-1f1b")]
+    # The replanned zb-v's trial made to fail (every step "slower"): the plan that comes back after
+    # steps 4-6 is the one in force before with copies placed into it, not the one without.
+    cases.append(dict(cases[0], steps=8, revert_margin=-1.0))
     spawn(pipeline_worker.run_kinds, 2, cases, str(tmp_path))
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     for r in ranks:
         if r and "error" in r[-1]:
             pytest.fail("a rank failed:\n" + r[-1]["error"], pytrace=False)
-    ref_losses, ref_params = reference(steps=steps, m=M, batch=BATCH)
+    refs = {n: reference(steps=n, m=M, batch=BATCH) for n in {c["steps"] for c in cases}}
+    assert all(r[2]["reverted"] for r in ranks), "the trial did not revert"
     for index, case in enumerate(cases):
-        what = case["kind"]
+        what = case["kind"] + (" after a reverted trial" if "revert_margin" in case else "")
+        ref_losses, ref_params = refs[case["steps"]]
+        assert all(r[index]["offloads"] > 0 for r in ranks), f"{what}: the plan that runs last has no copies"
         assert all(r[index]["copy_times"] for r in ranks), f"{what}: the plan after the profile has no copy times"
         assert all(r[index]["plan_offloaded"] > 0 for r in ranks), f"{what}: plan_info does not say what was offloaded"
         per_stage = {}
@@ -319,3 +327,20 @@ def test_every_class_takes_offload_auto_without_times(name):
     assert all(torch.equal(a, b) for a, b in zip(grads[None], grads["auto"]))
     if name in ("ScheduleGPipe", "ScheduleLoopedBFS", "ScheduleDualPipeV"):
         assert moved > 0, f"{name}: no copies placed"
+
+
+@pytest.mark.parametrize("limit", [2, "2p"])
+def test_a_fixed_order_reaches_mem_limit_with_its_measured_copies(limit):
+    """GPipe holds all 8 microbatches; offload="auto" with mem_limit and no times: the profiled
+    steps run without copies and without the limit (only copies can reach it on a fixed order),
+    and the plan after them holds at most the limit (a multiple of p too)."""
+    torch.manual_seed(0)
+    x, y = torch.randn(64, 32), torch.randn(64, 32)
+    sched = zbpp.ScheduleGPipe(zbpp.PipelineStage(nn_model(), 0, 1, "cpu"), 8,
+                               loss_fn=lambda out, t: ((out - t) ** 2).mean(), offload="auto", mem_limit=limit)
+    for _ in range(5):
+        sched.step(x, target=y)
+    plan = sched.schedule
+    plan.simulate()
+    assert sched.plan_info.offloaded > 0 and plan.rank_memory(0)[0] <= 2
+    sched.close()

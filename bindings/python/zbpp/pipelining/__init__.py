@@ -321,7 +321,8 @@ class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning, _Splitting, _Bou
         self._order_comms_from = None  # (schedule, order) it was made from; None when the user set it
         self._order_schedule = None
         if csv is not None:
-            self.schedule = Schedule.from_csv(csv, mem_limit=limit, **(cost_times or {"times": times}))
+            self.schedule = Schedule.from_csv(csv, mem_limit=None if self._offload_profile else limit,
+                                              **(cost_times or {"times": times}))
             info = (self.schedule.ranks, self.schedule.stages, self.schedule.microbatches)
             if info != (p, S, m):
                 raise ValueError(f"zbpp: the CSV schedule has {info[0]} ranks, {info[1]} stages and {info[2]} "
@@ -334,18 +335,23 @@ class PipelineSchedule(_Agreement, _SetUp, _TorchIR, _Planning, _Splitting, _Bou
         elif costs is not None and kind not in _PY_KINDS:
             self.schedule = refined(costs.plan(kind, m, mem_limit if limit_kind == "bytes" else limit))
         else:
-            self.schedule = self._generate(kind, p, m, v, times, limit)
+            # A fixed order profiled for its copies runs its first steps without them, so without
+            # the limit, which only the copies can reach (_plan.py places them under it).
+            self.schedule = self._generate(kind, p, m, v, times, None if self._offload_profile else limit)
         if self.schedule is not None and self._offload_arg is not None:
             if _copy_times_in(self.schedule):
                 if self._offload_profile:  # a CSV schedule that brings its copy times: nothing to measure
                     self._profile, self._offload_profile = None, False
                 self.schedule = self._with_offload(self.schedule, name, limit)
             elif self._profile is None:
-                raise ValueError(f"zbpp.{name}: offload={self._offload_arg!r} needs the copy times: times= with "
-                                 "'offload' and 'reload' (the time to copy one microbatch's activations through all "
-                                 "of a rank's layers to host memory and back, in the unit of 'f'; "
-                                 "zbpp.costs.measure_copy_time measures them), costs= with them, or "
-                                 "plan_from_measured left on, which measures them in the first steps")
+                given = "times=" if times is not None else "costs=" if costs is not None else None
+                how = (f"{given} has none: add them to it, or leave times= and costs= out to have the first steps "
+                       "measure them" if given else
+                       "leave plan_from_measured on (not False) to have the first steps measure them")
+                raise ValueError(f"zbpp.{name}: offload={self._offload_arg!r} needs the copy times, 'offload' and "
+                                 "'reload' (the time to copy one microbatch's activations through all of a rank's "
+                                 "layers to host memory and back, in the unit of 'f'; zbpp.costs.measure_copy_time "
+                                 f"measures them); {how}")
             # else: the profiled steps run without copies; the plan after them has them (_plan.py)
         self._offloader = None  # _offload.Offloader, made with the runner when the schedule has copies
         self.loss_stage = S - 1

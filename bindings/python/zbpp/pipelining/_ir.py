@@ -88,6 +88,7 @@ class _TorchIR:
         self._order_schedule = new
         self._plan_kind = None  # the user's order is run as given, never replanned
         self._profile = None
+        self._offload_profile = False
 
     def _switch_schedule(self, new):
         """Runs `new` from the next step on: the runner is made again for its op lists (the shapes,

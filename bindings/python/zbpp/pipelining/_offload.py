@@ -195,7 +195,8 @@ class Offloader:
 
     def _add(self, device=0, host=0):
         with self._lock:
-            self._sweep()
+            if device and self.device_bytes + device > self.device_peak:
+                self._sweep()  # only lowers the count: needed only where a new peak may be set
             self.device_bytes += device
             self.host_bytes += host
             self.device_peak = max(self.device_peak, self.device_bytes)
@@ -237,14 +238,14 @@ class Offloader:
 
     def _sweep(self):
         """Storages autograd let go of that are gone now: off the device count (under the lock)."""
-        if self._lingering:
-            held = []
-            for ref, n in self._lingering:
-                if ref.expired():
-                    self.device_bytes -= n
-                else:
-                    held.append((ref, n))
-            self._lingering = held
+        # Swapped out first: a release from a garbage collection during the loop appends to the
+        # new list, not to one about to be dropped.
+        pending, self._lingering = self._lingering, []
+        for ref, n in pending:
+            if ref.expired():
+                self.device_bytes -= n
+            else:
+                self._lingering.append((ref, n))
 
     def peaks(self):
         """(device-resident, host-held) peak bytes of saved activations since begin_step."""

@@ -97,8 +97,9 @@ class _Planning:
         before = [max(_rank_span(*g["runs"][k]) for g in gathered) for k in own]
         old_csv = self.schedule.to_csv()
         # offload= asked for copies and the plan in force has none (the profiled steps run without):
-        # the plan with copies is the one asked for, not one on trial that a slower measure undoes
-        # (a run that needs the copies to fit in memory must not lose them to timing noise).
+        # a run that needs the copies to fit in memory must not lose them to timing noise, so what
+        # the trial can bring back is the plan in force with copies placed into it (a fixed order's
+        # new plan is just that: no trial).
         forced = self._offload_arg is not None and not _has_copies(self.schedule)
         timelines, bubbles = [], []
         try:
@@ -133,11 +134,27 @@ class _Planning:
         if len(own) < len(runs):
             info = self.plan_info = info._replace(
                 fused_steps=tuple(self._profile[0] + k for k in range(len(runs)) if k not in own))
-        on_trial = bool(info.switched and before and not (forced and info.offloaded))
+        on_trial = bool(info.switched and before and not (forced and info.offloaded and self._plan_kind is None))
+        if on_trial and forced and info.offloaded:
+            old_csv = self._with_copies(old_csv)
         if on_trial:
             self._trial = (old_csv, statistics.median(before), [])
         if info.switched and self.rank == 0:
             _announce(info, type(self).__name__, trial=on_trial, fixed=self._plan_kind is None)
+
+    def _with_copies(self, csv):
+        """The plan `csv` (no copies) timed with the measured costs and with PipeOffload's copies
+        placed into it as offload= asks (the fallback of a trial whose new plan brought them)."""
+        c = self.costs
+        limit = self._mem_limit_arg
+        with Schedule.from_csv(csv, times=c.times(), comm=c.time_comm, w_share=c.w_share) as plain:
+            placed = self._with_offload(plain, type(self).__name__, limit if not isinstance(limit, str) else None,
+                                        close=False)
+            try:
+                return placed.to_csv()
+            finally:
+                if placed is not plain:
+                    placed.close()
 
     def _trial_step(self):
         """After each step: while a replan is on trial, every rank's span of this step goes to
@@ -160,9 +177,12 @@ class _Planning:
         old = (Schedule.from_csv(old_csv, times=c.times(), comm=c.time_comm, w_share=c.w_share) if c is not None
                else Schedule.from_csv(old_csv))
         self._switch_schedule(old)
+        moved = sum(op.type == "OFFLOAD" for r in range(old.ranks) for op in old.rank_ops(r))
         self.plan_info = info._replace(switched=False, reverted=True, measured_before=before, measured_after=after,
                                        step=self.steps, simulated=info.before or info.simulated,
-                                       digest=hashlib.sha256(old_csv.encode()).hexdigest())
+                                       digest=hashlib.sha256(old_csv.encode()).hexdigest(), offloaded=moved,
+                                       device_peak=max(old.rank_memory(r)[0] for r in range(old.ranks))
+                                       if moved else None)
         if self.rank == 0:
             _log.info("%s", self.plan_info.summary())
 
@@ -230,10 +250,25 @@ class _Planning:
                                  "(mem_f_bytes) to plan")
             new = refined(Schedule.generate(self._kind_arg, p=p, m=m, v=v, times=self._times_arg, mem_limit=limit,
                                             placement=self._placement_arg))
-        label = new.kind if self._plan_kind is not None else self._kind_label
+        label = new.kind if self._plan_kind is not None else self._kind_arg or "csv"
         plain = new  # without copies: what the measured costs time (expected_bubble)
+        device_limit = limit if not isinstance(limit, str) else None
+        if self._plan_kind is None and limit is not None:
+            # "2p" and bytes too: on a fixed order only the copies can reach the limit.
+            device_limit = costs.mem_limit(limit) if costs is not None else limit
+            if isinstance(device_limit, str):  # a multiple of p
+                text = device_limit.strip().lower().replace("*", "")[:-1].strip()
+                device_limit = (float(text) if text else 1.0) * p
+            elif parse_mem_limit(device_limit)[0] == "bytes":
+                device_limit = None  # bytes without measured costs: nothing to convert them with
         if self._offload_arg is not None and _copy_times_in(new):
-            new = self._with_offload(plain, name, limit if not isinstance(limit, str) else None, close=False)
+            new = self._with_offload(plain, name, device_limit, close=False)
+            if self._plan_kind is None and device_limit and self.rank == 0:
+                peak = max(new.rank_memory(r)[0] for r in range(new.ranks))
+                if peak > device_limit + 1e-9:
+                    _log.warning("zbpp: %s: the copies bring %s's device peak to %g microbatches, above "
+                                 "mem_limit=%r (%g microbatches): no more of its activations can move and come "
+                                 "back in time", name, label, peak, limit, device_limit)
         try:
             text = new.to_csv()
             digest = hashlib.sha256(text.encode()).hexdigest()
@@ -433,7 +468,8 @@ def _profile_window(name, plan_kind, kind, plan_from_measured, profile_steps, ti
         on = bool(plan_from_measured)
         if on and plan_kind is None:
             raise ValueError(f"zbpp.{name}: plan_from_measured=True, but {kind} is a fixed order that measured costs "
-                             "do not change; it applies to " + ", ".join(PLANNED_KINDS))
+                             "do not change; it applies to " + ", ".join(PLANNED_KINDS) + ", and to a fixed order "
+                             "with offload= and neither times= nor costs= (its copies are placed from them)")
     if profile_steps is None:
         window = DEFAULT_PROFILE_STEPS
     elif profile_steps is False or (isinstance(profile_steps, int) and profile_steps == 0):
