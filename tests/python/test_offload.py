@@ -344,3 +344,30 @@ def test_a_fixed_order_reaches_mem_limit_with_its_measured_copies(limit):
     plan.simulate()
     assert sched.plan_info.offloaded > 0 and plan.rank_memory(0)[0] <= 2
     sched.close()
+
+
+def test_the_cpu_prediction_lets_an_offload_finish_before_the_next_forward(tmp_path):
+    """On a CPU an OFFLOAD runs inline, right after its F: its bytes are off the device before the
+    next F allocates (a GPU's copy engine would still hold them then, as the plan with copy times
+    says). Rank 1 below reaches its peak at W5 (four split-layer inputs waiting for W, F5's, and F4
+    reloaded early), not at F5 (F4's copy still running): offload_report's CPU prediction
+    (sync_device_peak_bytes) is the measured peak, where a copy with a duration of its own put the
+    peak at F5 half a microbatch higher (as on a ZB-V rank of the GPT example)."""
+    stage1 = [("F", 1, 0), ("B", 1, 0), ("F", 1, 1), ("B", 1, 1), ("F", 1, 2), ("B", 1, 2), ("F", 1, 3), ("B", 1, 3),
+              ("F", 1, 4), ("OFFLOAD", 1, 4), ("F", 1, 5), ("B", 1, 5), ("W", 1, 5), ("RELOAD", 1, 4), ("B", 1, 4)]
+    stage1 += [("W", 1, i) for i in range(5)]
+    stage0 = [("F", 0, i) for i in range(6)] + [("B", 0, i) for i in (0, 1, 2, 3, 5, 4)] + [("W", 0, i) for i in range(6)]
+    # The loss stage last, on a rank of its own (the model does not count the loss's tensors).
+    stage2 = [op for i in range(4) for op in (("F", 2, i), ("B", 2, i))] + [("F", 2, 4), ("F", 2, 5), ("B", 2, 5),
+                                                                            ("B", 2, 4)]
+    stage2 += [("W", 2, i) for i in range(6)]
+    with zbpp.Schedule.from_ops([stage0, stage1, stage2], 6, times=TIMES) as plan:
+        plan.validate()
+        csv = plan.to_csv()
+    spawn(pipeline_worker.run_offload_csv_memory, 3, csv, 6, str(tmp_path))
+    res = torch.load(tmp_path / "rank1.pt")
+    if "error" in res:
+        pytest.fail(res["error"], pytrace=False)
+    rep = res["report"]
+    got, sync = rep["device_peak_bytes"], rep["sync_device_peak_bytes"]
+    assert abs(got - sync) <= 0.05 * sync, f"measured {got} B, predicted {sync:.0f} B"
