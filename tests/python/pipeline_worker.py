@@ -440,33 +440,10 @@ def run_pass_through(rank, world, port, out_dir):
 
 
 
-def run_offload_csv_memory(rank, world, port, csv, m, out_dir):
-    """run_offload_memory's stages (one per rank) under ScheduleFromCSV with the copies the CSV
-    holds: one step; saves this rank's offload_report."""
-    import zbpp
-
-    _init(rank, world, port)
-    result = {}
-    try:
-        torch.manual_seed(5)
-        modules = [torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
-                   for _ in range(world)]
-        stage = zbpp.PipelineStage(modules[rank], rank, world, "cpu")
-        sched = zbpp.ScheduleFromCSV(stage, m, loss_fn=lambda y, t: ((y - t) ** 2).mean(), csv=csv, timeout=60.0)
-        x, y = torch.randn(m * 32, 64), torch.randn(m * 32, 64)
-        sched.step(*((x,) if sched.holds_first else ()), **({"target": y} if sched.holds_loss else {}))
-        result = {"report": sched.offload_report()}
-        sched.close()
-    except BaseException:  # noqa: BLE001 - the test reads the traceback
-        result = {"error": traceback.format_exc()}
-    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def run_offload_memory(rank, world, port, kind, chunks, m, times, out_dir):
+def run_offload_memory(rank, world, port, kind, chunks, m, times, out_dir, csv=None):
     """Equal MLP stages (the plan's memory model counts every stage alike), trained 2 steps with
-    offload="auto"; saves this rank's offload_report, its number of OFFLOAD ops and its stages."""
+    offload="auto" (or, with `csv`, one stage per rank under ScheduleFromCSV with the copies the
+    CSV holds); saves this rank's offload_report, its number of OFFLOAD ops and its stages."""
     import zbpp
 
     _init(rank, world, port)
@@ -476,12 +453,13 @@ def run_offload_memory(rank, world, port, kind, chunks, m, times, out_dir):
         torch.manual_seed(5)
         modules = [torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
                    for _ in range(S)]
-        probe = zbpp.Schedule.generate(kind, p=world, m=m, v=chunks)
+        probe = zbpp.Schedule.generate(kind, p=world, m=m, v=chunks) if csv is None else zbpp.Schedule.from_csv(csv)
         mine = probe.rank_stages(rank)
         probe.close()
         stages = [zbpp.PipelineStage(modules[s], s, S, "cpu") for s in mine]
-        sched = zbpp.get_schedule_class(kind)(stages, m, loss_fn=lambda y, t: ((y - t) ** 2).mean(), timeout=60.0,
-                                              offload="auto", times=times)
+        loss = lambda y, t: ((y - t) ** 2).mean()  # noqa: E731
+        sched = (zbpp.get_schedule_class(kind)(stages, m, loss_fn=loss, timeout=60.0, offload="auto", times=times)
+                 if csv is None else zbpp.ScheduleFromCSV(stages, m, loss_fn=loss, csv=csv, timeout=60.0))
         x, y = torch.randn(m * 32, 64), torch.randn(m * 32, 64)
         for _ in range(2):
             args = (x,) if sched.holds_first else ()

@@ -364,7 +364,7 @@ def test_the_cpu_prediction_lets_an_offload_finish_before_the_next_forward(tmp_p
     with zbpp.Schedule.from_ops([stage0, stage1, stage2], 6, times=TIMES) as plan:
         plan.validate()
         csv = plan.to_csv()
-    spawn(pipeline_worker.run_offload_csv_memory, 3, csv, 6, str(tmp_path))
+    spawn(pipeline_worker.run_offload_memory, 3, None, 1, 6, None, str(tmp_path), csv)
     res = torch.load(tmp_path / "rank1.pt")
     if "error" in res:
         pytest.fail(res["error"], pytrace=False)
