@@ -112,13 +112,20 @@ int table_ok(const fake_kernel_t *k, int32_t count, const int32_t *first, const 
   return 0;
 }
 
-int check_zb__sq_norm_params_t(const fake_kernel_t *k, const void *v, const fake_launch_t *l) {
-  const zb__sq_norm_params_t &p = *static_cast<const zb__sq_norm_params_t *>(v);
+/* A list kernel's launch: its shape, its dtype, its piece table over the grid, and every tensor of
+ * the list inside device memory (sq_norm and unscale read the same list layout). */
+template <typename P> int list_ok(const fake_kernel_t *k, const P &p, const fake_launch_t *l, const char *what) {
   if (table_shape(k, l) || same_type(k, p.dtype, k->type, "dtype") ||
       table_ok(k, p.t.count, p.t.first_block, p.t.numel, ZB__LIST_MAX_PIECES, l->grid[0]))
     return -1;
   for (int32_t i = 0; i < p.t.count; i++)
-    if (dev(l, p.t.ptr[i], (size_t)p.t.numel[i] * esize(k->type), "sq_norm's tensor")) return -1;
+    if (dev(l, p.t.ptr[i], (size_t)p.t.numel[i] * esize(k->type), what)) return -1;
+  return 0;
+}
+
+int check_zb__sq_norm_params_t(const fake_kernel_t *k, const void *v, const fake_launch_t *l) {
+  const zb__sq_norm_params_t &p = *static_cast<const zb__sq_norm_params_t *>(v);
+  if (list_ok(k, p, l, "sq_norm's tensor")) return -1;
   return dev(l, p.sq, sizeof(double), "sq_norm's sum") || dev(l, p.nonfinite, 4, "sq_norm's flag") ||
          dev(l, p.partials, (size_t)l->grid[0] * sizeof(double), "sq_norm's partials") ||
          dev(l, p.done, 4, "sq_norm's counter");
@@ -126,12 +133,7 @@ int check_zb__sq_norm_params_t(const fake_kernel_t *k, const void *v, const fake
 
 int check_zb__unscale_params_t(const fake_kernel_t *k, const void *v, const fake_launch_t *l) {
   const zb__unscale_params_t &p = *static_cast<const zb__unscale_params_t *>(v);
-  if (table_shape(k, l) || same_type(k, p.dtype, k->type, "dtype") ||
-      table_ok(k, p.t.count, p.t.first_block, p.t.numel, ZB__LIST_MAX_PIECES, l->grid[0]))
-    return -1;
-  for (int32_t i = 0; i < p.t.count; i++)
-    if (dev(l, p.t.ptr[i], (size_t)p.t.numel[i] * esize(k->type), "unscale's tensor")) return -1;
-  return dev(l, p.nonfinite, 4, "unscale's flag");
+  return list_ok(k, p, l, "unscale's tensor") || dev(l, p.nonfinite, 4, "unscale's flag");
 }
 
 int check_zb__scale_update_params_t(const fake_kernel_t *k, const void *v, const fake_launch_t *l) {
